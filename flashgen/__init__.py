@@ -1,0 +1,15 @@
+"""flashgen: FlashAttention CUDA kernels generated from templates, compiled, verified and tuned per GPU.
+
+Pipeline, one module per step: config -> render -> compile -> launch -> verify -> bench
+-> search -> store -> export; `api` holds the public entry points.
+"""
+from .__version__ import __version__
+from .api import Kernel, attention, choose_config, load
+from .compile import CompileError, CompiledKernel, Resources, compile_kernel
+from .config import ConfigError, KernelConfig, default_config, space
+from .render import render
+
+__all__ = [
+    "__version__", "attention", "load", "Kernel", "choose_config", "KernelConfig", "ConfigError", "default_config",
+    "space", "render", "compile_kernel", "CompiledKernel", "CompileError", "Resources",
+]

@@ -1,0 +1,89 @@
+"""Step 4: run a compiled kernel on q, k, v (torch tensors or GPU arrays)."""
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any
+
+from .compile import CompiledKernel
+from .driver import get_function
+from .tensors import Problem, View, aligned, check_qkv, is_torch, view
+
+LOG2E = 1.4426950408889634
+
+
+class FwdParams(ctypes.Structure):
+    """Mirror of `struct FwdParams` in templates/common/params.cuh.j2 (same order and types)."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+        ("o", ctypes.c_void_p), ("lse", ctypes.c_void_p),
+        *[(f"{t}_{s}_stride", ctypes.c_int64) for t in "qkvo" for s in ("batch", "row", "head")],
+        ("batch", ctypes.c_int), ("heads", ctypes.c_int), ("heads_k", ctypes.c_int),
+        ("seqlen_q", ctypes.c_int), ("seqlen_k", ctypes.c_int),
+        ("softmax_scale", ctypes.c_float), ("scale_log2", ctypes.c_float),
+    ]
+
+
+def _empty_like_problem(like: View, shape: tuple[int, ...], dtype: str) -> Any:
+    if like.kind == "torch":
+        import torch  # noqa: PLC0415
+
+        tdt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        return torch.empty(shape, dtype=tdt, device=like.obj.device)
+    import numpy as np  # noqa: PLC0415
+    import pycuda.gpuarray as gpuarray  # noqa: PLC0415
+
+    ndt = {"fp16": np.float16, "fp32": np.float32}.get(dtype) or like.obj.dtype
+    return gpuarray.empty(shape, ndt)
+
+
+def _fix_alignment(t: View, name: str) -> View:
+    if aligned(t):
+        return t
+    if t.kind == "torch":  # a sliced or oddly strided tensor: one contiguous copy
+        return view(t.obj.contiguous(), name)
+    raise ValueError(f"{name} needs a 16-byte aligned base and strides that are multiples of 8 elements")
+
+
+def run(kernel: CompiledKernel, q: Any, k: Any, v: Any, softmax_scale: float | None = None,
+        stream: Any = None) -> tuple[Any, Any, Problem]:
+    """Launch `kernel` on q, k, v; returns (out, lse, problem). `stream`: a pycuda Stream or raw handle."""
+    qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
+    prob = check_qkv(qv, kv, vv)
+    cfg = kernel.config
+    if prob.head_dim != cfg.head_dim or prob.dtype != cfg.dtype:
+        raise ValueError(
+            f"kernel {cfg.name} is for head_dim={cfg.head_dim}, dtype={cfg.dtype}; "
+            f"got head_dim={prob.head_dim}, dtype={prob.dtype}"
+        )
+    qv, kv, vv = (_fix_alignment(t, n) for t, n in ((qv, "q"), (kv, "k"), (vv, "v")))
+    out = _empty_like_problem(qv, (prob.batch, prob.seqlen_q, prob.heads, prob.head_dim), prob.dtype)
+    lse = _empty_like_problem(qv, (prob.batch, prob.heads, prob.seqlen_q), "fp32")
+    if prob.batch * prob.heads * prob.seqlen_q == 0:
+        return out, lse, prob
+    ov = view(out, "out") if qv.kind == "torch" else View(out, "cai", int(out.gpudata), out.shape,
+                                                            tuple(s // out.dtype.itemsize for s in out.strides),
+                                                            prob.dtype, -1)
+    lse_ptr = lse.data_ptr() if qv.kind == "torch" else int(lse.gpudata)
+    scale = 1.0 / math.sqrt(prob.head_dim) if softmax_scale is None else float(softmax_scale)
+    p = FwdParams(
+        qv.ptr, kv.ptr, vv.ptr, ov.ptr, lse_ptr,
+        *(s for t in (qv, kv, vv, ov) for s in (t.strides[0], t.strides[1], t.strides[2])),
+        prob.batch, prob.heads, prob.heads_k, prob.seqlen_q, prob.seqlen_k, scale, scale * LOG2E,
+    )
+    if qv.kind == "torch":
+        import torch  # noqa: PLC0415
+
+        with torch.cuda.device(qv.obj.device):
+            handle = torch.cuda.current_stream().cuda_stream
+            fn = get_function(kernel.cubin, cfg.name, cfg.smem_bytes)
+            fn.launch(cfg.grid(prob.batch, prob.heads, prob.seqlen_q), cfg.threads, p, handle)
+    else:
+        handle = 0 if stream is None else int(getattr(stream, "handle", stream))
+        fn = get_function(kernel.cubin, cfg.name, cfg.smem_bytes)
+        fn.launch(cfg.grid(prob.batch, prob.heads, prob.seqlen_q), cfg.threads, p, handle)
+    return out, lse, prob
+
+
+__all__ = ["FwdParams", "run", "is_torch"]

@@ -1,0 +1,37 @@
+"""Step 2: a KernelConfig becomes one standalone CUDA source file."""
+from __future__ import annotations
+
+import functools
+
+import jinja2
+
+from .__version__ import __version__
+from .config import KernelConfig
+from .paths import templates_dir
+
+# dtype -> (C++ element type, its 2-vector, the float2 packer, the PTX mma type)
+_TYPES = {
+    "fp16": ("__half", "__half2", "__floats2half2_rn", "f16"),
+    "bf16": ("__nv_bfloat16", "__nv_bfloat162", "__floats2bfloat162_rn", "bf16"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def render(cfg: KernelConfig) -> str:
+    """The CUDA source of `cfg`'s kernel; its `__global__` function is named `cfg.name`."""
+    elem_t, elem2_t, pack_fn, ptx_type = _TYPES[cfg.dtype]
+    template = _env().get_template(f"{cfg.family}/fwd.cu.j2")
+    return template.render(
+        cfg=cfg, version=__version__, elem_t=elem_t, elem2_t=elem2_t, pack_fn=pack_fn, ptx_type=ptx_type
+    )

@@ -1,0 +1,108 @@
+"""Input checking and a uniform view of torch tensors and `__cuda_array_interface__` arrays.
+
+Every check here runs before any launch, so bad input raises a clear ValueError or
+TypeError instead of a fault.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .config import HEAD_DIMS
+
+_TORCH_DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}
+_CAI_DTYPES = {"<f2": "fp16", "float16": "fp16", "bfloat16": "bf16"}
+
+
+@dataclass(frozen=True)
+class View:
+    """What a kernel launch needs from one tensor; strides are in elements."""
+
+    obj: Any
+    kind: str  # "torch" or "cai"
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str  # "fp16" / "bf16"
+    device: int  # torch device index; -1 for a GPU array (the current context's device)
+
+
+def is_torch(x: Any) -> bool:
+    return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "data_ptr")
+
+
+def view(x: Any, name: str) -> View:
+    if is_torch(x):
+        if not x.is_cuda:
+            raise ValueError(f"{name} is on {x.device}; flashgen runs on CUDA tensors (move it with .cuda())")
+        dtype = _TORCH_DTYPES.get(str(x.dtype))
+        if dtype is None:
+            raise TypeError(f"{name} has dtype {x.dtype}; supported: torch.float16, torch.bfloat16")
+        return View(x, "torch", x.data_ptr(), tuple(x.shape), tuple(x.stride()), dtype, x.device.index or 0)
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is None:
+        raise TypeError(
+            f"{name} is a {type(x).__name__}; pass a torch CUDA tensor or a GPU array with __cuda_array_interface__ "
+            "(e.g. pycuda GPUArray)"
+        )
+    typestr = cai["typestr"]
+    dt = getattr(x, "dtype", None)
+    dtype = _CAI_DTYPES.get(typestr) or _CAI_DTYPES.get(str(dt))
+    if dtype is None:
+        raise TypeError(f"{name} has dtype {dt or typestr}; supported: float16, bfloat16")
+    shape = tuple(cai["shape"])
+    if cai.get("strides") is None:  # C-contiguous
+        strides, acc = [], 1
+        for n in reversed(shape):
+            strides.append(acc)
+            acc *= n
+        strides = tuple(reversed(strides))
+    else:
+        strides = tuple(s // 2 for s in cai["strides"])
+    # A GPU array lives in the current context's device.
+    return View(x, "cai", int(cai["data"][0]), shape, strides, dtype, -1)
+
+
+@dataclass(frozen=True)
+class Problem:
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    heads_k: int
+    head_dim: int
+    dtype: str
+
+
+def check_qkv(q: View, k: View, v: View) -> Problem:
+    """Validate flash_attn's layout: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, heads_k, head_dim)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if len(t.shape) != 4:
+            raise ValueError(f"{name} must have 4 dims (batch, seqlen, heads, head_dim); got shape {t.shape}")
+    if len({q.kind, k.kind, v.kind}) != 1:
+        raise TypeError("q, k and v must all be torch tensors or all GPU arrays of the same kind")
+    if len({q.dtype, k.dtype, v.dtype}) != 1:
+        raise TypeError(f"q, k and v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if len({q.device, k.device, v.device}) != 1:
+        raise ValueError(f"q, k and v must be on one device; got cuda:{q.device}, cuda:{k.device}, cuda:{v.device}")
+    b, sq, h, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {k.shape} and {v.shape}")
+    bk, sk, hk, dk = k.shape
+    if bk != b:
+        raise ValueError(f"batch differs: q has {b}, k and v have {bk}")
+    if dk != d:
+        raise ValueError(f"head_dim differs: q has {d}, k and v have {dk}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim={d} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
+    if hk == 0 or h % hk:
+        raise ValueError(f"heads of q ({h}) must be a multiple of heads of k and v ({hk}) (MQA/GQA)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.strides[3] != 1 and t.shape[3] != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (stride {t.strides[3]}); call .contiguous()")
+    return Problem(b, sq, sk, h, hk, d, q.dtype)
+
+
+def aligned(t: View) -> bool:
+    """16-byte loads need a 16-byte aligned base and row strides that are multiples of 8 elements."""
+    return t.ptr % 16 == 0 and all(s % 8 == 0 for s in t.strides[:3])
