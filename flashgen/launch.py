@@ -47,8 +47,10 @@ def _fix_alignment(t: View, name: str) -> View:
 
 
 def run(kernel: CompiledKernel, q: Any, k: Any, v: Any, softmax_scale: float | None = None,
-        stream: Any = None) -> tuple[Any, Any, Problem]:
-    """Launch `kernel` on q, k, v; returns (out, lse, problem). `stream`: a pycuda Stream or raw handle."""
+        stream: Any = None, out: Any = None, lse: Any = None) -> tuple[Any, Any, Problem]:
+    """Launch `kernel` on q, k, v; returns (out, lse, problem). `stream`: a pycuda Stream or raw handle.
+
+    `out` and `lse`, if given, are written in place (verification passes poisoned buffers)."""
     qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
     prob = check_qkv(qv, kv, vv)
     cfg = kernel.config
@@ -58,8 +60,13 @@ def run(kernel: CompiledKernel, q: Any, k: Any, v: Any, softmax_scale: float | N
             f"got head_dim={prob.head_dim}, dtype={prob.dtype}"
         )
     qv, kv, vv = (_fix_alignment(t, n) for t, n in ((qv, "q"), (kv, "k"), (vv, "v")))
-    out = _empty_like_problem(qv, (prob.batch, prob.seqlen_q, prob.heads, prob.head_dim), prob.dtype)
-    lse = _empty_like_problem(qv, (prob.batch, prob.heads, prob.seqlen_q), "fp32")
+    o_shape, lse_shape = (prob.batch, prob.seqlen_q, prob.heads, prob.head_dim), (prob.batch, prob.heads, prob.seqlen_q)
+    if out is None:
+        out = _empty_like_problem(qv, o_shape, prob.dtype)
+    if lse is None:
+        lse = _empty_like_problem(qv, lse_shape, "fp32")
+    if tuple(out.shape) != o_shape or tuple(lse.shape) != lse_shape:
+        raise ValueError(f"out must have shape {o_shape} and lse {lse_shape}; got {tuple(out.shape)}, {tuple(lse.shape)}")
     if prob.batch * prob.heads * prob.seqlen_q == 0:
         return out, lse, prob
     ov = view(out, "out") if qv.kind == "torch" else View(out, "cai", int(out.gpudata), out.shape,

@@ -1,0 +1,103 @@
+"""Step 5: is a kernel exactly right? Compare with a float64 reference on fresh random data.
+
+The bar is flash_attn's: the kernel's max error against the float64 reference must be at
+most twice the error of the same attention computed by PyTorch in the input dtype, plus
+1e-5; no NaN; every output element written (outputs are poisoned with NaN first); LSE
+within 1e-3 of the reference. Needs torch and a GPU.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .compile import CompiledKernel
+from .launch import run
+
+LSE_TOL = 1e-3
+
+
+def attention_ref(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None = None,
+                  upcast: bool = True) -> tuple[Any, Any]:
+    """(out, lse) by explicit masks: in float64 with upcast, else in the inputs' dtype (PyTorch's error).
+
+    Rows that see no key give out = 0 and lse = +inf (flash_attn's convention)."""
+    import torch  # noqa: PLC0415
+
+    dtype = q.dtype
+    if upcast:
+        q, k, v = q.double(), k.double(), v.double()
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    k = k.repeat_interleave(h // hk, dim=2)
+    v = v.repeat_interleave(h // hk, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)
+    if causal:
+        row = torch.arange(sq, device=q.device)[:, None]
+        col = torch.arange(sk, device=q.device)[None, :]
+        s = s.masked_fill(col > row + (sk - sq), float("-inf"))
+    lse = torch.logsumexp(s.float() if not upcast else s, dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a fully masked row is NaN in softmax: it sees nothing
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+    return (out if upcast else out.to(dtype)), lse.float()
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    ok: bool
+    max_err: float  # kernel vs float64 reference
+    bound: float  # 2 * PyTorch-in-dtype error + 1e-5
+    lse_err: float
+    reason: str = ""
+
+
+def random_qkv(batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: int, head_dim: int, dtype: str,
+               seed: int | None = None, device: str = "cuda") -> tuple[Any, Any, Any]:
+    """Fresh standard-normal q, k, v in flash_attn's layout (never zeros)."""
+    import torch  # noqa: PLC0415
+
+    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else torch.seed() % 2**62)
+
+    def rnd(s: int, hh: int) -> Any:
+        return torch.randn(batch, s, hh, head_dim, generator=gen, device=device, dtype=torch.float32).to(tdt)
+
+    return rnd(seqlen_q, heads), rnd(seqlen_k, heads_k), rnd(seqlen_k, heads_k)
+
+
+def check_outputs(out: Any, lse: Any, q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None = None) -> VerifyResult:
+    """Judge a kernel's (out, lse) for these inputs."""
+    import torch  # noqa: PLC0415
+
+    ref, ref_lse = attention_ref(q, k, v, causal, softmax_scale, upcast=True)
+    pt, _ = attention_ref(q, k, v, causal, softmax_scale, upcast=False)
+    bound = 2 * (pt.double() - ref).abs().max().item() + 1e-5 if ref.numel() else 1e-5
+    if torch.isnan(out).any():
+        return VerifyResult(False, math.nan, bound, math.nan, "NaN in output (unwritten or poisoned element)")
+    max_err = (out.double() - ref).abs().max().item() if ref.numel() else 0.0
+    finite = torch.isfinite(ref_lse)
+    if not torch.equal(finite, torch.isfinite(lse)) or torch.isnan(lse).any():
+        return VerifyResult(False, max_err, bound, math.inf, "LSE finite/infinite pattern differs from the reference")
+    lse_err = (lse[finite].double() - ref_lse[finite].double()).abs().max().item() if finite.any() else 0.0
+    if max_err > bound:
+        return VerifyResult(False, max_err, bound, lse_err, f"max error {max_err:.3g} > bound {bound:.3g}")
+    if lse_err > LSE_TOL:
+        return VerifyResult(False, max_err, bound, lse_err, f"LSE error {lse_err:.3g} > {LSE_TOL}")
+    return VerifyResult(True, max_err, bound, lse_err)
+
+
+def verify(kernel: CompiledKernel, batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: int | None = None,
+           seed: int | None = None, softmax_scale: float | None = None) -> VerifyResult:
+    """Run `kernel` once on fresh random inputs of this shape into NaN-poisoned outputs and judge it."""
+    import torch  # noqa: PLC0415
+
+    cfg = kernel.config
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k or heads, cfg.head_dim, cfg.dtype, seed)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((batch, heads, seqlen_q), float("nan"), device=q.device, dtype=torch.float32)
+    run(kernel, q, k, v, softmax_scale, out=out, lse=lse)
+    torch.cuda.synchronize()
+    return check_outputs(out, lse, q, k, v, cfg.causal, softmax_scale)
