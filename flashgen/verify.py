@@ -68,20 +68,34 @@ def random_qkv(batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: in
     return rnd(seqlen_q, heads), rnd(seqlen_k, heads_k), rnd(seqlen_k, heads_k)
 
 
-def check_outputs(out: Any, lse: Any, q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None = None) -> VerifyResult:
-    """Judge a kernel's (out, lse) for these inputs."""
-    import torch  # noqa: PLC0415
+@dataclass(frozen=True)
+class Reference:
+    """The float64 answer for one set of inputs and the error bar a kernel must meet."""
 
+    out: Any
+    lse: Any
+    bound: float  # 2 * (PyTorch in the input dtype vs float64) + 1e-5
+
+
+def reference(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None = None) -> Reference:
     ref, ref_lse = attention_ref(q, k, v, causal, softmax_scale, upcast=True)
     pt, _ = attention_ref(q, k, v, causal, softmax_scale, upcast=False)
     bound = 2 * (pt.double() - ref).abs().max().item() + 1e-5 if ref.numel() else 1e-5
+    return Reference(ref, ref_lse, bound)
+
+
+def judge(out: Any, lse: Any, ref: Reference) -> VerifyResult:
+    """Compare a kernel's (out, lse) with the reference."""
+    import torch  # noqa: PLC0415
+
+    bound = ref.bound
     if torch.isnan(out).any():
         return VerifyResult(False, math.nan, bound, math.nan, "NaN in output (unwritten or poisoned element)")
-    max_err = (out.double() - ref).abs().max().item() if ref.numel() else 0.0
-    finite = torch.isfinite(ref_lse)
+    max_err = (out.double() - ref.out).abs().max().item() if ref.out.numel() else 0.0
+    finite = torch.isfinite(ref.lse)
     if not torch.equal(finite, torch.isfinite(lse)) or torch.isnan(lse).any():
         return VerifyResult(False, max_err, bound, math.inf, "LSE finite/infinite pattern differs from the reference")
-    lse_err = (lse[finite].double() - ref_lse[finite].double()).abs().max().item() if finite.any() else 0.0
+    lse_err = (lse[finite].double() - ref.lse[finite].double()).abs().max().item() if finite.any() else 0.0
     if max_err > bound:
         return VerifyResult(False, max_err, bound, lse_err, f"max error {max_err:.3g} > bound {bound:.3g}")
     if lse_err > LSE_TOL:
@@ -89,15 +103,27 @@ def check_outputs(out: Any, lse: Any, q: Any, k: Any, v: Any, causal: bool, soft
     return VerifyResult(True, max_err, bound, lse_err)
 
 
+def poisoned_outputs(q: Any) -> tuple[Any, Any]:
+    """NaN-filled out and lse buffers for q's problem: any element the kernel skips shows up."""
+    import torch  # noqa: PLC0415
+
+    b, sq, h, _ = q.shape
+    return torch.full_like(q, float("nan")), torch.full((b, h, sq), float("nan"), device=q.device, dtype=torch.float32)
+
+
+def run_and_judge(kernel: CompiledKernel, q: Any, k: Any, v: Any, ref: Reference,
+                  softmax_scale: float | None = None) -> VerifyResult:
+    import torch  # noqa: PLC0415
+
+    out, lse = poisoned_outputs(q)
+    run(kernel, q, k, v, softmax_scale, out=out, lse=lse)
+    torch.cuda.synchronize()
+    return judge(out, lse, ref)
+
+
 def verify(kernel: CompiledKernel, batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: int | None = None,
            seed: int | None = None, softmax_scale: float | None = None) -> VerifyResult:
     """Run `kernel` once on fresh random inputs of this shape into NaN-poisoned outputs and judge it."""
-    import torch  # noqa: PLC0415
-
     cfg = kernel.config
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k or heads, cfg.head_dim, cfg.dtype, seed)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((batch, heads, seqlen_q), float("nan"), device=q.device, dtype=torch.float32)
-    run(kernel, q, k, v, softmax_scale, out=out, lse=lse)
-    torch.cuda.synchronize()
-    return check_outputs(out, lse, q, k, v, cfg.causal, softmax_scale)
+    return run_and_judge(kernel, q, k, v, reference(q, k, v, cfg.causal, softmax_scale), softmax_scale)

@@ -1,0 +1,27 @@
+"""GPU tests (marked `gpu`) skip with a stated reason where no CUDA GPU and torch are present."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_missing_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed (GPU tests use it for inputs and the float64 reference)"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = gpu_missing_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=f"GPU test: {reason}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

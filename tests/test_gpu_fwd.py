@@ -1,0 +1,153 @@
+"""The sm80 family on the GPU against a float64 reference: every head dim, dtype, mask,
+length pair (odd, unequal both ways) and head layout, several configurations per case."""
+from __future__ import annotations
+
+import itertools
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from flashgen.compile import compile_kernel, target_for
+from flashgen.config import DTYPES, HEAD_DIMS, KernelConfig, default_config
+
+pytestmark = pytest.mark.gpu
+
+PAIRS = [(1, 1), (17, 17), (113, 113), (128, 128), (211, 211), (1023, 1023), (1024, 1024), (2048, 2048),
+         (1, 1023), (1023, 1), (113, 211), (211, 113), (17, 2048), (2048, 17), (128, 1024), (1024, 128)]
+LAYOUTS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
+# Beside each default: other tile shapes that exercise other code paths (2 m-tiles per warp,
+# 64-thread blocks, 32- and 128-key tiles, 1 to 3 stages).
+OTHER_TILES = [(64, 32, 2, 3), (128, 128, 8, 1), (64, 64, 4, 2), (128, 32, 4, 1)]
+
+
+def _arch() -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm{major}{minor}"
+
+
+def configs_for(head_dim: int, dtype: str, causal: bool, arch: str) -> list[KernelConfig]:
+    cfgs = [default_config(head_dim, dtype, causal, arch)]
+    for bm, bn, w, s in OTHER_TILES:
+        c = KernelConfig(head_dim, dtype, causal, bm, bn, w, s)
+        if c.unfit_reason(arch) is None and c not in cfgs:
+            cfgs.append(c)
+    return cfgs
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """Every kernel the suite launches, compiled up front on all cores (nvcc runs in subprocesses)."""
+    arch = _arch()
+    wanted = [c for hd, dt, causal in itertools.product(HEAD_DIMS, DTYPES, (False, True))
+              for c in configs_for(hd, dt, causal, arch)]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
+        compiled = list(pool.map(lambda c: compile_kernel(c, target_for(arch, c.family)), wanted))
+    out: dict = {}
+    for k in compiled:
+        c = k.config
+        out.setdefault((c.head_dim, c.dtype, c.causal), []).append(k)
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_matches_float64_reference(kernels, head_dim, dtype, causal, layout):
+    from flashgen.verify import random_qkv, reference, run_and_judge
+
+    heads, heads_k = LAYOUTS[layout]
+    failures = []
+    for sq, sk in PAIRS:
+        batch = 2 if max(sq, sk) <= 1024 else 1
+        q, k, v = random_qkv(batch, sq, sk, heads, heads_k, head_dim, dtype)  # fresh every case
+        ref = reference(q, k, v, causal)
+        for kern in kernels[(head_dim, dtype, causal)]:
+            r = run_and_judge(kern, q, k, v, ref)
+            if not r.ok:
+                failures.append(f"{kern.name} sq={sq} sk={sk} {layout}: {r.reason}")
+    assert not failures, "\n".join(failures)
+
+
+def test_softmax_scale_and_strided_inputs(kernels):
+    """q, k, v sliced out of one packed qkv tensor (non-contiguous heads), with a custom scale."""
+    import torch
+
+    import flashgen
+    from flashgen.verify import reference
+
+    qkv = torch.randn(2, 300, 3, 8, 64, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    out, lse = flashgen.attention(q, k, v, causal=True, softmax_scale=0.3, return_lse=True)
+    ref = reference(q, k, v, True, 0.3)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (2, 8, 300)
+    assert (out.double() - ref.out).abs().max().item() <= ref.bound
+    assert (lse - ref.lse).abs().max().item() <= 1e-3
+
+
+def test_runs_on_current_stream():
+    import torch
+
+    import flashgen
+    from flashgen.verify import random_qkv, reference
+
+    q, k, v = random_qkv(1, 512, 512, 4, 4, 128, "fp16")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(10_000_000)  # a busy stream: a launch elsewhere would race ahead
+        out = flashgen.attention(q, k, v)
+    s.synchronize()
+    assert (out.double() - reference(q, k, v, False).out).abs().max().item() <= reference(q, k, v, False).bound
+
+
+def test_load_returns_kernel_with_report():
+    import flashgen
+
+    kern = flashgen.load(head_dim=128, dtype="bf16", causal=True)
+    assert kern.config.head_dim == 128 and kern.config.causal
+    assert "__global__" in kern.source and kern.name in kern.source
+    assert kern.resources.registers > 0 and not kern.resources.spills
+
+
+def test_pycuda_gpuarray_in_and_out():
+    pycuda = pytest.importorskip("pycuda", reason="pycuda (the GPU extra) is not installed")
+    import numpy as np
+    import torch
+
+    torch.cuda.init()
+    import pycuda.autoprimaryctx  # noqa: F401  (shares torch's primary context)
+    import pycuda.gpuarray as gpuarray
+
+    import flashgen
+    from flashgen.verify import reference
+
+    rng = np.random.default_rng()
+    qh, kh, vh = (rng.standard_normal((1, n, 2, 64)).astype(np.float16) for n in (77, 130, 130))
+    q, k, v = (gpuarray.to_gpu(x) for x in (qh, kh, vh))
+    out = flashgen.attention(q, k, v, causal=True)
+    assert isinstance(out, gpuarray.GPUArray) and out.shape == q.shape
+    tq, tk, tv = (torch.from_numpy(x).cuda() for x in (qh, kh, vh))
+    ref = reference(tq, tk, tv, True)
+    assert np.abs(out.get().astype(np.float64) - ref.out.cpu().numpy()).max() <= ref.bound
+
+
+def test_bad_inputs_raise_before_launch():
+    import torch
+
+    import flashgen
+
+    q = torch.randn(1, 8, 4, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        flashgen.attention(q.cpu(), q.cpu(), q.cpu())
+    with pytest.raises(TypeError, match="dtype"):
+        flashgen.attention(q.float(), q.float(), q.float())
+    with pytest.raises(ValueError, match="multiple of heads"):
+        flashgen.attention(q, q[:, :, :3], q[:, :, :3])
+    with pytest.raises(ValueError, match="head_dim=48"):
+        flashgen.attention(q[..., :48], q[..., :48], q[..., :48])
+    with pytest.raises(ValueError, match="contiguous in its last dim"):
+        t = torch.randn(1, 8, 4, 128, device="cuda", dtype=torch.float16)[..., ::2]
+        flashgen.attention(t, t, t)
