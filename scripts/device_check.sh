@@ -16,5 +16,5 @@ for d in HEAD_DIMS:
     count = lambda s: sass.count(s)
     print(f"{k.name}: regs={k.resources.registers} spills={k.resources.spill_stores} HMMA={count('HMMA')} LDSM={count('LDSM')} LDGSTS.128={count('LDGSTS.E.BYPASS.128')} STL={count('STL')} LDL={count('LDL')}")
 PY
-python3 -m pytest -m gpu -q -x --durations=5 tests/ "$@" 2>&1 | tee "$OUT/pytest_gpu.txt"
+python3 -m pytest -m gpu -q --durations=5 ${TESTS:-tests/} "$@" 2>&1 | tee "$OUT/pytest_gpu.txt"
 python3 scripts/speed_line.py --head-dim 64 128 256 --seqlen 4096 2>&1 | tee "$OUT/speed.txt"
