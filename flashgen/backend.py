@@ -1,0 +1,86 @@
+"""What the search asks of whoever evaluates a configuration, and a simulated stand-in.
+
+A backend turns (config, problem) into a `TrialResult`; failures are values, never
+exceptions, so one bad kernel cannot end a study. `SimulatedBackend` replaces the GPU
+with a deterministic cost function so the search can be tested on any machine.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from .bench import flops
+from .config import KernelConfig
+from .problem import TuneProblem
+
+STATUSES = ("ok", "pruned", "compile_failed", "verify_failed", "faulted", "timeout")
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    status: str  # one of STATUSES
+    ms: float | None = None  # median milliseconds (status "ok" only)
+    tflops: float | None = None
+    reason: str = ""
+    info: dict[str, Any] = field(default_factory=dict)  # registers, spills, verify error, ...
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status={self.status!r}; choose one of {STATUSES}")
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def tflops(problem: TuneProblem, ms: float) -> float:
+    b, sq, sk, h, _ = problem.shape()
+    return flops(b, h, sq, sk, problem.head_dim, problem.causal) / (ms * 1e-3) / 1e12
+
+
+def ok_result(problem: TuneProblem, ms: float, **info: Any) -> TrialResult:
+    return TrialResult("ok", ms, tflops(problem, ms), info=info)
+
+
+class Backend(Protocol):
+    """Evaluates configurations; `prefetch` lets a backend start work (compiles) ahead."""
+
+    def prefetch(self, configs: list[KernelConfig], problem: TuneProblem) -> None: ...
+
+    def evaluate(self, config: KernelConfig, problem: TuneProblem) -> TrialResult: ...
+
+    def close(self) -> None: ...
+
+
+class SimulatedBackend:
+    """A deterministic cost model in place of a GPU (for tests and dry runs; its numbers mean nothing).
+
+    `failures` maps a config name to the status (and reason) its evaluation returns, to
+    play compile failures, wrong kernels, faults and hangs."""
+
+    def __init__(self, failures: dict[str, str] | None = None):
+        self.failures = dict(failures or {})
+        self.calls: list[str] = []
+
+    def prefetch(self, configs: list[KernelConfig], problem: TuneProblem) -> None:
+        pass
+
+    def cost_ms(self, cfg: KernelConfig, problem: TuneProblem) -> float:
+        # Prefers 128x64 tiles, 4-8 warps and 2 stages; smooth enough for TPE to find.
+        b, s, _, h, _ = problem.shape()
+        work = b * h * s * s * cfg.head_dim * (0.5 if cfg.causal else 1.0) * 1e-12
+        tile = abs(cfg.block_m - 128) / 64 + abs(cfg.block_n - 64) / 32
+        return work * (1.0 + 0.3 * tile + 0.1 * abs(cfg.num_warps - 6) / 2 + 0.15 * abs(cfg.num_stages - 2))
+
+    def evaluate(self, config: KernelConfig, problem: TuneProblem) -> TrialResult:
+        self.calls.append(config.name)
+        if config.name in self.failures:
+            status = self.failures[config.name]
+            return TrialResult(status, reason=f"simulated {status}")
+        return ok_result(problem, self.cost_ms(config, problem), simulated=True)
+
+    def close(self) -> None:
+        pass

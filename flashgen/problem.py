@@ -1,0 +1,81 @@
+"""What the tuner tunes for: one problem on one GPU, its key, and the shapes it is timed on."""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+from .config import KernelConfig, default_config
+
+SEQLEN_BUCKETS = (1024, 4096, 16384)
+HEADS_DIM_TOTAL = 2048  # heads * head_dim of the model the problem stands for
+BATCH_TOKENS = 16384  # batch * seqlen
+VERIFY_REF_BYTES = 8 * 2**30  # the float64 reference's score matrix must fit in this
+
+
+def gpu_slug(gpu_name: str, arch: str) -> str:
+    """File-system name of a GPU: "NVIDIA H200", "sm90" -> "nvidia-h200-sm90"."""
+    return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") + f"-{arch}"
+
+
+@dataclass(frozen=True)
+class TuneProblem:
+    """(GPU, template family, dtype, head_dim, causal, seqlen bucket, GQA group size) plus how it is shaped."""
+
+    gpu_name: str
+    gpu_arch: str  # the GPU that compiles for and times the kernel, e.g. "sm90"
+    family: str
+    dtype: str
+    head_dim: int
+    causal: bool
+    seqlen: int
+    gqa_group: int = 1
+    batch_tokens: int = BATCH_TOKENS
+    heads_dim_total: int = HEADS_DIM_TOTAL
+
+    @property
+    def key(self) -> str:
+        """The problem's name in the store and (with the GPU slug) the Optuna study name."""
+        mask = "causal" if self.causal else "full"
+        return f"{self.family}_d{self.head_dim}_{self.dtype}_{mask}_s{self.seqlen}_g{self.gqa_group}"
+
+    @property
+    def gpu_slug(self) -> str:
+        return gpu_slug(self.gpu_name, self.gpu_arch)
+
+    @property
+    def study_name(self) -> str:
+        return f"{self.gpu_slug}/{self.key}"
+
+    @property
+    def batch(self) -> int:
+        return max(1, self.batch_tokens // self.seqlen)
+
+    @property
+    def heads(self) -> int:
+        return max(1, self.heads_dim_total // self.head_dim)
+
+    @property
+    def heads_k(self) -> int:
+        return max(1, self.heads // self.gqa_group)
+
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """(batch, seqlen_q, seqlen_k, heads, heads_k) the kernel is timed on."""
+        return self.batch, self.seqlen, self.seqlen, self.heads, self.heads_k
+
+    def verify_shape(self) -> tuple[int, int, int, int, int]:
+        """The timed shape with batch, then heads, cut (keeping the GQA ratio) until the
+        float64 reference's (batch, heads, seqlen, seqlen) scores fit in VERIFY_REF_BYTES."""
+        b, s, _, h, hk = self.shape()
+        g = h // hk
+        while b > 1 and b * h * s * s * 8 > VERIFY_REF_BYTES:
+            b //= 2
+        while hk > 1 and b * h * s * s * 8 > VERIFY_REF_BYTES:
+            hk //= 2
+            h = hk * g
+        return b, s, s, h, hk
+
+    def default_config(self) -> KernelConfig:
+        return default_config(self.head_dim, self.dtype, self.causal, self.gpu_arch, self.family)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,244 @@
+"""Step 7: an Optuna study per problem over the tile space, pruning what cannot fit.
+
+The loop uses Optuna's ask/tell so that `ahead` configurations are sampled (and handed
+to the backend to compile) while the previous one is timed. Every outcome is told to
+the study with user attributes `status` and `reason`: pruned configurations as PRUNED,
+failures as FAIL, timed ones with their median ms. Studies live in an RDB storage
+(SQLite by default), so running the same search again continues it.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+import platformdirs
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import FrozenTrial, TrialState
+
+from .backend import Backend, TrialResult
+from .config import ConfigError, KernelConfig, space as config_space
+from .problem import TuneProblem
+
+PARAMS = ("block_m", "block_n", "num_warps", "num_stages")  # Optuna's parameter names = KernelConfig fields
+SAMPLERS = ("tpe", "random")
+
+Params = tuple[int, int, int, int]
+
+
+def default_storage() -> str:
+    """SQLite file in the user data dir: the same command finds its study again."""
+    path = Path(platformdirs.user_data_dir("flashgen")) / "studies.sqlite3"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
+def make_sampler(name: str, seed: int, ahead: int = 1) -> optuna.samplers.BaseSampler:
+    if name == "tpe":
+        with warnings.catch_warnings():  # constant_liar is "experimental" in some Optuna versions
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            # The liar keeps configurations asked ahead (still being compiled) from being sampled twice.
+            return optuna.samplers.TPESampler(seed=seed, constant_liar=ahead > 1)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    raise ValueError(f"sampler={name!r}; choose one of {', '.join(SAMPLERS)}")
+
+
+@dataclass
+class SearchOptions:
+    trials: int = 60  # the study's total of evaluated (not pruned, not repeated) trials
+    timeout_s: float | None = None  # for this run of this problem
+    sampler: str = "tpe"
+    seed: int = 0
+    exhaustive: bool = False  # enumerate the whole (restricted) space instead of sampling
+    storage: str | None = None  # SQLAlchemy URL; None: default_storage()
+    ahead: int = 1  # configurations sampled and prefetched ahead of the one being timed
+
+
+@dataclass
+class TrialRecord:
+    """One told trial, as the progress display sees it."""
+
+    number: int
+    config: KernelConfig | None
+    params: Params
+    result: TrialResult
+    duplicate_of: int | None = None
+
+
+@dataclass
+class SearchOutcome:
+    problem: TuneProblem
+    best_config: KernelConfig | None
+    best: TrialResult | None
+    default_config: KernelConfig
+    default: TrialResult | None
+    counts: Counter = field(default_factory=Counter)  # statuses of this study's trials
+    trials: int = 0  # evaluated trials in the study (all runs)
+
+
+def params_of(cfg: KernelConfig) -> Params:
+    return (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+
+
+def config_of(problem: TuneProblem, params: Params) -> KernelConfig:
+    return KernelConfig(problem.head_dim, problem.dtype, problem.causal, *params, family=problem.family)
+
+
+def static_reason(problem: TuneProblem, params: Params, allowed: set[Params]) -> str | None:
+    """Why this configuration is pruned before compiling, or None."""
+    try:
+        cfg = config_of(problem, params)
+    except ConfigError as e:
+        return str(e)
+    if params not in allowed:
+        return "outside the restricted search space"
+    return cfg.unfit_reason(problem.gpu_arch)
+
+
+def result_of(t: FrozenTrial) -> TrialResult:
+    a = t.user_attrs
+    return TrialResult(a["status"], a.get("ms"), a.get("tflops"), a.get("reason", ""), a.get("info", {}))
+
+
+def _params(t: FrozenTrial) -> Params:
+    return tuple(t.params[p] for p in PARAMS)  # type: ignore[return-value]
+
+
+def _finished(study: optuna.Study) -> list[FrozenTrial]:
+    # Trials without a status were abandoned (the tuner was killed or timed out holding them).
+    return [t for t in study.get_trials(deepcopy=False) if t.state.is_finished() and "status" in t.user_attrs]
+
+
+def _tell(study: optuna.Study, trial: optuna.Trial, res: TrialResult, duplicate_of: int | None = None) -> None:
+    trial.set_user_attr("status", res.status)
+    trial.set_user_attr("reason", res.reason)
+    if res.ok:
+        trial.set_user_attr("ms", res.ms)
+        trial.set_user_attr("tflops", res.tflops)
+    if res.info:
+        trial.set_user_attr("info", res.info)
+    if duplicate_of is not None:
+        trial.set_user_attr("duplicate_of", duplicate_of)
+    if res.ok:
+        study.tell(trial, res.ms)
+    else:
+        study.tell(trial, state=TrialState.PRUNED if res.status == "pruned" else TrialState.FAIL)
+
+
+def open_study(problem: TuneProblem, opts: SearchOptions) -> optuna.Study:
+    study = optuna.create_study(study_name=problem.study_name, storage=opts.storage or default_storage(),
+                                sampler=make_sampler(opts.sampler, opts.seed, opts.ahead), direction="minimize",
+                                load_if_exists=True)
+    if "problem" not in study.user_attrs:
+        study.set_user_attr("problem", problem.to_dict())
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)):
+        if t.state == TrialState.RUNNING:  # left by a killed run: close it so it is not waited for
+            study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+    return study
+
+
+def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: list[KernelConfig] | None = None,
+           on_trial: Callable[[TrialRecord], Any] | None = None) -> SearchOutcome:
+    """Run (or continue) the study of `problem` until it holds `opts.trials` evaluated trials,
+    the space is exhausted, or `opts.timeout_s` passes."""
+    space = space if space is not None else config_space(problem.family, problem.head_dim, problem.dtype, problem.causal)
+    allowed = {params_of(c) for c in space}
+    dists = {p: CategoricalDistribution(sorted({getattr(c, p) for c in space})) for p in PARAMS}
+    study = open_study(problem, opts)
+    seen: dict[Params, FrozenTrial] = {}
+    for t in _finished(study):
+        seen.setdefault(_params(t), t)
+    evaluated = sum(1 for t in _finished(study) if _counts(t))
+    default = problem.default_config()
+    queued: set[Params] = set()
+
+    def enqueue(params: Params) -> None:
+        if params not in seen and params not in queued and all(v in dists[p].choices for p, v in zip(PARAMS, params)):
+            study.enqueue_trial(dict(zip(PARAMS, params)), skip_if_exists=True)
+            queued.add(params)
+
+    enqueue(params_of(default))  # the default is measured first: the figure tuned kernels are compared with
+    if opts.exhaustive:
+        for c in space:
+            enqueue(params_of(c))
+    budget = len(allowed - set(seen)) if opts.exhaustive else opts.trials - evaluated
+    max_asks = 10 * max(budget, 0) + 4 * len(allowed) + 16  # TPE repeating itself must not loop forever
+    start, asks, done = time.monotonic(), 0, 0
+    pending: deque[tuple[optuna.Trial, Params]] = deque()
+
+    def out_of_time() -> bool:
+        return opts.timeout_s is not None and time.monotonic() - start > opts.timeout_s
+
+    def exhausted() -> bool:
+        return allowed <= set(seen) | {p for _, p in pending}
+
+    try:
+        while True:
+            while (len(pending) < min(max(1, opts.ahead), budget - done) and asks < max_asks
+                   and not exhausted() and not out_of_time()):
+                trial, asks = study.ask(dists), asks + 1
+                params = tuple(trial.params[p] for p in PARAMS)
+                reason = static_reason(problem, params, allowed)  # type: ignore[arg-type]
+                if reason is not None:
+                    res = TrialResult("pruned", reason=reason)
+                    _tell(study, trial, res)
+                    seen.setdefault(params, study.trials[trial.number])  # type: ignore[arg-type]
+                    _report(on_trial, trial.number, None, params, res)  # type: ignore[arg-type]
+                    continue
+                pending.append((trial, params))  # type: ignore[arg-type]
+                backend.prefetch([config_of(problem, params)], problem)  # type: ignore[arg-type]
+            if not pending or out_of_time():
+                break
+            trial, params = pending.popleft()
+            cfg = config_of(problem, params)
+            prev = seen.get(params)
+            if prev is not None:  # never time a configuration twice in one study
+                res = result_of(prev)
+                _tell(study, trial, res, duplicate_of=prev.number)
+                _report(on_trial, trial.number, cfg, params, res, prev.number)
+                continue
+            res = backend.evaluate(cfg, problem)
+            _tell(study, trial, res)
+            seen[params] = study.trials[trial.number]
+            done += 1
+            _report(on_trial, trial.number, cfg, params, res)
+    finally:
+        for trial, _ in pending:  # asked but never evaluated: closed without a status
+            study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+    default_res = seen.get(params_of(default))
+    if default_res is None and params_of(default) not in allowed:  # outside a restricted space: measure it aside
+        default_res_value: TrialResult | None = backend.evaluate(default, problem)
+    else:
+        default_res_value = result_of(default_res) if default_res is not None else None
+    return outcome(study, problem, default, default_res_value)
+
+
+def _counts(t: FrozenTrial) -> bool:
+    """Whether a finished trial counts toward the budget: evaluated, not pruned, not a repeat."""
+    return t.user_attrs.get("status") != "pruned" and "duplicate_of" not in t.user_attrs
+
+
+def _report(on_trial: Callable[[TrialRecord], Any] | None, number: int, cfg: KernelConfig | None, params: Params,
+            res: TrialResult, duplicate_of: int | None = None) -> None:
+    if on_trial is not None:
+        on_trial(TrialRecord(number, cfg, params, res, duplicate_of))
+
+
+def outcome(study: optuna.Study, problem: TuneProblem, default: KernelConfig,
+            default_res: TrialResult | None = None) -> SearchOutcome:
+    """The best verified trial of a study, with counts of every status."""
+    finished = _finished(study)
+    counts = Counter(t.user_attrs["status"] for t in finished if "duplicate_of" not in t.user_attrs)
+    ok = [t for t in finished if t.user_attrs["status"] == "ok"]
+    best = min(ok, key=lambda t: t.user_attrs["ms"], default=None)
+    if default_res is None:
+        d = next((t for t in finished if _params(t) == params_of(default)), None)
+        default_res = result_of(d) if d is not None else None
+    return SearchOutcome(problem, config_of(problem, _params(best)) if best else None,
+                         result_of(best) if best else None, default, default_res, counts,
+                         sum(1 for t in finished if _counts(t)))
