@@ -51,9 +51,13 @@ def current_arch() -> str:
 
 def choose_config(head_dim: int, dtype: str, causal: bool, arch: str, seqlen: int | None = None,
                   family: str | None = None) -> KernelConfig:
-    """The configuration `load()` uses: the family default (tuned configurations come from the store)."""
+    """The configuration `load()` uses: the tuned one for the current GPU and nearest seqlen bucket
+    (family None: the fastest family tuned), else the family default."""
+    from .store import tuned_config  # noqa: PLC0415
+
     arch_limits(arch)
-    return default_config(head_dim, dtype, causal, arch, family or "sm80")
+    return tuned_config(head_dim, dtype, causal, arch, seqlen, family) or default_config(
+        head_dim, dtype, causal, arch, family or "sm80")
 
 
 @functools.lru_cache(maxsize=256)

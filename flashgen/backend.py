@@ -69,11 +69,11 @@ class SimulatedBackend:
         pass
 
     def cost_ms(self, cfg: KernelConfig, problem: TuneProblem) -> float:
-        # Prefers 128x64 tiles, 4-8 warps and 2 stages; smooth enough for TPE to find.
+        # Best at 128x128 tiles, 4-8 warps, 3 stages (not the default, so tuning has something to find).
         b, s, _, h, _ = problem.shape()
         work = b * h * s * s * cfg.head_dim * (0.5 if cfg.causal else 1.0) * 1e-12
-        tile = abs(cfg.block_m - 128) / 64 + abs(cfg.block_n - 64) / 32
-        return work * (1.0 + 0.3 * tile + 0.1 * abs(cfg.num_warps - 6) / 2 + 0.15 * abs(cfg.num_stages - 2))
+        tile = abs(cfg.block_m - 128) / 64 + abs(cfg.block_n - 128) / 64
+        return work * (1.0 + 0.3 * tile + 0.1 * abs(cfg.num_warps - 6) / 2 + 0.15 * abs(cfg.num_stages - 3))
 
     def evaluate(self, config: KernelConfig, problem: TuneProblem) -> TrialResult:
         self.calls.append(config.name)

@@ -1,0 +1,344 @@
+#!/usr/bin/env python3
+"""flashgen's command line: tune kernels for this GPU, show the tuned store, export kernels, check defaults.
+
+    python cli.py tune --arch sm80 --head-dim 64,128 --dtype bf16 --trials 60
+    python cli.py tune --arch sm80 --head-dim 64 --compile-only      # no GPU needed
+    python cli.py show
+    python cli.py export --arch sm80 --out exported/
+    python cli.py check --head-dim 64,128
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+import sys
+from pathlib import Path
+
+from flashgen import config as C
+from flashgen.problem import BATCH_TOKENS, HEADS_DIM_TOTAL, SEQLEN_BUCKETS, TuneProblem
+
+CHECK_SHAPES = [(2, 128, 128, 4, 4), (1, 1000, 1000, 8, 2), (2, 77, 333, 4, 1), (1, 333, 77, 4, 4), (1, 4096, 4096, 16, 16)]
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def str_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def duration(text: str) -> float:
+    """Seconds from "90", "90s", "10m", "1.5h"."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a duration like 90s, 10m or 1h, got {text!r}")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+def causal_list(text: str) -> list[bool]:
+    return {"yes": [True], "no": [False], "both": [False, True]}[text]
+
+
+def _check(name: str, values: list, allowed: tuple) -> None:
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise CliError(f"--{name} {','.join(map(str, bad)) or '(empty)'}: choose from {','.join(map(str, allowed))}")
+
+
+def add_problem_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", default="sm80", help=f"template family, one of {', '.join(C.FAMILIES)} (default sm80)")
+    p.add_argument("--head-dim", type=int_list, default=[64, 128], help="head dims, e.g. 64,128 (default 64,128)")
+    p.add_argument("--dtype", type=str_list, default=["bf16"], help="dtypes, e.g. bf16,fp16 (default bf16)")
+    p.add_argument("--causal", choices=("yes", "no", "both"), default="both", help="masking (default both)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="cli.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{tune,show,export,check}")
+
+    t = sub.add_parser("tune", help="search the tile space per problem on this GPU and store the fastest verified kernel")
+    add_problem_args(t)
+    t.add_argument("--seqlen", type=int_list, default=list(SEQLEN_BUCKETS), help="seqlen buckets (default 1024,4096,16384)")
+    t.add_argument("--gqa", type=int_list, default=[1], help="GQA group sizes, heads // heads_k (default 1)")
+    t.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS, help="batch = batch_tokens // seqlen (default 16384)")
+    t.add_argument("--heads-dim-total", type=int, default=HEADS_DIM_TOTAL, help="heads = this // head_dim (default 2048)")
+    t.add_argument("--trials", type=int, default=60, help="evaluated trials per problem, in total over reruns (default 60)")
+    t.add_argument("--timeout", type=duration, default=None, help="time limit per problem, e.g. 10m")
+    t.add_argument("--sampler", choices=("tpe", "random"), default="tpe", help="Optuna sampler (default tpe)")
+    t.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    t.add_argument("--exhaustive", action="store_true", help="evaluate every configuration of the (restricted) space")
+    t.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite in the user data dir)")
+    t.add_argument("--tuned-dir", type=Path, default=None, help="tuned store directory (default FLASHGEN_TUNED_DIR or tuned/)")
+    t.add_argument("--force", action="store_true", help="replace stored entries even when the new result is slower")
+    t.add_argument("--compile-only", action="store_true", help="no GPU: render and compile the space, print resources")
+    t.add_argument("--gpu-arch", default=None, help="GPU arch to compile for with --compile-only (default: this GPU, else --arch)")
+    for field, choices in (("block-m", C.BLOCK_MS), ("block-n", C.BLOCK_NS), ("num-warps", C.NUM_WARPS),
+                           ("num-stages", C.NUM_STAGES)):
+        t.add_argument(f"--{field}", type=int_list, default=None, help=f"restrict {field.replace('-', '_')} to these "
+                       f"of {','.join(map(str, choices))}")
+    t.add_argument("--max-configs", type=int, default=None, help="keep only the first N configurations of the space")
+    t.add_argument("--jobs", type=int, default=None, help="compile processes (default: all cores)")
+    t.add_argument("--deadline", type=duration, default=120.0, help="a trial hanging longer is killed (default 120s)")
+    t.add_argument("--simulate", action="store_true",
+                   help="testing only: time with flashgen.backend.SimulatedBackend's cost model (fake numbers)")
+
+    s = sub.add_parser("show", help="print the tuned table")
+    s.add_argument("--gpu", default=None, help="only this GPU (its name, e.g. 'NVIDIA H200', or file slug)")
+    s.add_argument("--tuned-dir", type=Path, default=None, help="tuned store directory")
+
+    e = sub.add_parser("export", help="write tuned kernels as .cu + launch header for a C++ project")
+    e.add_argument("--arch", default="sm80", help="template family to export (default sm80)")
+    e.add_argument("--out", type=Path, required=True, help="output directory")
+    e.add_argument("--gpu", default=None, help="only kernels tuned on this GPU (name or file slug)")
+    e.add_argument("--tuned-dir", type=Path, default=None, help="tuned store directory")
+
+    c = sub.add_parser("check", help="on a GPU: verify the default config of each problem on a few shapes")
+    add_problem_args(c)
+    return ap
+
+
+def table(rows: list[list], head: list[str]) -> str:
+    cells = [head, *[[str(x) for x in r] for r in rows]]
+    w = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * x for x in w))
+    return "\n".join(lines)
+
+
+def restricted_space(args: argparse.Namespace, head_dim: int, dtype: str, causal: bool) -> list[C.KernelConfig]:
+    cfgs = C.space(args.arch, head_dim, dtype, causal)
+    for field in ("block_m", "block_n", "num_warps", "num_stages"):
+        keep = getattr(args, field)
+        if keep is not None:
+            cfgs = [c for c in cfgs if getattr(c, field) in keep]
+    return cfgs[: args.max_configs] if args.max_configs else cfgs
+
+
+def check_family(family: str, gpu_name: str, gpu_arch: str) -> None:
+    if C.arch_limits(family).sm > C.arch_limits(gpu_arch).sm if gpu_arch in C.ARCHS else False:
+        raise CliError(f"--arch {family} kernels need an {family} or newer GPU; {gpu_name} is {gpu_arch}")
+
+
+def validate(args: argparse.Namespace) -> None:
+    _check("arch", [args.arch], C.FAMILIES)
+    _check("head-dim", args.head_dim, C.HEAD_DIMS)
+    _check("dtype", args.dtype, C.DTYPES)
+    if args.cmd != "tune":
+        return
+    for field, allowed in (("block_m", C.BLOCK_MS), ("block_n", C.BLOCK_NS), ("num_warps", C.NUM_WARPS),
+                           ("num_stages", C.NUM_STAGES)):
+        if getattr(args, field) is not None:
+            _check(field.replace("_", "-"), getattr(args, field), allowed)
+    if args.gpu_arch is not None:
+        _check("gpu-arch", [args.gpu_arch], tuple(C.ARCHS))
+    for name in ("trials", "batch_tokens", "heads_dim_total"):
+        if getattr(args, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be at least 1")
+    bad = [s for s in args.seqlen if s < 1]
+    if bad:
+        raise CliError(f"--seqlen values must be positive, got {bad}")
+    for hd, g in itertools.product(args.head_dim, args.gqa):
+        heads = args.heads_dim_total // hd
+        if g < 1 or heads % g:
+            raise CliError(f"--gqa {g}: heads = {args.heads_dim_total} // {hd} = {heads} is not a multiple of it")
+
+
+def compile_only(args: argparse.Namespace) -> int:
+    from flashgen.compile import CompileError, target_for
+    from flashgen.store import current_gpu
+    from flashgen.worker import CompileAhead, compile_reason
+
+    gpu_arch = args.gpu_arch or (current_gpu() or (None, args.arch))[1]
+    check_family(args.arch, f"an {gpu_arch} GPU", gpu_arch)
+    target = target_for(gpu_arch, args.arch)
+    cfgs = [c for hd, dt, ca in itertools.product(args.head_dim, args.dtype, causal_list(args.causal))
+            for c in restricted_space(args, hd, dt, ca)]
+    print(f"compiling {len(cfgs)} configurations of family {args.arch} for {target} ({gpu_arch} limits)")
+    pool = CompileAhead(args.jobs)
+    try:
+        for c in cfgs:
+            pool.submit(c, target)
+        rows, passing = [], 0
+        for c in cfgs:
+            reason = c.unfit_reason(gpu_arch)
+            try:
+                r = pool.get(c, target).resources
+                res = [r.registers, r.smem_bytes, f"{r.spill_stores}/{r.spill_loads}"]
+            except CompileError as e:
+                res, reason = ["-", c.smem_bytes, "-"], "compile failed: " + compile_reason(e, 1)
+            passing += reason is None
+            rows.append([c.name, *res, "yes" if reason is None else f"no: {reason}"])
+            print(table([rows[-1]], ["config", "regs", "smem B", "spill st/ld", "passes"]).splitlines()[-1]
+                  if len(rows) > 1 else table(rows, ["config", "regs", "smem B", "spill st/ld", "passes"]), flush=True)
+    finally:
+        pool.close()
+    print(f"{passing} of {len(cfgs)} configurations pass the constraints of {gpu_arch}")
+    return 0
+
+
+def tune(args: argparse.Namespace) -> int:
+    import optuna
+    from tqdm import tqdm
+
+    from flashgen.backend import SimulatedBackend
+    from flashgen.compile import nvcc_version
+    from flashgen.search import SearchOptions, search
+    from flashgen.store import make_entry, merge, store_path
+    from flashgen.worker import GpuBackend, NoGpuError
+
+    if args.compile_only:
+        return compile_only(args)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if args.simulate:
+        backend, gpu_name, gpu_arch = SimulatedBackend(), "Simulated GPU", args.gpu_arch or "sm90"
+        versions = {"nvcc": "simulated", "driver": "simulated"}
+    else:
+        try:
+            backend = GpuBackend(args.jobs, args.deadline)
+        except NoGpuError as e:
+            raise CliError(f"no GPU to time kernels on ({e}). Without a GPU, use --compile-only to render and "
+                           "compile the space and see each configuration's resources.") from None
+        gpu_name, gpu_arch = backend.gpu_name, backend.gpu_arch
+        versions = {"nvcc": nvcc_version(), "driver": backend.driver_version}
+    rows = []
+    try:
+        check_family(args.arch, gpu_name, gpu_arch)
+        opts = SearchOptions(args.trials, args.timeout, args.sampler, args.seed, args.exhaustive, args.storage,
+                             ahead=1 if args.simulate else (args.jobs or 8))
+        for hd, dt, ca, sl, g in itertools.product(args.head_dim, args.dtype, causal_list(args.causal), args.seqlen,
+                                                   args.gqa):
+            prob = TuneProblem(gpu_name, gpu_arch, args.arch, dt, hd, ca, sl, g, args.batch_tokens, args.heads_dim_total)
+            space = restricted_space(args, hd, dt, ca)
+            bar = tqdm(total=len(space) if args.exhaustive else args.trials, desc=prob.key, unit="trial", leave=True)
+            state = {"pruned": 0, "failed": 0, "best": 0.0}
+
+            def on_trial(rec, bar=bar, state=state) -> None:
+                if rec.result.status == "pruned":
+                    state["pruned"] += 1
+                elif rec.duplicate_of is None:
+                    bar.update(1)
+                    if rec.result.ok:
+                        state["best"] = max(state["best"], rec.result.tflops)
+                    else:
+                        state["failed"] += 1
+                        tqdm.write(f"  trial {rec.number} {rec.config.name}: {rec.result.status}: "
+                                   f"{rec.result.reason.splitlines()[0] if rec.result.reason else ''}")
+                bar.set_postfix(pruned=state["pruned"], failed=state["failed"], best_tflops=f"{state['best']:.1f}")
+
+            out = search(prob, backend, opts, space, on_trial)
+            bar.close()
+            entry = make_entry(out, versions)
+            action = merge(store_path(gpu_name, gpu_arch, args.tuned_dir), gpu_name, gpu_arch, {prob.key: entry},
+                           args.force)[prob.key] if entry else "nothing verified"
+            d = out.default
+            speed = f"{d.ms / out.best.ms:.2f}x" if out.best and d and d.ok else "-"
+            failed = sum(v for k, v in out.counts.items() if k not in ("ok", "pruned"))
+            rows.append([prob.key, out.best_config.name if out.best_config else "-",
+                         f"{out.best.ms:.4f}" if out.best else "-", f"{out.best.tflops:.1f}" if out.best else "-",
+                         f"{d.ms:.4f}" if d and d.ok else (d.status if d else "-"), speed,
+                         f"{out.trials}/{out.counts['pruned']}/{failed}", action])
+    finally:
+        backend.close()
+    print(f"\n{gpu_name} ({gpu_arch}) -> {store_path(gpu_name, gpu_arch, args.tuned_dir)}")
+    print(table(rows, ["problem", "best kernel", "ms", "TFLOP/s", "default ms", "speedup", "trials/pruned/failed",
+                       "store"]))
+    return 0
+
+
+def show(args: argparse.Namespace) -> int:
+    from flashgen.paths import tuned_dir
+    from flashgen.store import read_store
+
+    root = args.tuned_dir or tuned_dir()
+    files = sorted(Path(root).glob("*.json"))
+    shown = 0
+    for path in files:
+        doc = read_store(path)
+        if args.gpu and args.gpu not in (path.stem, doc["gpu"].get("name")):
+            continue
+        shown += 1
+        rows = []
+        for key, e in sorted(doc["entries"].items()):
+            d = e.get("default") or {}
+            speed = f"{d['median_ms'] / e['median_ms']:.2f}x" if d.get("median_ms") else "-"
+            rows.append([key, e.get("kernel", "?"), f"{e['median_ms']:.4f}", f"{e.get('tflops') or 0:.1f}",
+                         f"{d['median_ms']:.4f}" if d.get("median_ms") else "-", speed, e.get("trials", "?"),
+                         e.get("date", "?")])
+        print(f"{doc['gpu'].get('name')} ({doc['gpu'].get('arch')}): {path}")
+        print(table(rows, ["problem", "kernel", "ms", "TFLOP/s", "default ms", "speedup", "trials", "date"]) + "\n")
+    if not shown:
+        print(f"no tuned results{' for ' + args.gpu if args.gpu else ''} in {root}; run: python cli.py tune --arch sm80")
+    return 0
+
+
+def export(args: argparse.Namespace) -> int:
+    from flashgen.export import export as do_export
+
+    _check("arch", [args.arch], C.FAMILIES)
+    files = do_export(args.arch, args.out, args.tuned_dir, args.gpu)
+    kernels = sum(1 for f in files if f.suffix == ".cu")
+    print(f"wrote {kernels} kernels ({len(files)} files) to {args.out}")
+    if not kernels:
+        print("nothing tuned for this family yet: run python cli.py tune first")
+    return 0
+
+
+def check(args: argparse.Namespace) -> int:
+    from flashgen.compile import compile_kernel, target_for
+    from flashgen.worker import NoGpuError, Worker
+
+    worker = Worker(hello="flashgen.worker:gpu_hello")
+    try:
+        try:
+            worker.call("builtins:len", ())
+        except NoGpuError as e:
+            raise CliError(f"check needs a GPU ({e})") from None
+        gpu = worker.info
+        check_family(args.arch, gpu["name"], gpu["arch"])
+        rows, failed = [], 0
+        for hd, dt, ca in itertools.product(args.head_dim, args.dtype, causal_list(args.causal)):
+            cfg = C.default_config(hd, dt, ca, gpu["arch"], args.arch)
+            kernel = compile_kernel(cfg, target_for(gpu["arch"], args.arch))
+            kind, value = worker.call("flashgen.worker:gpu_check", kernel, CHECK_SHAPES, deadline_s=300)
+            if kind != "ok":
+                failed += 1
+                rows.append([cfg.name, "all", "-", "-", "-", f"{kind}: {value}"])
+                continue
+            for r in value:
+                failed += not r["ok"]
+                rows.append([cfg.name, "x".join(map(str, r["shape"])), f"{r['max_err']:.2e}", f"{r['bound']:.2e}",
+                             f"{r['lse_err']:.2e}", "ok" if r["ok"] else r["reason"]])
+    finally:
+        worker.close()
+    print(f"{gpu['name']} ({gpu['arch']}); shapes are batch x seqlen_q x seqlen_k x heads x heads_k")
+    print(table(rows, ["kernel", "shape", "max err", "bound", "lse err", "result"]))
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flashgen.store import StoreError
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd in ("tune", "check"):
+            validate(args)
+        return {"tune": tune, "show": show, "export": export, "check": check}[args.cmd](args)
+    except (CliError, StoreError, C.ConfigError) as e:
+        print(f"cli.py {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to continue the studies", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

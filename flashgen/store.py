@@ -1,0 +1,213 @@
+"""Step 8: the tuned store, `tuned/<gpu-slug>.json`, one entry per problem.
+
+Files are written atomically (temp file + rename, under a lock), merged with what is
+there (an entry is replaced only by a faster one, or when forced), and kept
+diff-friendly (indented, sorted keys). A file that is not valid JSON, not a flashgen
+store, or made for another GPU raises `StoreError` naming the file: never a reset.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import json
+import math
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+from .__version__ import __version__
+from .config import ConfigError, KernelConfig
+from .paths import tuned_dir as default_tuned_dir
+from .problem import gpu_slug
+
+FORMAT = "flashgen-tuned/1"
+
+
+class StoreError(ValueError):
+    """A tuned store file that cannot be used; the message names the file."""
+
+
+def store_path(gpu_name: str, arch: str, tuned_dir: Path | str | None = None) -> Path:
+    return Path(tuned_dir or default_tuned_dir()) / f"{gpu_slug(gpu_name, arch)}.json"
+
+
+def _check_entry(path: Path, key: str, e: Any) -> None:
+    if not isinstance(e, dict):
+        raise StoreError(f"{path}: entry {key!r} is not an object")
+    try:
+        KernelConfig.from_dict(e["config"])
+        ms = float(e["median_ms"])
+    except (KeyError, TypeError, ValueError, ConfigError) as err:
+        raise StoreError(f"{path}: entry {key!r} is damaged ({type(err).__name__}: {err}); fix or delete it") from None
+    if not (ms > 0 and math.isfinite(ms)):
+        raise StoreError(f"{path}: entry {key!r} has median_ms={ms}")
+
+
+def read_store(path: Path, gpu_name: str | None = None, arch: str | None = None) -> dict[str, Any]:
+    """The store document at `path` (an empty one if missing), checked to be ours and for this GPU."""
+    path = Path(path)
+    if not path.exists():
+        return {"format": FORMAT, "gpu": {"name": gpu_name, "arch": arch}, "entries": {}}
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise StoreError(f"{path}: not valid JSON ({e}); fix or delete the file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise StoreError(f"{path}: cannot be read ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise StoreError(f"{path}: not a flashgen tuned store (format {found!r}, expected {FORMAT!r})")
+    gpu = doc.get("gpu")
+    if not isinstance(gpu, dict) or not isinstance(doc.get("entries"), dict):
+        raise StoreError(f"{path}: a flashgen store without 'gpu' or 'entries'; fix or delete the file")
+    if gpu_name is not None and (gpu.get("name"), gpu.get("arch")) != (gpu_name, arch):
+        raise StoreError(f"{path}: made for {gpu.get('name')} ({gpu.get('arch')}), not {gpu_name} ({arch})")
+    for key, e in doc["entries"].items():
+        _check_entry(path, key, e)
+    return doc
+
+
+def _write(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    # Two tuners on one machine (one per GPU) may merge into the same file.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def merge(path: Path, gpu_name: str, arch: str, entries: dict[str, dict[str, Any]],
+          force: bool = False) -> dict[str, str]:
+    """Merge entries into the store at `path`; returns key -> "added" | "replaced" | "kept"."""
+    actions: dict[str, str] = {}
+    with _locked(path):
+        doc = read_store(path, gpu_name, arch)
+        doc["gpu"] = {"name": gpu_name, "arch": arch}
+        for key, new in entries.items():
+            _check_entry(path, key, new)
+            old = doc["entries"].get(key)
+            if old is None:
+                actions[key] = "added"
+            elif force or new["median_ms"] < old["median_ms"]:
+                actions[key] = "replaced"
+            else:
+                actions[key] = "kept"
+                continue
+            doc["entries"][key] = new
+        _write(path, doc)
+    return actions
+
+
+def make_entry(outcome: Any, versions: dict[str, str]) -> dict[str, Any] | None:
+    """The store entry of a search outcome (`search.SearchOutcome`); None without a verified result."""
+    if outcome.best is None:
+        return None
+    d = outcome.default
+    return {
+        "problem": outcome.problem.to_dict(),
+        "kernel": outcome.best_config.name,
+        "config": outcome.best_config.to_dict(),
+        "median_ms": outcome.best.ms,
+        "tflops": outcome.best.tflops,
+        "trials": outcome.trials,
+        "date": datetime.date.today().isoformat(),
+        "flashgen": __version__,
+        **versions,  # nvcc, driver
+        "default": {
+            "kernel": outcome.default_config.name,
+            "config": outcome.default_config.to_dict(),
+            "status": d.status if d else "not measured",
+            "median_ms": d.ms if d else None,
+            "tflops": d.tflops if d else None,
+        },
+    }
+
+
+# -- lookup, for load() -----------------------------------------------------------------
+
+_cache: dict[Path, tuple[tuple[int, int], dict[str, Any]]] = {}
+_warned: set[str] = set()
+
+
+def _cached_read(path: Path, gpu_name: str, arch: str) -> dict[str, Any]:
+    # attention() looks the store up on every call: read the file again only when it changed.
+    st = path.stat()
+    stamp = (st.st_mtime_ns, st.st_size)
+    hit = _cache.get(path)
+    if hit is None or hit[0] != stamp:
+        hit = _cache[path] = (stamp, read_store(path, gpu_name, arch))
+    return hit[1]
+
+
+def _log_distance(a: int, b: int) -> float:
+    return abs(math.log(a) - math.log(b))
+
+
+def lookup(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, seqlen: int | None = None,
+           family: str | None = None, tuned_dir: Path | str | None = None) -> KernelConfig | None:
+    """The tuned configuration for this problem on this GPU, or None.
+
+    Nearest seqlen bucket (by ratio; the largest when seqlen is None), GQA group 1 preferred;
+    family None picks the fastest family tuned for that bucket."""
+    path = store_path(gpu_name, arch, tuned_dir)
+    if not path.exists():
+        return None
+    cands = []
+    for e in _cached_read(path, gpu_name, arch)["entries"].values():
+        cfg, p = KernelConfig.from_dict(e["config"]), e.get("problem", {})
+        if (cfg.head_dim, cfg.dtype, cfg.causal) != (head_dim, dtype, causal) or (family and cfg.family != family):
+            continue
+        if cfg.unfit_reason(arch) is None:
+            cands.append((p.get("seqlen", 0), p.get("gqa_group", 1), e["median_ms"], cfg))
+    if not cands:
+        return None
+    target = seqlen or max(c[0] for c in cands)
+    bucket = min({c[0] for c in cands}, key=lambda s: (_log_distance(max(s, 1), max(target, 1)), -s))
+    return min((c for c in cands if c[0] == bucket), key=lambda c: (c[1] != 1, c[1], c[2]))[3]
+
+
+def current_gpu() -> tuple[str, str] | None:
+    """(name, arch) of the current GPU, or None when there is no driver or device."""
+    try:
+        from .driver import device_info  # noqa: PLC0415
+
+        info = device_info()
+    except (OSError, RuntimeError):  # driver.CudaError is a RuntimeError
+        return None
+    return info.name, info.arch
+
+
+def tuned_config(head_dim: int, dtype: str, causal: bool, arch: str, seqlen: int | None = None,
+                 family: str | None = None, tuned_dir: Path | str | None = None) -> KernelConfig | None:
+    """What load() uses before the family default: the stored result for the current GPU.
+
+    None, silently, without a GPU or when the GPU is not an `arch` one (there is no store to
+    consult); None with one warning per problem when the store has nothing for it."""
+    gpu = current_gpu()
+    if gpu is None or gpu[1] != arch:
+        return None
+    cfg = lookup(gpu[0], arch, head_dim, dtype, causal, seqlen, family, tuned_dir)
+    if cfg is None:
+        what = f"{gpu_slug(*gpu)} d{head_dim} {dtype} {'causal' if causal else 'full'} family {family or 'any'}"
+        if what not in _warned:
+            _warned.add(what)
+            warnings.warn(f"no tuned configuration for {what} in {store_path(*gpu, tuned_dir)}; using the family "
+                          f"default (tune it: python cli.py tune --arch {family or 'sm80'} --head-dim {head_dim} "
+                          f"--dtype {dtype})", stacklevel=4)
+    return cfg

@@ -1,0 +1,260 @@
+"""Step 6b: compile ahead on all cores, time on the GPU in a process the tuner can lose.
+
+A kernel that faults (illegal address, launch failure) poisons its CUDA context, and
+one that hangs never returns; either would end a study run in-process. So the GPU work
+runs in a spawned worker process: a fault makes it report and exit, a hang past the
+deadline gets it killed, and the next trial starts a fresh one. Compiles run in a
+process pool, `ahead` of the configuration being timed.
+"""
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import time
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from .backend import TrialResult, ok_result
+from .compile import CompiledKernel, CompileError, compile_kernel, target_for
+from .config import KernelConfig
+from .problem import TuneProblem
+
+FAULT_HOOK_ENV = "FLASHGEN_TEST_FAULT"  # a config name: the worker launches it on an illegal address (tests)
+HANG_HOOK_ENV = "FLASHGEN_TEST_HANG"  # a config name: the worker hangs instead of running it (tests)
+_FAULT_MARKS = ("CUDA_ERROR", "CUDA error", "CudaError", "illegal memory access", "launch failure")
+
+
+class NoGpuError(RuntimeError):
+    """No usable GPU for timing (no driver, no device, or no torch in the worker)."""
+
+
+def _resolve(task: str) -> Any:
+    module, _, name = task.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _serve(conn: Any) -> None:
+    """The worker's loop: run `module:function(*args)` tasks and send back (kind, value)."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        if msg is None:
+            return
+        task, args = msg
+        try:
+            conn.send(("ok", _resolve(task)(*args)))
+        except BaseException as e:  # noqa: BLE001 - every failure goes back as a value
+            text = f"{type(e).__name__}: {e}".strip()
+            if any(m in text for m in _FAULT_MARKS):
+                conn.send(("faulted", text))
+                os._exit(3)  # the CUDA context is unusable after a fault: let the tuner start a fresh worker
+            conn.send(("error", text))
+
+
+class Worker:
+    """One spawned process running tasks; restarted after it dies, faults or hangs."""
+
+    def __init__(self, hello: str | None = None, start_deadline_s: float = 180.0):
+        self._ctx = mp.get_context("spawn")
+        self._proc: Any = None
+        self._conn: Any = None
+        self.hello, self.start_deadline_s = hello, start_deadline_s
+        self.info: Any = None  # what the hello task returned
+        self.restarts = 0
+
+    def _start(self) -> None:
+        parent, child = self._ctx.Pipe()
+        self._proc = self._ctx.Process(target=_serve, args=(child,), daemon=True, name="flashgen-gpu-worker")
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        if self.hello:
+            kind, value = self._send(self.hello, (), self.start_deadline_s)
+            if kind != "ok":
+                raise NoGpuError(f"the GPU worker could not start: {value}")
+            self.info = value
+
+    def _stop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join(10)
+            self.restarts += 1
+        self._proc = self._conn = None
+
+    def _send(self, task: str, args: tuple, deadline_s: float) -> tuple[str, Any]:
+        try:
+            self._conn.send((task, args))
+            if not self._conn.poll(deadline_s):
+                self._stop()
+                return "timeout", f"no answer within {deadline_s:g} s (hung kernel?); worker restarted"
+            kind, value = self._conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            self._proc.join(10)
+            code = self._proc.exitcode
+            self._stop()
+            return "faulted", f"the worker died (exit code {code}); restarted"
+        if kind == "faulted":
+            self._stop()
+        return kind, value
+
+    def call(self, task: str, *args: Any, deadline_s: float = 120.0) -> tuple[str, Any]:
+        """Run `module:function(*args)` in the worker: ("ok", value) or ("error"|"faulted"|"timeout", reason)."""
+        if self._proc is None or not self._proc.is_alive():
+            if self._proc is not None:
+                self._stop()
+            self._start()
+        return self._send(task, args, deadline_s)
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            try:
+                self._conn.send(None)
+                self._proc.join(5)
+            except (BrokenPipeError, OSError):
+                pass
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+        self._proc = self._conn = None
+
+
+class CompileAhead:
+    """Compiles configurations in a process pool; `get` waits for one (compiling it now if never asked)."""
+
+    def __init__(self, jobs: int | None = None):
+        self.jobs = jobs or os.cpu_count() or 1
+        self._pool: ProcessPoolExecutor | None = None
+        self._futures: dict[tuple[KernelConfig, str], Future] = {}
+
+    def _executor(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(self.jobs, mp_context=mp.get_context("spawn"))
+        return self._pool
+
+    def submit(self, cfg: KernelConfig, target: str) -> None:
+        if (cfg, target) not in self._futures:
+            self._futures[cfg, target] = self._executor().submit(compile_kernel, cfg, target)
+
+    def get(self, cfg: KernelConfig, target: str) -> CompiledKernel:
+        """The compiled kernel; raises CompileError."""
+        self.submit(cfg, target)
+        try:
+            return self._futures.pop((cfg, target)).result()
+        except BrokenProcessPool:  # a compile process died: compile this one here, new pool for the rest
+            self._pool, self._futures = None, {}
+            return compile_kernel(cfg, target)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool, self._futures = None, {}
+
+
+def compile_reason(e: Exception, lines: int = 6) -> str:
+    text = str(e).strip().splitlines()
+    return "\n".join(text[:lines] + (["..."] if len(text) > lines else []))
+
+
+class GpuBackend:
+    """Times configurations on this machine's GPU: compile ahead, then verify and time in the worker."""
+
+    def __init__(self, jobs: int | None = None, deadline_s: float = 120.0, warmup: int = 10, reps: int = 50):
+        self.worker = Worker(hello="flashgen.worker:gpu_hello")
+        self.worker.call("builtins:len", ())  # starts the worker, raising NoGpuError without a GPU
+        info = self.worker.info
+        self.gpu_name, self.gpu_arch, self.driver_version = info["name"], info["arch"], info["driver"]
+        self.compiler = CompileAhead(jobs)
+        self.deadline_s, self.warmup, self.reps = deadline_s, warmup, reps
+
+    def target(self, cfg: KernelConfig) -> str:
+        return target_for(self.gpu_arch, cfg.family)
+
+    def prefetch(self, configs: list[KernelConfig], problem: TuneProblem) -> None:
+        for cfg in configs:
+            self.compiler.submit(cfg, self.target(cfg))
+
+    def evaluate(self, config: KernelConfig, problem: TuneProblem) -> TrialResult:
+        try:
+            kernel = self.compiler.get(config, self.target(config))
+        except CompileError as e:
+            return TrialResult("compile_failed", reason=compile_reason(e))
+        r = kernel.resources
+        info = {"registers": r.registers, "spill_bytes": r.spill_stores + r.spill_loads, "smem_bytes": r.smem_bytes}
+        kind, value = self.worker.call("flashgen.worker:gpu_trial", kernel, problem, self.warmup, self.reps,
+                                       deadline_s=self.deadline_s)
+        if kind == "error":
+            return TrialResult("faulted", reason=value, info=info)
+        if kind != "ok":
+            return TrialResult(kind, reason=value, info=info)
+        info["max_err"] = value["max_err"]
+        if value["status"] != "ok":
+            return TrialResult(value["status"], reason=value["reason"], info=info)
+        return ok_result(problem, value["ms"], **info)
+
+    def close(self) -> None:
+        self.compiler.close()
+        self.worker.close()
+
+
+# -- tasks that run inside the worker process ---------------------------------------------
+
+def gpu_hello() -> dict[str, Any]:
+    """The worker's GPU: name, arch, driver version. Imports torch now so that trials do not pay for it."""
+    import ctypes  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from .driver import device_info, lib  # noqa: PLC0415
+
+    if not torch.cuda.is_available():
+        raise NoGpuError("torch sees no CUDA device")
+    dev = device_info()
+    v = ctypes.c_int()
+    lib().cuDriverGetVersion(ctypes.byref(v))
+    return {"name": dev.name, "arch": dev.arch, "sm_count": dev.sm_count,
+            "driver": f"{v.value // 1000}.{v.value % 1000 // 10}"}
+
+
+def _launch_illegal(kernel: CompiledKernel) -> None:
+    """Test hook: launch the kernel on pointers no allocation owns, so it faults for real."""
+    from .driver import get_function, synchronize  # noqa: PLC0415
+    from .launch import FwdParams  # noqa: PLC0415
+
+    cfg, bad = kernel.config, 0x10000
+    row = cfg.head_dim  # one head: rows are head_dim apart
+    strides = [cfg.block_m * row, row, row] * 4
+    p = FwdParams(bad, bad, bad, bad, bad, *strides, 1, 1, 1, cfg.block_m, cfg.block_n, 1.0, 1.4426950408889634)
+    get_function(kernel.cubin, cfg.name, cfg.smem_bytes).launch(cfg.grid(1, 1, cfg.block_m), cfg.threads, p, 0)
+    synchronize()
+
+
+def gpu_trial(kernel: CompiledKernel, problem: TuneProblem, warmup: int, reps: int) -> dict[str, Any]:
+    """Verify on the problem's shape (cut to fit the reference, see TuneProblem.verify_shape), then time."""
+    import torch  # noqa: PLC0415
+
+    from .bench import time_kernel  # noqa: PLC0415
+    from .verify import verify  # noqa: PLC0415
+
+    if os.environ.get(FAULT_HOOK_ENV) == kernel.name:
+        _launch_illegal(kernel)
+    if os.environ.get(HANG_HOOK_ENV) == kernel.name:
+        time.sleep(1e6)
+    b, sq, sk, h, hk = problem.verify_shape()
+    vr = verify(kernel, b, sq, sk, h, hk, seed=0)
+    torch.cuda.empty_cache()  # the float64 reference is large; give it back before timing
+    if not vr.ok:
+        return {"status": "verify_failed", "reason": vr.reason, "max_err": vr.max_err}
+    b, sq, sk, h, hk = problem.shape()
+    ms = time_kernel(kernel, b, sq, sk, h, hk, warmup=warmup, reps=reps)
+    torch.cuda.empty_cache()
+    return {"status": "ok", "ms": ms, "max_err": vr.max_err, "reason": ""}
+
+
+def gpu_check(kernel: CompiledKernel, shapes: list[tuple[int, int, int, int, int]]) -> list[dict[str, Any]]:
+    """Verify one kernel on several (batch, seqlen_q, seqlen_k, heads, heads_k) shapes."""
+    from .verify import verify  # noqa: PLC0415
+
+    return [{"shape": s, **verify(kernel, *s, seed=i).__dict__} for i, s in enumerate(shapes)]
