@@ -172,7 +172,7 @@ def space(family: str, head_dim: int, dtype: str, causal: bool) -> list[KernelCo
 # is used. Chosen so that none spills registers (checked by tests/test_compile.py).
 # (block_m, block_n, num_warps, num_stages)
 _DEFAULT_TILES = {
-    32: [(128, 64, 4, 2)],
+    32: [(128, 128, 8, 2)],
     64: [(128, 64, 4, 2), (128, 64, 8, 2)],
     96: [(128, 64, 8, 2), (64, 64, 4, 2)],
     128: [(128, 64, 8, 2), (128, 64, 8, 1), (64, 64, 4, 2)],

@@ -1,0 +1,65 @@
+"""nvcc compiles the family for sm_80 and sm_90 (no GPU needed) and the defaults do not spill."""
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from flashgen.compile import CompileError, compile_kernel, parse_ptxas, target_for
+from flashgen.config import DTYPES, HEAD_DIMS, KernelConfig, default_config
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kernel-cache"))
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_defaults_compile_without_spills(arch):
+    cfgs = [default_config(hd, dt, c, arch) for hd, dt, c in itertools.product(HEAD_DIMS, DTYPES, (False, True))]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        kernels = list(pool.map(lambda c: compile_kernel(c, target_for(arch, "sm80")), cfgs))
+    for k in kernels:
+        r = k.resources
+        assert k.cubin[:4] == b"\x7fELF", k.name
+        assert 0 < r.registers <= 255, k.name
+        assert not r.spills and r.stack_bytes == 0, f"{k.name} spills: {r}"
+        assert r.smem_bytes == k.config.smem_bytes
+
+
+@pytest.mark.parametrize("cfg", [
+    KernelConfig(32, "fp16", True, 64, 32, 2, 3),      # 64-byte swizzle rows, 2 m-tiles per warp
+    KernelConfig(96, "bf16", False, 128, 128, 8, 1),   # head dim not a multiple of 64
+    KernelConfig(64, "bf16", True, 256, 32, 16, 4),    # 512 threads, 4 stages
+])
+def test_representative_configs_compile(cfg):
+    for target in ("sm_80", "sm_90"):
+        assert compile_kernel(cfg, target).resources.registers > 0
+
+
+def test_second_compile_hits_the_cache():
+    cfg = KernelConfig(64, "fp16", False, 64, 64, 4, 1)
+    first = compile_kernel(cfg, "sm_80")
+    second = compile_kernel(cfg, "sm_80")
+    assert second.cached and second.cubin == first.cubin and second.resources == first.resources
+    assert not compile_kernel(cfg, "sm_80", use_cache=False).cached
+
+
+def test_compile_error_names_config_and_shows_nvcc(monkeypatch):
+    import flashgen.compile as comp
+
+    cfg = KernelConfig(64, "fp16", False, 64, 64, 4, 1)
+    monkeypatch.setattr(comp, "render", lambda c: "this is not CUDA;")
+    with pytest.raises(CompileError, match=f"(?s)nvcc failed for {cfg.name}.*error: expected a declaration"):
+        comp.compile_kernel(cfg, "sm_80", use_cache=False)
+
+
+def test_parse_ptxas_report():
+    log = ("ptxas info    : Compiling entry function 'k1' for 'sm_90'\n"
+           "ptxas info    : Function properties for k1\n"
+           "    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n"
+           "ptxas info    : Used 255 registers, used 1 barriers, 8 bytes cumulative stack size\n")
+    r = parse_ptxas(log, "k1", 1024)
+    assert (r.registers, r.spill_stores, r.spill_loads, r.stack_bytes, r.smem_bytes) == (255, 4, 12, 8, 1024)
+    assert r.spills
+    with pytest.raises(CompileError, match="could not read"):
+        parse_ptxas("nothing", "k1", 0)

@@ -1,0 +1,67 @@
+import pytest
+
+from flashgen.config import ARCHS, DTYPES, HEAD_DIMS, ConfigError, KernelConfig, default_config, space
+
+GOOD = dict(head_dim=128, dtype="bf16", causal=True, block_m=128, block_n=64, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize("field,value,allowed", [
+    ("head_dim", 80, "32, 64, 96, 128, 256"),
+    ("dtype", "fp32", "'fp16', 'bf16'"),
+    ("causal", 1, "False, True"),
+    ("block_m", 96, "64, 128, 256"),
+    ("block_n", 48, "32, 64, 128, 256"),
+    ("num_warps", 3, "2, 4, 8, 16"),
+    ("num_stages", 0, "1, 2, 3, 4"),
+    ("family", "sm70", "'sm80'"),
+])
+def test_bad_field_names_field_and_allowed_values(field, value, allowed):
+    with pytest.raises(ConfigError, match=f"{field}={value!r}.*{allowed}".replace("(", r"\(")):
+        KernelConfig(**{**GOOD, field: value})
+
+
+def test_warps_must_tile_block_m():
+    with pytest.raises(ConfigError, match="block_m=64 must be a multiple of 16\\*num_warps=128"):
+        KernelConfig(**{**GOOD, "block_m": 64, "num_warps": 8})
+
+
+def test_name_spells_every_field_and_is_hashable():
+    c = KernelConfig(**GOOD)
+    assert c.name == "fwd_sm80_d128_bf16_causal_bm128_bn64_w4_s2"
+    assert len({c, KernelConfig(**GOOD)}) == 1
+    assert KernelConfig.from_dict(c.to_dict()) == c
+    with pytest.raises(ConfigError, match="unknown config fields"):
+        KernelConfig.from_dict({**c.to_dict(), "tile": 3})
+
+
+def test_derived_figures():
+    c = KernelConfig(**GOOD)
+    assert c.threads == 128 and c.warp_m_tiles == 2
+    assert c.smem_bytes == (128 + 2 * 2 * 64) * 128 * 2
+    assert c.grid(batch=3, heads=5, seqlen_q=129) == (2, 5, 3)
+
+
+def test_unfit_reasons_per_arch():
+    big = KernelConfig(256, "bf16", False, 128, 64, 8, 2)  # 192 KB of shared memory
+    assert big.unfit_reason("sm90") is None
+    assert "shared memory" in big.unfit_reason("sm80") and "sm80" in big.unfit_reason("sm80")
+    assert "shared memory" in big.unfit_reason("sm86")
+    regs = KernelConfig(256, "bf16", False, 128, 128, 4, 1)  # 2 m-tiles per warp of 384 columns
+    assert "accumulator registers" in regs.unfit_reason("sm90")
+    with pytest.raises(ConfigError, match="arch='sm70'"):
+        big.unfit_reason("sm70")
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_defaults_fit_every_arch(arch):
+    for hd in HEAD_DIMS:
+        for dt in DTYPES:
+            for causal in (False, True):
+                c = default_config(hd, dt, causal, arch)
+                assert c.unfit_reason(arch) is None and (c.head_dim, c.dtype, c.causal) == (hd, dt, causal)
+
+
+def test_space_is_valid_and_nonempty():
+    s = space("sm80", 64, "fp16", False)
+    assert len(s) > 50 and len(set(s)) == len(s)
+    assert all(c.block_m % (16 * c.num_warps) == 0 for c in s)
