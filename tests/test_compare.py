@@ -1,0 +1,47 @@
+"""The bench grid's table, files and errors, driven by the simulated runner (no GPU)."""
+import csv
+import json
+
+import pytest
+
+from flashgen.compare import SimulatedRunner, grid, run_grid, table, write
+
+PEERS = ["flash", "cudnn", "efficient"]
+
+
+def rows():
+    return run_grid(grid(["bf16"], [64, 128], [False, True], [1024, 4096]), SimulatedRunner(missing=("efficient",)),
+                    PEERS, progress=False)
+
+
+def test_grid_keeps_tokens_and_width_fixed():
+    pts = grid(["bf16", "fp16"], [64, 256], [True], [1024, 16384])
+    assert len(pts) == 8
+    assert all(p.batch * p.seqlen == 16384 and p.heads * p.head_dim == 2048 for p in pts)
+    assert pts[0].tflop == pytest.approx(4 * 16 * 32 * 1024 * 1024 * 64 / 2 / 1e12)
+
+
+def test_table_has_ratios_and_marks_missing_peers():
+    text = table(rows(), PEERS)
+    head, _, first = text.splitlines()[:3]
+    assert head.split()[-3:] == ["flash", "cudnn", "efficient"] and "x" in head
+    # simulated: flashgen 300/0.9 TFLOP/s at d64, flash 300 -> ratio 1.11; efficient unavailable
+    assert first.split()[4] == "333.3" and first.split()[8] == "1.11" and first.split()[-1] == "-"
+
+
+def test_files_json_csv_png(tmp_path):
+    paths = write(rows(), PEERS, tmp_path, "NVIDIA H200", meta={"flashgen": "0.1.0"}, date="2026-11-30")
+    assert paths["json"].name == "nvidia-h200-2026-11-30.json"
+    doc = json.loads(paths["json"].read_text())
+    assert doc["gpu"] == "NVIDIA H200" and doc["flashgen"] == "0.1.0" and len(doc["results"]) == 8
+    r0 = doc["results"][0]
+    assert r0["ratio_flash"] == pytest.approx(1 / 0.9) and r0["efficient_ms"] is None
+    with paths["csv"].open() as f:
+        recs = list(csv.DictReader(f))
+    assert len(recs) == 8 and "flashgen_tflops" in recs[0]
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_peer_is_an_error():
+    with pytest.raises(ValueError, match="unknown peers \\['xformers'\\]"):
+        run_grid(grid(["bf16"], [64], [False], [1024]), SimulatedRunner(), ["xformers"], progress=False)
