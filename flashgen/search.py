@@ -37,12 +37,21 @@ def default_storage() -> str:
     return f"sqlite:///{path}"
 
 
+def _infeasible(t: FrozenTrial) -> list[float]:
+    # Pruned trials count as infeasible, so TPE learns to avoid them instead of ranking them among the best.
+    return [1.0 if t.user_attrs.get("status") == "pruned" else 0.0]
+
+
+_TRIAL_CONSTRAINTS = hasattr(optuna.Trial, "set_constraint")  # Optuna >= 5; older ones take a constraints_func
+
+
 def make_sampler(name: str, seed: int, ahead: int = 1) -> optuna.samplers.BaseSampler:
     if name == "tpe":
-        with warnings.catch_warnings():  # constant_liar is "experimental" in some Optuna versions
+        with warnings.catch_warnings():  # constant_liar and constraints are "experimental" in some versions
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             # The liar keeps configurations asked ahead (still being compiled) from being sampled twice.
-            return optuna.samplers.TPESampler(seed=seed, constant_liar=ahead > 1)
+            return optuna.samplers.TPESampler(seed=seed, constant_liar=ahead > 1,
+                                              constraints_func=None if _TRIAL_CONSTRAINTS else _infeasible)
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     raise ValueError(f"sampler={name!r}; choose one of {', '.join(SAMPLERS)}")
@@ -116,6 +125,8 @@ def _finished(study: optuna.Study) -> list[FrozenTrial]:
 
 def _tell(study: optuna.Study, trial: optuna.Trial, res: TrialResult, duplicate_of: int | None = None) -> None:
     trial.set_user_attr("status", res.status)
+    if _TRIAL_CONSTRAINTS:
+        trial.set_constraint("pruned", 1.0 if res.status == "pruned" else 0.0)
     trial.set_user_attr("reason", res.reason)
     if res.ok:
         trial.set_user_attr("ms", res.ms)
@@ -148,7 +159,9 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
     the space is exhausted, or `opts.timeout_s` passes."""
     space = space if space is not None else config_space(problem.family, problem.head_dim, problem.dtype, problem.causal)
     allowed = {params_of(c) for c in space}
-    dists = {p: CategoricalDistribution(sorted({getattr(c, p) for c in space})) for p in PARAMS}
+    viable = {params_of(c) for c in space if c.unfit_reason(problem.gpu_arch) is None}
+    # Sample only values some fitting configuration has: fewer combinations to prune.
+    dists = {p: CategoricalDistribution(sorted({v[i] for v in viable or allowed})) for i, p in enumerate(PARAMS)}
     study = open_study(problem, opts)
     seen: dict[Params, FrozenTrial] = {}
     for t in _finished(study):
@@ -166,8 +179,8 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
     if opts.exhaustive:
         for c in space:
             enqueue(params_of(c))
-    budget = len(allowed - set(seen)) if opts.exhaustive else opts.trials - evaluated
-    max_asks = 10 * max(budget, 0) + 4 * len(allowed) + 16  # TPE repeating itself must not loop forever
+    budget = len(viable - set(seen)) if opts.exhaustive else opts.trials - evaluated
+    max_asks = 5 * max(budget, 0) + 2 * len(allowed) + 16  # TPE repeating itself must not loop forever
     start, asks, done = time.monotonic(), 0, 0
     pending: deque[tuple[optuna.Trial, Params]] = deque()
 
@@ -175,7 +188,7 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
         return opts.timeout_s is not None and time.monotonic() - start > opts.timeout_s
 
     def exhausted() -> bool:
-        return allowed <= set(seen) | {p for _, p in pending}
+        return viable <= set(seen) | {p for _, p in pending}
 
     try:
         while True:

@@ -1,0 +1,186 @@
+"""The search, driven by SimulatedBackend (a deterministic cost model, no GPU), and the worker's restarts."""
+from __future__ import annotations
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from flashgen.backend import SimulatedBackend, TrialResult
+from flashgen.compile import CompileError
+from flashgen.config import space
+from flashgen.problem import TuneProblem
+from flashgen.search import PARAMS, SearchOptions, open_study, params_of, search
+from flashgen.worker import CompileAhead, Worker
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def problem(arch: str = "sm90", head_dim: int = 128, causal: bool = False) -> TuneProblem:
+    return TuneProblem("Test GPU", arch, "sm80", "bf16", head_dim, causal, 4096)
+
+
+def opts(tmp_path, **kw) -> SearchOptions:
+    return SearchOptions(storage=f"sqlite:///{tmp_path / 'studies.db'}", **kw)
+
+
+def small_space(p: TuneProblem) -> list:
+    return [c for c in space("sm80", p.head_dim, p.dtype, p.causal) if c.num_warps == 4 and c.block_n in (32, 64)]
+
+
+def test_static_constraints_prune_before_the_backend(tmp_path):
+    p = problem(arch="sm86", head_dim=256)  # 99 KB of shared memory: many d256 tiles cannot fit
+    backend = SimulatedBackend()
+    out = search(p, backend, opts(tmp_path, trials=15))
+    study = open_study(p, opts(tmp_path))
+    pruned = [t for t in study.trials if t.state == TrialState.PRUNED]
+    assert pruned and all(t.user_attrs["status"] == "pruned" and t.user_attrs["reason"] for t in pruned)
+    assert any("shared memory" in t.user_attrs["reason"] for t in pruned)
+    fits = {c.name for c in space("sm80", 256, "bf16", False) if c.unfit_reason("sm86") is None}
+    assert set(backend.calls) <= fits  # nothing pruned was ever compiled or timed
+    assert out.counts["pruned"] == len(pruned) and sum(out.counts.values()) - out.counts["pruned"] == out.trials
+    assert out.trials == len(fits)  # only 4 tiles fit: the space ran out before the trials
+
+
+def test_failures_and_faults_do_not_stop_the_study(tmp_path):
+    p = problem()
+    cfgs = small_space(p)
+    best_sim = min(cfgs, key=lambda c: SimulatedBackend().cost_ms(c, p))
+    kinds = ["verify_failed", "compile_failed", "faulted", "timeout"]
+    others = [c for c in cfgs if c != best_sim][:3]
+    failures = {c.name: k for c, k in zip([best_sim, *others], kinds)}
+    backend = SimulatedBackend(failures)
+    out = search(p, backend, opts(tmp_path, exhaustive=True), cfgs)
+    # every fitting configuration, and the default (8 warps: outside this space, so measured aside)
+    assert sorted(backend.calls) == sorted([c.name for c in cfgs if c.unfit_reason("sm90") is None]
+                                           + [p.default_config().name])
+    for k in kinds:
+        assert out.counts[k] == 1
+    assert out.best is not None and out.best.ok
+    assert out.best_config != best_sim  # the fastest kernel was wrong: it is never the result
+    study = open_study(p, opts(tmp_path))
+    failed = [t for t in study.trials if t.state == TrialState.FAIL]
+    assert {t.user_attrs["status"] for t in failed} == set(kinds)
+    assert all(t.user_attrs["reason"] for t in failed)
+
+
+def test_default_config_is_measured_first(tmp_path):
+    p = problem()
+    out = search(p, SimulatedBackend(), opts(tmp_path, trials=5))
+    study = open_study(p, opts(tmp_path))
+    first = study.trials[0]
+    assert tuple(first.params[k] for k in PARAMS) == params_of(p.default_config())
+    assert out.default is not None and out.default.ok
+    assert out.best.ms <= out.default.ms
+
+
+def test_resume_continues_the_same_study(tmp_path):
+    p = problem()
+    first = SimulatedBackend()
+    out1 = search(p, first, opts(tmp_path, trials=6))
+    assert out1.trials == 6 and len(first.calls) == 6
+    again = SimulatedBackend()
+    out2 = search(p, again, opts(tmp_path, trials=6))  # same command again: already complete
+    assert again.calls == [] and out2.trials == 6
+    more = SimulatedBackend()
+    out3 = search(p, more, opts(tmp_path, trials=12))
+    assert len(more.calls) == 6 and out3.trials == 12
+    assert not set(more.calls) & set(first.calls)  # nothing timed twice across runs
+    assert len(optuna.get_all_study_summaries(opts(tmp_path).storage)) == 1
+    assert out3.best.ms <= out1.best.ms
+
+
+def test_a_killed_run_is_resumed(tmp_path):
+    p = problem()
+    search(p, SimulatedBackend(), opts(tmp_path, trials=3))
+    study = open_study(p, opts(tmp_path))
+    study.ask()  # a trial left RUNNING, as by a tuner killed mid-trial
+    out = search(p, SimulatedBackend(), opts(tmp_path, trials=5))
+    states = [t.state for t in open_study(p, opts(tmp_path)).trials]
+    assert TrialState.RUNNING not in states and out.trials == 5
+
+
+def test_a_configuration_is_never_timed_twice(tmp_path):
+    p = problem()
+    cfgs = small_space(p)[:4]
+    backend = SimulatedBackend()
+    out = search(p, backend, opts(tmp_path, trials=40), cfgs)  # more trials than configurations
+    assert sorted(backend.calls) == sorted({c.name for c in cfgs} | {p.default_config().name})
+    assert out.trials == len(cfgs)  # the space ran out: the study stops (the default was measured aside)
+
+
+def test_compile_ahead_asks_ahead_and_exhaustive_covers_space(tmp_path):
+    p = problem()
+    cfgs = small_space(p)
+
+    class Recording(SimulatedBackend):
+        def __init__(self):
+            super().__init__()
+            self.prefetched: list[str] = []
+
+        def prefetch(self, configs, problem):
+            self.prefetched += [c.name for c in configs]
+
+    backend = Recording()
+    search(p, backend, opts(tmp_path, exhaustive=True, ahead=4), cfgs)
+    aside = p.default_config().name  # outside this space: measured after the study, not prefetched
+    assert sorted(backend.prefetched) == sorted(c for c in backend.calls if c != aside)
+    assert {c.name for c in cfgs if c.unfit_reason("sm90") is None} <= set(backend.calls)
+
+
+def test_seeded_search_is_reproducible(tmp_path):
+    p = problem()
+    runs = []
+    for i in range(2):
+        o = SearchOptions(trials=8, seed=3, storage=f"sqlite:///{tmp_path / f'{i}.db'}")
+        b = SimulatedBackend()
+        search(p, b, o)
+        runs.append(b.calls)
+    assert runs[0] == runs[1]
+
+
+def test_timeout_stops_the_study(tmp_path):
+    out = search(problem(), SimulatedBackend(), opts(tmp_path, trials=50, timeout_s=0.0))
+    assert out.trials <= 1
+
+
+def test_verify_shape_fits_the_reference():
+    p = TuneProblem("G", "sm90", "sm80", "bf16", 64, True, 16384, gqa_group=4)
+    b, sq, sk, h, hk = p.verify_shape()
+    assert (sq, sk) == (16384, 16384) and h % hk == 0 and h // hk == 4
+    assert b * h * sq * sk * 8 <= 8 * 2**30
+    assert p.shape() == (1, 16384, 16384, 32, 8)
+
+
+def test_trial_result_rejects_unknown_status():
+    with pytest.raises(ValueError):
+        TrialResult("exploded")
+
+
+def test_worker_survives_hangs_deaths_and_errors():
+    w = Worker()
+    try:
+        assert w.call("math:sqrt", 4.0) == ("ok", 2.0)
+        kind, reason = w.call("time:sleep", 30, deadline_s=1.0)
+        assert kind == "timeout" and "restarted" in reason
+        kind, reason = w.call("os:_exit", 7)
+        assert kind == "faulted" and "exit code 7" in reason
+        kind, reason = w.call("math:sqrt", "x")
+        assert kind == "error" and "TypeError" in reason
+        assert w.call("math:sqrt", 9.0) == ("ok", 3.0)
+        assert w.restarts == 2
+    finally:
+        w.close()
+
+
+def test_compile_ahead_pool(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    pool = CompileAhead(jobs=2)
+    cfg = problem(head_dim=64).default_config()
+    try:
+        pool.submit(cfg, "sm_80")
+        k = pool.get(cfg, "sm_80")
+        assert k.config == cfg and k.cubin and k.resources.registers > 0
+        with pytest.raises(CompileError):
+            pool.get(cfg, "sm_10")  # no such target: nvcc fails, reported as CompileError
+    finally:
+        pool.close()
