@@ -1,0 +1,133 @@
+"""The tuned store: merging, atomic writes, refusing corrupt or foreign files, and load()'s lookup."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+import flashgen
+from flashgen import store
+from flashgen.config import KernelConfig, default_config
+from flashgen.store import StoreError, lookup, merge, read_store, store_path
+
+GPU, ARCH = "NVIDIA H200", "sm90"
+
+
+def entry(ms: float, seqlen: int = 4096, head_dim: int = 128, causal: bool = False, stages: int = 2,
+          gqa: int = 1) -> dict:
+    cfg = KernelConfig(head_dim, "bf16", causal, 128, 64, 8, stages)
+    return {"config": cfg.to_dict(), "kernel": cfg.name, "median_ms": ms, "tflops": 1.0 / ms, "trials": 3,
+            "problem": {"seqlen": seqlen, "gqa_group": gqa, "head_dim": head_dim}, "date": "2025-01-01"}
+
+
+def key(seqlen: int = 4096, causal: bool = False, gqa: int = 1) -> str:
+    return f"sm80_d128_bf16_{'causal' if causal else 'full'}_s{seqlen}_g{gqa}"
+
+
+@pytest.fixture
+def path(tmp_path):
+    return store_path(GPU, ARCH, tmp_path)
+
+
+def test_path_is_named_for_the_gpu(tmp_path):
+    assert store_path(GPU, ARCH, tmp_path).name == "nvidia-h200-sm90.json"
+
+
+def test_merge_adds_keeps_slower_replaces_faster_and_forces(path):
+    assert merge(path, GPU, ARCH, {key(): entry(2.0)}) == {key(): "added"}
+    assert merge(path, GPU, ARCH, {key(): entry(3.0)}) == {key(): "kept"}
+    assert read_store(path)["entries"][key()]["median_ms"] == 2.0
+    assert merge(path, GPU, ARCH, {key(): entry(1.5)}) == {key(): "replaced"}
+    assert merge(path, GPU, ARCH, {key(): entry(9.0)}, force=True) == {key(): "replaced"}
+    merge(path, GPU, ARCH, {key(1024): entry(0.5, 1024)})
+    doc = read_store(path, GPU, ARCH)
+    assert doc["entries"][key()]["median_ms"] == 9.0 and set(doc["entries"]) == {key(), key(1024)}
+
+
+def test_file_is_sorted_indented_and_complete(path):
+    merge(path, GPU, ARCH, {key(16384): entry(4.0, 16384), key(1024): entry(1.0, 1024)})
+    text = path.read_text()
+    doc = json.loads(text)
+    assert text == json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    assert list(path.parent.glob("*.tmp")) == []
+
+
+def test_a_failed_write_leaves_the_old_file(path, monkeypatch):
+    merge(path, GPU, ARCH, {key(): entry(2.0)})
+    before = path.read_text()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(store.os, "replace", boom)
+    with pytest.raises(OSError):
+        merge(path, GPU, ARCH, {key(): entry(1.0)})
+    assert path.read_text() == before
+    assert [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")] == []
+
+
+@pytest.mark.parametrize("text, words", [
+    ("{not json", "not valid JSON"),
+    ('{"format": "something-else/1", "entries": {}}', "not a flashgen tuned store"),
+    ("[1, 2]", "not a flashgen tuned store"),
+    ('{"format": "flashgen-tuned/1", "gpu": {"name": "NVIDIA A100", "arch": "sm80"}, "entries": {}}', "made for NVIDIA A100"),
+    ('{"format": "flashgen-tuned/1", "gpu": {"name": "NVIDIA H200", "arch": "sm90"}, "entries": {"k": {"config": {"head_dim": 7}}}}', "damaged"),
+])
+def test_corrupt_or_foreign_files_are_refused_by_name(path, text, words):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    with pytest.raises(StoreError, match=words) as e:
+        merge(path, GPU, ARCH, {key(): entry(1.0)})
+    assert str(path) in str(e.value)
+    assert path.read_text() == text  # never reset
+
+
+def test_lookup_nearest_bucket_and_gqa(tmp_path, path):
+    merge(path, GPU, ARCH, {key(1024): entry(1.0, 1024, stages=1), key(16384): entry(1.0, 16384, stages=3),
+                            key(4096, gqa=4): entry(0.1, 4096, stages=2, gqa=4),
+                            key(4096): entry(1.0, 4096, stages=4)})
+    find = lambda s: lookup(GPU, ARCH, 128, "bf16", False, s, tuned_dir=tmp_path).num_stages  # noqa: E731
+    assert find(512) == 1 and find(1500) == 1 and find(3000) == 4 and find(9000) == 3
+    assert find(None) == 3  # no seqlen: the longest bucket
+    assert find(4096) == 4  # GQA group 1 preferred over a faster grouped entry
+    assert lookup(GPU, ARCH, 128, "bf16", True, 4096, tuned_dir=tmp_path) is None
+    assert lookup(GPU, ARCH, 64, "bf16", False, 4096, tuned_dir=tmp_path) is None
+    assert lookup("Other", ARCH, 128, "bf16", False, 4096, tuned_dir=tmp_path) is None
+
+
+def test_choose_config_reads_the_store_for_the_current_gpu(tmp_path, path, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
+    monkeypatch.setattr(store, "current_gpu", lambda: (GPU, ARCH))
+    monkeypatch.setattr(store, "_warned", set())
+    merge(path, GPU, ARCH, {key(): entry(1.0, stages=3)})
+    assert flashgen.choose_config(128, "bf16", False, ARCH, seqlen=4000).num_stages == 3
+    assert flashgen.choose_config(128, "bf16", False, ARCH, family="sm80").num_stages == 3
+    with pytest.warns(UserWarning, match="no tuned configuration") as rec:
+        for _ in range(3):  # one warning per problem, not per call
+            cfg = flashgen.choose_config(128, "bf16", True, ARCH)
+    assert len(rec) == 1 and cfg == default_config(128, "bf16", True, ARCH)
+
+
+def test_choose_config_without_a_gpu_uses_the_default_silently(tmp_path, path, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
+    monkeypatch.setattr(store, "current_gpu", lambda: None)
+    merge(path, GPU, ARCH, {key(): entry(1.0, stages=3)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert flashgen.choose_config(128, "bf16", False, ARCH) == default_config(128, "bf16", False, ARCH)
+
+
+def test_choose_config_on_another_gpu_arch_does_not_use_this_store(tmp_path, path, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
+    monkeypatch.setattr(store, "current_gpu", lambda: (GPU, ARCH))
+    merge(path, GPU, ARCH, {key(): entry(1.0, stages=3)})
+    assert flashgen.choose_config(128, "bf16", False, "sm80") == default_config(128, "bf16", False, "sm80")
+
+
+def test_a_corrupt_store_is_a_clear_error_in_load(tmp_path, path, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
+    monkeypatch.setattr(store, "current_gpu", lambda: (GPU, ARCH))
+    path.write_text("{oops")
+    with pytest.raises(StoreError, match="not valid JSON"):
+        flashgen.choose_config(128, "bf16", False, ARCH)
