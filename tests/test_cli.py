@@ -1,0 +1,121 @@
+"""cli.py: help, errors as one clear line, --compile-only on a small space, and a simulated tune/show/export."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import cli  # noqa: E402
+
+from flashgen import worker  # noqa: E402
+
+
+def run(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "cli.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env=env)
+
+
+@pytest.mark.parametrize("cmd", [[], ["tune"], ["show"], ["export"], ["check"]])
+def test_help(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([*cmd, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: cli.py" in out
+    if cmd == ["tune"]:
+        for flag in ("--arch", "--head-dim", "--dtype", "--causal", "--seqlen", "--batch-tokens", "--heads-dim-total",
+                     "--trials", "--timeout", "--storage", "--compile-only", "--force", "--exhaustive", "--sampler"):
+            assert flag in out
+
+
+@pytest.mark.parametrize("args, words", [
+    (["tune", "--head-dim", "65", "--compile-only"], "--head-dim 65: choose from"),
+    (["tune", "--arch", "sm75", "--compile-only"], "--arch sm75: choose from sm80"),
+    (["tune", "--dtype", "fp32", "--compile-only"], "--dtype fp32"),
+    (["tune", "--head-dim", "96", "--gqa", "5", "--compile-only"], "not a multiple"),
+    (["tune", "--block-m", "48", "--compile-only"], "--block-m 48"),
+    (["tune", "--trials", "0"], "--trials must be at least 1"),
+    (["check", "--head-dim", "7"], "--head-dim 7"),
+])
+def test_errors_are_one_clear_line(args, words, capsys):
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+
+
+def test_bad_flag_values_are_argparse_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["tune", "--timeout", "soon"])
+    assert e.value.code == 2 and "duration" in capsys.readouterr().err
+
+
+def test_durations():
+    assert cli.duration("90") == 90 and cli.duration("10m") == 600 and cli.duration("1.5h") == 5400
+
+
+def test_tune_without_a_gpu_points_at_compile_only(monkeypatch, capsys):
+    def no_gpu(*a, **k):
+        raise worker.NoGpuError("the GPU worker could not start: no CUDA device")
+
+    monkeypatch.setattr(worker, "GpuBackend", no_gpu)
+    assert cli.main(["tune", "--head-dim", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "no GPU" in err and "--compile-only" in err
+
+
+def test_newer_family_on_an_older_gpu_is_refused():
+    with pytest.raises(cli.CliError, match="need an sm90 or newer GPU; NVIDIA A100 is sm80"):
+        cli.check_family("sm90", "NVIDIA A100", "sm80")
+    cli.check_family("sm80", "NVIDIA H200", "sm90")  # older families run on newer GPUs
+
+
+def test_compile_only_on_a_small_space(tmp_path):
+    env = {**__import__("os").environ, "FLASHGEN_CACHE_DIR": str(tmp_path / "cache")}
+    t = time.monotonic()
+    p = run("tune", "--arch", "sm80", "--head-dim", "64", "--causal", "no", "--compile-only", "--gpu-arch", "sm86",
+            "--block-m", "64,256", "--num-warps", "4", "--block-n", "64", "--max-configs", "5", "--jobs", "2", env=env)
+    assert p.returncode == 0, p.stderr
+    assert time.monotonic() - t < 60
+    out = p.stdout
+    assert "for sm_86" in out and "regs" in out and "spill" in out
+    assert out.count("fwd_sm80_d64_bf16_full_") == 5
+    assert "no: 256 accumulator registers" in out  # bm256 with 4 warps: a constraint fails, with its reason
+    assert "of 5 configurations pass the constraints of sm86" in out
+
+
+def test_simulated_tune_show_export_and_rerun(tmp_path, capsys):
+    common = ["tune", "--head-dim", "64", "--causal", "no", "--seqlen", "1024,4096", "--trials", "6", "--simulate",
+              "--storage", f"sqlite:///{tmp_path / 's.db'}", "--tuned-dir", str(tmp_path / "tuned")]
+    assert cli.main(common) == 0
+    out = capsys.readouterr().out
+    assert "sm80_d64_bf16_full_s1024_g1" in out and "added" in out and "6/" in out
+    assert (tmp_path / "tuned" / "simulated-gpu-sm90.json").is_file()
+    assert cli.main(common) == 0  # the same command again: the studies are complete, the store kept
+    out = capsys.readouterr().out
+    assert "kept" in out and "6/" in out
+    assert cli.main(["show", "--tuned-dir", str(tmp_path / "tuned")]) == 0
+    out = capsys.readouterr().out
+    assert "Simulated GPU (sm90)" in out and "sm80_d64_bf16_full_s4096_g1" in out
+    assert cli.main(["show", "--tuned-dir", str(tmp_path / "tuned"), "--gpu", "NVIDIA H200"]) == 0
+    assert "no tuned results for NVIDIA H200" in capsys.readouterr().out
+    assert cli.main(["export", "--out", str(tmp_path / "x"), "--tuned-dir", str(tmp_path / "tuned")]) == 0
+    assert "wrote 1 kernels" in capsys.readouterr().out or list((tmp_path / "x").glob("*.cu"))
+
+
+def test_show_names_a_corrupt_store(tmp_path, capsys):
+    (tmp_path / "x-sm90.json").write_text("{")
+    assert cli.main(["show", "--tuned-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "x-sm90.json" in err and "not valid JSON" in err and "Traceback" not in err
+
+
+def test_show_and_export_on_an_empty_store(tmp_path, capsys):
+    assert cli.main(["show", "--tuned-dir", str(tmp_path)]) == 0
+    assert "no tuned results" in capsys.readouterr().out
+    assert cli.main(["export", "--out", str(tmp_path / "o"), "--tuned-dir", str(tmp_path)]) == 0
+    assert "nothing tuned" in capsys.readouterr().out
