@@ -184,3 +184,38 @@ def test_compile_ahead_pool(tmp_path, monkeypatch):
             pool.get(cfg, "sm_10")  # no such target: nvcc fails, reported as CompileError
     finally:
         pool.close()
+
+
+def test_gpu_backend_turns_every_outcome_into_a_value(tmp_path, monkeypatch):
+    from flashgen.worker import GpuBackend
+
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    answers = iter([("ok", {"status": "ok", "ms": 2.0, "max_err": 1e-3, "reason": ""}),
+                    ("ok", {"status": "verify_failed", "ms": None, "max_err": 0.5, "reason": "max error 0.5 > bound"}),
+                    ("faulted", "CudaError: cuCtxSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS"),
+                    ("timeout", "no answer within 60 s"),
+                    ("error", "ValueError: bad shape")])
+
+    class FakeWorker:
+        def call(self, task, *args, deadline_s=0):
+            assert task == "flashgen.worker:gpu_trial"
+            return next(answers)
+
+        def close(self):
+            pass
+
+    b = object.__new__(GpuBackend)  # no GPU here: the worker is replaced, the compile pool is real
+    b.worker, b.gpu_arch, b.compiler = FakeWorker(), "sm80", CompileAhead(2)
+    b.deadline_s, b.warmup, b.reps = 60, 1, 1
+    p = problem(arch="sm80", head_dim=64)
+    cfg = p.default_config()
+    try:
+        b.prefetch([cfg], p)
+        statuses = [b.evaluate(cfg, p) for _ in range(5)]
+        assert [r.status for r in statuses] == ["ok", "verify_failed", "faulted", "timeout", "faulted"]
+        assert statuses[0].tflops > 0 and statuses[0].info["registers"] > 0
+        assert "ILLEGAL_ADDRESS" in statuses[2].reason
+        b.gpu_arch = "sm10"  # nvcc has no such target: a compile failure, as a value
+        assert b.evaluate(cfg, p).status == "compile_failed"
+    finally:
+        b.close()
