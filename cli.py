@@ -6,6 +6,7 @@
     python cli.py show
     python cli.py export --arch sm80 --out exported/
     python cli.py check --head-dim 64,128
+    python cli.py bench --arch sm80 --head-dim 64,128,256 --dtype bf16,fp16 --out benchmarks/
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def add_problem_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="cli.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{tune,show,export,check}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{tune,show,export,check,bench}")
 
     t = sub.add_parser("tune", help="search the tile space per problem on this GPU and store the fastest verified kernel")
     add_problem_args(t)
@@ -103,6 +104,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check", help="on a GPU: verify the default config of each problem on a few shapes")
     add_problem_args(c)
+
+    b = sub.add_parser("bench", help="time tuned kernels against PyTorch SDPA backends; table, JSON, CSV, PNG")
+    add_problem_args(b)
+    b.set_defaults(head_dim=[64, 128, 256])
+    b.add_argument("--seqlen", type=int_list, default=[1024, 2048, 4096, 8192, 16384],
+                   help="seqlens (default 1024,2048,4096,8192,16384)")
+    b.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS, help="batch = batch_tokens // seqlen (default 16384)")
+    b.add_argument("--heads-dim-total", type=int, default=HEADS_DIM_TOTAL, help="heads = this // head_dim (default 2048)")
+    b.add_argument("--peers", type=str_list, default=["flash", "cudnn"],
+                   help="SDPA backends to compare with: flash,cudnn,efficient (default flash,cudnn)")
+    b.add_argument("--out", type=Path, default=None, help="write <gpu>-<date>.json/.csv/.png here")
+    b.add_argument("--reps", type=int, default=50, help="timed repetitions per kernel (default 50)")
+    b.add_argument("--simulate", action="store_true",
+                   help="testing only: time with flashgen.compare.SimulatedRunner (fake numbers)")
     return ap
 
 
@@ -324,14 +339,48 @@ def check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def bench(args: argparse.Namespace) -> int:
+    import datetime
+
+    from flashgen import __version__
+    from flashgen.compare import PEERS, SimulatedRunner, TorchRunner, grid, run_grid, table as bench_table, write
+
+    _check("peers", args.peers, PEERS)
+    points = grid(args.dtype, args.head_dim, causal_list(args.causal), args.seqlen, args.batch_tokens,
+                  args.heads_dim_total)
+    if args.simulate:
+        runner, gpu = SimulatedRunner(), "simulated"
+    else:
+        try:
+            import torch
+        except ImportError:
+            raise CliError("bench needs torch with CUDA on a GPU machine (or --simulate for a dry run)") from None
+        if not torch.cuda.is_available():
+            raise CliError("bench needs a CUDA GPU; none is visible")
+        gpu = torch.cuda.get_device_name()
+        major, minor = torch.cuda.get_device_capability()
+        check_family(args.arch, gpu, f"sm{major}{minor}")
+        runner = TorchRunner(arch=args.arch, reps=args.reps)
+    rows = run_grid(points, runner, args.peers)
+    print(f"{gpu}, {datetime.date.today()}, family {args.arch}: TFLOP/s (4*B*H*N*N*D, halved for causal) and flashgen's ratio")
+    print(bench_table(rows, args.peers))
+    if args.out:
+        meta = {"flashgen": __version__, "family": args.arch, "simulated": bool(args.simulate)}
+        if not args.simulate:
+            meta["torch"] = torch.__version__
+        paths = write(rows, args.peers, args.out, gpu, meta)
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from flashgen.store import StoreError
 
     args = build_parser().parse_args(argv)
     try:
-        if args.cmd in ("tune", "check"):
+        if args.cmd in ("tune", "check", "bench"):
             validate(args)
-        return {"tune": tune, "show": show, "export": export, "check": check}[args.cmd](args)
+        return {"tune": tune, "show": show, "export": export, "check": check, "bench": bench}[args.cmd](args)
     except (CliError, StoreError, C.ConfigError) as e:
         print(f"cli.py {args.cmd}: error: {e}", file=sys.stderr)
         return 2

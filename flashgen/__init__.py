@@ -8,8 +8,9 @@ from .api import Kernel, attention, choose_config, load
 from .compile import CompileError, CompiledKernel, Resources, compile_kernel
 from .config import ConfigError, KernelConfig, default_config, space
 from .render import render
+from .store import StoreError
 
 __all__ = [
     "__version__", "attention", "load", "Kernel", "choose_config", "KernelConfig", "ConfigError", "default_config",
-    "space", "render", "compile_kernel", "CompiledKernel", "CompileError", "Resources",
+    "space", "render", "compile_kernel", "CompiledKernel", "CompileError", "Resources", "StoreError",
 ]

@@ -80,8 +80,8 @@ class SimulatedRunner:
 class TorchRunner:
     """The real thing: flashgen.load() (tuned store, else default) and SDPA forced per backend."""
 
-    def __init__(self, warmup: int = 10, reps: int = 50):
-        self.warmup, self.reps = warmup, reps
+    def __init__(self, arch: str | None = None, warmup: int = 10, reps: int = 50):
+        self.arch, self.warmup, self.reps = arch, warmup, reps  # arch: template family, None = fastest tuned
 
     def time_point(self, point: Point, peers: list[str]) -> Row:
         import torch  # noqa: PLC0415
@@ -95,7 +95,7 @@ class TorchRunner:
         b, n, h, d = point.batch, point.seqlen, point.heads, point.head_dim
         sets = [random_qkv(b, n, n, h, h, d, point.dtype, seed=i) for i in range(l2_rotation(2 * 4 * b * n * h * d))]
         sdpa_sets = [tuple(t.transpose(1, 2) for t in s) for s in sets]  # SDPA takes (b, h, n, d)
-        kern = flashgen.load(d, point.dtype, point.causal, seqlen=n)
+        kern = flashgen.load(d, point.dtype, point.causal, seqlen=n, arch=self.arch)
         row = Row(point, kernel=kern.name)
         row.ms["flashgen"] = median_ms(time_cuda(lambda i: kern(*sets[i]), self.warmup, self.reps, len(sets)))
         backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,

@@ -9,14 +9,20 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-FAMILIES = ("sm80",)
+FAMILIES = ("sm80", "sm90")
 HEAD_DIMS = (32, 64, 96, 128, 256)
 DTYPES = ("fp16", "bf16")
-BLOCK_MS = (64, 128, 256)
+BLOCK_MS = (64, 128, 192, 256)
 BLOCK_NS = (32, 64, 128, 256)
-NUM_WARPS = (2, 4, 8, 16)
+NUM_WARPS = (2, 4, 8, 12, 16)
 NUM_STAGES = (1, 2, 3, 4)
 ELEM_BYTES = 2  # fp16 and bf16
+# sm80: warps split block_m into 16-row mma tiles. sm90: one producer warpgroup plus one
+# consumer warpgroup per 64 rows of block_m (wgmma is m64), so num_warps follows block_m.
+FAMILY_BLOCK_MS = {"sm80": (64, 128, 256), "sm90": (64, 128, 192)}
+# sm90 consumers get registers from the producer through setmaxnreg: (producer, consumer)
+# per thread for 2 and 3 consumer warpgroups; one consumer keeps the 255 cap at entry.
+SM90_REGS = {1: (None, 255), 2: (24, 240), 3: (24, 160)}
 
 
 @dataclass(frozen=True)
@@ -78,12 +84,18 @@ class KernelConfig:
         _check_choice("head_dim", self.head_dim, HEAD_DIMS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("causal", self.causal, (False, True))
-        _check_choice("block_m", self.block_m, BLOCK_MS)
+        _check_choice("block_m", self.block_m, FAMILY_BLOCK_MS[self.family])
         _check_choice("block_n", self.block_n, BLOCK_NS)
         _check_choice("num_warps", self.num_warps, NUM_WARPS)
         _check_choice("num_stages", self.num_stages, NUM_STAGES)
+        if self.family == "sm90":
+            if self.num_warps != 4 * (1 + self.consumers):
+                raise ConfigError(
+                    f"num_warps={self.num_warps} must be {4 * (1 + self.consumers)} for block_m={self.block_m} in "
+                    "family sm90 (a producer warpgroup plus one consumer warpgroup per 64 rows)"
+                )
         # Each warp owns whole 16-row slices of the Q tile (mma.sync is m16).
-        if self.block_m % (16 * self.num_warps):
+        elif self.block_m % (16 * self.num_warps):
             raise ConfigError(
                 f"block_m={self.block_m} must be a multiple of 16*num_warps={16 * self.num_warps} "
                 "(each warp owns whole 16-row mma tiles)"
@@ -103,21 +115,34 @@ class KernelConfig:
         return 32 * self.num_warps
 
     @property
+    def consumers(self) -> int:
+        """sm90: consumer warpgroups, 64 Q rows each."""
+        return self.block_m // 64
+
+    @property
     def warp_m_tiles(self) -> int:
-        """16-row mma tiles each warp owns."""
-        return self.block_m // (16 * self.num_warps)
+        """16-row mma tiles each math warp owns."""
+        return 1 if self.family == "sm90" else self.block_m // (16 * self.num_warps)
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: the Q tile plus `num_stages` K and V tiles."""
+        """Dynamic shared memory: the Q tile plus `num_stages` K and V tiles (sm90: plus its
+        mbarriers and 1024 bytes to align the swizzled tiles)."""
         q = self.block_m * self.head_dim
         kv = 2 * self.num_stages * self.block_n * self.head_dim
-        return (q + kv) * ELEM_BYTES
+        extra = 8 * (1 + 3 * self.num_stages) + 1024 if self.family == "sm90" else 0
+        return (q + kv) * ELEM_BYTES + extra
 
     @property
     def accum_regs(self) -> int:
-        """fp32 registers per thread for the S and O accumulators."""
+        """fp32 registers per math thread for the S and O accumulators."""
         return self.warp_m_tiles * (self.block_n + self.head_dim) // 2
+
+    @property
+    def max_accum_regs(self) -> int:
+        if self.family == "sm90":  # what setmaxnreg leaves a consumer, less room for P and addressing
+            return min(MAX_ACCUM_REGS, SM90_REGS[self.consumers][1] - 64)
+        return MAX_ACCUM_REGS
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         return (-(-seqlen_q // self.block_m), heads, batch)
@@ -125,13 +150,15 @@ class KernelConfig:
     def unfit_reason(self, arch: str) -> str | None:
         """Why this config cannot run on `arch`, or None if it fits."""
         lim = arch_limits(arch)
+        if self.family == "sm90" and arch != "sm90":
+            return f"family sm90 (wgmma, TMA, setmaxnreg) needs an sm90 GPU, not {arch}"
         if self.threads > lim.max_threads:
             return f"{self.threads} threads per block > {lim.max_threads} on {arch}"
         if self.smem_bytes > lim.smem_per_block:
             return f"shared memory {self.smem_bytes} B > {lim.smem_per_block} B per block on {arch}"
-        if self.accum_regs > MAX_ACCUM_REGS:
+        if self.accum_regs > self.max_accum_regs:
             return (
-                f"{self.accum_regs} accumulator registers per thread > {MAX_ACCUM_REGS} "
+                f"{self.accum_regs} accumulator registers per thread > {self.max_accum_regs} "
                 f"(block_n + head_dim too large for {self.warp_m_tiles} m-tiles per warp)"
             )
         return None
@@ -157,9 +184,9 @@ def space(family: str, head_dim: int, dtype: str, causal: bool) -> list[KernelCo
     Arch fit is not checked here (see `KernelConfig.unfit_reason`)."""
     _check_choice("family", family, FAMILIES)
     out = []
-    for bm in BLOCK_MS:
+    for bm in FAMILY_BLOCK_MS[family]:
         for bn in BLOCK_NS:
-            for w in NUM_WARPS:
+            for w in (NUM_WARPS if family == "sm80" else (4 * (1 + bm // 64),)):
                 for s in NUM_STAGES:
                     try:
                         out.append(KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family))
@@ -171,6 +198,13 @@ def space(family: str, head_dim: int, dtype: str, causal: bool) -> list[KernelCo
 # Sound starting points before any tuning, best first; the first that fits the arch
 # is used. Chosen so that none spills registers (checked by tests/test_compile.py).
 # (block_m, block_n, num_warps, num_stages)
+_DEFAULT_TILES_SM90 = {  # FlashAttention-3's choices, roughly: two consumer warpgroups
+    32: [(128, 128, 12, 2)],
+    64: [(128, 128, 12, 2)],
+    96: [(128, 128, 12, 2)],
+    128: [(128, 128, 12, 2)],
+    256: [(128, 64, 12, 2)],
+}
 _DEFAULT_TILES = {
     32: [(128, 128, 8, 2)],
     64: [(128, 64, 4, 2), (128, 64, 8, 2)],
@@ -183,8 +217,10 @@ _DEFAULT_TILES = {
 def default_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm80", family: str = "sm80") -> KernelConfig:
     """The untuned configuration `load()` uses for a problem on `arch`."""
     _check_choice("head_dim", head_dim, HEAD_DIMS)
-    for bm, bn, w, s in _DEFAULT_TILES[head_dim]:
+    reason = ""
+    for bm, bn, w, s in (_DEFAULT_TILES_SM90 if family == "sm90" else _DEFAULT_TILES)[head_dim]:
         cfg = KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family)
-        if cfg.unfit_reason(arch) is None:
+        reason = cfg.unfit_reason(arch)
+        if reason is None:
             return cfg
-    raise ConfigError(f"no default configuration fits {arch} for head_dim={head_dim}")
+    raise ConfigError(f"no default configuration of family {family} fits {arch} for head_dim={head_dim}: {reason}")

@@ -96,7 +96,8 @@ class Function:
         check(lib().cuFuncSetAttribute(self.handle, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes),
               f"cuFuncSetAttribute({name}, max dynamic smem {smem_bytes})")
 
-    def launch(self, grid: tuple[int, int, int], block: int, params: ctypes.Structure, stream: int = 0) -> None:
+    def launch(self, grid: tuple[int, int, int], block: int, params: ctypes.Structure | ctypes.Array, stream: int = 0) -> None:
+        # The kernel takes one struct by value: kernelParams holds one pointer to its bytes.
         args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
         rc = lib().cuLaunchKernel(self.handle, grid[0], grid[1], grid[2], block, 1, 1, self.smem_bytes,
                                   ctypes.c_void_p(stream), args, None)
@@ -115,6 +116,26 @@ def get_function(cubin: bytes, name: str, smem_bytes: int) -> Function:
         if fn is None:
             fn = _functions[key] = Function(cubin, name, smem_bytes)
     return fn
+
+
+# cuTensorMapEncodeTiled enums (cuda.h)
+TMA_DTYPES = {"fp16": 6, "bf16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+TMA_SWIZZLE = {32: 1, 64: 2, 128: 3}  # CU_TENSOR_MAP_SWIZZLE_{32,64,128}B by row bytes
+TMA_L2_PROMOTION_128B = 2
+
+
+def tensor_map(dtype: str, ptr: int, dims: tuple[int, ...], strides_bytes: tuple[int, ...], box: tuple[int, ...],
+               swizzle_bytes: int) -> bytes:
+    """A 128-byte CUtensorMap for a tiled TMA copy; dims innermost first, strides for dims[1:]."""
+    rank = len(dims)
+    out = (ctypes.c_uint8 * 128)()
+    rc = lib().cuTensorMapEncodeTiled(
+        out, TMA_DTYPES[dtype], rank, ctypes.c_void_p(ptr),
+        (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides_bytes),
+        (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)),
+        0, TMA_SWIZZLE[swizzle_bytes], TMA_L2_PROMOTION_128B, 0)
+    check(rc, f"cuTensorMapEncodeTiled(dims={dims}, strides={strides_bytes}, box={box})")
+    return bytes(out)
 
 
 def synchronize() -> None:

@@ -25,6 +25,24 @@ class FwdParams(ctypes.Structure):
     ]
 
 
+def sm90_params(p: FwdParams, q: View, k: View, v: View, prob: Problem, block_m: int, block_n: int) -> ctypes.Array:
+    """Bytes of `struct Sm90FwdParams` (templates/sm90/fwd.cu.j2): TMA maps of q, k, v at 0, 128, 256, then FwdParams."""
+    from .driver import tensor_map  # noqa: PLC0415
+
+    d = prob.head_dim
+    width = 64 if d % 64 == 0 else 32  # SMEM_W: swizzled row of 128 or 64 bytes
+
+    def tmap(t: View, seqlen: int, heads: int, rows: int) -> bytes:
+        dims = (d, seqlen, heads, prob.batch)
+        strides = tuple(2 * s for s in (t.strides[1], t.strides[2], t.strides[0]))
+        return tensor_map(prob.dtype, t.ptr, dims, strides, (width, rows, 1, 1), 2 * width)
+
+    blob = (tmap(q, prob.seqlen_q, prob.heads, block_m) + tmap(k, prob.seqlen_k, prob.heads_k, block_n)
+            + tmap(v, prob.seqlen_k, prob.heads_k, block_n) + bytes(p))
+    size = -(-len(blob) // 128) * 128  # sizeof(Sm90FwdParams): CUtensorMap's alignment pads the tail
+    return (ctypes.c_uint8 * size).from_buffer_copy(blob.ljust(size, b"\0"))
+
+
 def _empty_like_problem(like: View, shape: tuple[int, ...], dtype: str) -> Any:
     if like.kind == "torch":
         import torch  # noqa: PLC0415
@@ -79,6 +97,8 @@ def run(kernel: CompiledKernel, q: Any, k: Any, v: Any, softmax_scale: float | N
         *(s for t in (qv, kv, vv, ov) for s in (t.strides[0], t.strides[1], t.strides[2])),
         prob.batch, prob.heads, prob.heads_k, prob.seqlen_q, prob.seqlen_k, scale, scale * LOG2E,
     )
+    if cfg.family == "sm90":
+        p = sm90_params(p, qv, kv, vv, prob, cfg.block_m, cfg.block_n)
     if qv.kind == "torch":
         import torch  # noqa: PLC0415
 

@@ -6,7 +6,7 @@ import functools
 import jinja2
 
 from .__version__ import __version__
-from .config import KernelConfig
+from .config import SM90_REGS, KernelConfig
 from .paths import templates_dir
 
 # dtype -> (C++ element type, its 2-vector, the float2 packer, the PTX mma type)
@@ -32,6 +32,8 @@ def render(cfg: KernelConfig) -> str:
     """The CUDA source of `cfg`'s kernel; its `__global__` function is named `cfg.name`."""
     elem_t, elem2_t, pack_fn, ptx_type = _TYPES[cfg.dtype]
     template = _env().get_template(f"{cfg.family}/fwd.cu.j2")
+    producer_regs, consumer_regs = SM90_REGS.get(cfg.consumers, (None, None)) if cfg.family == "sm90" else (None, None)
     return template.render(
-        cfg=cfg, version=__version__, elem_t=elem_t, elem2_t=elem2_t, pack_fn=pack_fn, ptx_type=ptx_type
+        cfg=cfg, version=__version__, elem_t=elem_t, elem2_t=elem2_t, pack_fn=pack_fn, ptx_type=ptx_type,
+        producer_regs=producer_regs, consumer_regs=consumer_regs,
     )

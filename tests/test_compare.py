@@ -45,3 +45,26 @@ def test_files_json_csv_png(tmp_path):
 def test_unknown_peer_is_an_error():
     with pytest.raises(ValueError, match="unknown peers \\['xformers'\\]"):
         run_grid(grid(["bf16"], [64], [False], [1024]), SimulatedRunner(), ["xformers"], progress=False)
+
+
+def test_cli_bench_simulated_writes_files(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "cli.py", "bench", "--simulate", "--head-dim", "64,128", "--seqlen", "1024",
+                          "--causal", "no", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "x flash" in out.stdout and "bf16    64 full     1024" in out.stdout
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".csv", ".json", ".png"]
+
+
+def test_cli_bench_errors():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "cli.py", "bench", "--peers", "flash,xformers", "--simulate"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--peers xformers: choose from flash,cudnn,efficient" in out.stderr
+    out = subprocess.run([sys.executable, "cli.py", "bench", "--head-dim", "80", "--simulate"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--head-dim 80" in out.stderr

@@ -11,9 +11,9 @@ GOOD = dict(head_dim=128, dtype="bf16", causal=True, block_m=128, block_n=64, nu
     ("causal", 1, "False, True"),
     ("block_m", 96, "64, 128, 256"),
     ("block_n", 48, "32, 64, 128, 256"),
-    ("num_warps", 3, "2, 4, 8, 16"),
+    ("num_warps", 3, "2, 4, 8, 12, 16"),
     ("num_stages", 0, "1, 2, 3, 4"),
-    ("family", "sm70", "'sm80'"),
+    ("family", "sm70", "'sm80', 'sm90'"),
 ])
 def test_bad_field_names_field_and_allowed_values(field, value, allowed):
     with pytest.raises(ConfigError, match=f"{field}={value!r}.*{allowed}".replace("(", r"\(")):

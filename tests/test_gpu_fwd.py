@@ -9,16 +9,20 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from flashgen.compile import compile_kernel, target_for
-from flashgen.config import DTYPES, HEAD_DIMS, KernelConfig, default_config
+from flashgen.config import DTYPES, FAMILIES, HEAD_DIMS, KernelConfig, default_config
 
 pytestmark = pytest.mark.gpu
 
 PAIRS = [(1, 1), (17, 17), (113, 113), (128, 128), (211, 211), (1023, 1023), (1024, 1024), (2048, 2048),
          (1, 1023), (1023, 1), (113, 211), (211, 113), (17, 2048), (2048, 17), (128, 1024), (1024, 128)]
 LAYOUTS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
-# Beside each default: other tile shapes that exercise other code paths (2 m-tiles per warp,
-# 64-thread blocks, 32- and 128-key tiles, 1 to 3 stages).
-OTHER_TILES = [(64, 32, 2, 3), (128, 128, 8, 1), (64, 64, 4, 2), (128, 32, 4, 1)]
+# Beside each default: other tile shapes that exercise other code paths (sm80: 2 m-tiles per
+# warp, 64-thread blocks, 32- and 128-key tiles, 1 to 3 stages; sm90: 1 to 3 consumer
+# warpgroups, 64- and 128-key tiles, 1 to 3 stages).
+OTHER_TILES = {
+    "sm80": [(64, 32, 2, 3), (128, 128, 8, 1), (64, 64, 4, 2), (128, 32, 4, 1)],
+    "sm90": [(64, 64, 8, 1), (128, 64, 12, 3), (192, 64, 16, 2), (64, 128, 8, 2)],
+}
 
 
 def _arch() -> str:
@@ -29,11 +33,16 @@ def _arch() -> str:
 
 
 def configs_for(head_dim: int, dtype: str, causal: bool, arch: str) -> list[KernelConfig]:
-    cfgs = [default_config(head_dim, dtype, causal, arch)]
-    for bm, bn, w, s in OTHER_TILES:
-        c = KernelConfig(head_dim, dtype, causal, bm, bn, w, s)
-        if c.unfit_reason(arch) is None and c not in cfgs:
-            cfgs.append(c)
+    cfgs = []
+    families = os.environ.get("FLASHGEN_TEST_FAMILIES", ",".join(FAMILIES)).split(",")  # e.g. sm80 alone
+    for family in families:
+        if family == "sm90" and arch != "sm90":
+            continue  # the Hopper family runs only on sm90
+        cfgs.append(default_config(head_dim, dtype, causal, arch, family))
+        for bm, bn, w, s in OTHER_TILES[family]:
+            c = KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family)
+            if c.unfit_reason(arch) is None and c not in cfgs:
+                cfgs.append(c)
     return cfgs
 
 
@@ -101,6 +110,21 @@ def test_runs_on_current_stream():
         out = flashgen.attention(q, k, v)
     s.synchronize()
     assert (out.double() - reference(q, k, v, False).out).abs().max().item() <= reference(q, k, v, False).bound
+
+
+def test_sm90_family_on_hopper(kernels):
+    """On an sm90 GPU the Hopper family is among the kernels checked above, and its SASS uses wgmma."""
+    import subprocess
+    import tempfile
+
+    if _arch() != "sm90":
+        pytest.skip("the sm90 family needs an sm90 GPU")
+    k = next(k for k in kernels[(128, "bf16", True)] if k.config.family == "sm90")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.cubin)
+        f.flush()
+        sass = subprocess.run(["cuobjdump", "--dump-sass", f.name], capture_output=True, text=True).stdout
+    assert "HGMMA" in sass and "UTMALDG" in sass, sass[:2000]
 
 
 def test_load_returns_kernel_with_report():

@@ -45,10 +45,20 @@ def test_mixed_dtypes_rejected():
     assert np  # numpy is a core dependency
 
 
+def test_load_compiles_without_a_gpu_and_checks_families():
+    k = flashgen.load(64, "bf16", True, gpu_arch="sm90", arch="sm90")
+    assert k.config.family == "sm90" and k.compiled.target == "sm_90a"
+    assert flashgen.load(64, "bf16", True, gpu_arch="sm80").config.family == "sm80"
+    with pytest.raises(ValueError, match="needs an sm90 GPU"):
+        flashgen.load(64, "bf16", True, gpu_arch="sm80", arch="sm90")
+    with pytest.raises(ValueError, match="arch='sm75' is not a template family"):
+        flashgen.load(64, "bf16", True, gpu_arch="sm80", arch="sm75")
+
+
 def test_load_checks_config_matches_problem():
     cfg = flashgen.default_config(64, "fp16", False, "sm80")
     with pytest.raises(ValueError, match="does not match"):
-        flashgen.load(128, "fp16", False, config=cfg, arch="sm80")
+        flashgen.load(128, "fp16", False, config=cfg, gpu_arch="sm80")
     big = flashgen.KernelConfig(256, "bf16", False, 128, 64, 8, 2)
     with pytest.raises(ValueError, match="cannot run on sm86"):
-        flashgen.load(256, "bf16", False, config=big, arch="sm86")
+        flashgen.load(256, "bf16", False, config=big, gpu_arch="sm86")

@@ -48,7 +48,7 @@ def test_short_tune_survives_a_fault_and_a_hang_and_load_uses_it(tmp_path, monke
     proc = subprocess.run([sys.executable, str(REPO / "cli.py"), "tune", "--arch", "sm80", "--head-dim", "64",
                            "--dtype", "bf16", "--causal", "no", "--seqlen", "1024", "--block-m", "64,128",
                            "--block-n", "32,64,128", "--num-warps", "4", "--num-stages", "1,2", "--exhaustive",
-                           "--storage", storage, "--tuned-dir", str(tuned), "--deadline", "60s"],
+                           "--storage", storage, "--tuned-dir", str(tuned), "--deadline", "20s"],
                           capture_output=True, text=True, env=env, timeout=560, cwd=REPO)
     print(proc.stdout, proc.stderr[-4000:])
     assert proc.returncode == 0, proc.stderr[-4000:]
