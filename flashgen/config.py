@@ -78,6 +78,8 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     family: str = "sm80"
+    overlap: bool = False  # sm90: issue the next S = QK^T alongside this tile's P V
+    pingpong: bool = False  # sm90: the two consumer warpgroups take turns issuing GEMMs
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
@@ -88,6 +90,14 @@ class KernelConfig:
         _check_choice("block_n", self.block_n, BLOCK_NS)
         _check_choice("num_warps", self.num_warps, NUM_WARPS)
         _check_choice("num_stages", self.num_stages, NUM_STAGES)
+        _check_choice("overlap", self.overlap, (False, True))
+        _check_choice("pingpong", self.pingpong, (False, True))
+        if self.family != "sm90" and (self.overlap or self.pingpong):
+            raise ConfigError(f"overlap and pingpong are sm90-family knobs; family {self.family} has neither")
+        if self.pingpong and self.consumers != 2:
+            raise ConfigError(f"pingpong=True needs block_m=128 (two consumer warpgroups), not {self.block_m}")
+        if self.overlap and self.num_stages < 2:
+            raise ConfigError("overlap=True needs num_stages >= 2 (K of the next tile loads while V of this one is read)")
         if self.family == "sm90":
             if self.num_warps != 4 * (1 + self.consumers):
                 raise ConfigError(
@@ -105,10 +115,11 @@ class KernelConfig:
     @property
     def name(self) -> str:
         mask = "causal" if self.causal else "full"
-        return (
+        name = (
             f"fwd_{self.family}_d{self.head_dim}_{self.dtype}_{mask}"
             f"_bm{self.block_m}_bn{self.block_n}_w{self.num_warps}_s{self.num_stages}"
         )
+        return name + f"_ov{int(self.overlap)}_pp{int(self.pingpong)}" if self.family == "sm90" else name
 
     @property
     def threads(self) -> int:
@@ -136,7 +147,8 @@ class KernelConfig:
     @property
     def accum_regs(self) -> int:
         """fp32 registers per math thread for the S and O accumulators."""
-        return self.warp_m_tiles * (self.block_n + self.head_dim) // 2
+        extra_p = self.block_n // 4 if self.overlap else 0  # a second P in flight
+        return self.warp_m_tiles * (self.block_n + self.head_dim) // 2 + extra_p
 
     @property
     def max_accum_regs(self) -> int:
@@ -188,10 +200,12 @@ def space(family: str, head_dim: int, dtype: str, causal: bool) -> list[KernelCo
         for bn in BLOCK_NS:
             for w in (NUM_WARPS if family == "sm80" else (4 * (1 + bm // 64),)):
                 for s in NUM_STAGES:
-                    try:
-                        out.append(KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family))
-                    except ConfigError:
-                        continue
+                    for ov, pp in ([(False, False)] if family == "sm80" else
+                                   [(False, False), (True, False), (False, True), (True, True)]):
+                        try:
+                            out.append(KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family, ov, pp))
+                        except ConfigError:
+                            continue
     return out
 
 

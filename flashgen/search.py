@@ -25,9 +25,10 @@ from .config import ConfigError, KernelConfig, space as config_space
 from .problem import TuneProblem
 
 PARAMS = ("block_m", "block_n", "num_warps", "num_stages")  # Optuna's parameter names = KernelConfig fields
+FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, "overlap", "pingpong")}
 SAMPLERS = ("tpe", "random")
 
-Params = tuple[int, int, int, int]
+Params = tuple  # values of FAMILY_PARAMS[family], in order
 
 
 def default_storage() -> str:
@@ -91,11 +92,12 @@ class SearchOutcome:
 
 
 def params_of(cfg: KernelConfig) -> Params:
-    return (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    return tuple(getattr(cfg, p) for p in FAMILY_PARAMS[cfg.family])
 
 
 def config_of(problem: TuneProblem, params: Params) -> KernelConfig:
-    return KernelConfig(problem.head_dim, problem.dtype, problem.causal, *params, family=problem.family)
+    return KernelConfig(problem.head_dim, problem.dtype, problem.causal, family=problem.family,
+                        **dict(zip(FAMILY_PARAMS[problem.family], params)))
 
 
 def static_reason(problem: TuneProblem, params: Params, allowed: set[Params]) -> str | None:
@@ -114,8 +116,8 @@ def result_of(t: FrozenTrial) -> TrialResult:
     return TrialResult(a["status"], a.get("ms"), a.get("tflops"), a.get("reason", ""), a.get("info", {}))
 
 
-def _params(t: FrozenTrial) -> Params:
-    return tuple(t.params[p] for p in PARAMS)  # type: ignore[return-value]
+def _params(t: FrozenTrial, family: str) -> Params:
+    return tuple(t.params[p] for p in FAMILY_PARAMS[family])
 
 
 def _finished(study: optuna.Study) -> list[FrozenTrial]:
@@ -161,18 +163,19 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
     allowed = {params_of(c) for c in space}
     viable = {params_of(c) for c in space if c.unfit_reason(problem.gpu_arch) is None}
     # Sample only values some fitting configuration has: fewer combinations to prune.
-    dists = {p: CategoricalDistribution(sorted({v[i] for v in viable or allowed})) for i, p in enumerate(PARAMS)}
+    names = FAMILY_PARAMS[problem.family]
+    dists = {p: CategoricalDistribution(sorted({v[i] for v in viable or allowed})) for i, p in enumerate(names)}
     study = open_study(problem, opts)
     seen: dict[Params, FrozenTrial] = {}
     for t in _finished(study):
-        seen.setdefault(_params(t), t)
+        seen.setdefault(_params(t, problem.family), t)
     evaluated = sum(1 for t in _finished(study) if _counts(t))
     default = problem.default_config()
     queued: set[Params] = set()
 
     def enqueue(params: Params) -> None:
-        if params not in seen and params not in queued and all(v in dists[p].choices for p, v in zip(PARAMS, params)):
-            study.enqueue_trial(dict(zip(PARAMS, params)), skip_if_exists=True)
+        if params not in seen and params not in queued and all(v in dists[p].choices for p, v in zip(names, params)):
+            study.enqueue_trial(dict(zip(names, params)), skip_if_exists=True)
             queued.add(params)
 
     enqueue(params_of(default))  # the default is measured first: the figure tuned kernels are compared with
@@ -195,7 +198,7 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
             while (len(pending) < min(max(1, opts.ahead), budget - done) and asks < max_asks
                    and not exhausted() and not out_of_time()):
                 trial, asks = study.ask(dists), asks + 1
-                params = tuple(trial.params[p] for p in PARAMS)
+                params = tuple(trial.params[p] for p in names)
                 reason = static_reason(problem, params, allowed)  # type: ignore[arg-type]
                 if reason is not None:
                     res = TrialResult("pruned", reason=reason)
@@ -250,8 +253,8 @@ def outcome(study: optuna.Study, problem: TuneProblem, default: KernelConfig,
     ok = [t for t in finished if t.user_attrs["status"] == "ok"]
     best = min(ok, key=lambda t: t.user_attrs["ms"], default=None)
     if default_res is None:
-        d = next((t for t in finished if _params(t) == params_of(default)), None)
+        d = next((t for t in finished if _params(t, problem.family) == params_of(default)), None)
         default_res = result_of(d) if d is not None else None
-    return SearchOutcome(problem, config_of(problem, _params(best)) if best else None,
+    return SearchOutcome(problem, config_of(problem, _params(best, problem.family)) if best else None,
                          result_of(best) if best else None, default, default_res, counts,
                          sum(1 for t in finished if _counts(t)))

@@ -63,3 +63,16 @@ def test_parse_ptxas_report():
     assert r.spills
     with pytest.raises(CompileError, match="could not read"):
         parse_ptxas("nothing", "k1", 0)
+
+
+@pytest.mark.parametrize("overlap,pingpong", [(False, False), (True, False), (False, True), (True, True)])
+def test_sm90_family_compiles_for_sm90a_without_spills_or_serialized_wgmma(overlap, pingpong):
+    cfgs = [KernelConfig(hd, dt, causal, 128, bn, 12, 2, "sm90", overlap, pingpong)
+            for hd, bn in ((64, 128), (128, 128), (256, 64)) for dt, causal in (("bf16", True), ("fp16", False))]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        kernels = list(pool.map(lambda c: compile_kernel(c, "sm_90a"), cfgs))
+    for k in kernels:
+        assert not k.resources.spills, f"{k.name} spills: {k.resources}"
+        # C7513: ptxas serializes every wgmma when registers an in-flight wgmma reads are redefined
+        assert "C7513" not in k.ptxas_log, f"{k.name}: {k.ptxas_log}"
+        assert k.resources.smem_bytes == k.config.smem_bytes <= 227 * 1024

@@ -18,10 +18,11 @@ PAIRS = [(1, 1), (17, 17), (113, 113), (128, 128), (211, 211), (1023, 1023), (10
 LAYOUTS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
 # Beside each default: other tile shapes that exercise other code paths (sm80: 2 m-tiles per
 # warp, 64-thread blocks, 32- and 128-key tiles, 1 to 3 stages; sm90: 1 to 3 consumer
-# warpgroups, 64- and 128-key tiles, 1 to 3 stages).
+# warpgroups, 64- and 128-key tiles, 1 to 3 stages, overlap and ping-pong on and off).
 OTHER_TILES = {
     "sm80": [(64, 32, 2, 3), (128, 128, 8, 1), (64, 64, 4, 2), (128, 32, 4, 1)],
-    "sm90": [(64, 64, 8, 1), (128, 64, 12, 3), (192, 64, 16, 2), (64, 128, 8, 2)],
+    "sm90": [(64, 64, 8, 1), (128, 64, 12, 3, True, True), (192, 64, 16, 2, True), (64, 128, 8, 2),
+             (128, 128, 12, 2, False, True), (128, 128, 12, 2, True), (128, 64, 12, 2, True, True)],
 }
 
 
@@ -39,8 +40,8 @@ def configs_for(head_dim: int, dtype: str, causal: bool, arch: str) -> list[Kern
         if family == "sm90" and arch != "sm90":
             continue  # the Hopper family runs only on sm90
         cfgs.append(default_config(head_dim, dtype, causal, arch, family))
-        for bm, bn, w, s in OTHER_TILES[family]:
-            c = KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family)
+        for tiles in OTHER_TILES[family]:
+            c = KernelConfig(head_dim, dtype, causal, *tiles[:4], family, *tiles[4:])
             if c.unfit_reason(arch) is None and c not in cfgs:
                 cfgs.append(c)
     return cfgs
