@@ -57,6 +57,11 @@ class CompiledKernel:
     def name(self) -> str:
         return self.config.name
 
+    @functools.cached_property
+    def digest(self) -> str:
+        """Identity of the machine code, computed once: loaded modules are looked up by it on every launch."""
+        return hashlib.sha1(self.cubin).hexdigest()
+
 
 def target_for(arch: str, family: str) -> str:
     """The nvcc target that runs `family` kernels on an `arch` GPU (sm90 family needs sm_90a)."""

@@ -13,13 +13,15 @@ FAMILIES = ("sm80", "sm90")
 HEAD_DIMS = (32, 64, 96, 128, 256)
 DTYPES = ("fp16", "bf16")
 BLOCK_MS = (64, 128, 192, 256)
-BLOCK_NS = (32, 64, 128, 256)
+BLOCK_NS = (32, 64, 96, 128, 160, 176, 192, 256)
 NUM_WARPS = (2, 4, 8, 12, 16)
 NUM_STAGES = (1, 2, 3, 4)
 ELEM_BYTES = 2  # fp16 and bf16
 # sm80: warps split block_m into 16-row mma tiles. sm90: one producer warpgroup plus one
 # consumer warpgroup per 64 rows of block_m (wgmma is m64), so num_warps follows block_m.
 FAMILY_BLOCK_MS = {"sm80": (64, 128, 256), "sm90": (64, 128, 192)}
+# wgmma takes any N that is a multiple of 8 (16 here, for the P V k-steps); mma.sync tiles stay powers of two.
+FAMILY_BLOCK_NS = {"sm80": (32, 64, 128, 256), "sm90": (64, 96, 128, 160, 176, 192, 256)}
 # sm90 consumers get registers from the producer through setmaxnreg: (producer, consumer)
 # per thread for 2 and 3 consumer warpgroups; one consumer keeps the 255 cap at entry.
 SM90_REGS = {1: (None, 255), 2: (24, 240), 3: (24, 160)}
@@ -87,7 +89,7 @@ class KernelConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("causal", self.causal, (False, True))
         _check_choice("block_m", self.block_m, FAMILY_BLOCK_MS[self.family])
-        _check_choice("block_n", self.block_n, BLOCK_NS)
+        _check_choice("block_n", self.block_n, FAMILY_BLOCK_NS[self.family])
         _check_choice("num_warps", self.num_warps, NUM_WARPS)
         _check_choice("num_stages", self.num_stages, NUM_STAGES)
         _check_choice("overlap", self.overlap, (False, True))
@@ -152,8 +154,8 @@ class KernelConfig:
 
     @property
     def max_accum_regs(self) -> int:
-        if self.family == "sm90":  # what setmaxnreg leaves a consumer, less room for P and addressing
-            return min(MAX_ACCUM_REGS, SM90_REGS[self.consumers][1] - 64)
+        if self.family == "sm90":  # what setmaxnreg leaves a consumer, less room for softmax state and addressing
+            return min(200, SM90_REGS[self.consumers][1] - 40)
         return MAX_ACCUM_REGS
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
@@ -197,7 +199,7 @@ def space(family: str, head_dim: int, dtype: str, causal: bool) -> list[KernelCo
     _check_choice("family", family, FAMILIES)
     out = []
     for bm in FAMILY_BLOCK_MS[family]:
-        for bn in BLOCK_NS:
+        for bn in FAMILY_BLOCK_NS[family]:
             for w in (NUM_WARPS if family == "sm80" else (4 * (1 + bm // 64),)):
                 for s in NUM_STAGES:
                     for ov, pp in ([(False, False)] if family == "sm80" else

@@ -108,9 +108,12 @@ _functions: dict[tuple[int, str], Function] = {}
 _lock = threading.Lock()
 
 
-def get_function(cubin: bytes, name: str, smem_bytes: int) -> Function:
-    """The loaded function for this cubin in the current context (loaded once per context)."""
-    key = (current_context(), hashlib.sha1(cubin).hexdigest())
+def get_function(cubin: bytes, name: str, smem_bytes: int, digest: str | None = None) -> Function:
+    """The loaded function for this cubin in the current context (loaded once per context).
+
+    `digest` identifies the cubin (CompiledKernel.digest); hashing it on every launch would
+    cost more host time than a short kernel runs."""
+    key = (current_context(), digest or hashlib.sha1(cubin).hexdigest())
     with _lock:
         fn = _functions.get(key)
         if fn is None:

@@ -104,11 +104,11 @@ def run(kernel: CompiledKernel, q: Any, k: Any, v: Any, softmax_scale: float | N
 
         with torch.cuda.device(qv.obj.device):
             handle = torch.cuda.current_stream().cuda_stream
-            fn = get_function(kernel.cubin, cfg.name, cfg.smem_bytes)
+            fn = get_function(kernel.cubin, cfg.name, cfg.smem_bytes, kernel.digest)
             fn.launch(cfg.grid(prob.batch, prob.heads, prob.seqlen_q), cfg.threads, p, handle)
     else:
         handle = 0 if stream is None else int(getattr(stream, "handle", stream))
-        fn = get_function(kernel.cubin, cfg.name, cfg.smem_bytes)
+        fn = get_function(kernel.cubin, cfg.name, cfg.smem_bytes, kernel.digest)
         fn.launch(cfg.grid(prob.batch, prob.heads, prob.seqlen_q), cfg.threads, p, handle)
     return out, lse, prob
 
