@@ -343,11 +343,13 @@ def bench(args: argparse.Namespace) -> int:
     import datetime
 
     from flashgen import __version__
-    from flashgen.compare import PEERS, SimulatedRunner, TorchRunner, grid, run_grid, table as bench_table, write
+    from flashgen.compare import PEERS, SimulatedRunner, TorchRunner, grid, matmul_ceiling, run_grid, write
+    from flashgen.compare import table as bench_table
 
     _check("peers", args.peers, PEERS)
     points = grid(args.dtype, args.head_dim, causal_list(args.causal), args.seqlen, args.batch_tokens,
                   args.heads_dim_total)
+    ceiling: dict[str, float] = {}
     if args.simulate:
         runner, gpu = SimulatedRunner(), "simulated"
     else:
@@ -361,14 +363,17 @@ def bench(args: argparse.Namespace) -> int:
         major, minor = torch.cuda.get_device_capability()
         check_family(args.arch, gpu, f"sm{major}{minor}")
         runner = TorchRunner(arch=args.arch, reps=args.reps)
+        ceiling = {dt: matmul_ceiling(dt) for dt in args.dtype}
     rows = run_grid(points, runner, args.peers)
     print(f"{gpu}, {datetime.date.today()}, family {args.arch}: TFLOP/s (4*B*H*N*N*D, halved for causal) and flashgen's ratio")
-    print(bench_table(rows, args.peers))
+    if ceiling:
+        print("matmul ceiling (8192^3, this run): " + ", ".join(f"{dt} {t:.0f} TFLOP/s" for dt, t in ceiling.items()))
+    print(bench_table(rows, args.peers, ceiling))
     if args.out:
         meta = {"flashgen": __version__, "family": args.arch, "simulated": bool(args.simulate)}
         if not args.simulate:
             meta["torch"] = torch.__version__
-        paths = write(rows, args.peers, args.out, gpu, meta)
+        paths = write(rows, args.peers, args.out, gpu, meta, ceiling=ceiling)
         print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 

@@ -113,6 +113,18 @@ class TorchRunner:
         return row
 
 
+def matmul_ceiling(dtype: str, n: int = 8192, reps: int = 20) -> float:
+    """TFLOP/s of an n x n x n matrix product through torch on random data: the ceiling attention is held to."""
+    import torch  # noqa: PLC0415
+
+    from .bench import median_ms, time_cuda  # noqa: PLC0415
+
+    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    a, b = (torch.randn(n, n, device="cuda", dtype=tdt) for _ in range(2))
+    ms = median_ms(time_cuda(lambda i: a @ b, warmup=5, reps=reps))
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
 def run_grid(points: list[Point], runner: Runner, peers: list[str], progress: bool = True) -> list[Row]:
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
@@ -131,23 +143,32 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def table(rows: list[Row], peers: list[str]) -> str:
-    """TFLOP/s per kernel and flashgen's ratio to each peer."""
+def table(rows: list[Row], peers: list[str], ceiling: dict[str, float] | None = None) -> str:
+    """TFLOP/s per kernel, flashgen's ratio to each peer and, given `ceiling` (TFLOP/s of a matrix
+    product per dtype), flashgen's share of it."""
     head = f"{'dtype':<5} {'d':>4} {'mask':<6} {'N':>6} {'flashgen':>9} " + " ".join(f"{p:>9}" for p in peers) + " " + \
-        " ".join(f"{'x ' + p:>9}" for p in peers)
+        " ".join(f"{'x ' + p:>9}" for p in peers) + (f" {'% matmul':>9}" if ceiling else "")
     lines = [head, "-" * len(head)]
     for r in rows:
         pt = r.point
         lines.append(f"{pt.dtype:<5} {pt.head_dim:>4} {'causal' if pt.causal else 'full':<6} {pt.seqlen:>6} "
                      f"{_fmt(r.tflops('flashgen'), '9.1f')} " + " ".join(_fmt(r.tflops(p), '9.1f') for p in peers) + " " +
-                     " ".join(_fmt(r.ratio(p), '9.2f') for p in peers))
+                     " ".join(_fmt(r.ratio(p), '9.2f') for p in peers) +
+                     (f" {_fmt(_share(r, ceiling), '9.1f')}" if ceiling else ""))
     return "\n".join(lines)
 
 
-def to_records(rows: list[Row], peers: list[str]) -> list[dict[str, Any]]:
+def _share(r: Row, ceiling: dict[str, float]) -> float | None:
+    t, c = r.tflops("flashgen"), ceiling.get(r.point.dtype)
+    return None if t is None or not c else 100 * t / c
+
+
+def to_records(rows: list[Row], peers: list[str], ceiling: dict[str, float] | None = None) -> list[dict[str, Any]]:
     out = []
     for r in rows:
         rec: dict[str, Any] = {**asdict(r.point), "kernel": r.kernel}
+        if ceiling:
+            rec["pct_matmul"] = _share(r, ceiling)
         for who in ("flashgen", *peers):
             rec[f"{who}_ms"] = r.ms.get(who)
             rec[f"{who}_tflops"] = r.tflops(who)
@@ -158,16 +179,18 @@ def to_records(rows: list[Row], peers: list[str]) -> list[dict[str, Any]]:
 
 
 def write(rows: list[Row], peers: list[str], out_dir: Path, gpu: str, meta: dict[str, Any] | None = None,
-          date: str | None = None) -> dict[str, Path]:
+          date: str | None = None, ceiling: dict[str, float] | None = None) -> dict[str, Path]:
     """JSON (with run metadata), CSV and PNG named by GPU and date; returns their paths."""
     import re  # noqa: PLC0415
 
     date = date or datetime.date.today().isoformat()
     stem = f"{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}-{date}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    recs = to_records(rows, peers)
+    recs = to_records(rows, peers, ceiling)
     paths = {"json": out_dir / f"{stem}.json", "csv": out_dir / f"{stem}.csv", "png": out_dir / f"{stem}.png"}
     doc = {"gpu": gpu, "date": date, "peers": peers, **(meta or {}), "results": recs}
+    if ceiling:
+        doc["matmul_tflops"] = ceiling  # measured in the same run, same process
     paths["json"].write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
     with paths["csv"].open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(recs[0]) if recs else ["dtype"])
@@ -184,11 +207,13 @@ def plot(rows: list[Row], peers: list[str], path: Path, title: str = "") -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    panels = sorted({(r.point.head_dim, r.point.causal) for r in rows})
+    dims = sorted({r.point.head_dim for r in rows})
+    masks = sorted({r.point.causal for r in rows})
     dtypes = sorted({r.point.dtype for r in rows})
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4 * max(1, len(panels)), 3.6), squeeze=False)
+    fig, axes = plt.subplots(len(masks), len(dims), figsize=(4.2 * len(dims), 3.4 * len(masks)), squeeze=False)
     colors = {"flashgen": "C3", "flash": "C0", "cudnn": "C2", "efficient": "C7"}
-    for ax, (d, causal) in zip(axes[0], panels):
+    for (i, causal), (j, d) in ((im, jd) for im in enumerate(masks) for jd in enumerate(dims)):
+        ax = axes[i][j]
         for who in ("flashgen", *peers):
             for dt in dtypes:
                 pts = sorted((r.point.seqlen, r.tflops(who)) for r in rows

@@ -68,3 +68,14 @@ def test_cli_bench_errors():
     out = subprocess.run([sys.executable, "cli.py", "bench", "--head-dim", "80", "--simulate"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--head-dim 80" in out.stderr
+
+
+def test_table_and_json_report_share_of_matmul_ceiling(tmp_path):
+    import json
+
+    rs = rows()
+    text = table(rs, PEERS, {"bf16": 500.0})
+    assert text.splitlines()[0].endswith("% matmul")
+    assert text.splitlines()[2].split()[-1] == "66.7"  # 333.3 of 500 TFLOP/s
+    doc = json.loads(write(rs, PEERS, tmp_path, "gpu", ceiling={"bf16": 500.0})["json"].read_text())
+    assert doc["matmul_tflops"] == {"bf16": 500.0} and round(doc["results"][0]["pct_matmul"], 1) == 66.7
