@@ -12,17 +12,8 @@ S="--arch sm80 --deadline 20s --tuned-dir $OUT/tuned --storage sqlite:///$OUT/st
 } 2>&1 | grep -v "s/trial\|trial/s" | tee "$OUT/tune_sm80.txt" | tail -30
 timeout 130 python3 cli.py bench --arch sm80 --head-dim 64,128,256 --dtype bf16,fp16 --out "$OUT/bench" 2>&1 \
   | grep -v "point/s\|s/point\|kern = \|UserWarning" | tee "$OUT/bench_sm80.txt" | tail -64
-cat > /tmp/prof.py <<'PY'
-import sys, torch, flashgen
-from flashgen.verify import random_qkv
-arch, d, n, causal = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-q, k, v = random_qkv(16384 // n, n, n, 2048 // d, 2048 // d, d, "bf16")
-kern = flashgen.load(d, "bf16", causal, seqlen=n, arch=arch)
-for _ in range(3): kern(q, k, v)
-torch.cuda.synchronize()
-PY
 for a in "sm90 128 1024 1" "sm80 256 1024 0"; do set -- $a
   timeout 60 ncu --clock-control none -k regex:fwd_ -c 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
-     python3 /tmp/prof.py $1 $2 $3 $4 2>&1 | grep -E "fwd_|Duration|Throughput|Occupancy|Registers|Waves|Block Size|Grid Size|Shared Memory Config" | head -20
+     python3 scripts/profile_kernel.py $1 $2 $3 $4 2>&1 | grep -E "fwd_|Duration|Throughput|Occupancy|Registers|Waves|Block Size|Grid Size|Shared Memory Config" | head -20
 done | tee "$OUT/ncu.txt"
 rm -f "$OUT"/tuned/.*.lock
