@@ -69,7 +69,8 @@ def target_for(arch: str, family: str) -> str:
     return f"sm_{sm}a" if family == "sm90" else f"sm_{sm}"
 
 
-def _arch_flags(target: str) -> list[str]:
+def arch_flags(target: str) -> list[str]:
+    """nvcc flags that build for `target`."""
     if target.endswith("a"):  # arch-specific targets need the -gencode form
         cc = target.removeprefix("sm_")
         return ["-gencode", f"arch=compute_{cc},code={target}"]
@@ -126,7 +127,7 @@ def _key(source: str, target: str, flags: list[str]) -> str:
 def compile_kernel(cfg: KernelConfig, target: str, use_cache: bool = True) -> CompiledKernel:
     """Render and compile `cfg` for `target` ("sm_80", "sm_90", "sm_90a", ...)."""
     source = render(cfg)
-    flags = [*_arch_flags(target), *NVCC_FLAGS]
+    flags = [*arch_flags(target), *NVCC_FLAGS]
     cdir = cache_dir()
     stem = cdir / f"{cfg.name}-{target}-{_key(source, target, flags)}"
     cubin_path, meta_path = stem.with_suffix(".cubin"), stem.with_suffix(".json")

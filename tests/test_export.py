@@ -70,3 +70,31 @@ def test_exported_files_compile_and_link_with_plain_nvcc(tmp_path):
     host = subprocess.run(["g++" if shutil.which("g++") else "c++", "-std=c++17", "-fsyntax-only", "-x", "c++",
                            str(out / f"{a.name}.h")], capture_output=True, text=True)
     assert host.returncode == 0, host.stderr  # the header is plain C++ outside nvcc too
+
+
+SM90_MAIN = """\
+#include "{a}.h"
+int main() {{
+    Sm90FwdParams p = {{}};  // tensor maps would come from cuTensorMapEncodeTiled (see the header)
+    p.p.batch = 1; p.p.heads = 1; p.p.heads_k = 1; p.p.seqlen_q = 128; p.p.seqlen_k = 128;
+    static_assert(flashgen::{a}_launch::SWIZZLE_BYTES == 2 * flashgen::{a}_launch::SMEM_W, "box geometry");
+    static_assert(sizeof(CUtensorMap) == 128, "three maps, then FwdParams at offset 384");
+    return (int)flashgen::{a}_launch::launch(p);
+}}
+"""
+
+
+@needs_nvcc
+def test_exported_sm90_kernel_compiles_and_links_for_sm90a(tmp_path):
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, False)
+    merge(store_path("NVIDIA H200", "sm90", tmp_path / "tuned"), "NVIDIA H200", "sm90", {
+        "k": {"config": cfg.to_dict(), "kernel": cfg.name, "median_ms": 1.0, "tflops": 1.0,
+              "problem": {"seqlen": 4096, "gqa_group": 1}}})
+    out = tmp_path / "out"
+    export("sm90", out, tmp_path / "tuned")
+    h = (out / f"{cfg.name}.h").read_text()
+    assert "struct Sm90FwdParams" in h and "cuTensorMapEncodeTiled" in h and "code=sm_90a" in h
+    (out / "main.cu").write_text(SM90_MAIN.format(a=cfg.name))
+    proc = subprocess.run([NVCC, "-gencode", "arch=compute_90a,code=sm_90a", "-std=c++17", "-o", str(out / "app"),
+                           str(out / "main.cu"), str(out / f"{cfg.name}.cu")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
