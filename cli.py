@@ -147,10 +147,17 @@ def validate(args: argparse.Namespace) -> None:
     _check("arch", [args.arch], C.FAMILIES)
     _check("head-dim", args.head_dim, C.HEAD_DIMS)
     _check("dtype", args.dtype, C.DTYPES)
+    if args.cmd == "bench":
+        for name in ("batch_tokens", "heads_dim_total", "reps"):
+            if getattr(args, name) < 1:
+                raise CliError(f"--{name.replace('_', '-')} must be at least 1")
+        bad = [s for s in args.seqlen if s < 1]
+        if bad:
+            raise CliError(f"--seqlen values must be positive, got {bad}")
     if args.cmd != "tune":
         return
-    for field, allowed in (("block_m", C.BLOCK_MS), ("block_n", C.BLOCK_NS), ("num_warps", C.NUM_WARPS),
-                           ("num_stages", C.NUM_STAGES)):
+    for field, allowed in (("block_m", C.FAMILY_BLOCK_MS[args.arch]), ("block_n", C.FAMILY_BLOCK_NS[args.arch]),
+                           ("num_warps", C.NUM_WARPS), ("num_stages", C.NUM_STAGES)):
         if getattr(args, field) is not None:
             _check(field.replace("_", "-"), getattr(args, field), allowed)
     if args.gpu_arch is not None:
@@ -162,9 +169,15 @@ def validate(args: argparse.Namespace) -> None:
     if bad:
         raise CliError(f"--seqlen values must be positive, got {bad}")
     for hd, g in itertools.product(args.head_dim, args.gqa):
-        heads = args.heads_dim_total // hd
-        if g < 1 or heads % g:
-            raise CliError(f"--gqa {g}: heads = {args.heads_dim_total} // {hd} = {heads} is not a multiple of it")
+        heads = max(1, args.heads_dim_total // hd)  # as TuneProblem.heads
+        if g < 1:
+            raise CliError(f"--gqa {g}: the group size (heads // heads_k) must be at least 1")
+        if heads % g:
+            raise CliError(f"--gqa {g}: heads = max(1, {args.heads_dim_total} // {hd}) = {heads} is not a multiple of it")
+    for hd, dt, ca in itertools.product(args.head_dim, args.dtype, causal_list(args.causal)):
+        if not restricted_space(args, hd, dt, ca):
+            raise CliError(f"the restricted space of family {args.arch} is empty for d{hd} {dt} "
+                           f"{'causal' if ca else 'full'}: loosen --block-m/--block-n/--num-warps/--num-stages")
 
 
 def compile_only(args: argparse.Namespace) -> int:
@@ -172,6 +185,9 @@ def compile_only(args: argparse.Namespace) -> int:
     from flashgen.store import current_gpu
     from flashgen.worker import CompileAhead, compile_reason
 
+    from flashgen.compile import nvcc_version
+
+    nvcc_version()  # no nvcc: one clear error now rather than one per configuration
     gpu_arch = args.gpu_arch or (current_gpu() or (None, args.arch))[1]
     check_family(args.arch, f"an {gpu_arch} GPU", gpu_arch)
     target = target_for(gpu_arch, args.arch)
@@ -379,6 +395,8 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from flashgen.compile import CompileError
+    from flashgen.driver import CudaError
     from flashgen.store import StoreError
 
     args = build_parser().parse_args(argv)
@@ -386,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd in ("tune", "check", "bench"):
             validate(args)
         return {"tune": tune, "show": show, "export": export, "check": check, "bench": bench}[args.cmd](args)
-    except (CliError, StoreError, C.ConfigError) as e:
+    except (CliError, StoreError, C.ConfigError, CompileError, CudaError) as e:
         print(f"cli.py {args.cmd}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

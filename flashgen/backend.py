@@ -13,7 +13,7 @@ from .bench import flops
 from .config import KernelConfig
 from .problem import TuneProblem
 
-STATUSES = ("ok", "pruned", "compile_failed", "verify_failed", "faulted", "timeout")
+STATUSES = ("ok", "pruned", "compile_failed", "verify_failed", "error", "faulted", "timeout")
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,8 @@ def arch_flags(target: str) -> list[str]:
 @functools.lru_cache(maxsize=1)
 def nvcc_path() -> str:
     env = os.environ.get("FLASHGEN_NVCC")
+    if env and not Path(env).is_file():
+        raise CompileError(f"FLASHGEN_NVCC={env} is not a file; point it at nvcc or unset it")
     found = env or shutil.which("nvcc") or next(
         (str(p) for p in (Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc",) if p.exists()), None
     )

@@ -72,6 +72,8 @@ class TuneProblem:
         while hk > 1 and b * h * s * s * 8 > VERIFY_REF_BYTES:
             hk //= 2
             h = hk * g
+        while h > 1 and b * h * s * s * 8 > VERIFY_REF_BYTES:  # one k/v head left: cut the group instead
+            h //= 2
         return b, s, s, h, hk
 
     def default_config(self) -> KernelConfig:

@@ -8,6 +8,7 @@ failures as FAIL, timed ones with their median ms. Studies live in an RDB storag
 """
 from __future__ import annotations
 
+import hashlib
 import time
 import warnings
 from collections import Counter, deque
@@ -143,8 +144,19 @@ def _tell(study: optuna.Study, trial: optuna.Trial, res: TrialResult, duplicate_
         study.tell(trial, state=TrialState.PRUNED if res.status == "pruned" else TrialState.FAIL)
 
 
-def open_study(problem: TuneProblem, opts: SearchOptions) -> optuna.Study:
-    study = optuna.create_study(study_name=problem.study_name, storage=opts.storage or default_storage(),
+def study_name(problem: TuneProblem, space: list[KernelConfig]) -> str:
+    """The problem's study; a restricted space gets a study of its own (named by a digest of the
+    space), since Optuna fixes the value sets a study samples from."""
+    full = {params_of(c) for c in config_space(problem.family, problem.head_dim, problem.dtype, problem.causal)}
+    allowed = {params_of(c) for c in space}
+    if allowed == full:
+        return problem.study_name
+    digest = hashlib.sha1(repr(sorted(allowed)).encode()).hexdigest()[:8]
+    return f"{problem.study_name}@space-{digest}"
+
+
+def open_study(problem: TuneProblem, opts: SearchOptions, name: str | None = None) -> optuna.Study:
+    study = optuna.create_study(study_name=name or problem.study_name, storage=opts.storage or default_storage(),
                                 sampler=make_sampler(opts.sampler, opts.seed, opts.ahead), direction="minimize",
                                 load_if_exists=True)
     if "problem" not in study.user_attrs:
@@ -165,7 +177,9 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
     # Sample only values some fitting configuration has: fewer combinations to prune.
     names = FAMILY_PARAMS[problem.family]
     dists = {p: CategoricalDistribution(sorted({v[i] for v in viable or allowed})) for i, p in enumerate(names)}
-    study = open_study(problem, opts)
+    if not viable and not allowed:
+        raise ValueError(f"the search space of {problem.key} is empty")
+    study = open_study(problem, opts, study_name(problem, space))
     seen: dict[Params, FrozenTrial] = {}
     for t in _finished(study):
         seen.setdefault(_params(t, problem.family), t)

@@ -75,6 +75,7 @@ class Worker:
         if self.hello:
             kind, value = self._send(self.hello, (), self.start_deadline_s)
             if kind != "ok":
+                self._stop()
                 raise NoGpuError(f"the GPU worker could not start: {value}")
             self.info = value
 
@@ -144,7 +145,7 @@ class CompileAhead:
         try:
             return self._futures.pop((cfg, target)).result()
         except BrokenProcessPool:  # a compile process died: compile this one here, new pool for the rest
-            self._pool, self._futures = None, {}
+            self.close()
             return compile_kernel(cfg, target)
 
     def close(self) -> None:
@@ -185,9 +186,7 @@ class GpuBackend:
         info = {"registers": r.registers, "spill_bytes": r.spill_stores + r.spill_loads, "smem_bytes": r.smem_bytes}
         kind, value = self.worker.call("flashgen.worker:gpu_trial", kernel, problem, self.warmup, self.reps,
                                        deadline_s=self.deadline_s)
-        if kind == "error":
-            return TrialResult("faulted", reason=value, info=info)
-        if kind != "ok":
+        if kind != "ok":  # "error" (an exception in the worker, e.g. out of memory), "faulted" or "timeout"
             return TrialResult(kind, reason=value, info=info)
         info["max_err"] = value["max_err"]
         if value["status"] != "ok":

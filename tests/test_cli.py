@@ -41,6 +41,11 @@ def test_help(cmd, capsys):
     (["tune", "--block-m", "48", "--compile-only"], "--block-m 48"),
     (["tune", "--trials", "0"], "--trials must be at least 1"),
     (["check", "--head-dim", "7"], "--head-dim 7"),
+    (["tune", "--block-m", "192", "--compile-only"], "--block-m 192: choose from 64,128,256"),  # sm80's choices
+    (["tune", "--block-m", "64", "--num-warps", "16", "--compile-only"], "space of family sm80 is empty"),
+    (["tune", "--gqa", "0", "--compile-only"], "--gqa 0: the group size"),
+    (["bench", "--seqlen", "0", "--simulate"], "--seqlen values must be positive"),
+    (["bench", "--reps", "0", "--simulate"], "--reps must be at least 1"),
 ])
 def test_errors_are_one_clear_line(args, words, capsys):
     assert cli.main(args) == 2
@@ -119,3 +124,19 @@ def test_show_and_export_on_an_empty_store(tmp_path, capsys):
     assert "no tuned results" in capsys.readouterr().out
     assert cli.main(["export", "--out", str(tmp_path / "o"), "--tuned-dir", str(tmp_path)]) == 0
     assert "nothing tuned" in capsys.readouterr().out
+
+
+def test_a_missing_nvcc_is_one_line(monkeypatch, capsys):
+    import flashgen.compile as comp
+
+    comp.nvcc_path.cache_clear()
+    comp.nvcc_version.cache_clear()
+    monkeypatch.setenv("FLASHGEN_NVCC", "/nonexistent/nvcc")
+    try:
+        assert cli.main(["tune", "--compile-only", "--gpu-arch", "sm80", "--head-dim", "64", "--causal", "no",
+                         "--max-configs", "1"]) == 2
+    finally:
+        comp.nvcc_path.cache_clear()
+        comp.nvcc_version.cache_clear()
+    err = capsys.readouterr().err
+    assert "FLASHGEN_NVCC=/nonexistent/nvcc is not a file" in err and "Traceback" not in err

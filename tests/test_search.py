@@ -9,7 +9,7 @@ from flashgen.backend import SimulatedBackend, TrialResult
 from flashgen.compile import CompileError
 from flashgen.config import space
 from flashgen.problem import TuneProblem
-from flashgen.search import PARAMS, SearchOptions, open_study, params_of, search
+from flashgen.search import PARAMS, SearchOptions, open_study, params_of, search, study_name
 from flashgen.worker import CompileAhead, Worker
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -57,7 +57,7 @@ def test_failures_and_faults_do_not_stop_the_study(tmp_path):
         assert out.counts[k] == 1
     assert out.best is not None and out.best.ok
     assert out.best_config != best_sim  # the fastest kernel was wrong: it is never the result
-    study = open_study(p, opts(tmp_path))
+    study = open_study(p, opts(tmp_path), study_name(p, cfgs))
     failed = [t for t in study.trials if t.state == TrialState.FAIL]
     assert {t.user_attrs["status"] for t in failed} == set(kinds)
     assert all(t.user_attrs["reason"] for t in failed)
@@ -212,10 +212,21 @@ def test_gpu_backend_turns_every_outcome_into_a_value(tmp_path, monkeypatch):
     try:
         b.prefetch([cfg], p)
         statuses = [b.evaluate(cfg, p) for _ in range(5)]
-        assert [r.status for r in statuses] == ["ok", "verify_failed", "faulted", "timeout", "faulted"]
+        assert [r.status for r in statuses] == ["ok", "verify_failed", "faulted", "timeout", "error"]
         assert statuses[0].tflops > 0 and statuses[0].info["registers"] > 0
         assert "ILLEGAL_ADDRESS" in statuses[2].reason
         b.gpu_arch = "sm10"  # nvcc has no such target: a compile failure, as a value
         assert b.evaluate(cfg, p).status == "compile_failed"
     finally:
         b.close()
+
+
+def test_a_restricted_space_is_a_study_of_its_own(tmp_path):
+    """Resuming with another restriction must neither crash (Optuna fixes a study's value sets)
+    nor leave configurations pruned as 'outside the space' in the unrestricted study."""
+    p = problem()
+    small = small_space(p)
+    search(p, SimulatedBackend(), opts(tmp_path, exhaustive=True), small)
+    assert study_name(p, small) != p.study_name and study_name(p, small).startswith(p.study_name + "@space-")
+    full = search(p, SimulatedBackend(), opts(tmp_path, trials=6))
+    assert full.trials == 6 and study_name(p, space("sm80", 128, "bf16", False)) == p.study_name

@@ -55,7 +55,9 @@ def test_short_tune_survives_a_fault_and_a_hang_and_load_uses_it(tmp_path, monke
 
     dev = device_info()
     prob = TuneProblem(dev.name, dev.arch, "sm80", "bf16", 64, False, 1024)
-    trials = optuna.load_study(study_name=prob.study_name, storage=storage).trials
+    # a restricted space is a study of its own, named after the problem's study
+    (name,) = [n for n in optuna.get_all_study_names(storage=storage) if n.startswith(prob.study_name)]
+    trials = optuna.load_study(study_name=name, storage=storage).trials
     status = {
         KernelConfig(64, "bf16", False, t.params["block_m"], t.params["block_n"], t.params["num_warps"],
                      t.params["num_stages"]).name: t.user_attrs.get("status") for t in trials}
