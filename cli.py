@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tuned-dir", type=Path, default=None, help="tuned store directory (default FLASHGEN_TUNED_DIR or tuned/)")
     t.add_argument("--force", action="store_true", help="replace stored entries even when the new result is slower")
     t.add_argument("--compile-only", action="store_true", help="no GPU: render and compile the space, print resources")
-    t.add_argument("--gpu-arch", default=None, help="GPU arch to compile for with --compile-only (default: this GPU, else --arch)")
+    t.add_argument("--gpu-arch", default=None, help="GPU arch to compile for with --compile-only or --simulate (default: this GPU, else --arch)")
     for field, choices in (("block-m", C.BLOCK_MS), ("block-n", C.BLOCK_NS), ("num-warps", C.NUM_WARPS),
                            ("num-stages", C.NUM_STAGES)):
         t.add_argument(f"--{field}", type=int_list, default=None, help=f"restrict {field.replace('-', '_')} to these "
@@ -389,7 +389,7 @@ def bench(args: argparse.Namespace) -> int:
         meta = {"flashgen": __version__, "family": args.arch, "simulated": bool(args.simulate)}
         if not args.simulate:
             meta["torch"] = torch.__version__
-        paths = write(rows, args.peers, args.out, gpu, meta, ceiling=ceiling)
+        paths = write(rows, args.peers, args.out, gpu, meta, ceiling=ceiling, family=args.arch)
         print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 

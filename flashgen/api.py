@@ -34,7 +34,9 @@ class Kernel:
 
     def __call__(self, q: Any, k: Any, v: Any, softmax_scale: float | None = None, return_lse: bool = False,
                  stream: Any = None) -> Any:
-        """out = softmax(q k^T * scale [+ causal mask]) v; with return_lse, (out, lse) where lse is (batch, heads, seqlen_q) fp32."""
+        """out = softmax(q k^T * scale [+ causal mask]) v; with return_lse, (out, lse) where lse is (batch, heads, seqlen_q) fp32.
+
+        Torch tensors run on torch's current stream; `stream` (a pycuda Stream or raw handle) is for GPU arrays."""
         out, lse, _ = run(self.compiled, q, k, v, softmax_scale, stream)
         return (out, lse) if return_lse else out
 

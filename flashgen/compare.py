@@ -179,12 +179,12 @@ def to_records(rows: list[Row], peers: list[str], ceiling: dict[str, float] | No
 
 
 def write(rows: list[Row], peers: list[str], out_dir: Path, gpu: str, meta: dict[str, Any] | None = None,
-          date: str | None = None, ceiling: dict[str, float] | None = None) -> dict[str, Path]:
-    """JSON (with run metadata), CSV and PNG named by GPU and date; returns their paths."""
+          date: str | None = None, ceiling: dict[str, float] | None = None, family: str | None = None) -> dict[str, Path]:
+    """JSON (with run metadata), CSV and PNG named by GPU, date and template family; returns their paths."""
     import re  # noqa: PLC0415
 
     date = date or datetime.date.today().isoformat()
-    stem = f"{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}-{date}"
+    stem = f"{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}-{date}" + (f"-{family}" if family else "")
     out_dir.mkdir(parents=True, exist_ok=True)
     recs = to_records(rows, peers, ceiling)
     paths = {"json": out_dir / f"{stem}.json", "csv": out_dir / f"{stem}.csv", "png": out_dir / f"{stem}.png"}

@@ -34,7 +34,6 @@ class ArchLimits:
     arch: str
     smem_per_block: int  # bytes of shared memory one block may opt in to
     max_threads: int = 1024
-    max_regs_per_thread: int = 255
 
     @property
     def sm(self) -> int:
@@ -128,6 +127,12 @@ class KernelConfig:
         return 32 * self.num_warps
 
     @property
+    def smem_w(self) -> int:
+        """Elements per swizzled shared-memory row (128 or 64 bytes): SMEM_W in the templates and
+        the inner box of sm90's TMA descriptors."""
+        return 64 if self.head_dim % 64 == 0 else 32
+
+    @property
     def consumers(self) -> int:
         """sm90: consumer warpgroups, 64 Q rows each."""
         return self.block_m // 64
@@ -187,9 +192,6 @@ class KernelConfig:
         if unknown:
             raise ConfigError(f"unknown config fields {sorted(unknown)}; known: {sorted(known)}")
         return cls(**d)
-
-    def replace(self, **changes: Any) -> "KernelConfig":
-        return KernelConfig(**{**asdict(self), **changes})
 
 
 def space(family: str, head_dim: int, dtype: str, causal: bool) -> list[KernelConfig]:

@@ -10,14 +10,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jinja2
-
 from .__version__ import __version__
 from .compile import arch_flags, target_for
 from .config import KernelConfig
-from .paths import templates_dir
 from .paths import tuned_dir as default_tuned_dir
-from .render import render
+from .render import render, template_env
 from .store import read_store
 
 _HEADER = """\
@@ -71,15 +68,14 @@ _SM90_NOTE = """
 
 
 def _params_source(family: str) -> str:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())), undefined=jinja2.StrictUndefined)
     parts = ["common/params.cuh.j2"] + (["sm90/params.cuh.j2"] if family == "sm90" else [])
-    return "\n".join(env.get_template(t).render() for t in parts)
+    return "\n".join(template_env().get_template(t).render() for t in parts)
 
 
 def header(cfg: KernelConfig, tuned_on: list[str], target: str) -> str:
     """The launch header of one kernel; `tuned_on` names the GPUs, `target` the nvcc target in the hint."""
     sm90 = cfg.family == "sm90"
-    width = 64 if cfg.head_dim % 64 == 0 else 32
+    width = cfg.smem_w
     text = _HEADER.format(name=cfg.name, version=__version__, tuned_on=", ".join(tuned_on) or "untuned",
                           arch_flags=" ".join(arch_flags(target)), params=_params_source(cfg.family), cfg=cfg,
                           causal=str(cfg.causal).lower(), params_type="Sm90FwdParams" if sm90 else "FwdParams",

@@ -6,8 +6,9 @@ import math
 from typing import Any
 
 from .compile import CompiledKernel
+from .config import KernelConfig
 from .driver import get_function
-from .tensors import Problem, View, aligned, check_qkv, is_torch, view
+from .tensors import Problem, View, aligned, check_qkv, view
 
 LOG2E = 1.4426950408889634
 
@@ -25,12 +26,11 @@ class FwdParams(ctypes.Structure):
     ]
 
 
-def sm90_params(p: FwdParams, q: View, k: View, v: View, prob: Problem, block_m: int, block_n: int) -> ctypes.Array:
-    """Bytes of `struct Sm90FwdParams` (templates/sm90/fwd.cu.j2): TMA maps of q, k, v at 0, 128, 256, then FwdParams."""
+def sm90_params(p: FwdParams, q: View, k: View, v: View, prob: Problem, cfg: KernelConfig) -> ctypes.Array:
+    """Bytes of `struct Sm90FwdParams` (templates/sm90/params.cuh.j2): TMA maps of q, k, v at 0, 128, 256, then FwdParams."""
     from .driver import tensor_map  # noqa: PLC0415
 
-    d = prob.head_dim
-    width = 64 if d % 64 == 0 else 32  # SMEM_W: swizzled row of 128 or 64 bytes
+    d, width, block_m, block_n = prob.head_dim, cfg.smem_w, cfg.block_m, cfg.block_n
 
     def tmap(t: View, seqlen: int, heads: int, rows: int) -> bytes:
         dims = (d, seqlen, heads, prob.batch)
@@ -59,8 +59,12 @@ def _empty_like_problem(like: View, shape: tuple[int, ...], dtype: str) -> Any:
 def _fix_alignment(t: View, name: str) -> View:
     if aligned(t):
         return t
-    if t.kind == "torch":  # a sliced or oddly strided tensor: one contiguous copy
-        return view(t.obj.contiguous(), name)
+    if t.kind == "torch":  # a sliced or oddly strided tensor: one fresh (aligned) contiguous copy
+        import torch  # noqa: PLC0415
+
+        fixed = view(t.obj.clone(memory_format=torch.contiguous_format), name)
+        if aligned(fixed):
+            return fixed
     raise ValueError(f"{name} needs a 16-byte aligned base and strides that are multiples of 8 elements")
 
 
@@ -71,6 +75,9 @@ def run(kernel: CompiledKernel, q: Any, k: Any, v: Any, softmax_scale: float | N
     `out` and `lse`, if given, are written in place (verification passes poisoned buffers)."""
     qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
     prob = check_qkv(qv, kv, vv)
+    if stream is not None and qv.kind == "torch":
+        raise TypeError("stream= is for GPU arrays; torch tensors run on torch's current stream "
+                        "(use `with torch.cuda.stream(s):`)")
     cfg = kernel.config
     if prob.head_dim != cfg.head_dim or prob.dtype != cfg.dtype:
         raise ValueError(
@@ -98,7 +105,7 @@ def run(kernel: CompiledKernel, q: Any, k: Any, v: Any, softmax_scale: float | N
         prob.batch, prob.heads, prob.heads_k, prob.seqlen_q, prob.seqlen_k, scale, scale * LOG2E,
     )
     if cfg.family == "sm90":
-        p = sm90_params(p, qv, kv, vv, prob, cfg.block_m, cfg.block_n)
+        p = sm90_params(p, qv, kv, vv, prob, cfg)
     if qv.kind == "torch":
         import torch  # noqa: PLC0415
 
@@ -113,4 +120,4 @@ def run(kernel: CompiledKernel, q: Any, k: Any, v: Any, softmax_scale: float | N
     return out, lse, prob
 
 
-__all__ = ["FwdParams", "run", "is_torch"]
+__all__ = ["FwdParams", "run"]

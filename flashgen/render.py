@@ -17,7 +17,8 @@ _TYPES = {
 
 
 @functools.lru_cache(maxsize=None)
-def _env() -> jinja2.Environment:
+def template_env() -> jinja2.Environment:
+    """The Jinja2 environment over templates/ (StrictUndefined: a missing variable is an error)."""
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir())),
         undefined=jinja2.StrictUndefined,
@@ -31,7 +32,7 @@ def _env() -> jinja2.Environment:
 def render(cfg: KernelConfig) -> str:
     """The CUDA source of `cfg`'s kernel; its `__global__` function is named `cfg.name`."""
     elem_t, elem2_t, pack_fn, ptx_type = _TYPES[cfg.dtype]
-    template = _env().get_template(f"{cfg.family}/fwd.cu.j2")
+    template = template_env().get_template(f"{cfg.family}/fwd.cu.j2")
     producer_regs, consumer_regs = SM90_REGS.get(cfg.consumers, (None, None)) if cfg.family == "sm90" else (None, None)
     return template.render(
         cfg=cfg, version=__version__, elem_t=elem_t, elem2_t=elem2_t, pack_fn=pack_fn, ptx_type=ptx_type,

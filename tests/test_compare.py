@@ -55,6 +55,7 @@ def test_cli_bench_simulated_writes_files(tmp_path):
                           "--causal", "no", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "x flash" in out.stdout and "bf16    64 full     1024" in out.stdout
+    assert sorted(p.name for p in tmp_path.iterdir())[0].endswith("-sm80.csv")  # family in the name
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".csv", ".json", ".png"]
 
 

@@ -1,5 +1,6 @@
-"""The sm80 family on the GPU against a float64 reference: every head dim, dtype, mask,
-length pair (odd, unequal both ways) and head layout, several configurations per case."""
+"""Both template families on the GPU against a float64 reference: every head dim, dtype, mask,
+length pair (odd, unequal both ways) and head layout, several configurations per case (the
+sm90 family where the GPU is sm90)."""
 from __future__ import annotations
 
 import itertools
