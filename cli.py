@@ -147,8 +147,8 @@ def validate(args: argparse.Namespace) -> None:
     _check("arch", [args.arch], C.FAMILIES)
     _check("head-dim", args.head_dim, C.HEAD_DIMS)
     _check("dtype", args.dtype, C.DTYPES)
-    if args.cmd == "bench":
-        for name in ("batch_tokens", "heads_dim_total", "reps"):
+    if args.cmd in ("tune", "bench"):  # the problem grid: positive counts and lengths
+        for name in ("trials" if args.cmd == "tune" else "reps", "batch_tokens", "heads_dim_total"):
             if getattr(args, name) < 1:
                 raise CliError(f"--{name.replace('_', '-')} must be at least 1")
         bad = [s for s in args.seqlen if s < 1]
@@ -162,12 +162,6 @@ def validate(args: argparse.Namespace) -> None:
             _check(field.replace("_", "-"), getattr(args, field), allowed)
     if args.gpu_arch is not None:
         _check("gpu-arch", [args.gpu_arch], tuple(C.ARCHS))
-    for name in ("trials", "batch_tokens", "heads_dim_total"):
-        if getattr(args, name) < 1:
-            raise CliError(f"--{name.replace('_', '-')} must be at least 1")
-    bad = [s for s in args.seqlen if s < 1]
-    if bad:
-        raise CliError(f"--seqlen values must be positive, got {bad}")
     for hd, g in itertools.product(args.head_dim, args.gqa):
         heads = max(1, args.heads_dim_total // hd)  # as TuneProblem.heads
         if g < 1:
