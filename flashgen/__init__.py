@@ -4,13 +4,13 @@ Pipeline, one module per step: config -> render -> compile -> launch -> verify -
 -> search -> store -> export; `api` holds the public entry points.
 """
 from .__version__ import __version__
-from .api import Kernel, attention, choose_config, load
+from .api import Kernel, attention, choose_config, load, reload
 from .compile import CompileError, CompiledKernel, Resources, compile_kernel
 from .config import ConfigError, KernelConfig, default_config, space
 from .render import render
 from .store import StoreError
 
 __all__ = [
-    "__version__", "attention", "load", "Kernel", "choose_config", "KernelConfig", "ConfigError", "default_config",
+    "__version__", "attention", "load", "reload", "Kernel", "choose_config", "KernelConfig", "ConfigError", "default_config",
     "space", "render", "compile_kernel", "CompiledKernel", "CompileError", "Resources", "StoreError",
 ]

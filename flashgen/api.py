@@ -1,13 +1,26 @@
-"""The public API: `load()` a kernel for a problem, or call `attention()` directly."""
+"""The public API: `load()` a kernel for a problem, or call `attention()` directly.
+
+`attention()` resolves (GPU, head_dim, dtype, causal, seqlen bucket, family) to a compiled
+kernel once and keeps it in a dict; the tuned store is looked at again only when its file
+changes (checked at most once a second) or after `reload()`.
+"""
 from __future__ import annotations
 
 import functools
+import math
+import os
+import threading
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 from .compile import CompiledKernel, Resources, compile_kernel, target_for
-from .config import FAMILIES, KernelConfig, arch_limits, default_config
-from .launch import run
+from .config import FAMILIES, ConfigError, KernelConfig, arch_limits, default_config
+from .launch import run, run_views, scale_args
+from .tensors import Problem, check_qkv, is_torch, view
+
+STORE_CHECK_S = 1.0  # how often attention() looks whether a store file changed on disk
 
 
 class Kernel:
@@ -36,7 +49,10 @@ class Kernel:
                  stream: Any = None) -> Any:
         """out = softmax(q k^T * scale [+ causal mask]) v; with return_lse, (out, lse) where lse is (batch, heads, seqlen_q) fp32.
 
-        Torch tensors run on torch's current stream; `stream` (a pycuda Stream or raw handle) is for GPU arrays."""
+        Torch tensors run on torch's current stream of their device; `stream` (a pycuda Stream or
+        raw handle) is for GPU arrays. Not traceable by torch.compile: use `flashgen.attention`."""
+        if is_torch(q):
+            refuse_grad(q, k, v)
         out, lse, _ = run(self.compiled, q, k, v, softmax_scale, stream)
         return (out, lse) if return_lse else out
 
@@ -45,21 +61,34 @@ class Kernel:
         return f"Kernel({self.name}, {self.compiled.target}, {r.registers} regs, {r.smem_bytes} B smem, spills={r.spills})"
 
 
-def current_arch() -> str:
-    """The compute capability of the current CUDA device, e.g. "sm90"."""
+def refuse_grad(q: Any, k: Any, v: Any) -> None:
+    """Training through flashgen needs its backward, which does not exist yet: never return a detached output."""
+    import torch  # noqa: PLC0415  (q is a torch tensor, so torch is imported)
+
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise RuntimeError(
+            "flashgen has no backward kernel yet: an input requires grad, and the output would carry no gradient. "
+            "Run under torch.no_grad()/torch.inference_mode(), detach the inputs, or use "
+            "torch.nn.functional.scaled_dot_product_attention for training")
+
+
+def current_arch(device: int | None = None) -> str:
+    """The compute capability of a CUDA device (default: the current one), e.g. "sm90"."""
     from .driver import device_info  # noqa: PLC0415
 
-    return device_info().arch
+    return device_info(device).arch
 
 
 def choose_config(head_dim: int, dtype: str, causal: bool, arch: str, seqlen: int | None = None,
-                  family: str | None = None, tuned_dir: Path | str | None = None) -> KernelConfig:
-    """The configuration `load()` uses on an `arch` GPU: the tuned one for the current GPU and
-    nearest seqlen bucket (family None: the fastest family tuned), else the family default."""
+                  family: str | None = None, tuned_dir: Path | str | None = None,
+                  gpu: tuple[str, str] | None = None) -> KernelConfig:
+    """The configuration `load()` uses on an `arch` GPU: the tuned one for `gpu` (name, arch; default
+    the current GPU) and nearest seqlen bucket (family None: the fastest family tuned), else the
+    family default."""
     from .store import tuned_config  # noqa: PLC0415
 
     arch_limits(arch)
-    return tuned_config(head_dim, dtype, causal, arch, seqlen, family, tuned_dir) or default_config(
+    return tuned_config(head_dim, dtype, causal, arch, seqlen, family, tuned_dir, gpu) or default_config(
         head_dim, dtype, causal, arch, family or "sm80")
 
 
@@ -70,18 +99,24 @@ def _compiled(cfg: KernelConfig, target: str) -> CompiledKernel:
 
 def load(head_dim: int, dtype: str = "bf16", causal: bool = False, config: KernelConfig | None = None,
          seqlen: int | None = None, arch: str | None = None, gpu_arch: str | None = None,
-         tuned_dir: Path | str | None = None) -> Kernel:
-    """A compiled kernel for this problem on the current GPU.
+         tuned_dir: Path | str | None = None, device: int | None = None) -> Kernel:
+    """A compiled kernel for this problem on a GPU (`device`, an ordinal; default the current one).
 
     arch forces a template family ("sm80", "sm90"); by default the fastest family tuned for
     this GPU (the store in `tuned_dir`, FLASHGEN_TUNED_DIR or tuned/) is used, else sm80's
     default. `config` pins an exact configuration. `gpu_arch` ("sm80", "sm90", ...) compiles
-    for that GPU instead of the current one, so no GPU is needed."""
+    for that GPU instead, so no GPU is needed."""
     if arch is not None and arch not in FAMILIES:
         raise ValueError(f"arch={arch!r} is not a template family; choose one of {', '.join(FAMILIES)}")
-    target_arch = gpu_arch or current_arch()
+    gpu = None
+    if gpu_arch is None:  # the store is looked up for the GPU that will run the kernel
+        from .driver import device_info  # noqa: PLC0415
+
+        info = device_info(device)
+        gpu = (info.name, info.arch)
+    target_arch = gpu_arch or gpu[1]
     if config is None:
-        config = choose_config(head_dim, dtype, causal, target_arch, seqlen, arch, tuned_dir)
+        config = choose_config(head_dim, dtype, causal, target_arch, seqlen, arch, tuned_dir, gpu)
     elif (config.head_dim, config.dtype, config.causal) != (head_dim, dtype, causal):
         raise ValueError(f"config {config.name} does not match head_dim={head_dim}, dtype={dtype}, causal={causal}")
     reason = config.unfit_reason(target_arch)
@@ -90,17 +125,159 @@ def load(head_dim: int, dtype: str = "bf16", causal: bool = False, config: Kerne
     return Kernel(_compiled(config, target_for(target_arch, config.family)))
 
 
+# -- the per-call path: resolve once, then a dict lookup ---------------------------------
+
+def _log_distance(a: int, b: int) -> float:
+    return abs(math.log(a) - math.log(b))
+
+
+def nearest_bucket(seqlen: int | None, buckets: tuple[int, ...]) -> int | None:
+    """The stored seqlen bucket store.lookup picks for `seqlen` (nearest by ratio, the larger on a tie;
+    the largest for None)."""
+    if not buckets:
+        return None
+    if seqlen is None:
+        return max(buckets)
+    return min(buckets, key=lambda s: (_log_distance(max(s, 1), max(seqlen, 1)), -s))
+
+
+class Resolver:
+    """(device, head_dim, dtype, causal, family, tuned_dir, seqlen) -> Kernel, remembered.
+
+    What is remembered per problem is the set of seqlen buckets the store holds for it and the
+    kernel of each bucket, so any seqlen (a decode loop's growing cache too) is one dict lookup
+    after its bucket's first call."""
+
+    def __init__(self, check_every_s: float = STORE_CHECK_S):
+        self.check_every_s = check_every_s
+        self._lock = threading.Lock()
+        self.clear()
+
+    def clear(self) -> None:
+        self._kernels: dict[tuple, Kernel] = {}
+        self._exact: dict[tuple, Kernel] = {}  # (problem key, seqlen) -> kernel, bounded
+        self._buckets: dict[tuple, tuple[int, ...]] = {}
+        self._stamps: dict[Path, tuple | None] = {}
+        self._checked = time.monotonic()
+
+    def _stale(self) -> bool:
+        now = time.monotonic()
+        if now - self._checked < self.check_every_s:
+            return False
+        self._checked = now
+        return any(_stamp(path) != stamp for path, stamp in self._stamps.items())
+
+    def kernel(self, device: int, head_dim: int, dtype: str, causal: bool, seqlen: int, family: str | None,
+               tuned_dir: Path | str | None = None) -> Kernel:
+        key = (device, head_dim, dtype, causal, family, tuned_dir)
+        if self._stamps and self._stale():
+            with self._lock:
+                self.clear()
+        hit = self._exact.get((key, seqlen))
+        if hit is not None:
+            return hit
+        with self._lock:
+            buckets = self._buckets.get(key)
+            if buckets is None:
+                buckets = self._buckets[key] = self._stored_buckets(device, head_dim, dtype, causal, family, tuned_dir)
+            bucket = nearest_bucket(seqlen, buckets)
+            kern = self._kernels.get((key, bucket))
+            if kern is None:
+                kern = self._kernels[key, bucket] = load(head_dim, dtype, causal, seqlen=bucket or seqlen, arch=family,
+                                                         tuned_dir=tuned_dir, device=device)
+            if len(self._exact) > 4096:
+                self._exact.clear()
+            self._exact[key, seqlen] = kern
+        return kern
+
+    def _stored_buckets(self, device: int, head_dim: int, dtype: str, causal: bool, family: str | None,
+                        tuned_dir: Path | str | None) -> tuple[int, ...]:
+        """The seqlens the store holds for this problem, filtered exactly as store.lookup filters."""
+        from .driver import device_info  # noqa: PLC0415
+        from .store import StoreError, read_store, store_path  # noqa: PLC0415
+
+        gpu = device_info(device)
+        path = store_path(gpu.name, gpu.arch, tuned_dir)
+        self._stamps[path] = _stamp(path)
+        if not path.exists():
+            return ()
+        try:
+            entries = read_store(path, gpu.name, gpu.arch)["entries"].values()
+        except StoreError:
+            return ()  # load() -> tuned_config warns once and uses the default
+        seqlens = set()
+        for e in entries:
+            try:
+                cfg = KernelConfig.from_dict(e["config"])
+            except (ConfigError, KeyError, TypeError):
+                continue
+            if (cfg.head_dim, cfg.dtype, cfg.causal) != (head_dim, dtype, causal) or (family and cfg.family != family):
+                continue
+            if cfg.unfit_reason(gpu.arch) is None:
+                seqlens.add(e.get("problem", {}).get("seqlen", 0))
+        return tuple(sorted(seqlens))
+
+
+def _stamp(path: Path) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+_resolver = Resolver()
+
+
+def reload() -> None:
+    """Forget every resolved kernel: the next call reads the tuned store again (it is also re-read by
+    itself when its file changes, checked at most once a second)."""
+    from . import store  # noqa: PLC0415
+
+    _resolver.clear()
+    store._cache.clear()
+    store._warned.clear()
+
+
+def forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, arch: str | None,
+            stream: Any = None) -> tuple[Any, Any]:
+    """(out, lse) through the resolved kernel: the eager body of `attention` and of the torch operator."""
+    qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
+    prob: Problem = check_qkv(qv, kv, vv)
+    if arch is not None and arch not in FAMILIES:
+        raise ValueError(f"arch={arch!r} is not a template family; choose one of {', '.join(FAMILIES)}")
+    scale_args(softmax_scale, prob.head_dim)  # a bad scale is refused before any GPU work
+    if qv.kind == "torch":
+        device = qv.device
+    else:
+        from .driver import context_device  # noqa: PLC0415
+
+        device = context_device()
+    kern = _resolver.kernel(device, prob.head_dim, prob.dtype, causal, prob.seqlen_k, arch)
+    out, lse, _ = run_views(kern.compiled, qv, kv, vv, prob, softmax_scale, stream)
+    return out, lse
+
+
 def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float | None = None,
               return_lse: bool = False, stream: Any = None, arch: str | None = None) -> Any:
     """FlashAttention forward with flash_attn's conventions.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim) with
     heads % heads_k == 0 (GQA/MQA). Causal masks align to the bottom right (query i sees
-    keys j <= i + seqlen_k - seqlen_q). softmax_scale defaults to 1/sqrt(head_dim).
-    Returns out like q, and with return_lse also lse (batch, heads, seqlen_q) fp32.
-    arch forces a template family ("sm80", "sm90"), as in `load`."""
-    from .tensors import check_qkv, view  # noqa: PLC0415
+    keys j <= i + seqlen_k - seqlen_q). softmax_scale defaults to 1/sqrt(head_dim); any finite
+    value works. Returns out like q, and with return_lse also lse (batch, heads, seqlen_q) fp32.
+    arch forces a template family ("sm80", "sm90"), as in `load`.
 
-    prob = check_qkv(view(q, "q"), view(k, "k"), view(v, "v"))
-    kernel = load(prob.head_dim, prob.dtype, causal, seqlen=prob.seqlen_k, arch=arch)
-    return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=return_lse, stream=stream)
+    Torch tensors go through the `flashgen::attention` operator (torch.compile traces it, CUDA
+    graphs capture it) and run on the current stream of their device; pycuda GPU arrays run in
+    the current context, on `stream`."""
+    if is_torch(q):
+        from . import ops  # noqa: PLC0415  (registers the operator; needs torch, which q proves is there)
+
+        if stream is not None:
+            raise TypeError("stream= is for GPU arrays; torch tensors run on torch's current stream "
+                            "(use `with torch.cuda.stream(s):`)")
+        out, lse = ops.attention(q, k, v, causal, softmax_scale, arch)
+    else:
+        out, lse = forward(q, k, v, causal, softmax_scale, arch, stream)
+    return (out, lse) if return_lse else out

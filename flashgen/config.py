@@ -52,6 +52,9 @@ ARCHS: dict[str, ArchLimits] = {
 MAX_ACCUM_REGS = 192
 
 
+MAX_GRID_X = 2**31 - 1  # CUDA's limit on gridDim.x
+
+
 class ConfigError(ValueError):
     """A configuration that is impossible; the message names the field."""
 
@@ -164,7 +167,13 @@ class KernelConfig:
         return MAX_ACCUM_REGS
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
-        return (-(-seqlen_q // self.block_m), heads, batch)
+        """One flat grid of m-blocks x heads x batch (the kernel unfolds blockIdx.x): gridDim.y and
+        .z stop at 65535, x at 2^31 - 1."""
+        blocks = -(-seqlen_q // self.block_m) * heads * batch
+        if blocks > MAX_GRID_X:
+            raise ValueError(f"{blocks} blocks (ceil(seqlen_q / {self.block_m}) * heads * batch) exceed the "
+                             f"{MAX_GRID_X} a launch may have; split the batch")
+        return (blocks, 1, 1)
 
     def unfit_reason(self, arch: str) -> str | None:
         """Why this config cannot run on `arch`, or None if it fits."""

@@ -48,11 +48,53 @@ def current_context() -> int:
     ctx = ctypes.c_void_p()
     check(lib().cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
     if not ctx.value:
-        dev = ctypes.c_int()
-        check(lib().cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
-        check(lib().cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-        check(lib().cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        return use_device(0)
     return ctx.value
+
+
+@functools.lru_cache(maxsize=None)
+def primary_context(device: int) -> int:
+    """Device `device`'s primary context (the one torch uses), retained for the life of the process."""
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    check(lib().cuDeviceGet(ctypes.byref(dev), device), f"cuDeviceGet({device})")
+    check(lib().cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    return ctx.value
+
+
+def use_device(device: int) -> int:
+    """Make `device`'s primary context current on this thread (only if it is not already); returns it."""
+    ctx, cur = primary_context(device), ctypes.c_void_p()
+    check(lib().cuCtxGetCurrent(ctypes.byref(cur)), "cuCtxGetCurrent")
+    if cur.value != ctx:
+        check(lib().cuCtxSetCurrent(ctypes.c_void_p(ctx)), "cuCtxSetCurrent")
+    return ctx
+
+
+@functools.lru_cache(maxsize=None)
+def primary_context_id(device: int) -> int:
+    """context_id of a primary context we retain (so it is never destroyed under us): fixed per device."""
+    return context_id(primary_context(device))
+
+
+def context_id(ctx: int | None = None) -> int:
+    """A process-unique id of a context (cuCtxGetId): unlike its address, never reused by a later context."""
+    ctx = current_context() if ctx is None else ctx
+    if not hasattr(lib(), "cuCtxGetId"):  # drivers before CUDA 12.0: the address is all there is
+        return ctx
+    cid = ctypes.c_ulonglong()
+    check(lib().cuCtxGetId(ctypes.c_void_p(ctx), ctypes.byref(cid)), "cuCtxGetId")
+    return cid.value
+
+
+CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+
+
+def pointer_device(ptr: int) -> int:
+    """The device ordinal that owns device memory at `ptr`."""
+    dev = ctypes.c_int()
+    check(lib().cuPointerGetAttribute(ctypes.byref(dev), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ctypes.c_void_p(ptr)),
+          "cuPointerGetAttribute(DEVICE_ORDINAL)")
+    return dev.value
 
 
 @dataclass(frozen=True)
@@ -62,12 +104,17 @@ class DeviceInfo:
     sm_count: int
 
 
-def device_info() -> DeviceInfo:
-    """The device of the current context."""
+def context_device() -> int:
+    """The device ordinal of the current context (device 0's primary context if none is current)."""
     current_context()
     dev = ctypes.c_int()
     check(lib().cuCtxGetDevice(ctypes.byref(dev)), "cuCtxGetDevice")
-    return _device_info(dev.value)
+    return dev.value
+
+
+def device_info(device: int | None = None) -> DeviceInfo:
+    """Device `device` (an ordinal), or the device of the current context."""
+    return _device_info(context_device() if device is None else device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,24 +143,35 @@ class Function:
         check(lib().cuFuncSetAttribute(self.handle, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes),
               f"cuFuncSetAttribute({name}, max dynamic smem {smem_bytes})")
 
-    def launch(self, grid: tuple[int, int, int], block: int, params: ctypes.Structure | ctypes.Array, stream: int = 0) -> None:
+    def launch(self, grid: tuple[int, int, int], block: int, params: bytes | ctypes.Structure | ctypes.Array,
+               stream: int = 0) -> None:
         # The kernel takes one struct by value: kernelParams holds one pointer to its bytes.
-        args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
+        raw = params if isinstance(params, bytes) else bytes(params)
+        buf = (ctypes.c_uint8 * len(raw)).from_buffer_copy(raw)
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
         rc = lib().cuLaunchKernel(self.handle, grid[0], grid[1], grid[2], block, 1, 1, self.smem_bytes,
                                   ctypes.c_void_p(stream), args, None)
-        check(rc, f"cuLaunchKernel({self.name}, grid={grid}, block={block}, smem={self.smem_bytes})")
+        if rc:
+            check(rc, f"cuLaunchKernel({self.name}, grid={grid}, block={block}, smem={self.smem_bytes})")
 
 
+# Keyed by the context's unique id, not its address: a destroyed context's address can come
+# back for a new one, whose modules these handles are not.
 _functions: dict[tuple[int, str], Function] = {}
 _lock = threading.Lock()
 
 
-def get_function(cubin: bytes, name: str, smem_bytes: int, digest: str | None = None) -> Function:
-    """The loaded function for this cubin in the current context (loaded once per context).
+def get_function(cubin: bytes, name: str, smem_bytes: int, digest: str | None = None,
+                 ctx_id: int | None = None) -> Function:
+    """The loaded function for this cubin in the current context, whose id is `ctx_id` if the
+    caller knows it (loaded once per context).
 
     `digest` identifies the cubin (CompiledKernel.digest); hashing it on every launch would
     cost more host time than a short kernel runs."""
-    key = (current_context(), digest or hashlib.sha1(cubin).hexdigest())
+    key = (context_id() if ctx_id is None else ctx_id, digest or hashlib.sha1(cubin).hexdigest())
+    fn = _functions.get(key)
+    if fn is not None:
+        return fn
     with _lock:
         fn = _functions.get(key)
         if fn is None:
@@ -127,6 +185,7 @@ TMA_SWIZZLE = {32: 1, 64: 2, 128: 3}  # CU_TENSOR_MAP_SWIZZLE_{32,64,128}B by ro
 TMA_L2_PROMOTION_128B = 2
 
 
+@functools.lru_cache(maxsize=4096)  # a model reuses its buffers: the same maps come back call after call
 def tensor_map(dtype: str, ptr: int, dims: tuple[int, ...], strides_bytes: tuple[int, ...], box: tuple[int, ...],
                swizzle_bytes: int) -> bytes:
     """A 128-byte CUtensorMap for a tiled TMA copy; dims innermost first, strides for dims[1:]."""

@@ -1,16 +1,23 @@
-"""Step 4: run a compiled kernel on q, k, v (torch tensors or GPU arrays)."""
+"""Step 4: run a compiled kernel on q, k, v (torch tensors or GPU arrays).
+
+This is the per-call path of `flashgen.attention`: it checks, packs one argument struct
+and launches, and nothing else (no hashing, no store, no context switch unless the tensors
+live on another device than the current one).
+"""
 from __future__ import annotations
 
 import ctypes
 import math
+import struct
 from typing import Any
 
+from . import driver
 from .compile import CompiledKernel
 from .config import KernelConfig
-from .driver import get_function
 from .tensors import Problem, View, aligned, check_qkv, view
 
 LOG2E = 1.4426950408889634
+_F32_MAX = 3.4028234663852886e38
 
 
 class FwdParams(ctypes.Structure):
@@ -26,29 +33,51 @@ class FwdParams(ctypes.Structure):
     ]
 
 
-def sm90_params(p: FwdParams, q: View, k: View, v: View, prob: Problem, cfg: KernelConfig) -> ctypes.Array:
-    """Bytes of `struct Sm90FwdParams` (templates/sm90/params.cuh.j2): TMA maps of q, k, v at 0, 128, 256, then FwdParams."""
-    from .driver import tensor_map  # noqa: PLC0415
+# The same bytes as FwdParams, packed in one call (a ctypes Structure costs several microseconds).
+_FWD = struct.Struct("=5Q12q5i2f4x")
+assert _FWD.size == ctypes.sizeof(FwdParams)
 
+
+def scale_args(softmax_scale: float | None, head_dim: int) -> tuple[float, float]:
+    """(softmax_scale, scale_log2) for FwdParams. Any finite scale works: s <= 0 runs as |s| on -Q
+    or Q = 0 inside the kernel, so scale_log2 is |s| log2(e) (log2(e) for s = 0)."""
+    s = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    if not math.isfinite(s) or abs(s) * LOG2E > _F32_MAX:
+        raise ValueError(f"softmax_scale={softmax_scale!r} must be a finite float32 number")
+    log2 = abs(s) * LOG2E
+    if struct.unpack("f", struct.pack("f", log2))[0] == 0.0:  # so small it is 0 in float32: uniform attention
+        s, log2 = 0.0, LOG2E
+    return s, log2
+
+
+def pack_params(q: View, k: View, v: View, o: View, lse_ptr: int, prob: Problem, scale: float, scale_log2: float) -> bytes:
+    """The bytes of `struct FwdParams`."""
+    qs, ks, vs, os_ = q.strides, k.strides, v.strides, o.strides
+    return _FWD.pack(q.ptr, k.ptr, v.ptr, o.ptr, lse_ptr,
+                     qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os_[0], os_[1], os_[2],
+                     prob.batch, prob.heads, prob.heads_k, prob.seqlen_q, prob.seqlen_k, scale, scale_log2)
+
+
+def sm90_params(p: bytes | FwdParams, q: View, k: View, v: View, prob: Problem, cfg: KernelConfig) -> bytes:
+    """Bytes of `struct Sm90FwdParams` (templates/sm90/params.cuh.j2): TMA maps of q, k, v at 0, 128, 256, then FwdParams."""
     d, width, block_m, block_n = prob.head_dim, cfg.smem_w, cfg.block_m, cfg.block_n
 
     def tmap(t: View, seqlen: int, heads: int, rows: int) -> bytes:
         dims = (d, seqlen, heads, prob.batch)
-        strides = tuple(2 * s for s in (t.strides[1], t.strides[2], t.strides[0]))
-        return tensor_map(prob.dtype, t.ptr, dims, strides, (width, rows, 1, 1), 2 * width)
+        strides = (2 * t.strides[1], 2 * t.strides[2], 2 * t.strides[0])
+        return driver.tensor_map(prob.dtype, t.ptr, dims, strides, (width, rows, 1, 1), 2 * width)  # cached by args
 
     blob = (tmap(q, prob.seqlen_q, prob.heads, block_m) + tmap(k, prob.seqlen_k, prob.heads_k, block_n)
             + tmap(v, prob.seqlen_k, prob.heads_k, block_n) + bytes(p))
     size = -(-len(blob) // 128) * 128  # sizeof(Sm90FwdParams): CUtensorMap's alignment pads the tail
-    return (ctypes.c_uint8 * size).from_buffer_copy(blob.ljust(size, b"\0"))
+    return blob.ljust(size, b"\0")
 
 
-def _empty_like_problem(like: View, shape: tuple[int, ...], dtype: str) -> Any:
+def _empty(like: View, shape: tuple[int, ...], dtype: str) -> Any:
     if like.kind == "torch":
         import torch  # noqa: PLC0415
 
-        tdt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-        return torch.empty(shape, dtype=tdt, device=like.obj.device)
+        return like.obj.new_empty(shape, dtype=torch.float32) if dtype == "fp32" else like.obj.new_empty(shape)
     import numpy as np  # noqa: PLC0415
     import pycuda.gpuarray as gpuarray  # noqa: PLC0415
 
@@ -68,14 +97,72 @@ def _fix_alignment(t: View, name: str) -> View:
     raise ValueError(f"{name} needs a 16-byte aligned base and strides that are multiples of 8 elements")
 
 
+def _out_view(out: Any, like: View, shape: tuple[int, ...], dtype: str) -> View:
+    """`out`, given by the caller, checked like q: kind, device, dtype, shape, last dim contiguous, aligned."""
+    if like.kind == "torch":
+        ov = view(out, "out") if hasattr(out, "data_ptr") else None
+        if ov is None or ov.kind != "torch":
+            raise TypeError(f"out must be a torch tensor like q, not {type(out).__name__}")
+        if ov.device != like.device:
+            raise ValueError(f"out is on cuda:{ov.device}, q on cuda:{like.device}")
+    else:
+        ov = view(out, "out")
+    if ov.dtype != dtype:
+        raise TypeError(f"out must have q's dtype {dtype}, not {ov.dtype}")
+    if tuple(ov.shape) != shape:
+        raise ValueError(f"out must have shape {shape}; got {tuple(ov.shape)}")
+    if ov.strides[3] != 1 and shape[3] != 1:
+        raise ValueError("out must be contiguous in its last dim")
+    if not aligned(ov):
+        raise ValueError("out needs a 16-byte aligned base and strides that are multiples of 8 elements")
+    return ov
+
+
+def _lse_ptr(lse: Any, like: View, shape: tuple[int, ...]) -> int:
+    """`lse`, given by the caller: fp32, this shape, C-contiguous (the kernel indexes it densely), same device."""
+    if like.kind == "torch":
+        import torch  # noqa: PLC0415
+
+        if not isinstance(lse, torch.Tensor) or not lse.is_cuda:
+            raise TypeError(f"lse must be a torch CUDA tensor like q, not {type(lse).__name__}")
+        if lse.get_device() != like.device:
+            raise ValueError(f"lse is on cuda:{lse.get_device()}, q on cuda:{like.device}")
+        ok_dtype, dims, ptr = lse.dtype == torch.float32, tuple(lse.shape), lse.data_ptr()
+        contiguous = lse.is_contiguous()
+    else:
+        cai = getattr(lse, "__cuda_array_interface__", None)
+        if cai is None:
+            raise TypeError(f"lse must be a GPU array like q, not {type(lse).__name__}")
+        ok_dtype, dims, ptr = cai["typestr"] == "<f4", tuple(cai["shape"]), int(cai["data"][0])
+        st, acc, contiguous = cai.get("strides"), 4, True
+        for n, s in zip(reversed(dims), reversed(st or ())):
+            contiguous &= n == 1 or s == acc
+            acc *= n
+    if not ok_dtype:
+        raise TypeError("lse must be float32")
+    if dims != shape:
+        raise ValueError(f"lse must have shape {shape}; got {dims}")
+    if not contiguous:
+        raise ValueError("lse must be contiguous (the kernel writes it as a dense (batch, heads, seqlen_q) array)")
+    if ptr % 4:
+        raise ValueError("lse must be 4-byte aligned")
+    return ptr
+
+
 def run(kernel: CompiledKernel, q: Any, k: Any, v: Any, softmax_scale: float | None = None,
         stream: Any = None, out: Any = None, lse: Any = None) -> tuple[Any, Any, Problem]:
     """Launch `kernel` on q, k, v; returns (out, lse, problem). `stream`: a pycuda Stream or raw handle.
 
     `out` and `lse`, if given, are written in place (verification passes poisoned buffers)."""
     qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
-    prob = check_qkv(qv, kv, vv)
-    if stream is not None and qv.kind == "torch":
+    return run_views(kernel, qv, kv, vv, check_qkv(qv, kv, vv), softmax_scale, stream, out, lse)
+
+
+def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Problem, softmax_scale: float | None = None,
+              stream: Any = None, out: Any = None, lse: Any = None) -> tuple[Any, Any, Problem]:
+    """`run` on inputs already viewed and checked (check_qkv)."""
+    torch_in = qv.kind == "torch"
+    if stream is not None and torch_in:
         raise TypeError("stream= is for GPU arrays; torch tensors run on torch's current stream "
                         "(use `with torch.cuda.stream(s):`)")
     cfg = kernel.config
@@ -84,40 +171,55 @@ def run(kernel: CompiledKernel, q: Any, k: Any, v: Any, softmax_scale: float | N
             f"kernel {cfg.name} is for head_dim={cfg.head_dim}, dtype={cfg.dtype}; "
             f"got head_dim={prob.head_dim}, dtype={prob.dtype}"
         )
-    qv, kv, vv = (_fix_alignment(t, n) for t, n in ((qv, "q"), (kv, "k"), (vv, "v")))
+    scale, scale_log2 = scale_args(softmax_scale, prob.head_dim)
+    if not (aligned(qv) and aligned(kv) and aligned(vv)):
+        qv, kv, vv = (_fix_alignment(t, n) for t, n in ((qv, "q"), (kv, "k"), (vv, "v")))
     o_shape, lse_shape = (prob.batch, prob.seqlen_q, prob.heads, prob.head_dim), (prob.batch, prob.heads, prob.seqlen_q)
     if out is None:
-        out = _empty_like_problem(qv, o_shape, prob.dtype)
+        out = _empty(qv, o_shape, prob.dtype)
+        ov = view(out, "out") if torch_in else View(out, "cai", int(out.gpudata), o_shape,
+                                                     tuple(s // out.dtype.itemsize for s in out.strides), prob.dtype, -1)
+    else:
+        ov = _out_view(out, qv, o_shape, prob.dtype)
     if lse is None:
-        lse = _empty_like_problem(qv, lse_shape, "fp32")
-    if tuple(out.shape) != o_shape or tuple(lse.shape) != lse_shape:
-        raise ValueError(f"out must have shape {o_shape} and lse {lse_shape}; got {tuple(out.shape)}, {tuple(lse.shape)}")
+        lse = _empty(qv, lse_shape, "fp32")
+        lse_ptr = lse.data_ptr() if torch_in else int(lse.gpudata)
+    else:
+        lse_ptr = _lse_ptr(lse, qv, lse_shape)
     if prob.batch * prob.heads * prob.seqlen_q == 0:
         return out, lse, prob
-    ov = view(out, "out") if qv.kind == "torch" else View(out, "cai", int(out.gpudata), out.shape,
-                                                            tuple(s // out.dtype.itemsize for s in out.strides),
-                                                            prob.dtype, -1)
-    lse_ptr = lse.data_ptr() if qv.kind == "torch" else int(lse.gpudata)
-    scale = 1.0 / math.sqrt(prob.head_dim) if softmax_scale is None else float(softmax_scale)
-    p = FwdParams(
-        qv.ptr, kv.ptr, vv.ptr, ov.ptr, lse_ptr,
-        *(s for t in (qv, kv, vv, ov) for s in (t.strides[0], t.strides[1], t.strides[2])),
-        prob.batch, prob.heads, prob.heads_k, prob.seqlen_q, prob.seqlen_k, scale, scale * LOG2E,
-    )
+    grid = cfg.grid(prob.batch, prob.heads, prob.seqlen_q)
+    if prob.seqlen_k == 0:  # no key at all: O = 0, LSE = +inf in both families, nothing to launch
+        _fill_empty(out, lse)
+        return out, lse, prob
+    params = pack_params(qv, kv, vv, ov, lse_ptr, prob, scale, scale_log2)
     if cfg.family == "sm90":
-        p = sm90_params(p, qv, kv, vv, prob, cfg)
-    if qv.kind == "torch":
+        params = sm90_params(params, qv, kv, vv, prob, cfg)
+    if torch_in:
         import torch  # noqa: PLC0415
 
-        with torch.cuda.device(qv.obj.device):
-            handle = torch.cuda.current_stream().cuda_stream
-            fn = get_function(kernel.cubin, cfg.name, cfg.smem_bytes, kernel.digest)
-            fn.launch(cfg.grid(prob.batch, prob.heads, prob.seqlen_q), cfg.threads, p, handle)
+        dev = qv.device
+        driver.use_device(dev)  # the tensors' device, whatever device is current
+        fn = driver.get_function(kernel.cubin, cfg.name, cfg.smem_bytes, kernel.digest, driver.primary_context_id(dev))
+        fn.launch(grid, cfg.threads, params, torch.cuda.current_stream(dev).cuda_stream)
     else:
+        ctx, dev = driver.current_context(), driver.context_device()  # GPU arrays run in the current context
+        for name, t in (("q", qv), ("k", kv), ("v", vv), ("out", ov)):
+            if driver.pointer_device(t.ptr) != dev:
+                raise ValueError(f"{name} is not on the current context's device (cuda:{dev})")
         handle = 0 if stream is None else int(getattr(stream, "handle", stream))
-        fn = get_function(kernel.cubin, cfg.name, cfg.smem_bytes, kernel.digest)
-        fn.launch(cfg.grid(prob.batch, prob.heads, prob.seqlen_q), cfg.threads, p, handle)
+        fn = driver.get_function(kernel.cubin, cfg.name, cfg.smem_bytes, kernel.digest, driver.context_id(ctx))
+        fn.launch(grid, cfg.threads, params, handle)
     return out, lse, prob
 
 
-__all__ = ["FwdParams", "run"]
+def _fill_empty(out: Any, lse: Any) -> None:
+    if hasattr(out, "zero_"):
+        out.zero_()
+        lse.fill_(math.inf)
+    else:
+        out.fill(0)
+        lse.fill(math.inf)
+
+
+__all__ = ["FwdParams", "pack_params", "run", "run_views", "scale_args"]

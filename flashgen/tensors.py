@@ -5,17 +5,16 @@ TypeError instead of a fault.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .config import HEAD_DIMS
 
 _TORCH_DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}
 _CAI_DTYPES = {"<f2": "fp16", "float16": "fp16", "bfloat16": "bf16"}
+_torch_dtypes: dict[Any, str] = {}  # torch.dtype -> name, filled on first use (torch stays optional)
 
 
-@dataclass(frozen=True)
-class View:
+class View(NamedTuple):  # a NamedTuple: made three times per call, where a frozen dataclass costs microseconds
     """What a kernel launch needs from one tensor; strides are in elements."""
 
     obj: Any
@@ -35,10 +34,13 @@ def view(x: Any, name: str) -> View:
     if is_torch(x):
         if not x.is_cuda:
             raise ValueError(f"{name} is on {x.device}; flashgen runs on CUDA tensors (move it with .cuda())")
-        dtype = _TORCH_DTYPES.get(str(x.dtype))
+        dtype = _torch_dtypes.get(x.dtype)
         if dtype is None:
-            raise TypeError(f"{name} has dtype {x.dtype}; supported: torch.float16, torch.bfloat16")
-        return View(x, "torch", x.data_ptr(), tuple(x.shape), tuple(x.stride()), dtype, x.device.index or 0)
+            dtype = _torch_dtypes[x.dtype] = _TORCH_DTYPES.get(str(x.dtype))
+            if dtype is None:
+                del _torch_dtypes[x.dtype]
+                raise TypeError(f"{name} has dtype {x.dtype}; supported: torch.float16, torch.bfloat16")
+        return View(x, "torch", x.data_ptr(), tuple(x.shape), x.stride(), dtype, x.get_device())
     cai = getattr(x, "__cuda_array_interface__", None)
     if cai is None:
         raise TypeError(
@@ -63,8 +65,7 @@ def view(x: Any, name: str) -> View:
     return View(x, "cai", int(cai["data"][0]), shape, strides, dtype, -1)
 
 
-@dataclass(frozen=True)
-class Problem:
+class Problem(NamedTuple):
     batch: int
     seqlen_q: int
     seqlen_k: int

@@ -38,7 +38,10 @@ def test_derived_figures():
     c = KernelConfig(**GOOD)
     assert c.threads == 128 and c.warp_m_tiles == 2
     assert c.smem_bytes == (128 + 2 * 2 * 64) * 128 * 2
-    assert c.grid(batch=3, heads=5, seqlen_q=129) == (2, 5, 3)
+    assert c.grid(batch=3, heads=5, seqlen_q=129) == (2 * 5 * 3, 1, 1)
+    assert c.grid(batch=70000, heads=30000, seqlen_q=1) == (70000 * 30000, 1, 1)  # past 65535 in y and z
+    with pytest.raises(ValueError, match="exceed"):
+        c.grid(batch=2**16, heads=2**16, seqlen_q=1)
 
 
 def test_unfit_reasons_per_arch():

@@ -101,18 +101,35 @@ def test_softmax_scale_and_strided_inputs(kernels):
 
 
 def test_runs_on_current_stream():
+    """Queued behind a sleep on the caller's stream, the output is not written until the sleep ends:
+    a launch on any other stream would have written it already."""
     import torch
 
     import flashgen
-    from flashgen.verify import random_qkv, reference
+    from flashgen.launch import run
+    from flashgen.verify import poisoned_outputs, random_qkv, reference
 
     q, k, v = random_qkv(1, 512, 512, 4, 4, 128, "fp16")
+    kern = flashgen.load(128, "fp16", False)
+    out, lse = poisoned_outputs(q)
+    torch.cuda.synchronize()
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
-        torch.cuda._sleep(10_000_000)  # a busy stream: a launch elsewhere would race ahead
-        out = flashgen.attention(q, k, v)
+        torch.cuda._sleep(200_000_000)  # ~100 ms of a busy stream
+        run(kern.compiled, q, k, v, out=out, lse=lse)
+    early = out.clone()  # on the default stream, which does not wait for s
+    torch.cuda.current_stream().synchronize()
+    assert not s.query(), "the sleep ended before the check: lengthen it"
+    assert torch.isnan(early).all(), "the kernel did not wait for the work queued ahead of it on the caller's stream"
     s.synchronize()
-    assert (out.double() - reference(q, k, v, False).out).abs().max().item() <= reference(q, k, v, False).bound
+    ref = reference(q, k, v, False)
+    assert (out.double() - ref.out).abs().max().item() <= ref.bound
+    with torch.cuda.stream(s):  # the public call takes the same stream
+        torch.cuda._sleep(200_000_000)
+        out2 = flashgen.attention(q, k, v)
+    assert not s.query()
+    s.synchronize()
+    assert (out2.double() - ref.out).abs().max().item() <= ref.bound
 
 
 def test_sm90_family_on_hopper(kernels):

@@ -1,0 +1,59 @@
+"""The torch operator `flashgen::attention`: what torch.compile, CUDA graphs and fake tensors see.
+
+Imported only when a torch tensor reaches `flashgen.attention` (torch stays optional). In
+eager mode the operator's body is called directly: going through the dispatcher would add
+tens of microseconds per call and change nothing a plain CUDA tensor needs. Traced code
+(torch.compile, export) and tensor subclasses (FakeTensor, meta) go through the operator,
+whose fake implementation gives the output shapes without a GPU.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .api import forward, refuse_grad
+from .config import HEAD_DIMS
+
+
+@torch.library.custom_op("flashgen::attention", mutates_args=(), device_types="cuda")
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
+                 arch: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse): out (batch, seqlen_q, heads, head_dim) like q, contiguous; lse (batch, heads, seqlen_q) fp32."""
+    return forward(q, k, v, causal, softmax_scale, arch)
+
+
+@attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
+      arch: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    check_shapes(q, k, v)
+    b, sq, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """What the operator can check from shapes and dtypes alone (the eager body checks the rest)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims (batch, seqlen, heads, head_dim); got shape {tuple(t.shape)}")
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: torch.float16, torch.bfloat16")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head_dim")
+    if q.shape[3] not in HEAD_DIMS:
+        raise ValueError(f"head_dim={q.shape[3]} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        raise ValueError(f"heads of q ({q.shape[2]}) must be a multiple of heads of k and v ({k.shape[2]}) (MQA/GQA)")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
+              arch: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flashgen.attention` for torch tensors: the operator when traced, its body when eager."""
+    refuse_grad(q, k, v)
+    if torch.compiler.is_compiling() or type(q) is not torch.Tensor:
+        return attention_op(q, k, v, causal, softmax_scale, arch)
+    return forward(q, k, v, causal, softmax_scale, arch)

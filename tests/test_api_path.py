@@ -1,0 +1,171 @@
+"""The per-call path without a GPU: the resolve cache agrees with the full store lookup and sees
+store changes; the torch operator's fake implementation, torch.compile tracing, the grad guard,
+softmax_scale handling and the packed argument bytes."""
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+import flashgen
+import flashgen.api as api
+import flashgen.driver as driver
+import flashgen.store as store
+from flashgen.config import KernelConfig
+from flashgen.launch import LOG2E, FwdParams, pack_params, scale_args
+from flashgen.tensors import Problem, View
+
+REPO_STORE = Path(__file__).resolve().parent.parent / "tuned" / "nvidia-h200-sm90.json"
+H200 = driver.DeviceInfo("NVIDIA H200", "sm90", 132)
+
+
+class FakeCompiled:
+    def __init__(self, cfg: KernelConfig):
+        self.config = cfg
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    """The resolver and the store believe they run on the H200 the shipped store was tuned on."""
+    monkeypatch.setattr(driver, "device_info", lambda device=None: H200)
+    monkeypatch.setattr(driver, "use_device", lambda device: 0)
+    monkeypatch.setattr(store, "current_gpu", lambda: (H200.name, H200.arch))
+    monkeypatch.setattr(api, "_compiled", lambda cfg, target: FakeCompiled(cfg))
+    flashgen.reload()
+    yield
+    flashgen.reload()
+
+
+def stored_problems(path: Path) -> set[tuple]:
+    doc = json.loads(path.read_text())
+    return {(e["config"]["head_dim"], e["config"]["dtype"], e["config"]["causal"]) for e in doc["entries"].values()}
+
+
+SEQLENS = [None, 1, 17, 113, 700, 1023, 1024, 1500, 2047, 2048, 2896, 3000, 4096, 6000, 8192, 11585, 11586, 16384, 10**6]
+
+
+def test_cached_resolve_equals_the_full_lookup_on_every_stored_problem(h200):
+    r = api.Resolver()
+    problems = stored_problems(REPO_STORE)
+    assert problems
+    for hd, dt, causal in sorted(problems):
+        for family in (None, "sm80", "sm90"):
+            for n in SEQLENS:
+                full = flashgen.choose_config(hd, dt, causal, "sm90", seqlen=n, family=family)
+                for _ in range(2):  # a miss, then a hit
+                    assert r.kernel(0, hd, dt, causal, n, family).config == full, (hd, dt, causal, family, n)
+
+
+def test_a_store_change_is_picked_up(h200, tmp_path):
+    tuned = tmp_path / "tuned"
+    tuned.mkdir()
+    path = tuned / REPO_STORE.name
+    shutil.copy(REPO_STORE, path)
+    r = api.Resolver(check_every_s=0.0)
+    before = r.kernel(0, 128, "bf16", False, 4096, "sm90", tuned).config
+    doc = json.loads(path.read_text())
+    other = next(c for c in flashgen.space("sm90", 128, "bf16", False) if c != before and c.unfit_reason("sm90") is None)
+    for e in doc["entries"].values():
+        if KernelConfig.from_dict(e["config"]) == before:
+            e["config"], e["kernel"] = other.to_dict(), other.name
+    path.write_text(json.dumps(doc, indent=2))
+    assert r.kernel(0, 128, "bf16", False, 4096, "sm90", tuned).config == other
+    # the module's resolver checks at most once a second; reload() makes it look now
+    assert api._resolver.kernel(0, 128, "bf16", False, 4096, "sm90", tuned).config == other
+    path.unlink()
+    flashgen.reload()
+    assert api._resolver.kernel(0, 128, "bf16", False, 4096, "sm90", tuned).config == \
+        flashgen.default_config(128, "bf16", False, "sm90", "sm90")
+
+
+def test_nearest_bucket_matches_lookups_rule():
+    assert api.nearest_bucket(3000, (1024, 4096, 16384)) == 4096
+    assert api.nearest_bucket(2048, (1024, 4096)) == 4096  # a tie goes to the larger bucket
+    assert api.nearest_bucket(None, (1024, 4096)) == 4096
+    assert api.nearest_bucket(5, ()) is None
+
+
+# -- the torch operator ---------------------------------------------------------------------
+
+torch = pytest.importorskip("torch", reason="the torch operator tests need torch (a CPU build is enough)")
+
+
+def test_fake_implementation_gives_shapes_and_dtypes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        for dt in (torch.float16, torch.bfloat16):
+            q = torch.empty(3, 17, 8, 64, dtype=dt, device="cuda")
+            k = torch.empty(3, 1023, 2, 64, dtype=dt, device="cuda")
+            out, lse = flashgen.attention(q, k, k, causal=True, return_lse=True)
+            assert out.shape == q.shape and out.dtype == dt and out.device == q.device and out.is_contiguous()
+            assert lse.shape == (3, 8, 17) and lse.dtype == torch.float32
+            assert flashgen.attention(q, k, k).shape == q.shape
+        with pytest.raises(ValueError, match="multiple of heads"):
+            flashgen.attention(q, torch.empty(3, 9, 3, 64, dtype=q.dtype, device="cuda"),
+                               torch.empty(3, 9, 3, 64, dtype=q.dtype, device="cuda"))
+
+
+def test_torch_compile_fullgraph_traces_through_attention():
+    def block(q, k, v):
+        return flashgen.attention(q, k, v, causal=True).float().sum(-1)
+
+    q = torch.empty(2, 17, 4, 64, dtype=torch.bfloat16, device="meta")  # meta: the operator's fake runs
+    k = torch.empty(2, 40, 2, 64, dtype=torch.bfloat16, device="meta")
+    out = torch.compile(block, fullgraph=True, backend="eager")(q, k, k)
+    assert out.shape == (2, 17, 4) and out.dtype == torch.float32
+
+
+def test_inputs_that_require_grad_are_refused():
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="no backward"):
+        flashgen.attention(q, k, k)
+    with pytest.raises(RuntimeError, match="no backward"):
+        flashgen.attention(k, q, k, causal=True)
+    with torch.no_grad(), pytest.raises(ValueError, match="is on cpu"):  # no grad: past the guard, to the checks
+        flashgen.attention(q, k, k)
+
+
+def test_stream_is_refused_for_torch_tensors():
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="stream= is for GPU arrays"):
+        flashgen.attention(q, q, q, stream=1)
+
+
+# -- softmax_scale and the argument bytes -----------------------------------------------------
+
+def f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def test_any_finite_softmax_scale_is_taken_and_others_refused():
+    assert scale_args(None, 64) == (0.125, 0.125 * LOG2E)
+    assert scale_args(-0.5, 64) == (-0.5, 0.5 * LOG2E)  # the kernel runs |s| on -Q
+    assert scale_args(0.0, 64) == (0.0, LOG2E)  # uniform: Q = 0 in the kernel, any positive scale
+    assert scale_args(1e-46, 64) == (0.0, LOG2E)  # 0 in float32: treated as 0, never a 0 * -inf
+    for bad in (float("nan"), float("inf"), -float("inf"), 1e39):
+        with pytest.raises(ValueError, match="softmax_scale"):
+            scale_args(bad, 64)
+    with pytest.raises(ValueError, match="softmax_scale"):  # refused before any GPU work
+        flashgen.attention(*(FakeArray((1, 4, 2, 64)) for _ in range(3)), softmax_scale=float("nan"))
+
+
+class FakeArray:
+    def __init__(self, shape):
+        self.shape = shape
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": "<f2", "data": (1 << 20, False),
+                                         "strides": None, "version": 3}
+
+
+def test_packed_params_are_the_c_struct_bytes():
+    b, sq, sk, h, hk, d = 3, 100, 200, 8, 2, 64
+    v = lambda ptr, s, hh: View(None, "cai", ptr, (b, s, hh, d), (s * hh * d, hh * d, d, 1), "bf16", -1)  # noqa: E731
+    q, k, vv, o = v(0x1000, sq, h), v(0x2000, sk, hk), v(0x3000, sk, hk), v(0x4000, sq, h)
+    prob = Problem(b, sq, sk, h, hk, d, "bf16")
+    ref = FwdParams(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, *q.strides[:3], *k.strides[:3], *vv.strides[:3],
+                    *o.strides[:3], b, h, hk, sq, sk, -0.25, f32(0.25 * LOG2E))
+    assert pack_params(q, k, vv, o, 0x5000, prob, -0.25, 0.25 * LOG2E) == bytes(ref)
