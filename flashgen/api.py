@@ -17,8 +17,8 @@ from typing import Any
 
 from .compile import CompiledKernel, Resources, compile_kernel, target_for
 from .config import FAMILIES, ConfigError, KernelConfig, arch_limits, default_config
-from .launch import run, run_views, scale_args
-from .tensors import Problem, check_qkv, is_torch, view
+from .launch import launch_plan, make_plan, run, run_views, scale_args
+from .tensors import Problem, aligned_strides, check_qkv, is_torch, view
 
 STORE_CHECK_S = 1.0  # how often attention() looks whether a store file changed on disk
 
@@ -28,6 +28,7 @@ class Kernel:
 
     def __init__(self, compiled: CompiledKernel):
         self.compiled = compiled
+        self._plans: dict[tuple, Any] = {}  # torch call signature -> launch.Plan
 
     @property
     def config(self) -> KernelConfig:
@@ -53,8 +54,34 @@ class Kernel:
         raw handle) is for GPU arrays. Not traceable by torch.compile: use `flashgen.attention`."""
         if is_torch(q):
             refuse_grad(q, k, v)
-        out, lse, _ = run(self.compiled, q, k, v, softmax_scale, stream)
+            if stream is not None:
+                raise TypeError("stream= is for GPU arrays; torch tensors run on torch's current stream "
+                                "(use `with torch.cuda.stream(s):`)")
+            out, lse = self.run_torch(q, k, v, softmax_scale, return_lse)
+        else:
+            out, lse, _ = run(self.compiled, q, k, v, softmax_scale, stream)
         return (out, lse) if return_lse else out
+
+    def run_torch(self, q: Any, k: Any, v: Any, softmax_scale: float | None, want_lse: bool = True) -> tuple[Any, Any]:
+        """(out, lse) for torch tensors: checked once per call signature (shapes, strides, dtypes,
+        device, scale), then a dict lookup, five pointers packed and a launch. lse is None
+        when not wanted (the kernel then skips it)."""
+        sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+               q.get_device(), k.get_device(), v.get_device(), softmax_scale)
+        plan = self._plans.get(sig)
+        if plan is None:
+            plan = self._plans[sig] = self.plan(q, k, v, softmax_scale)
+            if len(self._plans) > 1024:
+                self._plans.clear()
+        return launch_torch(self, plan, q, k, v, softmax_scale, want_lse)
+
+    def plan(self, q: Any, k: Any, v: Any, softmax_scale: float | None) -> Any:
+        """launch.Plan of these inputs, after every check; None when a stride needs `run`'s copy."""
+        qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
+        prob = check_qkv(qv, kv, vv)
+        if not (aligned_strides(qv) and aligned_strides(kv) and aligned_strides(vv)):
+            return None
+        return make_plan(self.compiled, qv, kv, vv, prob, softmax_scale)
 
     def __repr__(self) -> str:
         r = self.resources
@@ -157,6 +184,7 @@ class Resolver:
         self._kernels: dict[tuple, Kernel] = {}
         self._exact: dict[tuple, Kernel] = {}  # (problem key, seqlen) -> kernel, bounded
         self._buckets: dict[tuple, tuple[int, ...]] = {}
+        self._by_signature: dict[tuple, tuple] = {}  # forward_torch: call signature -> (kernel, plan)
         self._stamps: dict[Path, tuple | None] = {}
         self._checked = time.monotonic()
 
@@ -239,9 +267,46 @@ def reload() -> None:
     store._warned.clear()
 
 
+def launch_torch(kern: Kernel, plan: Any, q: Any, k: Any, v: Any, softmax_scale: float | None,
+                 want_lse: bool) -> tuple[Any, Any]:
+    """One call by its plan; `run` (which copies what is misaligned) when there is no plan or a base
+    pointer is off 16 bytes."""
+    res = None if plan is None else launch_plan(plan, q, k, v, want_lse)
+    if res is None:
+        out, lse, _ = run(kern.compiled, q, k, v, softmax_scale)
+        return out, lse
+    return res
+
+
+def forward_torch(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, arch: str | None,
+                  want_lse: bool = True) -> tuple[Any, Any]:
+    """`forward` for torch tensors: one dict lookup from the call's signature to its kernel and plan."""
+    r = _resolver
+    if r._stamps and r._stale():
+        with r._lock:
+            r.clear()
+    sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+           q.get_device(), k.get_device(), v.get_device(), softmax_scale, causal, arch)
+    hit = r._by_signature.get(sig)
+    if hit is None:
+        qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
+        prob = check_qkv(qv, kv, vv)
+        if arch is not None and arch not in FAMILIES:
+            raise ValueError(f"arch={arch!r} is not a template family; choose one of {', '.join(FAMILIES)}")
+        scale_args(softmax_scale, prob.head_dim)  # a bad scale is refused before any GPU work
+        kern = r.kernel(qv.device, prob.head_dim, prob.dtype, causal, prob.seqlen_k, arch)
+        hit = (kern, kern.plan(q, k, v, softmax_scale))
+        if len(r._by_signature) > 4096:
+            r._by_signature.clear()
+        r._by_signature[sig] = hit
+    return launch_torch(hit[0], hit[1], q, k, v, softmax_scale, want_lse)
+
+
 def forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, arch: str | None,
             stream: Any = None) -> tuple[Any, Any]:
     """(out, lse) through the resolved kernel: the eager body of `attention` and of the torch operator."""
+    if stream is None and is_torch(q):
+        return forward_torch(q, k, v, causal, softmax_scale, arch)
     qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
     prob: Problem = check_qkv(qv, kv, vv)
     if arch is not None and arch not in FAMILIES:
@@ -277,7 +342,7 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
         if stream is not None:
             raise TypeError("stream= is for GPU arrays; torch tensors run on torch's current stream "
                             "(use `with torch.cuda.stream(s):`)")
-        out, lse = ops.attention(q, k, v, causal, softmax_scale, arch)
+        out, lse = ops.attention(q, k, v, causal, softmax_scale, arch, return_lse)
     else:
         out, lse = forward(q, k, v, causal, softmax_scale, arch, stream)
     return (out, lse) if return_lse else out

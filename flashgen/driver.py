@@ -130,6 +130,10 @@ def _device_info(dev: int) -> DeviceInfo:
     return DeviceInfo(buf.value.decode(), f"sm{major}{minor}", attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT))
 
 
+PARAMS_MAX = 4096  # bytes: the most kernel arguments a launch may pass
+_tls = threading.local()
+
+
 class Function:
     """One loaded `__global__` function in one context."""
 
@@ -145,10 +149,15 @@ class Function:
 
     def launch(self, grid: tuple[int, int, int], block: int, params: bytes | ctypes.Structure | ctypes.Array,
                stream: int = 0) -> None:
-        # The kernel takes one struct by value: kernelParams holds one pointer to its bytes.
+        # The kernel takes one struct by value: kernelParams holds one pointer to its bytes, which
+        # the driver copies during the call, so one buffer per thread serves every launch.
         raw = params if isinstance(params, bytes) else bytes(params)
-        buf = (ctypes.c_uint8 * len(raw)).from_buffer_copy(raw)
-        args = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
+        try:
+            buf, args = _tls.buf, _tls.args
+        except AttributeError:
+            buf = _tls.buf = ctypes.create_string_buffer(PARAMS_MAX)
+            args = _tls.args = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
+        buf.raw = raw
         rc = lib().cuLaunchKernel(self.handle, grid[0], grid[1], grid[2], block, 1, 1, self.smem_bytes,
                                   ctypes.c_void_p(stream), args, None)
         if rc:

@@ -7,9 +7,10 @@ live on another device than the current one).
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import driver
 from .compile import CompiledKernel
@@ -192,16 +193,11 @@ def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
     if prob.seqlen_k == 0:  # no key at all: O = 0, LSE = +inf in both families, nothing to launch
         _fill_empty(out, lse)
         return out, lse, prob
-    params = pack_params(qv, kv, vv, ov, lse_ptr, prob, scale, scale_log2)
-    if cfg.family == "sm90":
-        params = sm90_params(params, qv, kv, vv, prob, cfg)
     if torch_in:
-        import torch  # noqa: PLC0415
-
         dev = qv.device
-        driver.use_device(dev)  # the tensors' device, whatever device is current
+        driver.use_device(dev)  # the tensors' device, whatever device is current (tensor maps need it too)
         fn = driver.get_function(kernel.cubin, cfg.name, cfg.smem_bytes, kernel.digest, driver.primary_context_id(dev))
-        fn.launch(grid, cfg.threads, params, torch.cuda.current_stream(dev).cuda_stream)
+        handle = _current_stream(dev)
     else:
         ctx, dev = driver.current_context(), driver.context_device()  # GPU arrays run in the current context
         for name, t in (("q", qv), ("k", kv), ("v", vv), ("out", ov)):
@@ -209,8 +205,98 @@ def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
                 raise ValueError(f"{name} is not on the current context's device (cuda:{dev})")
         handle = 0 if stream is None else int(getattr(stream, "handle", stream))
         fn = driver.get_function(kernel.cubin, cfg.name, cfg.smem_bytes, kernel.digest, driver.context_id(ctx))
-        fn.launch(grid, cfg.threads, params, handle)
+    params = pack_params(qv, kv, vv, ov, lse_ptr, prob, scale, scale_log2)
+    if cfg.family == "sm90":
+        params = sm90_params(params, qv, kv, vv, prob, cfg)
+    fn.launch(grid, cfg.threads, params, handle)
     return out, lse, prob
+
+
+class Plan(NamedTuple):
+    """Everything about a torch call that depends only on shapes, strides, dtype, device and scale:
+    made once per such signature, after which a call packs five pointers and launches."""
+
+    device: int
+    fn: driver.Function | None  # None: nothing to launch (no query row, or no key: O = 0, LSE = +inf)
+    threads: int
+    grid: tuple[int, int, int]
+    o_shape: tuple[int, ...]
+    lse_shape: tuple[int, ...]
+    fields: tuple  # FwdParams after its five pointers
+    tmaps: tuple | None  # sm90: the (dims, byte strides, box) of the q, k, v tensor maps
+    dtype: str
+    swizzle: int
+    maps: dict  # sm90: (q, k, v pointers) -> the three encoded maps, a few kept
+
+
+def make_plan(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Problem, softmax_scale: float | None) -> Plan:
+    """The plan of torch inputs already viewed and checked (check_qkv), with aligned strides."""
+    cfg = kernel.config
+    if prob.head_dim != cfg.head_dim or prob.dtype != cfg.dtype:
+        raise ValueError(f"kernel {cfg.name} is for head_dim={cfg.head_dim}, dtype={cfg.dtype}; "
+                         f"got head_dim={prob.head_dim}, dtype={prob.dtype}")
+    scale, scale_log2 = scale_args(softmax_scale, prob.head_dim)
+    b, sq, sk, h, hk, d = prob.batch, prob.seqlen_q, prob.seqlen_k, prob.heads, prob.heads_k, prob.head_dim
+    o_strides = (sq * h * d, h * d, d)  # a fresh contiguous out
+    fields = (*qv.strides[:3], *kv.strides[:3], *vv.strides[:3], *o_strides, b, h, hk, sq, sk, scale, scale_log2)
+    fn, tmaps = None, None
+    if b * h * sq and sk:
+        driver.use_device(qv.device)
+        fn = driver.get_function(kernel.cubin, cfg.name, cfg.smem_bytes, kernel.digest,
+                                 driver.primary_context_id(qv.device))
+        if cfg.family == "sm90":
+            tmaps = tuple(((d, n, heads, b), (2 * t.strides[1], 2 * t.strides[2], 2 * t.strides[0]), (cfg.smem_w, rows, 1, 1))
+                          for t, n, heads, rows in ((qv, sq, h, cfg.block_m), (kv, sk, hk, cfg.block_n),
+                                                    (vv, sk, hk, cfg.block_n)))
+    return Plan(qv.device, fn, cfg.threads, cfg.grid(b, h, sq) if b * h * sq else (0, 1, 1), (b, sq, h, d), (b, h, sq),
+                fields, tmaps, prob.dtype, 2 * cfg.smem_w, {})
+
+
+def launch_plan(plan: Plan, q: Any, k: Any, v: Any, want_lse: bool = True) -> tuple[Any, Any] | None:
+    """(out, lse) of one call by its plan (lse None unless wanted: the kernel skips it); None when a
+    base pointer is not 16-byte aligned (take `run`)."""
+    qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    if (qp | kp | vp) & 15:
+        return None
+    out = q.new_empty(plan.o_shape)
+    lse = q.new_empty(plan.lse_shape, dtype=_float32()) if want_lse else None
+    if plan.fn is None:
+        if out.numel():
+            out.zero_()
+            if lse is not None:
+                lse.fill_(math.inf)
+        return out, lse
+    driver.use_device(plan.device)
+    params = _FWD.pack(qp, kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr(), *plan.fields)
+    if plan.tmaps is not None:
+        maps = plan.maps.get((qp, kp, vp))
+        if maps is None:
+            if len(plan.maps) > 64:
+                plan.maps.clear()
+            maps = plan.maps[qp, kp, vp] = b"".join(
+                driver.tensor_map(plan.dtype, p, dims, strides, box, plan.swizzle)
+                for p, (dims, strides, box) in zip((qp, kp, vp), plan.tmaps))
+        params = (maps + params).ljust(_SM90_BYTES, b"\0")
+    plan.fn.launch(plan.grid, plan.threads, params, _current_stream(plan.device))
+    return out, lse
+
+
+_SM90_BYTES = -(-(3 * 128 + _FWD.size) // 128) * 128  # sizeof(Sm90FwdParams)
+
+
+@functools.lru_cache(maxsize=1)
+def _float32() -> Any:
+    import torch  # noqa: PLC0415
+
+    return torch.float32
+
+
+def _current_stream(device: int) -> int:
+    """The raw handle of torch's current stream on `device` (capture streams of CUDA graphs included)."""
+    import torch  # noqa: PLC0415
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # an int, without making a Stream object
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 def _fill_empty(out: Any, lse: Any) -> None:

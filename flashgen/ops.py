@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .api import forward, refuse_grad
+from .api import forward, forward_torch, refuse_grad
 from .config import HEAD_DIMS
 
 
@@ -51,9 +51,10 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
-              arch: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`flashgen.attention` for torch tensors: the operator when traced, its body when eager."""
+              arch: Optional[str], want_lse: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`flashgen.attention` for torch tensors: the operator when traced, its body when eager
+    (where lse is None unless wanted: the kernel then neither allocates nor writes it)."""
     refuse_grad(q, k, v)
     if torch.compiler.is_compiling() or type(q) is not torch.Tensor:
         return attention_op(q, k, v, causal, softmax_scale, arch)
-    return forward(q, k, v, causal, softmax_scale, arch)
+    return forward_torch(q, k, v, causal, softmax_scale, arch, want_lse)

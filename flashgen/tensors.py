@@ -104,6 +104,12 @@ def check_qkv(q: View, k: View, v: View) -> Problem:
     return Problem(b, sq, sk, h, hk, d, q.dtype)
 
 
+def aligned_strides(t: View) -> bool:
+    """Row, head and batch strides that keep 16-byte loads aligned (multiples of 8 elements)."""
+    s = t.strides
+    return s[0] % 8 == 0 and s[1] % 8 == 0 and s[2] % 8 == 0
+
+
 def aligned(t: View) -> bool:
     """16-byte loads need a 16-byte aligned base and row strides that are multiples of 8 elements."""
     return t.ptr % 16 == 0 and all(s % 8 == 0 for s in t.strides[:3])

@@ -21,16 +21,27 @@ def _arch() -> str:
     return f"sm{major}{minor}"
 
 
-def family_kernels(head_dim: int, dtype: str, causal: bool) -> list:
-    """The default of each family that runs here, plus the overlapped ping-pong sm90 schedule."""
-    arch = _arch()
+CASES = [(d, dt, c) for d in (32, 64, 128, 256) for dt in ("fp16", "bf16") for c in (False, True)]
+
+
+def family_configs(arch: str, head_dim: int | None = None, dtype: str | None = None,
+                   causal: bool | None = None) -> list[KernelConfig]:
+    """The default of each family that runs on `arch`, plus the overlapped ping-pong sm90 schedule
+    (every case of CASES when the problem is not given: scripts/fill_kernel_cache.py compiles them)."""
+    if head_dim is None:
+        return [c for case in CASES for c in family_configs(arch, *case)]
     cfgs = [default_config(head_dim, dtype, causal, arch, "sm80")]
     if arch == "sm90":
         cfgs.append(default_config(head_dim, dtype, causal, arch, "sm90"))
         ov = KernelConfig(head_dim, dtype, causal, 128, 64, 12, 2, "sm90", True, True)
         if ov.unfit_reason(arch) is None:
             cfgs.append(ov)
-    return [compile_kernel(c, target_for(arch, c.family)) for c in cfgs]
+    return cfgs
+
+
+def family_kernels(head_dim: int, dtype: str, causal: bool) -> list:
+    arch = _arch()
+    return [compile_kernel(c, target_for(arch, c.family)) for c in family_configs(arch, head_dim, dtype, causal)]
 
 
 def judge(kern, q, k, v, causal, scale=None):

@@ -111,6 +111,8 @@ def test_runs_on_current_stream():
 
     q, k, v = random_qkv(1, 512, 512, 4, 4, 128, "fp16")
     kern = flashgen.load(128, "fp16", False)
+    run(kern.compiled, q, k, v)  # the first launch in a context loads the module, which waits for the GPU
+    flashgen.attention(q, k, v)
     out, lse = poisoned_outputs(q)
     torch.cuda.synchronize()
     s = torch.cuda.Stream()

@@ -1,0 +1,87 @@
+"""Compile, without a GPU, every kernel a GPU run will load, into FLASHGEN_CACHE_DIR.
+
+    FLASHGEN_CACHE_DIR=.kcache python scripts/fill_kernel_cache.py --arch sm90 [--tests] [--store] [--defaults]
+
+Carry the directory to the GPU machine and point FLASHGEN_CACHE_DIR at it there: device minutes
+then go to the GPU, not to nvcc. --tests: the GPU test suite's kernels; --store: every tuned
+kernel; --defaults: each family's default for every head dim, dtype and mask.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from flashgen.compile import CompileError, compile_kernel, target_for  # noqa: E402
+from flashgen.config import DTYPES, FAMILIES, HEAD_DIMS, KernelConfig, default_config  # noqa: E402
+
+
+def test_suite_configs(arch: str) -> set[KernelConfig]:
+    sys.path.insert(0, str(ROOT / "tests"))
+    import test_gpu_api  # noqa: PLC0415
+    import test_gpu_fwd  # noqa: PLC0415
+
+    out = {c for hd, dt, causal in itertools.product(HEAD_DIMS, DTYPES, (False, True))
+           for c in test_gpu_fwd.configs_for(hd, dt, causal, arch)}
+    out |= set(test_gpu_api.family_configs(arch))
+    return out
+
+
+def store_configs(arch: str) -> set[KernelConfig]:
+    import json  # noqa: PLC0415
+
+    out = set()
+    for path in (ROOT / "tuned").glob("*.json"):
+        for e in json.loads(path.read_text())["entries"].values():
+            cfg = KernelConfig.from_dict(e["config"])
+            if cfg.unfit_reason(arch) is None:
+                out.add(cfg)
+    return out
+
+
+def default_configs(arch: str) -> set[KernelConfig]:
+    return {default_config(hd, dt, c, arch, fam) for hd, dt, c, fam in
+            itertools.product(HEAD_DIMS, DTYPES, (False, True), FAMILIES) if fam != "sm90" or arch == "sm90"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="sm90", help="the GPU the run will use, e.g. sm90")
+    ap.add_argument("--tests", action="store_true")
+    ap.add_argument("--store", action="store_true")
+    ap.add_argument("--defaults", action="store_true")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    args = ap.parse_args()
+    cfgs: set[KernelConfig] = set()
+    if args.tests:
+        cfgs |= test_suite_configs(args.arch)
+    if args.store:
+        cfgs |= store_configs(args.arch)
+    if args.defaults or not (args.tests or args.store):
+        cfgs |= default_configs(args.arch)
+    failed = []
+
+    def build(cfg: KernelConfig) -> None:
+        try:
+            compile_kernel(cfg, target_for(args.arch, cfg.family))
+        except CompileError as e:
+            failed.append(f"{cfg.name}: {str(e).splitlines()[0]}")
+
+    with ThreadPoolExecutor(args.jobs) as pool:  # nvcc runs in subprocesses: threads are enough
+        list(tqdm(pool.map(build, sorted(cfgs, key=lambda c: c.name)), total=len(cfgs), desc="compile", unit="kernel"))
+    print(f"{len(cfgs) - len(failed)} kernels in {os.environ.get('FLASHGEN_CACHE_DIR', 'the user cache')}")
+    for f in failed:
+        print("FAILED", f)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
