@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-configs", type=int, default=None, help="keep only the first N configurations of the space")
     t.add_argument("--jobs", type=int, default=None, help="compile processes (default: all cores)")
     t.add_argument("--deadline", type=duration, default=120.0, help="a trial hanging longer is killed (default 120s)")
+    t.add_argument("--compile-timeout", type=duration, default=600.0,
+                   help="a compile (nvcc, ptxas) taking longer is killed and fails its trial (default 10m)")
     t.add_argument("--simulate", action="store_true",
                    help="testing only: time with flashgen.backend.SimulatedBackend's cost model (fake numbers)")
 
@@ -188,7 +190,7 @@ def compile_only(args: argparse.Namespace) -> int:
     cfgs = [c for hd, dt, ca in itertools.product(args.head_dim, args.dtype, causal_list(args.causal))
             for c in restricted_space(args, hd, dt, ca)]
     print(f"compiling {len(cfgs)} configurations of family {args.arch} for {target} ({gpu_arch} limits)")
-    pool = CompileAhead(args.jobs)
+    pool = CompileAhead(args.jobs, args.compile_timeout)
     try:
         for c in cfgs:
             pool.submit(c, target)
@@ -228,7 +230,7 @@ def tune(args: argparse.Namespace) -> int:
         versions = {"nvcc": "simulated", "driver": "simulated"}
     else:
         try:
-            backend = GpuBackend(args.jobs, args.deadline)
+            backend = GpuBackend(args.jobs, args.deadline, compile_timeout_s=args.compile_timeout)
         except NoGpuError as e:
             raise CliError(f"no GPU to time kernels on ({e}). Without a GPU, use --compile-only to render and "
                            "compile the space and see each configuration's resources.") from None
@@ -353,7 +355,8 @@ def bench(args: argparse.Namespace) -> int:
     import datetime
 
     from flashgen import __version__
-    from flashgen.compare import PEERS, SimulatedRunner, TorchRunner, grid, matmul_ceiling, run_grid, write
+    from flashgen.compare import (PEERS, SimulatedRunner, TorchRunner, grid, host_line, host_problem, matmul_ceiling,
+                                  run_grid, write)
     from flashgen.compare import table as bench_table
 
     _check("peers", args.peers, PEERS)
@@ -375,12 +378,18 @@ def bench(args: argparse.Namespace) -> int:
         runner = TorchRunner(arch=args.arch, reps=args.reps)
         ceiling = {dt: matmul_ceiling(dt) for dt in args.dtype}
     rows = run_grid(points, runner, args.peers)
+    first = points[0]
+    host = runner.host_us(first.dtype, first.head_dim, first.causal)
     print(f"{gpu}, {datetime.date.today()}, family {args.arch}: TFLOP/s (4*B*H*N*N*D, halved for causal) and flashgen's ratio")
+    print("flashgen: the kernel alone (GPU kept busy ahead of each call); api: flashgen.attention() back to back, "
+          "host cost included; x <peer>: the kernel's ratio")
     if ceiling:
         print("matmul ceiling (8192^3, this run): " + ", ".join(f"{dt} {t:.0f} TFLOP/s" for dt, t in ceiling.items()))
     print(bench_table(rows, args.peers, ceiling))
+    print(host_line(host, first.dtype, first.head_dim))
     if args.out:
-        meta = {"flashgen": __version__, "family": args.arch, "simulated": bool(args.simulate)}
+        meta = {"flashgen": __version__, "family": args.arch, "simulated": bool(args.simulate),
+                "host_us_per_call": host, "host_problem": host_problem(first)}
         if not args.simulate:
             meta["torch"] = torch.__version__
         paths = write(rows, args.peers, args.out, gpu, meta, ceiling=ceiling, family=args.arch)

@@ -3,19 +3,27 @@
 A grid of problems (dtype x head dim x causal x seqlen, batch*seqlen and heads*head_dim
 fixed) is timed in one process; each point gets one set of inputs (rotated past L2) that
 every kernel reads. Results go to a table, JSON, CSV and a PNG plot.
+
+Two figures for flashgen, side by side: "flashgen" is the loaded kernel alone (the GPU kept
+busy ahead of each call, so host cost is hidden: a diagnostic), "api" is what a user gets,
+`flashgen.attention()` called back to back with no GPU sleep, host cost included. Apart from
+the grid, `host_us` times the host's cost per call on a problem too small for the GPU to matter.
 """
 from __future__ import annotations
 
 import csv
 import datetime
 import json
+import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 from .bench import flops
 
 PEERS = ("flash", "cudnn", "efficient")  # SDPA backends: FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTENTION
+HOST_SHAPE = (1, 128, 1)  # batch, seqlen, heads of the host-cost problem: microseconds of GPU work at most
 
 
 @dataclass(frozen=True)
@@ -42,22 +50,25 @@ def grid(dtypes: Iterable[str], head_dims: Iterable[int], causals: Iterable[bool
 class Row:
     point: Point
     kernel: str = ""  # flashgen's configuration name
-    ms: dict[str, float | None] = field(default_factory=dict)  # "flashgen" and each peer; None: not available
+    ms: dict[str, float | None] = field(default_factory=dict)  # "flashgen" (kernel), "api" and each peer; None: n/a
     notes: dict[str, str] = field(default_factory=dict)
 
     def tflops(self, who: str) -> float | None:
         ms = self.ms.get(who)
         return None if ms is None else self.point.tflop / (ms * 1e-3)
 
-    def ratio(self, peer: str) -> float | None:
-        a, b = self.tflops("flashgen"), self.tflops(peer)
+    def ratio(self, peer: str, who: str = "flashgen") -> float | None:
+        a, b = self.tflops(who), self.tflops(peer)
         return None if a is None or b is None else a / b
 
 
 class Runner(Protocol):
-    """Times one point: returns the flashgen config name and milliseconds per kernel (None if unavailable)."""
+    """Times one point: returns the flashgen config name and milliseconds per kernel (None if unavailable);
+    and the host's microseconds per call of attention(), Kernel() and SDPA on a tiny problem."""
 
     def time_point(self, point: Point, peers: list[str]) -> Row: ...
+
+    def host_us(self, dtype: str, head_dim: int, causal: bool) -> dict[str, float]: ...
 
 
 class SimulatedRunner:
@@ -70,11 +81,15 @@ class SimulatedRunner:
         base = point.tflop / 300.0 * 1e3  # "300 TFLOP/s"
         row = Row(point, kernel=f"simulated_d{point.head_dim}")
         row.ms["flashgen"] = base * (0.9 if point.head_dim == 64 else 1.05)
+        row.ms["api"] = row.ms["flashgen"] * 1.25  # "host cost shows"
         for i, p in enumerate(peers):
             row.ms[p] = None if p in self.missing else base * (1.0 - 0.2 * i)
             if p in self.missing:
                 row.notes[p] = "simulated: unavailable"
         return row
+
+    def host_us(self, dtype: str, head_dim: int, causal: bool) -> dict[str, float]:
+        return {"attention": 20.0, "kernel": 12.0, "sdpa": 15.0}
 
 
 class TorchRunner:
@@ -98,6 +113,8 @@ class TorchRunner:
         kern = flashgen.load(d, point.dtype, point.causal, seqlen=n, arch=self.arch)
         row = Row(point, kernel=kern.name)
         row.ms["flashgen"] = median_ms(time_cuda(lambda i: kern(*sets[i]), self.warmup, self.reps, len(sets)))
+        row.ms["api"] = back_to_back_ms(lambda i: flashgen.attention(*sets[i], causal=point.causal, arch=self.arch),
+                                        self.reps, len(sets))
         backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                     "efficient": SDPBackend.EFFICIENT_ATTENTION}
         for p in peers:
@@ -111,6 +128,78 @@ class TorchRunner:
         del sets, sdpa_sets
         torch.cuda.empty_cache()
         return row
+
+    def host_us(self, dtype: str, head_dim: int, causal: bool) -> dict[str, float]:
+        """Microseconds per call, by wall clock, of each way in on a problem small enough to be host-bound."""
+        import torch  # noqa: PLC0415
+
+        import flashgen  # noqa: PLC0415
+
+        from .verify import random_qkv  # noqa: PLC0415
+
+        b, n, h = HOST_SHAPE
+        q, k, v = random_qkv(b, n, n, h, h, head_dim, dtype, seed=0)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        kern = flashgen.load(head_dim, dtype, causal, seqlen=n, arch=self.arch)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        return host_us_per_call({"attention": lambda: flashgen.attention(q, k, v, causal=causal, arch=self.arch),
+                                 "kernel": lambda: kern(q, k, v),
+                                 "sdpa": lambda: sdpa(qt, kt, vt, is_causal=causal)})
+
+
+def back_to_back_ms(fn: Callable[[int], Any], calls: int = 50, rotate: int = 1, loops: int = 5, warmup: int = 5) -> float:
+    """Milliseconds per call of fn(i) issued back to back with no GPU sleep (i cycles over `rotate` input sets):
+    CUDA events around each loop of `calls` calls, median over `loops`. Host cost shows wherever it exceeds
+    the GPU's time, as in a user's loop (unlike bench.time_cuda, which hides it)."""
+    import torch  # noqa: PLC0415
+
+    for i in range(warmup):
+        fn(i % rotate)
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(loops):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(calls):
+            fn(i % rotate)
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / calls)
+    return statistics.median(per_call)
+
+
+def host_us_per_call(fns: dict[str, Callable[[], Any]], calls: int = 200, loops: int = 7,
+                     warmup: int = 20) -> dict[str, float]:
+    """Wall-clock microseconds per call of each fn issued back to back, synchronized after each loop of
+    `calls`; median over `loops`. On a tiny problem this is the host's cost of the call."""
+    import torch  # noqa: PLC0415
+
+    out = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        per_call = []
+        for _ in range(loops):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            per_call.append((time.perf_counter() - t0) / calls * 1e6)
+        out[name] = statistics.median(per_call)
+    return out
+
+
+def host_problem(point: Point) -> dict[str, Any]:
+    """The problem `host_us` times for a grid whose first point is `point`, as stored beside its figures."""
+    b, n, h = HOST_SHAPE
+    return {"dtype": point.dtype, "head_dim": point.head_dim, "causal": point.causal, "batch": b, "seqlen": n, "heads": h}
+
+
+def host_line(host: dict[str, float], dtype: str, head_dim: int) -> str:
+    b, n, h = HOST_SHAPE
+    return (f"host us/call: attention() {host['attention']:.1f}, Kernel() {host['kernel']:.1f}, SDPA {host['sdpa']:.1f} "
+            f"({dtype} d{head_dim}, batch {b} x seqlen {n} x heads {h}, back to back)")
 
 
 def matmul_ceiling(dtype: str, n: int = 8192, reps: int = 20) -> float:
@@ -144,15 +233,19 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def table(rows: list[Row], peers: list[str], ceiling: dict[str, float] | None = None) -> str:
-    """TFLOP/s per kernel, flashgen's ratio to each peer and, given `ceiling` (TFLOP/s of a matrix
-    product per dtype), flashgen's share of it."""
-    head = f"{'dtype':<5} {'d':>4} {'mask':<6} {'N':>6} {'flashgen':>9} " + " ".join(f"{p:>9}" for p in peers) + " " + \
+    """TFLOP/s per kernel (flashgen's kernel alone, then through attention() back to back, and their
+    ratio), flashgen's kernel's ratio to each peer and, given `ceiling` (TFLOP/s of a matrix product
+    per dtype), its share of it."""
+    head = f"{'dtype':<5} {'d':>4} {'mask':<6} {'N':>6} {'flashgen':>9} {'api':>9} {'api/kern':>9} " + \
+        " ".join(f"{p:>9}" for p in peers) + " " + \
         " ".join(f"{'x ' + p:>9}" for p in peers) + (f" {'% matmul':>9}" if ceiling else "")
     lines = [head, "-" * len(head)]
     for r in rows:
         pt = r.point
         lines.append(f"{pt.dtype:<5} {pt.head_dim:>4} {'causal' if pt.causal else 'full':<6} {pt.seqlen:>6} "
-                     f"{_fmt(r.tflops('flashgen'), '9.1f')} " + " ".join(_fmt(r.tflops(p), '9.1f') for p in peers) + " " +
+                     f"{_fmt(r.tflops('flashgen'), '9.1f')} {_fmt(r.tflops('api'), '9.1f')} "
+                     f"{_fmt(r.ratio('flashgen', who='api'), '9.2f')} " +
+                     " ".join(_fmt(r.tflops(p), '9.1f') for p in peers) + " " +
                      " ".join(_fmt(r.ratio(p), '9.2f') for p in peers) +
                      (f" {_fmt(_share(r, ceiling), '9.1f')}" if ceiling else ""))
     return "\n".join(lines)
@@ -169,9 +262,10 @@ def to_records(rows: list[Row], peers: list[str], ceiling: dict[str, float] | No
         rec: dict[str, Any] = {**asdict(r.point), "kernel": r.kernel}
         if ceiling:
             rec["pct_matmul"] = _share(r, ceiling)
-        for who in ("flashgen", *peers):
+        for who in ("flashgen", "api", *peers):
             rec[f"{who}_ms"] = r.ms.get(who)
             rec[f"{who}_tflops"] = r.tflops(who)
+        rec["ratio_api_kernel"] = r.ratio("flashgen", who="api")
         for p in peers:
             rec[f"ratio_{p}"] = r.ratio(p)
         out.append(rec)
@@ -211,16 +305,17 @@ def plot(rows: list[Row], peers: list[str], path: Path, title: str = "") -> None
     masks = sorted({r.point.causal for r in rows})
     dtypes = sorted({r.point.dtype for r in rows})
     fig, axes = plt.subplots(len(masks), len(dims), figsize=(4.2 * len(dims), 3.4 * len(masks)), squeeze=False)
-    colors = {"flashgen": "C3", "flash": "C0", "cudnn": "C2", "efficient": "C7"}
+    colors = {"flashgen": "C3", "api": "C1", "flash": "C0", "cudnn": "C2", "efficient": "C7"}
+    labels = {"flashgen": "flashgen kernel", "api": "flashgen attention()"}
     for (i, causal), (j, d) in ((im, jd) for im in enumerate(masks) for jd in enumerate(dims)):
         ax = axes[i][j]
-        for who in ("flashgen", *peers):
+        for who in ("flashgen", "api", *peers):
             for dt in dtypes:
                 pts = sorted((r.point.seqlen, r.tflops(who)) for r in rows
                              if (r.point.head_dim, r.point.causal, r.point.dtype) == (d, causal, dt) and r.tflops(who))
                 if pts:
                     ax.plot(*zip(*pts), marker="o", color=colors.get(who), linestyle="-" if dt == "bf16" else "--",
-                            label=f"{who if who == 'flashgen' else 'sdpa-' + who} {dt}")
+                            label=f"{labels.get(who, 'sdpa-' + who)} {dt}")
         ax.set_xscale("log", base=2)
         ax.set_title(f"d={d} {'causal' if causal else 'non-causal'}")
         ax.set_xlabel("seqlen")
