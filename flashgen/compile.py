@@ -1,8 +1,11 @@
 """Step 3: CUDA source to a cubin for one target, with the ptxas resource report.
 
-Compiling needs nvcc, not a GPU. Results are cached on disk keyed by a hash of the
-source, target, flags and nvcc version, so a second compile of the same kernel is a
-file read.
+Compiling needs nvcc, not a GPU. Results are cached on disk, so a second compile of the
+same kernel is a file read: `{name}-{target}-{key}-nvcc{version}.cubin` plus a `.json` with
+the ptxas report and the cubin's sha256, where key hashes the source, the flags and
+NVCC_PREPEND_FLAGS/NVCC_APPEND_FLAGS. Where nvcc is absent (a GPU machine given a cache
+filled elsewhere), the newest entry of any nvcc version is served. Only a private cache is
+used: the directory and its entries must be ours and not writable by group or others.
 """
 from __future__ import annotations
 
@@ -12,16 +15,20 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .config import KernelConfig
-from .paths import cache_dir
+from .paths import cache_dir, unsafe_reason
 from .render import render
 
 NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas", "-v", "-lineinfo")
+NVCC_ENV_FLAGS = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")  # nvcc reads these itself: they change the cubin
+NVCC_TIMEOUT_S = 600.0  # FLASHGEN_NVCC_TIMEOUT overrides: one hung ptxas must not stall a tune
 
 
 class CompileError(RuntimeError):
@@ -92,9 +99,42 @@ def nvcc_path() -> str:
 
 @functools.lru_cache(maxsize=1)
 def nvcc_version() -> str:
-    out = subprocess.run([nvcc_path(), "--version"], capture_output=True, text=True, check=True).stdout
-    m = re.search(r"release (\S+), V(\S+)", out)
-    return m.group(2) if m else out.strip().splitlines()[-1]
+    """nvcc's version ("13.0.88"), remembered in the cache per nvcc path and mtime: a cache hit runs no nvcc."""
+    nvcc = nvcc_path()
+    cdir = _private_cache()
+    ident = f"{os.path.realpath(nvcc)}@{os.stat(nvcc).st_mtime_ns}"  # a switched /usr/local/cuda link is a new nvcc
+    known = _read_json(cdir / "nvcc-versions.json") if cdir else {}
+    if ident not in known:
+        code, out = _run([nvcc, "--version"], "nvcc --version")
+        if code != 0:
+            raise CompileError(f"{nvcc} --version failed:\n{out}")
+        m = re.search(r"release (\S+), V(\S+)", out)
+        known[ident] = re.sub(r"[^\w.+]", "_", m.group(2) if m else out.strip().splitlines()[-1])
+        if cdir:
+            _write(cdir / "nvcc-versions.json", json.dumps(known, indent=1).encode())
+    return known[ident]
+
+
+def _run(cmd: list[str], what: str) -> tuple[int, str]:
+    """Exit code and output of an nvcc command, killed with its children (cicc, ptxas) past the timeout."""
+    raw = os.environ.get("FLASHGEN_NVCC_TIMEOUT", str(NVCC_TIMEOUT_S))
+    try:
+        timeout = float(raw)
+    except ValueError:
+        raise CompileError(f"FLASHGEN_NVCC_TIMEOUT={raw} is not a number of seconds") from None
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # nvcc's session: cicc and ptxas too, or their pipes stay open
+            except (AttributeError, ProcessLookupError):  # no process groups (Windows), or all gone already
+                proc.kill()
+            proc.communicate()
+            raise CompileError(f"{what} timed out after {timeout:g} s; set FLASHGEN_NVCC_TIMEOUT (seconds, "
+                               f"default {NVCC_TIMEOUT_S:g}) if it needs longer") from None
+    return proc.returncode, out + err
 
 
 _REGS = re.compile(r"Used (\d+) registers")
@@ -118,9 +158,9 @@ def parse_ptxas(log: str, kernel: str, smem_bytes: int) -> Resources:
     )
 
 
-def _key(source: str, target: str, flags: list[str]) -> str:
+def _key(source: str, flags: list[str]) -> str:
     h = hashlib.sha256()
-    for part in (source, target, " ".join(flags), nvcc_version()):
+    for part in (source, " ".join(flags), *(f"{v}={os.environ.get(v, '')}" for v in NVCC_ENV_FLAGS)):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:20]
@@ -130,37 +170,96 @@ def compile_kernel(cfg: KernelConfig, target: str, use_cache: bool = True) -> Co
     """Render and compile `cfg` for `target` ("sm_80", "sm_90", "sm_90a", ...)."""
     source = render(cfg)
     flags = [*arch_flags(target), *NVCC_FLAGS]
-    cdir = cache_dir()
-    stem = cdir / f"{cfg.name}-{target}-{_key(source, target, flags)}"
-    cubin_path, meta_path = stem.with_suffix(".cubin"), stem.with_suffix(".json")
-    if use_cache and cubin_path.is_file() and meta_path.is_file():
-        try:
-            meta = json.loads(meta_path.read_text())
-            return CompiledKernel(cfg, target, source, cubin_path.read_bytes(), Resources(**meta["resources"]),
-                                  meta["ptxas_log"], cached=True)
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # a damaged entry is rebuilt below
-    with tempfile.TemporaryDirectory(prefix="flashgen-") as tmp:
-        src, out = Path(tmp) / f"{cfg.name}.cu", Path(tmp) / f"{cfg.name}.cubin"
-        src.write_text(source)
-        proc = subprocess.run([nvcc_path(), "-cubin", *flags, "-o", str(out), str(src)], capture_output=True, text=True)
-        log = proc.stdout + proc.stderr
-        if proc.returncode != 0:
-            raise CompileError(f"nvcc failed for {cfg.name} ({target}):\n{log}")
-        cubin = out.read_bytes()
-    kernel = CompiledKernel(cfg, target, source, cubin, parse_ptxas(log, cfg.name, cfg.smem_bytes), log)
-    if use_cache:
-        _store(cubin_path, meta_path, kernel)
+    cdir = _private_cache() if use_cache else None
+    if cdir is None:
+        return _compile(cfg, target, source, flags)
+    prefix = f"{cfg.name}-{target}-{_key(source, flags)}-nvcc"
+    try:
+        version = nvcc_version()
+    except CompileError:  # no nvcc here: serve the newest entry any nvcc built, else say why we cannot build
+        for cubin_path in sorted(cdir.glob(f"{prefix}*.cubin"), key=lambda p: p.stat().st_mtime, reverse=True):
+            if kernel := _load(cubin_path, cfg, target, source):
+                return kernel
+        raise
+    cubin_path = cdir / f"{prefix}{version}.cubin"
+    if kernel := _load(cubin_path, cfg, target, source):
+        return kernel
+    kernel = _compile(cfg, target, source, flags)
+    meta = {"config": cfg.to_dict(), "target": target, "nvcc": version,
+            "sha256": hashlib.sha256(kernel.cubin).hexdigest(),
+            "resources": asdict(kernel.resources), "ptxas_log": kernel.ptxas_log}
+    _write(cubin_path, kernel.cubin)  # the cubin first: a reader between the two writes sees a digest mismatch
+    _write(cubin_path.with_suffix(".json"), json.dumps(meta, indent=1).encode())
     return kernel
 
 
-def _store(cubin_path: Path, meta_path: Path, kernel: CompiledKernel) -> None:
-    # Write to temp names then rename, so concurrent compiles never see half a file.
-    cubin_path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"config": kernel.config.to_dict(), "target": kernel.target,
-            "resources": asdict(kernel.resources), "ptxas_log": kernel.ptxas_log}
-    for path, data in ((cubin_path, kernel.cubin), (meta_path, json.dumps(meta, indent=1).encode())):
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+def _compile(cfg: KernelConfig, target: str, source: str, flags: list[str]) -> CompiledKernel:
+    with tempfile.TemporaryDirectory(prefix="flashgen-") as tmp:
+        src, out = Path(tmp) / f"{cfg.name}.cu", Path(tmp) / f"{cfg.name}.cubin"
+        src.write_text(source)
+        code, log = _run([nvcc_path(), "-cubin", *flags, "-o", str(out), str(src)], f"nvcc for {cfg.name} ({target})")
+        if code != 0:
+            raise CompileError(f"nvcc failed for {cfg.name} ({target}):\n{log}")
+        cubin = out.read_bytes()
+    return CompiledKernel(cfg, target, source, cubin, parse_ptxas(log, cfg.name, cfg.smem_bytes), log)
+
+
+def _load(cubin_path: Path, cfg: KernelConfig, target: str, source: str) -> CompiledKernel | None:
+    """The cached kernel, or None where the entry is missing, damaged (digest mismatch) or not private."""
+    cubin, meta = _read_private(cubin_path), _read_json(cubin_path.with_suffix(".json"))
+    try:
+        if cubin is None or meta["sha256"] != hashlib.sha256(cubin).hexdigest():
+            return None
+        return CompiledKernel(cfg, target, source, cubin, Resources(**meta["resources"]), meta["ptxas_log"],
+                              cached=True)
+    except (KeyError, TypeError):
+        return None
+
+
+_warned: set[str] = set()
+
+
+def _refuse(path: Path, why: str) -> None:
+    """Warn once per path that the cache at `path` is not used, and how to fix it."""
+    if str(path) not in _warned:
+        _warned.add(str(path))
+        warnings.warn(f"flashgen does not load kernels from {path}: it is {why}, so another user could plant code "
+                      f"there. Compiling without it; fix: `chmod go-w {path}` (and own it), or set "
+                      f"FLASHGEN_CACHE_DIR to a private directory.", stacklevel=3)
+
+
+def _private_cache() -> Path | None:
+    """The cache directory, created mode 0700; None (warned once) where another user could write to it."""
+    cdir = cache_dir()
+    cdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if why := unsafe_reason(cdir):
+        _refuse(cdir, why)
+        return None
+    return cdir
+
+
+def _read_private(path: Path) -> bytes | None:
+    """The file's bytes; None where it is missing or not private (warned once)."""
+    try:
+        if why := unsafe_reason(path):
+            _refuse(path, why)
+            return None
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(_read_private(path) or b"{}")
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write(path: Path, data: bytes) -> None:
+    # Write a private temp file (mkstemp: mode 0600) then rename, so concurrent compiles never see half a file.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from importlib import resources
 from pathlib import Path
 
@@ -33,3 +34,15 @@ def cache_dir() -> Path:
     """Compiled kernels: FLASHGEN_CACHE_DIR if set, else the user cache dir."""
     env = os.environ.get("FLASHGEN_CACHE_DIR")
     return Path(env) if env else Path(platformdirs.user_cache_dir("flashgen")) / "kernels"
+
+
+def unsafe_reason(path: Path) -> str | None:
+    """Why another user could have put what is at `path` there (not ours, or group/other-writable); else None."""
+    if os.name != "posix":
+        return None
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        return f"owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None

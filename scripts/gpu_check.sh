@@ -1,20 +1,11 @@
 #!/bin/bash
-# One device run: GPU test suite, SASS facts of the default kernels, speed line.
-# Usage on the device: source .devkit/setup.sh && bash scripts/device_check.sh
+# On a GPU machine: clocks, SASS counts of the defaults, the GPU test suite and a bench at N=4096; logs under $OUT.
+# Usage: OUT=/tmp/out bash scripts/gpu_check.sh [pytest paths or options, default tests/]
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export FLASHGEN_CACHE_DIR=/tmp/fgcache
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
-python3 - <<'PY' 2>&1 | tee "$OUT/sass.txt"
-import subprocess, tempfile, os
-from flashgen.config import default_config, HEAD_DIMS
-from flashgen.compile import compile_kernel
-for d in HEAD_DIMS:
-    k = compile_kernel(default_config(d, "bf16", False, "sm90"), "sm_90")
-    p = tempfile.mktemp(suffix=".cubin"); open(p, "wb").write(k.cubin)
-    sass = subprocess.run(["cuobjdump", "--dump-sass", p], capture_output=True, text=True).stdout
-    count = lambda s: sass.count(s)
-    print(f"{k.name}: regs={k.resources.registers} spills={k.resources.spill_stores} HMMA={count('HMMA')} LDSM={count('LDSM')} LDGSTS.128={count('LDGSTS.E.BYPASS.128')} STL={count('STL')} LDL={count('LDL')}")
-PY
-python3 -m pytest -m gpu -q --durations=5 ${TESTS:-tests/} "$@" 2>&1 | tee "$OUT/pytest_gpu.txt"
-python3 scripts/speed_line.py --head-dim 64 128 256 --seqlen 4096 2>&1 | tee "$OUT/speed.txt"
+nvidia-smi --query-gpu=name,compute_cap,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
+ARCH=sm$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+FAMILY=sm80; [ "$ARCH" = sm90 ] && FAMILY=sm90
+python3 scripts/sass_counts.py --arch "$ARCH" 2>&1 | tee "$OUT/sass.txt"
+python3 -m pytest -m gpu -q --durations=5 "${@:-tests/}" 2>&1 | tee "$OUT/pytest_gpu.txt"
+python3 cli.py bench --arch "$FAMILY" --head-dim 64,128,256 --seqlen 4096 2>&1 | tee "$OUT/bench.txt"

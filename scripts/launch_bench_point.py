@@ -1,6 +1,6 @@
-"""Launch the kernel load() picks for one bench point a few times, for ncu to profile.
+"""Launch the kernel load() picks for one bench point (bf16) three times, for a profiler (ncu, nsys) to catch.
 
-python scripts/profile_kernel.py ARCH HEAD_DIM SEQLEN CAUSAL(0|1)   (batch*seqlen = 16384, heads*head_dim = 2048)
+    python scripts/launch_bench_point.py FAMILY HEAD_DIM SEQLEN CAUSAL(0|1)   (batch*seqlen = 16384, heads*head_dim = 2048)
 """
 import sys
 

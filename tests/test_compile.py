@@ -76,3 +76,26 @@ def test_sm90_family_compiles_for_sm90a_without_spills_or_serialized_wgmma(overl
         # C7513: ptxas serializes every wgmma when registers an in-flight wgmma reads are redefined
         assert "C7513" not in k.ptxas_log, f"{k.name}: {k.ptxas_log}"
         assert k.resources.smem_bytes == k.config.smem_bytes <= 227 * 1024
+
+
+def test_a_hung_nvcc_times_out(tmp_path, monkeypatch):
+    import time
+
+    import flashgen.compile as comp
+
+    nvcc = tmp_path / "nvcc"  # answers --version, then hangs in a child process as a stuck ptxas would
+    nvcc.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "Cuda compilation tools, release 13.0, V13.0.88"; '
+                    'exit 0; }\nsleep 30\n')
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("FLASHGEN_NVCC", str(nvcc))
+    monkeypatch.setenv("FLASHGEN_NVCC_TIMEOUT", "1")
+    comp.nvcc_path.cache_clear()
+    comp.nvcc_version.cache_clear()
+    start = time.monotonic()
+    try:
+        with pytest.raises(CompileError, match="timed out after 1 s.*FLASHGEN_NVCC_TIMEOUT"):
+            compile_kernel(KernelConfig(64, "fp16", False, 64, 64, 4, 1), "sm_80", use_cache=False)
+    finally:
+        comp.nvcc_path.cache_clear()
+        comp.nvcc_version.cache_clear()
+    assert time.monotonic() - start < 10
