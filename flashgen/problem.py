@@ -9,7 +9,9 @@ from .config import KernelConfig, default_config
 SEQLEN_BUCKETS = (1024, 4096, 16384)
 HEADS_DIM_TOTAL = 2048  # heads * head_dim of the model the problem stands for
 BATCH_TOKENS = 16384  # batch * seqlen
-VERIFY_REF_BYTES = 8 * 2**30  # the float64 reference's score matrix must fit in this
+# Scores (batch * heads * seqlen_q * seqlen_k) the float64 reference computes per trial: a bound on
+# its time. Its memory is one chunk of query rows sized from free memory (verify.ref_chunk_rows).
+VERIFY_REF_SCORES = 2**30
 
 
 def gpu_slug(gpu_name: str, arch: str) -> str:
@@ -34,9 +36,12 @@ class TuneProblem:
 
     @property
     def key(self) -> str:
-        """The problem's name in the store and (with the GPU slug) the Optuna study name."""
+        """The problem's name in the store and (with the GPU slug) the Optuna study name: it names
+        everything the measured time depends on, sizes included, so that results of different
+        sizes never compete."""
         mask = "causal" if self.causal else "full"
-        return f"{self.family}_d{self.head_dim}_{self.dtype}_{mask}_s{self.seqlen}_g{self.gqa_group}"
+        return (f"{self.family}_d{self.head_dim}_{self.dtype}_{mask}_s{self.seqlen}_g{self.gqa_group}"
+                f"_bt{self.batch_tokens}_hdt{self.heads_dim_total}")
 
     @property
     def gpu_slug(self) -> str:
@@ -64,15 +69,15 @@ class TuneProblem:
 
     def verify_shape(self) -> tuple[int, int, int, int, int]:
         """The timed shape with batch, then heads, cut (keeping the GQA ratio) until the
-        float64 reference's (batch, heads, seqlen, seqlen) scores fit in VERIFY_REF_BYTES."""
+        float64 reference's (batch, heads, seqlen, seqlen) scores are at most VERIFY_REF_SCORES."""
         b, s, _, h, hk = self.shape()
         g = h // hk
-        while b > 1 and b * h * s * s * 8 > VERIFY_REF_BYTES:
+        while b > 1 and b * h * s * s > VERIFY_REF_SCORES:
             b //= 2
-        while hk > 1 and b * h * s * s * 8 > VERIFY_REF_BYTES:
+        while hk > 1 and b * h * s * s > VERIFY_REF_SCORES:
             hk //= 2
             h = hk * g
-        while h > 1 and b * h * s * s * 8 > VERIFY_REF_BYTES:  # one k/v head left: cut the group instead
+        while h > 1 and b * h * s * s > VERIFY_REF_SCORES:  # one k/v head left: cut the group instead
             h //= 2
         return b, s, s, h, hk
 

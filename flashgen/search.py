@@ -3,16 +3,20 @@
 The loop uses Optuna's ask/tell so that `ahead` configurations are sampled (and handed
 to the backend to compile) while the previous one is timed. Every outcome is told to
 the study with user attributes `status` and `reason`: pruned configurations as PRUNED,
-failures as FAIL, timed ones with their median ms. Studies live in an RDB storage
-(SQLite by default), so running the same search again continues it.
+failures as FAIL, timed ones with their median ms; an error or timeout is tried once
+more before it is final. Studies live in an RDB storage (SQLite by default), so running
+the same search again continues it; a study is named by the problem and the space it
+samples. Tuners may share a study: each keeps a heartbeat on the trials it holds, and a
+trial whose tuner was killed (no heartbeat for a grace period) is failed and retried once.
 """
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 import warnings
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,6 +32,7 @@ from .problem import TuneProblem
 PARAMS = ("block_m", "block_n", "num_warps", "num_stages")  # Optuna's parameter names = KernelConfig fields
 FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, "overlap", "pingpong")}
 SAMPLERS = ("tpe", "random")
+RETRIED = ("error", "timeout")  # may pass on a second try (a busy or restarted GPU worker)
 
 Params = tuple  # values of FAMILY_PARAMS[family], in order
 
@@ -68,6 +73,8 @@ class SearchOptions:
     exhaustive: bool = False  # enumerate the whole (restricted) space instead of sampling
     storage: str | None = None  # SQLAlchemy URL; None: default_storage()
     ahead: int = 1  # configurations sampled and prefetched ahead of the one being timed
+    heartbeat_s: int = 30  # a held trial's heartbeat; Optuna wants whole seconds
+    grace_s: int = 120  # a trial without a heartbeat this long was held by a killed tuner: failed, retried once
 
 
 @dataclass
@@ -145,26 +152,86 @@ def _tell(study: optuna.Study, trial: optuna.Trial, res: TrialResult, duplicate_
 
 
 def study_name(problem: TuneProblem, space: list[KernelConfig]) -> str:
-    """The problem's study; a restricted space gets a study of its own (named by a digest of the
-    space), since Optuna fixes the value sets a study samples from."""
-    full = {params_of(c) for c in config_space(problem.family, problem.head_dim, problem.dtype, problem.causal)}
-    allowed = {params_of(c) for c in space}
-    if allowed == full:
-        return problem.study_name
-    digest = hashlib.sha1(repr(sorted(allowed)).encode()).hexdigest()[:8]
+    """The problem's study, named by a digest of the space it samples: Optuna fixes the value sets
+    of a study, so a restricted space or changed fit rules (arch limits, register or shared-memory
+    formulas) open a study of their own instead of failing on resume."""
+    allowed = sorted(params_of(c) for c in space)
+    viable = [p for c, p in zip(space, map(params_of, space)) if c.unfit_reason(problem.gpu_arch) is None]
+    digest = hashlib.sha1(repr((allowed, sorted(viable))).encode()).hexdigest()[:8]
     return f"{problem.study_name}@space-{digest}"
 
 
+def make_storage(opts: SearchOptions) -> optuna.storages.RDBStorage:
+    """The RDB storage with heartbeats: a trial whose tuner stopped beating for `grace_s` is failed
+    and queued again once; the live trials of other tuners sharing the study are left alone."""
+    stale = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)  # Optuna >= 4.9
+    with warnings.catch_warnings():  # heartbeats are "experimental"
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        callback = {"heartbeat_stale_trial_callback": stale(max_retry=1)} if stale else \
+            {"failed_trial_callback": optuna.storages.RetryFailedTrialCallback(max_retry=1)}
+        return optuna.storages.RDBStorage(opts.storage or default_storage(), heartbeat_interval=opts.heartbeat_s,
+                                          grace_period=opts.grace_s, **callback)
+
+
 def open_study(problem: TuneProblem, opts: SearchOptions, name: str | None = None) -> optuna.Study:
-    study = optuna.create_study(study_name=name or problem.study_name, storage=opts.storage or default_storage(),
+    """The problem's study (`name`, by default that of its whole space), created if new; trials
+    of killed tuners (no heartbeat for `opts.grace_s`) are failed and queued again."""
+    if name is None:
+        name = study_name(problem, config_space(problem.family, problem.head_dim, problem.dtype, problem.causal))
+    study = optuna.create_study(study_name=name, storage=make_storage(opts),
                                 sampler=make_sampler(opts.sampler, opts.seed, opts.ahead), direction="minimize",
                                 load_if_exists=True)
     if "problem" not in study.user_attrs:
         study.set_user_attr("problem", problem.to_dict())
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)):
-        if t.state == TrialState.RUNNING:  # left by a killed run: close it so it is not waited for
-            study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
     return study
+
+
+class _Heartbeat:
+    """Records the heartbeat of the trials this process holds (asked, not yet told), in a thread,
+    so that they stay alive through long compiles and timings."""
+
+    def __init__(self, study: optuna.Study, interval_s: float):
+        self._storage, self._interval = study._storage, interval_s
+        self._held: set[int] = set()
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flashgen-heartbeat", daemon=True)
+        self._thread.start()
+
+    def hold(self, trial: optuna.Trial) -> None:
+        self._storage.record_heartbeat(trial._trial_id)  # a trial never beaten is never found stale
+        with self._lock:
+            self._held.add(trial._trial_id)
+
+    def release(self, trial: optuna.Trial) -> None:
+        with self._lock:
+            self._held.discard(trial._trial_id)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            with self._lock:
+                held = list(self._held)
+            for trial_id in held:
+                try:
+                    self._storage.record_heartbeat(trial_id)
+                except Exception as e:  # noqa: BLE001 - a missed beat is retried at the next one
+                    warnings.warn(f"heartbeat of trial {trial_id} not recorded: {e}", stacklevel=1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def evaluate(backend: Backend, cfg: KernelConfig, problem: TuneProblem) -> TrialResult:
+    """The backend's result, with a transient failure (RETRIED) tried once more before it is final:
+    a configuration is never timed twice, so a first error would otherwise stay for good."""
+    res = backend.evaluate(cfg, problem)
+    if res.status not in RETRIED:
+        return res
+    again = backend.evaluate(cfg, problem)
+    return replace(again, info={**again.info, "first_try": f"{res.status}: {res.reason}"})
 
 
 def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: list[KernelConfig] | None = None,
@@ -200,6 +267,8 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
     max_asks = 5 * max(budget, 0) + 2 * len(allowed) + 16  # TPE repeating itself must not loop forever
     start, asks, done = time.monotonic(), 0, 0
     pending: deque[tuple[optuna.Trial, Params]] = deque()
+    current: optuna.Trial | None = None  # the trial being evaluated
+    heart = _Heartbeat(study, opts.heartbeat_s)
 
     def out_of_time() -> bool:
         return opts.timeout_s is not None and time.monotonic() - start > opts.timeout_s
@@ -211,12 +280,16 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
         while True:
             while (len(pending) < min(max(1, opts.ahead), budget - done) and asks < max_asks
                    and not exhausted() and not out_of_time()):
-                trial, asks = study.ask(dists), asks + 1
+                with warnings.catch_warnings():  # "heartbeat ... supposed to be used with Study.optimize": see _Heartbeat
+                    warnings.filterwarnings("ignore", message="Heartbeat of storage")
+                    trial, asks = study.ask(dists), asks + 1
+                heart.hold(trial)
                 params = tuple(trial.params[p] for p in names)
                 reason = static_reason(problem, params, allowed)  # type: ignore[arg-type]
                 if reason is not None:
                     res = TrialResult("pruned", reason=reason)
                     _tell(study, trial, res)
+                    heart.release(trial)
                     seen.setdefault(params, study.trials[trial.number])  # type: ignore[arg-type]
                     _report(on_trial, trial.number, None, params, res)  # type: ignore[arg-type]
                     continue
@@ -225,24 +298,31 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
             if not pending or out_of_time():
                 break
             trial, params = pending.popleft()
+            current = trial
             cfg = config_of(problem, params)
             prev = seen.get(params)
             if prev is not None:  # never time a configuration twice in one study
                 res = result_of(prev)
                 _tell(study, trial, res, duplicate_of=prev.number)
+                heart.release(trial)
+                current = None
                 _report(on_trial, trial.number, cfg, params, res, prev.number)
                 continue
-            res = backend.evaluate(cfg, problem)
+            res = evaluate(backend, cfg, problem)
             _tell(study, trial, res)
+            heart.release(trial)
+            current = None
             seen[params] = study.trials[trial.number]
             done += 1
             _report(on_trial, trial.number, cfg, params, res)
     finally:
-        for trial, _ in pending:  # asked but never evaluated: closed without a status
+        heart.stop()
+        for trial in [t for t, _ in pending] + [current] * (current is not None):
+            # asked but never evaluated (timeout, Ctrl-C): closed without a status, not left to go stale
             study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
     default_res = seen.get(params_of(default))
     if default_res is None and params_of(default) not in allowed:  # outside a restricted space: measure it aside
-        default_res_value: TrialResult | None = backend.evaluate(default, problem)
+        default_res_value: TrialResult | None = evaluate(backend, default, problem)
     else:
         default_res_value = result_of(default_res) if default_res is not None else None
     return outcome(study, problem, default, default_res_value)

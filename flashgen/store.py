@@ -2,8 +2,10 @@
 
 Files are written atomically (temp file + rename, under a lock), merged with what is
 there (an entry is replaced only by a faster one, or when forced), and kept
-diff-friendly (indented, sorted keys). A file that is not valid JSON, not a flashgen
-store, or made for another GPU raises `StoreError` naming the file: never a reset.
+diff-friendly (indented, sorted keys), keeping the file's mode so a shared store stays
+readable. A file that is not valid JSON, not a flashgen store, or made for another GPU
+raises `StoreError` naming the file: never a reset. load()'s path (`tuned_config`) warns
+once instead and uses the defaults.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import fcntl
 import json
 import math
 import os
+import stat
 import tempfile
 import warnings
 from pathlib import Path
@@ -21,7 +24,7 @@ from typing import Any, Iterator
 from .__version__ import __version__
 from .config import ConfigError, KernelConfig
 from .paths import tuned_dir as default_tuned_dir
-from .problem import gpu_slug
+from .problem import BATCH_TOKENS, HEADS_DIM_TOTAL, gpu_slug
 
 FORMAT = "flashgen-tuned/1"
 
@@ -70,10 +73,28 @@ def read_store(path: Path, gpu_name: str | None = None, arch: str | None = None)
     return doc
 
 
+def _mode(path: Path) -> int:
+    """The file's mode, or the umask's default for a new file: mkstemp's 0600 would lock out the
+    other users of a shared store."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        pass
+    try:  # Linux: read the umask without setting it (os.umask would change it for every thread)
+        umask = int(next(x for x in Path("/proc/self/status").read_text().splitlines()
+                         if x.startswith("Umask:")).split()[1], 8)
+    except (OSError, StopIteration, ValueError):
+        umask = os.umask(0)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
 def _write(path: Path, doc: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    mode = _mode(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, path)
@@ -141,7 +162,7 @@ def make_entry(outcome: Any, versions: dict[str, str]) -> dict[str, Any] | None:
 
 # -- lookup, for load() -----------------------------------------------------------------
 
-_cache: dict[Path, tuple[tuple[int, int], dict[str, Any]]] = {}
+_cache: dict[Path, tuple[tuple[int, int], dict[str, Any] | str]] = {}  # a str: why the file is unusable
 _warned: set[str] = set()
 
 
@@ -151,8 +172,20 @@ def _cached_read(path: Path, gpu_name: str, arch: str) -> dict[str, Any]:
     stamp = (st.st_mtime_ns, st.st_size)
     hit = _cache.get(path)
     if hit is None or hit[0] != stamp:
-        hit = _cache[path] = (stamp, read_store(path, gpu_name, arch))
+        try:
+            doc: dict[str, Any] | str = read_store(path, gpu_name, arch)
+        except StoreError as e:
+            doc = str(e)
+        hit = _cache[path] = (stamp, doc)
+    if isinstance(hit[1], str):
+        raise StoreError(hit[1])
     return hit[1]
+
+
+def _warn_once(what: str, message: str) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        warnings.warn(message, stacklevel=5)
 
 
 def _log_distance(a: int, b: int) -> float:
@@ -163,8 +196,9 @@ def lookup(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, se
            family: str | None = None, tuned_dir: Path | str | None = None) -> KernelConfig | None:
     """The tuned configuration for this problem on this GPU, or None.
 
-    Nearest seqlen bucket (by ratio; the largest when seqlen is None), GQA group 1 preferred;
-    family None picks the fastest family tuned for that bucket."""
+    Nearest seqlen bucket (by ratio; the largest when seqlen is None), GQA group 1 preferred,
+    then the standard size (BATCH_TOKENS, HEADS_DIM_TOTAL), else the largest: milliseconds
+    are compared only within one size. Family None picks the fastest family at that size."""
     path = store_path(gpu_name, arch, tuned_dir)
     if not path.exists():
         return None
@@ -174,12 +208,17 @@ def lookup(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, se
         if (cfg.head_dim, cfg.dtype, cfg.causal) != (head_dim, dtype, causal) or (family and cfg.family != family):
             continue
         if cfg.unfit_reason(arch) is None:
-            cands.append((p.get("seqlen", 0), p.get("gqa_group", 1), e["median_ms"], cfg))
+            size = (p.get("batch_tokens", BATCH_TOKENS), p.get("heads_dim_total", HEADS_DIM_TOTAL))
+            cands.append((p.get("seqlen", 0), p.get("gqa_group", 1), size, e["median_ms"], cfg))
     if not cands:
         return None
     target = seqlen or max(c[0] for c in cands)
     bucket = min({c[0] for c in cands}, key=lambda s: (_log_distance(max(s, 1), max(target, 1)), -s))
-    return min((c for c in cands if c[0] == bucket), key=lambda c: (c[1] != 1, c[1], c[2]))[3]
+    cands = [c for c in cands if c[0] == bucket]
+    group = min({c[1] for c in cands}, key=lambda g: (g != 1, g))
+    cands = [c for c in cands if c[1] == group]
+    size = max({c[2] for c in cands}, key=lambda z: (z == (BATCH_TOKENS, HEADS_DIM_TOTAL), z[0] * z[1], z))
+    return min((c for c in cands if c[2] == size), key=lambda c: c[3])[4]
 
 
 def current_gpu() -> tuple[str, str] | None:
@@ -194,20 +233,24 @@ def current_gpu() -> tuple[str, str] | None:
 
 
 def tuned_config(head_dim: int, dtype: str, causal: bool, arch: str, seqlen: int | None = None,
-                 family: str | None = None, tuned_dir: Path | str | None = None) -> KernelConfig | None:
-    """What load() uses before the family default: the stored result for the current GPU.
+                 family: str | None = None, tuned_dir: Path | str | None = None,
+                 gpu: tuple[str, str] | None = None) -> KernelConfig | None:
+    """What load() uses before the family default: the stored result for `gpu` (name, arch;
+    default the current GPU).
 
     None, silently, without a GPU or when the GPU is not an `arch` one (there is no store to
     consult); None with one warning per problem when the store has nothing for it."""
-    gpu = current_gpu()
+    gpu = gpu or current_gpu()
     if gpu is None or gpu[1] != arch:
         return None
-    cfg = lookup(gpu[0], arch, head_dim, dtype, causal, seqlen, family, tuned_dir)
+    try:
+        cfg = lookup(gpu[0], arch, head_dim, dtype, causal, seqlen, family, tuned_dir)
+    except StoreError as e:  # one warning, not an error in every attention() call
+        _warn_once(str(e), f"{e}; using the family defaults until it is fixed")
+        return None
     if cfg is None:
         what = f"{gpu_slug(*gpu)} d{head_dim} {dtype} {'causal' if causal else 'full'} family {family or 'any'}"
-        if what not in _warned:
-            _warned.add(what)
-            warnings.warn(f"no tuned configuration for {what} in {store_path(*gpu, tuned_dir)}; using the family "
-                          f"default (tune it: python cli.py tune --arch {family or 'sm80'} --head-dim {head_dim} "
-                          f"--dtype {dtype})", stacklevel=4)
+        _warn_once(what, f"no tuned configuration for {what} in {store_path(*gpu, tuned_dir)}; using the family "
+                         f"default (tune it: python cli.py tune --arch {family or 'sm80'} --head-dim {head_dim} "
+                         f"--dtype {dtype})")
     return cfg

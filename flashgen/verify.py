@@ -15,31 +15,68 @@ from .compile import CompiledKernel
 from .launch import run
 
 LSE_TOL = 1e-3
+REF_BUFFERS = 4  # score-sized float64 buffers per row chunk: scores, logsumexp's temporary, softmax, a margin
+REF_CPU_BYTES = 2 * 2**30  # the reference's budget on the CPU
+REF_FREE_FRACTION = 0.5  # of the GPU memory free (torch's cached blocks included) when the reference starts
+
+
+def ref_budget_bytes(device: Any) -> int:
+    """Bytes the reference's row chunks may use on `device`: a share of what is free on a GPU."""
+    import torch  # noqa: PLC0415
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return REF_CPU_BYTES
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int((free + cached) * REF_FREE_FRACTION)
+
+
+def ref_chunk_rows(batch: int, heads: int, seqlen_q: int, seqlen_k: int, budget_bytes: int) -> int:
+    """Query rows per chunk so that the chunk's score buffers fit in `budget_bytes` (at least one row)."""
+    per_row = batch * heads * max(seqlen_k, 1) * 8 * REF_BUFFERS
+    return max(1, min(seqlen_q, budget_bytes // per_row))
+
+
+def _ref_rows(q: Any, k: Any, v: Any, causal: bool, first_row: int, seqlen_q: int, upcast: bool) -> tuple[Any, Any]:
+    """(out, lse) of query rows first_row.. (q: (b, rows, heads_k, group, d), already scaled)."""
+    import torch  # noqa: PLC0415
+
+    sk = k.shape[1]
+    s = torch.einsum("bqkgd,bnkd->bkgqn", q, k)  # S = Q K^T, (b, heads_k, group, rows, seqlen_k)
+    if causal:
+        row = torch.arange(first_row, first_row + q.shape[1], device=q.device)[:, None]
+        col = torch.arange(sk, device=q.device)[None, :]
+        s.masked_fill_(col > row + (sk - seqlen_q), float("-inf"))
+    lse = torch.logsumexp(s if upcast else s.float(), dim=-1)
+    p = torch.softmax(s, dim=-1)
+    del s
+    p.nan_to_num_(0.0)  # a fully masked row is NaN in softmax: it sees nothing
+    return torch.einsum("bkgqn,bnkd->bqkgd", p, v), lse  # O = P V
 
 
 def attention_ref(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None = None,
-                  upcast: bool = True) -> tuple[Any, Any]:
+                  upcast: bool = True, budget_bytes: int | None = None) -> tuple[Any, Any]:
     """(out, lse) by explicit masks: in float64 with upcast, else in the inputs' dtype (PyTorch's error).
 
-    Rows that see no key give out = 0 and lse = +inf (flash_attn's convention)."""
+    Computed over chunks of query rows whose scores fit `budget_bytes` (default: ref_budget_bytes),
+    so a long sequence needs no full score matrix. Rows that see no key give out = 0 and lse = +inf
+    (flash_attn's convention)."""
     import torch  # noqa: PLC0415
 
     dtype = q.dtype
     if upcast:
         q, k, v = q.double(), k.double(), v.double()
     b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    hk = k.shape[2]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    k = k.repeat_interleave(h // hk, dim=2)
-    v = v.repeat_interleave(h // hk, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)
-    if causal:
-        row = torch.arange(sq, device=q.device)[:, None]
-        col = torch.arange(sk, device=q.device)[None, :]
-        s = s.masked_fill(col > row + (sk - sq), float("-inf"))
-    lse = torch.logsumexp(s.float() if not upcast else s, dim=-1)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a fully masked row is NaN in softmax: it sees nothing
-    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    q = (q * scale).reshape(b, sq, hk, h // hk, d)  # GQA: query heads grouped by their k/v head
+    out = torch.empty(b, sq, hk, h // hk, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hk, h // hk, sq, dtype=torch.float64 if upcast else torch.float32, device=q.device)
+    rows = ref_chunk_rows(b, h, sq, k.shape[1], ref_budget_bytes(q.device) if budget_bytes is None else budget_bytes)
+    for r in range(0, sq, rows):
+        out[:, r:r + rows], lse[..., r:r + rows] = _ref_rows(q[:, r:r + rows], k, v, causal, r, sq, upcast)
+    out, lse = out.view(b, sq, h, d), lse.view(b, h, sq)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
     return (out if upcast else out.to(dtype)), lse.float()
 

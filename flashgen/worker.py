@@ -4,15 +4,20 @@ A kernel that faults (illegal address, launch failure) poisons its CUDA context,
 one that hangs never returns; either would end a study run in-process. So the GPU work
 runs in a spawned worker process: a fault makes it report and exit, a hang past the
 deadline gets it killed, and the next trial starts a fresh one. Compiles run in a
-process pool, `ahead` of the configuration being timed.
+process pool, `ahead` of the configuration being timed; one that dies or hangs fails its
+trial, not the tune.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing as mp
 import os
+import signal
+import subprocess
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -23,6 +28,7 @@ from .problem import TuneProblem
 
 FAULT_HOOK_ENV = "FLASHGEN_TEST_FAULT"  # a config name: the worker launches it on an illegal address (tests)
 HANG_HOOK_ENV = "FLASHGEN_TEST_HANG"  # a config name: the worker hangs instead of running it (tests)
+COMPILE_TIMEOUT_S = 600.0  # one compile (nvcc + ptxas) taking longer is hung
 _FAULT_MARKS = ("CUDA_ERROR", "CUDA error", "CudaError", "illegal memory access", "launch failure")
 
 
@@ -123,33 +129,57 @@ class Worker:
 
 
 class CompileAhead:
-    """Compiles configurations in a process pool; `get` waits for one (compiling it now if never asked)."""
+    """Compiles configurations in a process pool; `get` waits for one (compiling it now if never asked).
 
-    def __init__(self, jobs: int | None = None):
+    A compile process that dies (killed for memory) breaks the whole pool, and a hung nvcc or
+    ptxas never returns: either becomes a CompileError for that configuration and a new pool
+    for the rest. Pool processes lead their own process group, so a kill takes nvcc and ptxas too."""
+
+    def __init__(self, jobs: int | None = None, timeout_s: float = COMPILE_TIMEOUT_S):
         self.jobs = jobs or os.cpu_count() or 1
+        self.timeout_s = timeout_s  # for one configuration, from `get`
         self._pool: ProcessPoolExecutor | None = None
         self._futures: dict[tuple[KernelConfig, str], Future] = {}
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.jobs, mp_context=mp.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(self.jobs, mp_context=mp.get_context("spawn"), initializer=os.setpgrp)
         return self._pool
 
     def submit(self, cfg: KernelConfig, target: str) -> None:
-        if (cfg, target) not in self._futures:
-            self._futures[cfg, target] = self._executor().submit(compile_kernel, cfg, target)
+        if (cfg, target) in self._futures:
+            return
+        try:
+            fut = self._executor().submit(compile_kernel, cfg, target)
+        except BrokenProcessPool:  # a compile process died since the last `get`: a new pool
+            self.close()
+            fut = self._executor().submit(compile_kernel, cfg, target)
+        self._futures[cfg, target] = fut
 
     def get(self, cfg: KernelConfig, target: str) -> CompiledKernel:
-        """The compiled kernel; raises CompileError."""
-        self.submit(cfg, target)
-        try:
-            return self._futures.pop((cfg, target)).result()
-        except BrokenProcessPool:  # a compile process died: compile this one here, new pool for the rest
-            self.close()
-            return compile_kernel(cfg, target)
+        """The compiled kernel; raises CompileError (also for a compile that died twice or hung)."""
+        for _ in range(2):  # the pool breaks for every compile in it: the one that dies again is to blame
+            self.submit(cfg, target)
+            try:
+                return self._futures.pop((cfg, target)).result(timeout=self.timeout_s)
+            except BrokenProcessPool as e:
+                self.close()
+                died = str(e)
+            except FutureTimeout:
+                self.close()
+                raise CompileError(f"{cfg.name}: no compile result within {self.timeout_s:g} s (hung nvcc or "
+                                   "ptxas?); killed") from None
+            except subprocess.TimeoutExpired as e:
+                raise CompileError(f"{cfg.name}: {e}") from None
+        raise CompileError(f"{cfg.name}: the compile process died, twice ({died}); killed for memory?")
 
     def close(self) -> None:
+        """Stop the pool and kill what still runs in it; pending compiles are forgotten."""
         if self._pool is not None:
+            for pid in list((getattr(self._pool, "_processes", None) or {}).keys()):
+                for kill in (os.killpg, os.kill):  # its group (nvcc, ptxas), then itself
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        kill(pid, signal.SIGKILL)
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._pool, self._futures = None, {}
 
@@ -162,12 +192,13 @@ def compile_reason(e: Exception, lines: int = 6) -> str:
 class GpuBackend:
     """Times configurations on this machine's GPU: compile ahead, then verify and time in the worker."""
 
-    def __init__(self, jobs: int | None = None, deadline_s: float = 120.0, warmup: int = 10, reps: int = 50):
+    def __init__(self, jobs: int | None = None, deadline_s: float = 120.0, warmup: int = 10, reps: int = 50,
+                 compile_timeout_s: float = COMPILE_TIMEOUT_S):
         self.worker = Worker(hello="flashgen.worker:gpu_hello")
         self.worker.call("builtins:len", ())  # starts the worker, raising NoGpuError without a GPU
         info = self.worker.info
         self.gpu_name, self.gpu_arch, self.driver_version = info["name"], info["arch"], info["driver"]
-        self.compiler = CompileAhead(jobs)
+        self.compiler = CompileAhead(jobs, compile_timeout_s)
         self.deadline_s, self.warmup, self.reps = deadline_s, warmup, reps
 
     def target(self, cfg: KernelConfig) -> str:
@@ -184,8 +215,11 @@ class GpuBackend:
             return TrialResult("compile_failed", reason=compile_reason(e))
         r = kernel.resources
         info = {"registers": r.registers, "spill_bytes": r.spill_stores + r.spill_loads, "smem_bytes": r.smem_bytes}
-        kind, value = self.worker.call("flashgen.worker:gpu_trial", kernel, problem, self.warmup, self.reps,
-                                       deadline_s=self.deadline_s)
+        try:
+            kind, value = self.worker.call("flashgen.worker:gpu_trial", kernel, problem, self.warmup, self.reps,
+                                           deadline_s=self.deadline_s)
+        except NoGpuError as e:  # the worker could not be restarted after a fault: still a value
+            return TrialResult("error", reason=str(e), info=info)
         if kind != "ok":  # "error" (an exception in the worker, e.g. out of memory), "faulted" or "timeout"
             return TrialResult(kind, reason=value, info=info)
         info["max_err"] = value["max_err"]

@@ -169,3 +169,42 @@ def test_packed_params_are_the_c_struct_bytes():
     ref = FwdParams(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, *q.strides[:3], *k.strides[:3], *vv.strides[:3],
                     *o.strides[:3], b, h, hk, sq, sk, -0.25, f32(0.25 * LOG2E))
     assert pack_params(q, k, vv, o, 0x5000, prob, -0.25, 0.25 * LOG2E) == bytes(ref)
+
+
+@pytest.mark.parametrize("family", ["sm80", "sm90"])
+def test_a_plan_launches_the_same_bytes_as_the_checked_path(monkeypatch, family):
+    """The per-call plan (built once per signature) must hand the driver exactly what the fully
+    checked path packs, for strided GQA inputs and a negative scale."""
+    import flashgen.launch as launch
+    from flashgen.compile import CompiledKernel, Resources
+    from flashgen.tensors import check_qkv, view
+
+    launched = []
+
+    class FakeFn:
+        def launch(self, grid, threads, params, stream):
+            launched.append((grid, threads, bytes(params), stream))
+
+    monkeypatch.setattr(driver, "use_device", lambda device: 0)
+    monkeypatch.setattr(driver, "primary_context_id", lambda device: 1)
+    monkeypatch.setattr(driver, "get_function", lambda *a, **kw: FakeFn())
+    monkeypatch.setattr(driver, "tensor_map", lambda dt, ptr, dims, st, box, sw: struct.pack("=Q", ptr) * 16)
+    monkeypatch.setattr(launch, "_current_stream", lambda device: 7)
+
+    def fake_view(x, name):  # the checks want CUDA tensors: these CPU ones pose as cuda:0
+        return launch.View(x, "torch", x.data_ptr(), tuple(x.shape), x.stride(), "bf16", 0)
+
+    monkeypatch.setattr(launch, "view", fake_view)
+    monkeypatch.setattr(launch, "_out_view", lambda out, like, shape, dtype: fake_view(out, "out"))
+    monkeypatch.setattr(launch, "_lse_ptr", lambda lse, like, shape: lse.data_ptr())
+    cfg = flashgen.default_config(64, "bf16", True, "sm90", family)
+    kern = CompiledKernel(cfg, "sm_90a", "", b"", Resources(1, 0, 0, 0, cfg.smem_bytes), "")
+    qkv = torch.randn(2, 100, 3, 8, 64, dtype=torch.bfloat16)  # q, k, v strided out of one packed tensor
+    q, k, v = qkv[:, :, 0], qkv[:, :60, 1, :2], qkv[:, :60, 2, :2]
+    qv, kv, vv = (fake_view(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+    prob = check_qkv(qv, kv, vv)
+    plan = launch.make_plan(kern, qv, kv, vv, prob, -0.3)
+    out, lse = launch.launch_plan(plan, q, k, v)
+    launch.run_views(kern, qv, kv, vv, prob, -0.3, out=out, lse=lse)
+    assert len(launched) == 2 and launched[0] == launched[1]
+    assert launched[0][0] == cfg.grid(2, 8, 100) and launched[0][3] == 7

@@ -1,13 +1,19 @@
 """The search, driven by SimulatedBackend (a deterministic cost model, no GPU), and the worker's restarts."""
 from __future__ import annotations
 
+import dataclasses
+import threading
+import time
+import types
+
 import optuna
 import pytest
 from optuna.trial import TrialState
 
+from flashgen import config, search as search_mod
 from flashgen.backend import SimulatedBackend, TrialResult
 from flashgen.compile import CompileError
-from flashgen.config import space
+from flashgen.config import ArchLimits, space
 from flashgen.problem import TuneProblem
 from flashgen.search import PARAMS, SearchOptions, open_study, params_of, search, study_name
 from flashgen.worker import CompileAhead, Worker
@@ -50,9 +56,10 @@ def test_failures_and_faults_do_not_stop_the_study(tmp_path):
     failures = {c.name: k for c, k in zip([best_sim, *others], kinds)}
     backend = SimulatedBackend(failures)
     out = search(p, backend, opts(tmp_path, exhaustive=True), cfgs)
-    # every fitting configuration, and the default (8 warps: outside this space, so measured aside)
+    # every fitting configuration, and the default (8 warps: outside this space, so measured aside);
+    # the timeout is transient, so tried twice
     assert sorted(backend.calls) == sorted([c.name for c in cfgs if c.unfit_reason("sm90") is None]
-                                           + [p.default_config().name])
+                                           + [p.default_config().name, others[2].name])
     for k in kinds:
         assert out.counts[k] == 1
     assert out.best is not None and out.best.ok
@@ -89,14 +96,42 @@ def test_resume_continues_the_same_study(tmp_path):
     assert out3.best.ms <= out1.best.ms
 
 
-def test_a_killed_run_is_resumed(tmp_path):
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # the test asks outside Study.optimize, as search() does
+def test_a_killed_run_is_retried_after_the_grace_period_and_live_trials_are_left_alone(tmp_path):
     p = problem()
-    search(p, SimulatedBackend(), opts(tmp_path, trials=3))
-    study = open_study(p, opts(tmp_path))
-    study.ask()  # a trial left RUNNING, as by a tuner killed mid-trial
-    out = search(p, SimulatedBackend(), opts(tmp_path, trials=5))
-    states = [t.state for t in open_study(p, opts(tmp_path)).trials]
-    assert TrialState.RUNNING not in states and out.trials == 5
+    o = opts(tmp_path, trials=3, heartbeat_s=1, grace_s=3)
+    search(p, SimulatedBackend(), o)
+    study = open_study(p, o)
+    storage = study._storage
+    victim = next(c for c in small_space(p) if c.unfit_reason("sm90") is None)
+    study.enqueue_trial(dict(zip(PARAMS, params_of(victim))))
+    dead = study.ask()  # held by a tuner that is then killed: one heartbeat, then none
+    storage.record_heartbeat(dead._trial_id)
+    live = study.ask()  # held by another tuner on the same study, alive and beating
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.2):
+            storage.record_heartbeat(live._trial_id)
+
+    beater = threading.Thread(target=beat)
+    beater.start()
+    state = lambda t: open_study(p, o).trials[t.number].state  # noqa: E731
+    try:
+        storage.record_heartbeat(live._trial_id)
+        first = SimulatedBackend()
+        search(p, first, dataclasses.replace(o, trials=4))  # within the grace period: nothing failed
+        assert state(dead) == state(live) == TrialState.RUNNING and victim.name not in first.calls
+        time.sleep(4.5)
+        later = SimulatedBackend()
+        out = search(p, later, dataclasses.replace(o, trials=6))
+        assert state(dead) == TrialState.FAIL and state(live) == TrialState.RUNNING
+        assert victim.name in later.calls  # the dead trial's configuration, retried once
+        retry = [t for t in open_study(p, o).trials if t.system_attrs.get("failed_trial") == dead.number]
+        assert len(retry) == 1 and retry[0].user_attrs["status"] == "ok" and out.trials == 6
+    finally:
+        stop.set()
+        beater.join()
 
 
 def test_a_configuration_is_never_timed_twice(tmp_path):
@@ -138,17 +173,72 @@ def test_seeded_search_is_reproducible(tmp_path):
     assert runs[0] == runs[1]
 
 
-def test_timeout_stops_the_study(tmp_path):
-    out = search(problem(), SimulatedBackend(), opts(tmp_path, trials=50, timeout_s=0.0))
-    assert out.trials <= 1
+def test_timeout_stops_the_study_midway(tmp_path, monkeypatch):
+    clock = [0.0]  # each evaluation takes one fake second
+    monkeypatch.setattr(search_mod, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+
+    class Slow(SimulatedBackend):
+        def evaluate(self, config, problem):
+            clock[0] += 1.0
+            return super().evaluate(config, problem)
+
+    backend = Slow()
+    out = search(problem(), backend, opts(tmp_path, trials=50, timeout_s=4.5))
+    assert out.trials == len(backend.calls) == 5  # evaluations end at t=1..5; t=5 > 4.5 stops the study
 
 
-def test_verify_shape_fits_the_reference():
-    p = TuneProblem("G", "sm90", "sm80", "bf16", 64, True, 16384, gqa_group=4)
-    b, sq, sk, h, hk = p.verify_shape()
-    assert (sq, sk) == (16384, 16384) and h % hk == 0 and h // hk == 4
-    assert b * h * sq * sk * 8 <= 8 * 2**30
-    assert p.shape() == (1, 16384, 16384, 32, 8)
+def test_the_problem_size_is_part_of_the_key_and_the_study(tmp_path):
+    """A quick tune at a small size must not resume (or be resumed by) the full-size study."""
+    full = problem()
+    small = dataclasses.replace(full, batch_tokens=1024)
+    wide = dataclasses.replace(full, heads_dim_total=4096)
+    assert len({full.key, small.key, wide.key}) == 3 and len({full.study_name, small.study_name, wide.study_name}) == 3
+    search(small, SimulatedBackend(), opts(tmp_path, trials=4))
+    backend = SimulatedBackend()
+    out = search(full, backend, opts(tmp_path, trials=4))
+    assert out.trials == 4 and len(backend.calls) == 4  # a study of its own, not the small one's
+    assert len(optuna.get_all_study_names(opts(tmp_path).storage)) == 2
+
+
+def test_a_changed_fit_rule_opens_a_new_study(tmp_path, monkeypatch):
+    """Optuna fixes the value sets a study samples: a new fit rule must not crash the resumed study."""
+    p = problem(arch="sm86", head_dim=256)
+    search(p, SimulatedBackend(), opts(tmp_path, trials=3))
+    before = search_mod.study_name(p, space("sm80", 256, "bf16", False))
+    monkeypatch.setitem(config.ARCHS, "sm86", ArchLimits("sm86", 227 * 1024))  # more tiles fit now
+    assert search_mod.study_name(p, space("sm80", 256, "bf16", False)) != before
+    backend = SimulatedBackend()
+    out = search(p, backend, opts(tmp_path, trials=6))
+    assert out.trials == 6 and len(backend.calls) == 6
+
+
+class FlakyOnce(SimulatedBackend):
+    """Fails some configurations with a transient status on their first evaluation only."""
+
+    def __init__(self, once: dict[str, str], failures: dict[str, str] | None = None):
+        super().__init__(failures)
+        self.once = dict(once)
+
+    def evaluate(self, config, problem):
+        if config.name in self.once:
+            self.calls.append(config.name)
+            status = self.once.pop(config.name)
+            return TrialResult(status, reason=f"transient {status}")
+        return super().evaluate(config, problem)
+
+
+def test_a_transient_failure_is_retried_once(tmp_path):
+    p = problem()
+    cfgs = [c for c in small_space(p) if c.unfit_reason("sm90") is None]
+    once = {cfgs[0].name: "timeout", cfgs[1].name: "error"}
+    always = {cfgs[2].name: "error", cfgs[3].name: "verify_failed"}
+    backend = FlakyOnce(once, always)
+    out = search(p, backend, opts(tmp_path, exhaustive=True), cfgs)
+    n = backend.calls.count
+    assert n(cfgs[0].name) == n(cfgs[1].name) == 2  # retried, then timed
+    assert n(cfgs[2].name) == 2 and n(cfgs[3].name) == 1  # an error twice is failed for good; a wrong kernel at once
+    assert out.counts["timeout"] == 0 and out.counts["error"] == 1 and out.counts["verify_failed"] == 1
+    assert out.trials == len(cfgs)
 
 
 def test_trial_result_rejects_unknown_status():
@@ -227,6 +317,7 @@ def test_a_restricted_space_is_a_study_of_its_own(tmp_path):
     p = problem()
     small = small_space(p)
     search(p, SimulatedBackend(), opts(tmp_path, exhaustive=True), small)
-    assert study_name(p, small) != p.study_name and study_name(p, small).startswith(p.study_name + "@space-")
+    whole = study_name(p, space("sm80", 128, "bf16", False))
+    assert study_name(p, small) != whole and study_name(p, small).startswith(p.study_name + "@space-")
     full = search(p, SimulatedBackend(), opts(tmp_path, trials=6))
-    assert full.trials == 6 and study_name(p, space("sm80", 128, "bf16", False)) == p.study_name
+    assert full.trials == 6 and whole.startswith(p.study_name + "@space-")

@@ -2,23 +2,32 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import warnings
+from pathlib import Path
 
 import pytest
 
 import flashgen
 from flashgen import store
 from flashgen.config import KernelConfig, default_config
+from flashgen.problem import BATCH_TOKENS, HEADS_DIM_TOTAL, TuneProblem
 from flashgen.store import StoreError, lookup, merge, read_store, store_path
 
 GPU, ARCH = "NVIDIA H200", "sm90"
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
 def entry(ms: float, seqlen: int = 4096, head_dim: int = 128, causal: bool = False, stages: int = 2,
-          gqa: int = 1) -> dict:
-    cfg = KernelConfig(head_dim, "bf16", causal, 128, 64, 8, stages)
+          gqa: int = 1, tokens: int = BATCH_TOKENS, width: int = HEADS_DIM_TOTAL, family: str = "sm80") -> dict:
+    cfg = KernelConfig(head_dim, "bf16", causal, 128, 64, 8, stages) if family == "sm80" else \
+        KernelConfig(head_dim, "bf16", causal, 128, 128, 12, stages, "sm90")
     return {"config": cfg.to_dict(), "kernel": cfg.name, "median_ms": ms, "tflops": 1.0 / ms, "trials": 3,
-            "problem": {"seqlen": seqlen, "gqa_group": gqa, "head_dim": head_dim}, "date": "2025-01-01"}
+            "problem": {"seqlen": seqlen, "gqa_group": gqa, "head_dim": head_dim, "batch_tokens": tokens,
+                        "heads_dim_total": width}, "date": "2025-01-01"}
 
 
 def key(seqlen: int = 4096, causal: bool = False, gqa: int = 1) -> str:
@@ -125,9 +134,70 @@ def test_choose_config_on_another_gpu_arch_does_not_use_this_store(tmp_path, pat
     assert flashgen.choose_config(128, "bf16", False, "sm80") == default_config(128, "bf16", False, "sm80")
 
 
-def test_a_corrupt_store_is_a_clear_error_in_load(tmp_path, path, monkeypatch):
+@pytest.mark.parametrize("damage", ["corrupt", "unreadable"])
+def test_an_unusable_store_warns_once_and_load_uses_the_default(tmp_path, path, monkeypatch, damage):
     monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
     monkeypatch.setattr(store, "current_gpu", lambda: (GPU, ARCH))
-    path.write_text("{oops")
-    with pytest.raises(StoreError, match="not valid JSON"):
-        flashgen.choose_config(128, "bf16", False, ARCH)
+    monkeypatch.setattr(store, "_warned", set())
+    merge(path, GPU, ARCH, {key(): entry(1.0, stages=3)})
+    if damage == "corrupt":
+        path.write_text("{oops")
+        words = "not valid JSON"
+    else:  # as for another user's file without read permission (root reads anyway: fail the read itself)
+        real = Path.read_text
+
+        def read_text(self, *a, **k):
+            if self == path:
+                raise PermissionError(13, "Permission denied")
+            return real(self, *a, **k)
+
+        monkeypatch.setattr(Path, "read_text", read_text)
+        words = "cannot be read"
+    with pytest.warns(UserWarning, match=words) as rec:
+        for _ in range(3):  # one warning, not an error at every call
+            cfg = flashgen.choose_config(128, "bf16", False, ARCH)
+    assert len([r for r in rec if words in str(r.message)]) == 1 and str(path) in str(rec[0].message)
+    assert cfg == default_config(128, "bf16", False, ARCH)
+    with pytest.raises(StoreError, match=words):  # merge and show still refuse it
+        merge(path, GPU, ARCH, {key(): entry(1.0)})
+
+
+def test_a_rewrite_keeps_the_file_mode(path):
+    old = os.umask(0o022)
+    try:
+        merge(path, GPU, ARCH, {key(): entry(2.0)})
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644  # a new file: the umask's default
+        path.chmod(0o664)  # a store shared by a group
+        merge(path, GPU, ARCH, {key(): entry(1.0)})
+        assert stat.S_IMODE(path.stat().st_mode) == 0o664
+    finally:
+        os.umask(old)
+
+
+def test_a_quick_tune_at_another_size_does_not_replace_the_entry(path):
+    full = TuneProblem(GPU, ARCH, "sm80", "bf16", 128, False, 4096)
+    quick = TuneProblem(GPU, ARCH, "sm80", "bf16", 128, False, 4096, batch_tokens=1024, heads_dim_total=512)
+    assert merge(path, GPU, ARCH, {full.key: entry(2.0)}) == {full.key: "added"}
+    assert merge(path, GPU, ARCH, {quick.key: entry(0.01, tokens=1024, width=512)}) == {quick.key: "added"}
+    assert read_store(path)["entries"][full.key]["median_ms"] == 2.0
+
+
+def test_lookup_never_compares_milliseconds_across_sizes(tmp_path, path):
+    find = lambda: lookup(GPU, ARCH, 128, "bf16", False, 4096, tuned_dir=tmp_path)  # noqa: E731
+    merge(path, GPU, ARCH, {"small": entry(0.01, stages=1, tokens=1024), "big": entry(9.0, stages=3, tokens=65536),
+                            "wide": entry(5.0, stages=4, width=4096)})
+    assert find().num_stages == 3  # no standard size: the largest, not the fastest
+    merge(path, GPU, ARCH, {"std": entry(2.0, stages=2), "std90": entry(1.0, stages=2, family="sm90"),
+                            "quick90": entry(0.01, stages=1, family="sm90", tokens=1024)})
+    cfg = find()
+    assert (cfg.family, cfg.num_stages) == ("sm90", 2)  # the standard size, fastest family at that size
+    assert lookup(GPU, ARCH, 128, "bf16", False, 4096, family="sm80", tuned_dir=tmp_path).num_stages == 2
+
+
+def test_the_shipped_stores_are_keyed_by_their_problems():
+    files = sorted((REPO / "tuned").glob("*.json"))
+    assert files
+    for f in files:
+        doc = read_store(f)
+        for k, e in doc["entries"].items():
+            assert k == TuneProblem(**e["problem"]).key, f"{f.name}: {k}"

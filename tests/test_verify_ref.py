@@ -1,0 +1,100 @@
+"""The float64 reference on the CPU: computed over row chunks sized to a memory budget, with the same answer."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flashgen import verify  # noqa: E402
+from flashgen.problem import VERIFY_REF_SCORES, TuneProblem  # noqa: E402
+from flashgen.verify import REF_BUFFERS, attention_ref, ref_budget_bytes, ref_chunk_rows  # noqa: E402
+
+# (batch, seqlen_q, seqlen_k, heads, heads_k, head_dim): odd lengths, unequal both ways, MHA, GQA, MQA
+SHAPES = [(2, 37, 53, 6, 2, 32), (1, 53, 37, 4, 4, 64), (2, 1, 17, 4, 1, 32), (1, 17, 1, 3, 3, 32),
+          (3, 29, 29, 8, 2, 16)]
+
+
+def naive_ref(q, k, v, causal, scale=None):
+    """The reference as it was before chunking: whole score matrix, k and v repeated per head."""
+    q, k, v = q.double(), k.double(), v.double()
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    k, v = k.repeat_interleave(h // hk, dim=2), v.repeat_interleave(h // hk, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)
+    if causal:
+        s = s.masked_fill(torch.arange(sk)[None, :] > torch.arange(sq)[:, None] + (sk - sq), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1).nan_to_num(0.0), v)
+    return out, torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse).float()
+
+
+def qkv(b, sq, sk, h, hk, d, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, hh, d, generator=g).to(dtype) for s, hh in ((sq, h), (sk, hk), (sk, hk))]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("upcast", [True, False])
+def test_chunked_reference_equals_unchunked(shape, causal, upcast):
+    b, sq, sk, h, hk, d = shape
+    q, k, v = qkv(*shape)
+    whole = attention_ref(q, k, v, causal, upcast=upcast, budget_bytes=2**40)
+    for rows in (1, 3, 7):
+        budget = rows * b * h * sk * 8 * REF_BUFFERS
+        assert ref_chunk_rows(b, h, sq, sk, budget) == min(rows, sq)
+        part = attention_ref(q, k, v, causal, upcast=upcast, budget_bytes=budget)
+        assert torch.equal(part[1], whole[1])
+        # out: the same up to the dtype's rounding (BLAS sums P V in another order for fewer rows)
+        eps = torch.finfo(whole[0].dtype).eps
+        torch.testing.assert_close(part[0], whole[0], rtol=0, atol=4 * eps * whole[0].abs().max().item())
+    if upcast:
+        want = naive_ref(q, k, v, causal)
+        torch.testing.assert_close(whole[0], want[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(whole[1], want[1], rtol=0, atol=0)
+
+
+def test_rows_that_see_no_key_give_zero_and_infinite_lse():
+    q, k, v = qkv(1, 9, 4, 2, 1, 16)  # causal, seqlen_q > seqlen_k: the first 5 rows see nothing
+    out, lse = attention_ref(q, k, v, True, budget_bytes=2 * 4 * 8 * REF_BUFFERS)  # two rows a chunk
+    assert torch.all(out[:, :5] == 0) and torch.all(torch.isposinf(lse[:, :, :5]))
+    assert torch.isfinite(lse[:, :, 5:]).all() and out[:, 5:].abs().sum() > 0
+
+
+def test_chunks_respect_the_budget(monkeypatch):
+    seen = []
+    real = verify._ref_rows
+
+    def spy(q, k, v, *a):
+        seen.append(q.shape[1])
+        return real(q, k, v, *a)
+
+    monkeypatch.setattr(verify, "_ref_rows", spy)
+    b, sq, sk, h, hk, d = 2, 100, 64, 4, 2, 16
+    budget = 1_000_000
+    attention_ref(*qkv(b, sq, sk, h, hk, d), True, budget_bytes=budget)
+    rows = budget // (b * h * sk * 8 * REF_BUFFERS)
+    assert sum(seen) == sq and max(seen) == rows and len(seen) == math.ceil(sq / rows)
+    for budget in (1, 10**4, 10**6, 10**9, 2**40):
+        r = ref_chunk_rows(b, h, sq, sk, budget)
+        assert 1 <= r <= sq and (r == 1 or r * b * h * sk * 8 * REF_BUFFERS <= budget)
+
+
+def test_the_budget_comes_from_free_gpu_memory(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (6 * 2**30, 24 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 * 2**30)
+    gpu = ref_budget_bytes(torch.device("cuda", 0))
+    assert 0 < gpu <= 8 * 2**30  # at most what is free, with torch's cached blocks
+    assert ref_budget_bytes(torch.device("cpu")) == verify.REF_CPU_BYTES
+
+
+def test_verify_shape_bounds_the_reference_work():
+    p = TuneProblem("G", "sm90", "sm80", "bf16", 64, True, 16384, gqa_group=4)
+    b, sq, sk, h, hk = p.verify_shape()
+    assert (sq, sk) == (16384, 16384) and h % hk == 0 and h // hk == 4
+    assert b * h * sq * sk <= VERIFY_REF_SCORES < p.batch * p.heads * sq * sk
+    assert p.shape() == (1, 16384, 16384, 32, 8)
