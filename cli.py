@@ -382,7 +382,8 @@ def bench(args: argparse.Namespace) -> int:
     host = runner.host_us(first.dtype, first.head_dim, first.causal)
     print(f"{gpu}, {datetime.date.today()}, family {args.arch}: TFLOP/s (4*B*H*N*N*D, halved for causal) and flashgen's ratio")
     print("flashgen: the kernel alone (GPU kept busy ahead of each call); api: flashgen.attention() back to back, "
-          "host cost included; x <peer>: the kernel's ratio")
+          "host cost included; x <peer>: the kernel's ratio; <peer> b2b: SDPA back to back, api x <peer>: "
+          "what a user gets, both called back to back")
     if ceiling:
         print("matmul ceiling (8192^3, this run): " + ", ".join(f"{dt} {t:.0f} TFLOP/s" for dt, t in ceiling.items()))
     print(bench_table(rows, args.peers, ceiling))

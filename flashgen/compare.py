@@ -82,8 +82,10 @@ class SimulatedRunner:
         row = Row(point, kernel=f"simulated_d{point.head_dim}")
         row.ms["flashgen"] = base * (0.9 if point.head_dim == 64 else 1.05)
         row.ms["api"] = row.ms["flashgen"] * 1.25  # "host cost shows"
+        row.ms["kernel_b2b"] = row.ms["flashgen"] * 1.1
         for i, p in enumerate(peers):
             row.ms[p] = None if p in self.missing else base * (1.0 - 0.2 * i)
+            row.ms[f"{p}_b2b"] = None if p in self.missing else row.ms[p] * 1.1
             if p in self.missing:
                 row.notes[p] = "simulated: unavailable"
         return row
@@ -115,14 +117,18 @@ class TorchRunner:
         row.ms["flashgen"] = median_ms(time_cuda(lambda i: kern(*sets[i]), self.warmup, self.reps, len(sets)))
         row.ms["api"] = back_to_back_ms(lambda i: flashgen.attention(*sets[i], causal=point.causal, arch=self.arch),
                                         self.reps, len(sets))
+        # The same kernel back to back: api vs this is the host's share; this vs "flashgen" is what
+        # sustained running (clocks under a steady power draw) costs the GPU itself.
+        row.ms["kernel_b2b"] = back_to_back_ms(lambda i: kern(*sets[i]), self.reps, len(sets))
         backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                     "efficient": SDPBackend.EFFICIENT_ATTENTION}
         for p in peers:
             try:
                 with sdpa_kernel(backends[p]):
-                    row.ms[p] = median_ms(time_cuda(
-                        lambda i: torch.nn.functional.scaled_dot_product_attention(*sdpa_sets[i], is_causal=point.causal),
-                        self.warmup, self.reps, len(sets)))
+                    sdpa = lambda i: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                        *sdpa_sets[i], is_causal=point.causal)
+                    row.ms[p] = median_ms(time_cuda(sdpa, self.warmup, self.reps, len(sets)))
+                    row.ms[f"{p}_b2b"] = back_to_back_ms(sdpa, self.reps, len(sets))
             except RuntimeError as e:  # the backend refuses this shape or dtype
                 row.ms[p], row.notes[p] = None, str(e).splitlines()[0][:200]
         del sets, sdpa_sets
@@ -236,9 +242,11 @@ def table(rows: list[Row], peers: list[str], ceiling: dict[str, float] | None = 
     """TFLOP/s per kernel (flashgen's kernel alone, then through attention() back to back, and their
     ratio), flashgen's kernel's ratio to each peer and, given `ceiling` (TFLOP/s of a matrix product
     per dtype), its share of it."""
+    b2b = [p for p in peers if any(r.ms.get(f"{p}_b2b") for r in rows)]  # sustained peer figures, where measured
     head = f"{'dtype':<5} {'d':>4} {'mask':<6} {'N':>6} {'flashgen':>9} {'api':>9} {'api/kern':>9} " + \
         " ".join(f"{p:>9}" for p in peers) + " " + \
-        " ".join(f"{'x ' + p:>9}" for p in peers) + (f" {'% matmul':>9}" if ceiling else "")
+        " ".join(f"{'x ' + p:>9}" for p in peers) + (f" {'% matmul':>9}" if ceiling else "") + \
+        "".join(f" {p + ' b2b':>10} {'api x ' + p:>10}" for p in b2b)
     lines = [head, "-" * len(head)]
     for r in rows:
         pt = r.point
@@ -247,7 +255,9 @@ def table(rows: list[Row], peers: list[str], ceiling: dict[str, float] | None = 
                      f"{_fmt(r.ratio('flashgen', who='api'), '9.2f')} " +
                      " ".join(_fmt(r.tflops(p), '9.1f') for p in peers) + " " +
                      " ".join(_fmt(r.ratio(p), '9.2f') for p in peers) +
-                     (f" {_fmt(_share(r, ceiling), '9.1f')}" if ceiling else ""))
+                     (f" {_fmt(_share(r, ceiling), '9.1f')}" if ceiling else "") +
+                     "".join(f" {_fmt(r.tflops(p + '_b2b'), '10.1f')} {_fmt(r.ratio(p + '_b2b', who='api'), '10.2f')}"
+                             for p in b2b))
     return "\n".join(lines)
 
 
@@ -262,12 +272,14 @@ def to_records(rows: list[Row], peers: list[str], ceiling: dict[str, float] | No
         rec: dict[str, Any] = {**asdict(r.point), "kernel": r.kernel}
         if ceiling:
             rec["pct_matmul"] = _share(r, ceiling)
-        for who in ("flashgen", "api", *peers):
+        for who in ("flashgen", "api", "kernel_b2b", *peers, *(f"{p}_b2b" for p in peers)):
             rec[f"{who}_ms"] = r.ms.get(who)
             rec[f"{who}_tflops"] = r.tflops(who)
         rec["ratio_api_kernel"] = r.ratio("flashgen", who="api")
+        rec["ratio_api_kernel_b2b"] = r.ratio("kernel_b2b", who="api")
         for p in peers:
             rec[f"ratio_{p}"] = r.ratio(p)
+            rec[f"ratio_api_{p}_b2b"] = r.ratio(f"{p}_b2b", who="api")
         out.append(rec)
     return out
 

@@ -25,10 +25,11 @@ def test_table_has_api_beside_kernel_ratios_and_marks_missing_peers():
     text = table(rows(), PEERS)
     head, _, first = text.splitlines()[:3]
     assert head.split()[4:10] == ["flashgen", "api", "api/kern", "flash", "cudnn", "efficient"]
-    assert head.endswith("x efficient")
+    assert "x efficient" in head and head.endswith("cudnn b2b api x cudnn")  # sustained peers, where measured
     # simulated: kernel 300/0.9 TFLOP/s at d64, api 1.25x its time; flash 300 -> ratio 1.11; efficient unavailable
     cells = first.split()
-    assert cells[4:7] == ["333.3", "266.7", "0.80"] and cells[10] == "1.11" and cells[-1] == "-"
+    assert cells[4:7] == ["333.3", "266.7", "0.80"] and cells[10] == "1.11" and cells[12] == "-"
+    assert cells[-4:] == ["272.7", "0.98", "340.9", "0.78"]  # flash b2b, api x flash b2b, cudnn b2b, api x cudnn b2b
 
 
 def test_files_json_csv_png(tmp_path):
@@ -83,8 +84,8 @@ def test_table_and_json_report_share_of_matmul_ceiling(tmp_path):
 
     rs = rows()
     text = table(rs, PEERS, {"bf16": 500.0})
-    assert text.splitlines()[0].endswith("% matmul")
-    assert text.splitlines()[2].split()[-1] == "66.7"  # 333.3 of 500 TFLOP/s
+    assert "% matmul  flash b2b" in text.splitlines()[0]
+    assert text.splitlines()[2].split()[-5] == "66.7"  # 333.3 of 500 TFLOP/s
     doc = json.loads(write(rs, PEERS, tmp_path, "gpu", ceiling={"bf16": 500.0})["json"].read_text())
     assert doc["matmul_tflops"] == {"bf16": 500.0} and round(doc["results"][0]["pct_matmul"], 1) == 66.7
 
