@@ -53,7 +53,7 @@ class Kernel:
         Torch tensors run on torch's current stream of their device; `stream` (a pycuda Stream or
         raw handle) is for GPU arrays. Not traceable by torch.compile: use `flashgen.attention`."""
         if is_torch(q):
-            refuse_grad(q, k, v)
+            refuse_grad(q, k, v, "a loaded Kernel is forward only: call flashgen.attention, which has the backward")
             if stream is not None:
                 raise TypeError("stream= is for GPU arrays; torch tensors run on torch's current stream "
                                 "(use `with torch.cuda.stream(s):`)")
@@ -88,14 +88,14 @@ class Kernel:
         return f"Kernel({self.name}, {self.compiled.target}, {r.registers} regs, {r.smem_bytes} B smem, spills={r.spills})"
 
 
-def refuse_grad(q: Any, k: Any, v: Any) -> None:
-    """Training through flashgen needs its backward, which does not exist yet: never return a detached output."""
+def refuse_grad(q: Any, k: Any, v: Any, why: str = "") -> None:
+    """Raise where an input requires grad and no backward can give its gradient: never a detached output."""
     import torch  # noqa: PLC0415  (q is a torch tensor, so torch is imported)
 
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise RuntimeError(
-            "flashgen has no backward kernel yet: an input requires grad, and the output would carry no gradient. "
-            "Run under torch.no_grad()/torch.inference_mode(), detach the inputs, or use "
+            f"flashgen cannot give this input's gradient ({why or 'no backward for this call'}), and the output "
+            "would carry none. Run under torch.no_grad()/torch.inference_mode(), detach the inputs, or use "
             "torch.nn.functional.scaled_dot_product_attention for training")
 
 

@@ -6,7 +6,10 @@ with a deterministic cost function so the search can be tested on any machine.
 """
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from .bench import flops
@@ -59,11 +62,20 @@ class SimulatedBackend:
     """A deterministic cost model in place of a GPU (for tests and dry runs; its numbers mean nothing).
 
     `failures` maps a config name to the status (and reason) its evaluation returns, to
-    play compile failures, wrong kernels, faults and hangs."""
+    play compile failures, wrong kernels, faults and hangs. `delay_s` makes an evaluation take
+    that long (tuners then overlap, and one can be killed mid-trial); `log` is a file that gets a
+    line "start <problem> <config>" as an evaluation begins and "done ..." as it ends, appended
+    by every process that shares it, so a test can count what a fleet evaluated."""
 
-    def __init__(self, failures: dict[str, str] | None = None):
+    def __init__(self, failures: dict[str, str] | None = None, delay_s: float = 0.0, log: str | Path | None = None):
         self.failures = dict(failures or {})
         self.calls: list[str] = []
+        self.delay_s, self.log = delay_s, Path(log) if log else None
+
+    def _log(self, what: str, config: KernelConfig, problem: TuneProblem) -> None:
+        if self.log is not None:
+            with open(self.log, "a") as f:  # one short append per line: whole lines even with several writers
+                f.write(f"{what} {problem.study_name} {config.name} {os.getpid()}\n")
 
     def prefetch(self, configs: list[KernelConfig], problem: TuneProblem) -> None:
         pass
@@ -77,10 +89,15 @@ class SimulatedBackend:
 
     def evaluate(self, config: KernelConfig, problem: TuneProblem) -> TrialResult:
         self.calls.append(config.name)
+        self._log("start", config, problem)
+        time.sleep(self.delay_s)
         if config.name in self.failures:
             status = self.failures[config.name]
-            return TrialResult(status, reason=f"simulated {status}")
-        return ok_result(problem, self.cost_ms(config, problem), simulated=True)
+            res = TrialResult(status, reason=f"simulated {status}")
+        else:
+            res = ok_result(problem, self.cost_ms(config, problem), simulated=True)
+        self._log("done", config, problem)
+        return res
 
     def close(self) -> None:
         pass

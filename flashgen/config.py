@@ -151,7 +151,7 @@ class KernelConfig:
         mbarriers and 1024 bytes to align the swizzled tiles)."""
         q = self.block_m * self.head_dim
         kv = 2 * self.num_stages * self.block_n * self.head_dim
-        extra = 8 * (1 + 3 * self.num_stages) + 1024 if self.family == "sm90" else 0
+        extra = 8 * (1 + 4 * self.num_stages) + 1024 if self.family == "sm90" else 0
         return (q + kv) * ELEM_BYTES + extra
 
     @property
@@ -251,3 +251,183 @@ def default_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm80", 
         if reason is None:
             return cfg
     raise ConfigError(f"no default configuration of family {family} fits {arch} for head_dim={head_dim}: {reason}")
+
+
+# ---- Backward ------------------------------------------------------------------------
+# FlashAttention-2's backward, sm80 family (mma.sync; runs on sm80..sm90). One BwdConfig
+# renders one .cu with three kernels: `{name}_pre` (D = rowsum(dO * O), zero the fp32 dQ
+# accumulator), `{name}` (the main kernel: one block per K/V tile, dK and dV in registers,
+# dQ by fp32 atomics) and `{name}_convert` (fp32 dQ to q's dtype); deterministic configs
+# have `{name}_dq` instead of _convert (one block per Q tile, dQ in registers, no atomics).
+# The main kernel carries the bare name, so compile_kernel's ptxas report is its own.
+BWD_BLOCK_MS = (32, 64, 128)
+BWD_BLOCK_NS = (32, 64, 128)
+BWD_NUM_WARPS = (2, 4, 8)
+BWD_ROW_WARPS = 8  # rows per block of the _pre and _convert kernels (one warp per row)
+# fp32 accumulator registers per thread the bwd kernels may hold (main: dK + dV + S + dP;
+# _dq: S + dP + dQ). A pre-filter, not a guarantee: with nvcc 13.0 every config at 160 spills
+# (d96 and d128 64x64 w4, d256 64x64 w8), while at 128-144 some fit in 255 registers (d64
+# 64x64 w4) and some spill a little (d128 128x64 w8: 32-44 bytes; d256 32x32 w4: 4 bytes).
+# The defaults are checked against ptxas (tests/test_bwd_config.py).
+BWD_MAX_ACCUM_REGS = 144
+
+
+def bwd_warp_grid(rows: int, cols: int, warps: int) -> tuple[int, int] | None:
+    """How `warps` warps tile a [rows, cols] product: (warps along rows, warps along cols), each
+    warp owning whole 16x16 pieces; None if they cannot. Same rule as the template's warp_grid."""
+    wm = min(warps, rows // 16)
+    if wm == 0 or warps % wm:
+        return None
+    wn = warps // wm
+    if rows % (16 * wm) or cols % (16 * wn):
+        return None
+    return wm, wn
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """One FlashAttention-2 backward (all its kernels). Frozen and hashable; validated on construction."""
+
+    head_dim: int
+    dtype: str
+    causal: bool
+    block_m: int  # query rows per tile
+    block_n: int  # keys per tile (one main-kernel block each)
+    num_warps: int
+    deterministic: bool = False  # dQ by a separate kernel, no atomics: bit-identical run to run
+    family: str = "sm80"
+
+    def __post_init__(self) -> None:
+        _check_choice("family", self.family, ("sm80",))
+        _check_choice("head_dim", self.head_dim, HEAD_DIMS)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("causal", self.causal, (False, True))
+        _check_choice("block_m", self.block_m, BWD_BLOCK_MS)
+        _check_choice("block_n", self.block_n, BWD_BLOCK_NS)
+        _check_choice("num_warps", self.num_warps, BWD_NUM_WARPS)
+        _check_choice("deterministic", self.deterministic, (False, True))
+        for what, rows, cols in (("S = Q K^T", self.block_m, self.block_n), ("dK, dV", self.block_n, self.head_dim),
+                                 ("dQ", self.block_m, self.head_dim)):
+            if bwd_warp_grid(rows, cols, self.num_warps) is None:
+                raise ConfigError(
+                    f"num_warps={self.num_warps} cannot tile the [{rows}, {cols}] {what} product in whole 16x16 "
+                    f"pieces (block_m={self.block_m}, block_n={self.block_n}, head_dim={self.head_dim})")
+
+    @property
+    def name(self) -> str:
+        mask = "causal" if self.causal else "full"
+        return (f"bwd_{self.family}_d{self.head_dim}_{self.dtype}_{mask}_bm{self.block_m}_bn{self.block_n}"
+                f"_w{self.num_warps}_det{int(self.deterministic)}")
+
+    @property
+    def kernel_names(self) -> dict[str, str]:
+        """Role -> `__global__` name of every kernel in the rendered file."""
+        last = "dq" if self.deterministic else "convert"
+        return {"pre": f"{self.name}_pre", "main": self.name, last: f"{self.name}_{last}"}
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def row_threads(self) -> int:
+        """Threads of the _pre and _convert kernels."""
+        return 32 * BWD_ROW_WARPS
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of the main kernel (the _dq kernel needs less and gets the same):
+        K, V [block_n, d]; Q, dO [block_m, d]; P, dS [block_m, block_n]; LSE and D [block_m] fp32."""
+        elems = 2 * self.block_n * self.head_dim + 2 * self.block_m * self.head_dim + 2 * self.block_m * self.block_n
+        return elems * ELEM_BYTES + 2 * self.block_m * 4
+
+    @property
+    def accum_regs(self) -> int:
+        """fp32 accumulator registers per thread: the main kernel's dK + dV + S + dP, or the _dq
+        kernel's S + dP + dQ, whichever is more."""
+        kv = 2 * self.block_n * self.head_dim // self.threads
+        s = 2 * self.block_m * self.block_n // self.threads
+        dq = self.block_m * self.head_dim // self.threads if self.deterministic else 0
+        return max(kv + s, s + dq)
+
+    def grid(self, batch: int, heads: int, seqlen_k: int) -> tuple[int, int, int]:
+        """Main kernel: one flat grid of n-blocks x heads x batch."""
+        return _flat_grid(-(-seqlen_k // self.block_n), heads, batch, f"ceil(seqlen_k / {self.block_n})")
+
+    def dq_grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
+        """_dq kernel (deterministic): m-blocks x heads x batch."""
+        return _flat_grid(-(-seqlen_q // self.block_m), heads, batch, f"ceil(seqlen_q / {self.block_m})")
+
+    def rows_grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
+        """_pre and _convert kernels: groups of BWD_ROW_WARPS query rows x heads x batch."""
+        return _flat_grid(-(-seqlen_q // BWD_ROW_WARPS), heads, batch, f"ceil(seqlen_q / {BWD_ROW_WARPS})")
+
+    def unfit_reason(self, arch: str) -> str | None:
+        """Why this config cannot run on `arch`, or None if it fits."""
+        lim = arch_limits(arch)
+        if self.threads > lim.max_threads:
+            return f"{self.threads} threads per block > {lim.max_threads} on {arch}"
+        if self.smem_bytes > lim.smem_per_block:
+            return f"shared memory {self.smem_bytes} B > {lim.smem_per_block} B per block on {arch}"
+        if self.accum_regs > BWD_MAX_ACCUM_REGS:
+            return (f"{self.accum_regs} accumulator registers per thread > {BWD_MAX_ACCUM_REGS} "
+                    f"(tiles too large for {self.num_warps} warps at head_dim={self.head_dim})")
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BwdConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"unknown config fields {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+
+def _flat_grid(tiles: int, heads: int, batch: int, what: str) -> tuple[int, int, int]:
+    blocks = tiles * heads * batch
+    if blocks > MAX_GRID_X:
+        raise ValueError(f"{blocks} blocks ({what} * heads * batch) exceed the {MAX_GRID_X} a launch may have; "
+                         "split the batch")
+    return (blocks, 1, 1)
+
+
+def bwd_space(head_dim: int, dtype: str, causal: bool, deterministic: bool = False) -> list[BwdConfig]:
+    """Every valid backward configuration for one problem (arch fit not checked: see unfit_reason)."""
+    out = []
+    for bm in BWD_BLOCK_MS:
+        for bn in BWD_BLOCK_NS:
+            for w in BWD_NUM_WARPS:
+                try:
+                    out.append(BwdConfig(head_dim, dtype, causal, bm, bn, w, deterministic))
+                except ConfigError:
+                    continue
+    return out
+
+
+# (block_m, block_n, num_warps), best first; the first that fits the arch is used. None spills
+# on sm_80 or sm_90 (tests/test_bwd_config.py); main-kernel registers from ptxas (nvcc 13.0,
+# sm_80/sm_90): d32 215/216, d64 154/128, d96 229/229, d128 126/121, d256 209/213. (d128 at
+# 64 x 64 x 8 warps reaches 251 and d64 at 64 x 128 spills: kept out for now.)
+_DEFAULT_BWD_TILES = {
+    32: [(64, 128, 8), (64, 64, 4)],
+    64: [(64, 64, 8), (64, 64, 4)],
+    96: [(64, 64, 8), (64, 32, 4)],
+    128: [(64, 32, 8), (64, 32, 4)],
+    256: [(64, 32, 8), (32, 32, 4)],  # 64 x 64 needs 160 accumulators; sm86/sm89 (99 KB): 32 x 32
+}
+
+
+def default_bwd_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm80",
+                       deterministic: bool = False) -> BwdConfig:
+    """The untuned backward configuration for a problem on `arch`."""
+    _check_choice("head_dim", head_dim, HEAD_DIMS)
+    reason = ""
+    for bm, bn, w in _DEFAULT_BWD_TILES[head_dim]:
+        cfg = BwdConfig(head_dim, dtype, causal, bm, bn, w, deterministic)
+        reason = cfg.unfit_reason(arch)
+        if reason is None:
+            return cfg
+    raise ConfigError(f"no default backward configuration fits {arch} for head_dim={head_dim}: {reason}")

@@ -8,7 +8,8 @@ whose fake implementation gives the output shapes without a GPU.
 """
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Any, Optional
 
 import torch
 
@@ -29,6 +30,48 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_s
     check_shapes(q, k, v)
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgen::attention_backward", mutates_args=(), device_types="cuda")
+def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, dlse: Optional[torch.Tensor], causal: bool,
+                          softmax_scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), contiguous, like q, k, v: the sm80 family's backward kernels (flashgen.backward)."""
+    from .backward import backward  # noqa: PLC0415
+
+    kern = _backward_kernel(q.get_device(), q.shape[3], q.dtype, causal)
+    return backward(kern, q, k, v, out, dout.contiguous(), lse, softmax_scale, dlse=dlse)
+
+
+@attention_backward_op.register_fake
+def _(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+      dlse: Optional[torch.Tensor], causal: bool, softmax_scale: Optional[float]) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+@functools.lru_cache(maxsize=64)
+def _backward_kernel(device: int, head_dim: int, dtype: torch.dtype, causal: bool) -> Any:
+    from .backward import load_backward  # noqa: PLC0415
+    from .driver import device_info  # noqa: PLC0415
+
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    return load_backward(head_dim, name, causal, gpu_arch=device_info(device).arch)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, causal, softmax_scale, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+
+
+def _backward(ctx: Any, dout: torch.Tensor, dlse: Optional[torch.Tensor]) -> tuple:
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.softmax_scale)
+    return dq, dk, dv, None, None, None
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -54,7 +97,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
               arch: Optional[str], want_lse: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """`flashgen.attention` for torch tensors: the operator when traced, its body when eager
     (where lse is None unless wanted: the kernel then neither allocates nor writes it)."""
-    refuse_grad(q, k, v)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if softmax_scale is not None and not softmax_scale > 0:
+            refuse_grad(q, k, v, f"the backward needs softmax_scale > 0, not {softmax_scale!r}")
+        return attention_op(q, k, v, causal, softmax_scale, arch)  # autograd: through the operator
     if torch.compiler.is_compiling() or type(q) is not torch.Tensor:
         return attention_op(q, k, v, causal, softmax_scale, arch)
     return forward_torch(q, k, v, causal, softmax_scale, arch, want_lse)

@@ -6,7 +6,7 @@ import functools
 import jinja2
 
 from .__version__ import __version__
-from .config import SM90_REGS, KernelConfig
+from .config import BWD_ROW_WARPS, SM90_REGS, BwdConfig, KernelConfig
 from .paths import templates_dir
 
 # dtype -> (C++ element type, its 2-vector, the float2 packer, the PTX mma type)
@@ -29,12 +29,24 @@ def template_env() -> jinja2.Environment:
 
 
 @functools.lru_cache(maxsize=1024)
-def render(cfg: KernelConfig) -> str:
-    """The CUDA source of `cfg`'s kernel; its `__global__` function is named `cfg.name`."""
+def render(cfg: KernelConfig | BwdConfig) -> str:
+    """The CUDA source of `cfg`'s kernel; its `__global__` function is named `cfg.name` (a BwdConfig's
+    file holds several: `cfg.kernel_names`)."""
+    if isinstance(cfg, BwdConfig):
+        return _render_bwd(cfg)
     elem_t, elem2_t, pack_fn, ptx_type = _TYPES[cfg.dtype]
     template = template_env().get_template(f"{cfg.family}/fwd.cu.j2")
     producer_regs, consumer_regs = SM90_REGS.get(cfg.consumers, (None, None)) if cfg.family == "sm90" else (None, None)
     return template.render(
         cfg=cfg, version=__version__, elem_t=elem_t, elem2_t=elem2_t, pack_fn=pack_fn, ptx_type=ptx_type,
         producer_regs=producer_regs, consumer_regs=consumer_regs,
+    )
+
+
+def _render_bwd(cfg: BwdConfig) -> str:
+    """The backward's kernels of `cfg` in one file (templates/{family}/bwd.cu.j2)."""
+    elem_t, elem2_t, pack_fn, ptx_type = _TYPES[cfg.dtype]
+    return template_env().get_template(f"{cfg.family}/bwd.cu.j2").render(
+        cfg=cfg, version=__version__, elem_t=elem_t, elem2_t=elem2_t, pack_fn=pack_fn, ptx_type=ptx_type,
+        row_warps=BWD_ROW_WARPS,
     )

@@ -4,10 +4,16 @@ The loop uses Optuna's ask/tell so that `ahead` configurations are sampled (and 
 to the backend to compile) while the previous one is timed. Every outcome is told to
 the study with user attributes `status` and `reason`: pruned configurations as PRUNED,
 failures as FAIL, timed ones with their median ms; an error or timeout is tried once
-more before it is final. Studies live in an RDB storage (SQLite by default), so running
-the same search again continues it; a study is named by the problem and the space it
-samples. Tuners may share a study: each keeps a heartbeat on the trials it holds, and a
-trial whose tuner was killed (no heartbeat for a grace period) is failed and retried once.
+more before it is final. Studies live in an Optuna storage (SQLite by default, a database
+server or a journal file for a fleet: `studies`), so running the same search again
+continues it; a study is named by the problem and the space it samples.
+
+Tuners anywhere may share a study; each asks for its next trial. Each keeps a heartbeat on
+the trials it holds, and a trial whose tuner died (no heartbeat for a grace period) is
+failed and retried once by another. The budget counts the trials other tuners hold, and
+a configuration is timed once per study: before timing, a tuner reads the study again and
+takes the result of an earlier trial of the same configuration, waiting for it if another
+tuner holds it.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import hashlib
 import threading
 import time
 import warnings
+import zlib
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,20 +35,17 @@ from optuna.trial import FrozenTrial, TrialState
 from .backend import Backend, TrialResult
 from .config import ConfigError, KernelConfig, space as config_space
 from .problem import TuneProblem
+from .studies import default_storage, make_storage as open_storage  # noqa: F401 - default_storage: re-exported
 
 PARAMS = ("block_m", "block_n", "num_warps", "num_stages")  # Optuna's parameter names = KernelConfig fields
 FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, "overlap", "pingpong")}
 SAMPLERS = ("tpe", "random")
 RETRIED = ("error", "timeout")  # may pass on a second try (a busy or restarted GPU worker)
+POLL_S = 0.25  # how often a tuner waiting for another's trial reads the study
+PARAMS_WAIT_S = 10.0  # a running trial without parameters is being sampled: wait this long for them
+OWNER_WAIT_S = 20 * 60.0  # an earlier trial of the same configuration that neither ends nor goes stale: ignored
 
 Params = tuple  # values of FAMILY_PARAMS[family], in order
-
-
-def default_storage() -> str:
-    """SQLite file in the user data dir: the same command finds its study again."""
-    path = Path(platformdirs.user_data_dir("flashgen")) / "studies.sqlite3"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{path}"
 
 
 def _infeasible(t: FrozenTrial) -> list[float]:
@@ -52,12 +56,13 @@ def _infeasible(t: FrozenTrial) -> list[float]:
 _TRIAL_CONSTRAINTS = hasattr(optuna.Trial, "set_constraint")  # Optuna >= 5; older ones take a constraints_func
 
 
-def make_sampler(name: str, seed: int, ahead: int = 1) -> optuna.samplers.BaseSampler:
+def make_sampler(name: str, seed: int) -> optuna.samplers.BaseSampler:
     if name == "tpe":
         with warnings.catch_warnings():  # constant_liar and constraints are "experimental" in some versions
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            # The liar keeps configurations asked ahead (still being compiled) from being sampled twice.
-            return optuna.samplers.TPESampler(seed=seed, constant_liar=ahead > 1,
+            # The liar keeps configurations held (asked ahead and being compiled, or timed by another
+            # tuner of the study) from being sampled again; with no trial held it changes nothing.
+            return optuna.samplers.TPESampler(seed=seed, constant_liar=True,
                                               constraints_func=None if _TRIAL_CONSTRAINTS else _infeasible)
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
@@ -71,10 +76,18 @@ class SearchOptions:
     sampler: str = "tpe"
     seed: int = 0
     exhaustive: bool = False  # enumerate the whole (restricted) space instead of sampling
-    storage: str | None = None  # SQLAlchemy URL; None: default_storage()
+    storage: str | None = None  # URL or path (see `studies`); None: default_storage()
     ahead: int = 1  # configurations sampled and prefetched ahead of the one being timed
     heartbeat_s: int = 30  # a held trial's heartbeat; Optuna wants whole seconds
     grace_s: int = 120  # a trial without a heartbeat this long was held by a killed tuner: failed, retried once
+    worker: str = ""  # this tuner's name (host:pid/gpu), recorded with its trials and mixed into the sampler's
+    # seed: tuners sharing a study must not all propose the same sequence
+    versions: dict[str, str] = field(default_factory=dict)  # nvcc, driver: recorded with each timed trial
+    stop: threading.Event | None = None  # when set: stop after the trial being evaluated (a fleet's Ctrl-C)
+
+    @property
+    def sampler_seed(self) -> int:
+        return zlib.crc32(f"{self.seed}/{self.worker}".encode()) if self.worker else self.seed
 
 
 @dataclass
@@ -97,6 +110,8 @@ class SearchOutcome:
     default: TrialResult | None
     counts: Counter = field(default_factory=Counter)  # statuses of this study's trials
     trials: int = 0  # evaluated trials in the study (all runs)
+    in_flight: int = 0  # trials other tuners still hold in an unfinished study: come back for it later
+    versions: dict[str, str] = field(default_factory=dict)  # those the best trial was timed with
 
 
 def params_of(cfg: KernelConfig) -> Params:
@@ -128,13 +143,27 @@ def _params(t: FrozenTrial, family: str) -> Params:
     return tuple(t.params[p] for p in FAMILY_PARAMS[family])
 
 
+def _params_or_none(t: FrozenTrial, family: str) -> Params | None:
+    """A trial's configuration, or None while it is being sampled (its parameters are set one by one)."""
+    names = FAMILY_PARAMS[family]
+    return tuple(t.params[p] for p in names) if all(p in t.params for p in names) else None
+
+
 def _finished(study: optuna.Study) -> list[FrozenTrial]:
     # Trials without a status were abandoned (the tuner was killed or timed out holding them).
     return [t for t in study.get_trials(deepcopy=False) if t.state.is_finished() and "status" in t.user_attrs]
 
 
-def _tell(study: optuna.Study, trial: optuna.Trial, res: TrialResult, duplicate_of: int | None = None) -> None:
-    trial.set_user_attr("status", res.status)
+def _tell(study: optuna.Study, trial: optuna.Trial, res: TrialResult, duplicate_of: int | None = None,
+          opts: SearchOptions | None = None) -> None:
+    try:
+        trial.set_user_attr("status", res.status)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        # Another tuner found it stale (this process missed heartbeats for the grace period) and
+        # queued it again: its retry times the configuration.
+        warnings.warn(f"trial {trial.number} of {study.study_name} was failed as stale while this tuner held it; "
+                      "its retry times it again (raise the grace period if this tuner is starved)", stacklevel=2)
+        return
     if _TRIAL_CONSTRAINTS:
         trial.set_constraint("pruned", 1.0 if res.status == "pruned" else 0.0)
     trial.set_user_attr("reason", res.reason)
@@ -145,10 +174,12 @@ def _tell(study: optuna.Study, trial: optuna.Trial, res: TrialResult, duplicate_
         trial.set_user_attr("info", res.info)
     if duplicate_of is not None:
         trial.set_user_attr("duplicate_of", duplicate_of)
+    elif opts is not None and opts.versions and res.status != "pruned":
+        trial.set_user_attr("versions", opts.versions)
     if res.ok:
-        study.tell(trial, res.ms)
+        study.tell(trial, res.ms, skip_if_finished=True)
     else:
-        study.tell(trial, state=TrialState.PRUNED if res.status == "pruned" else TrialState.FAIL)
+        study.tell(trial, state=TrialState.PRUNED if res.status == "pruned" else TrialState.FAIL, skip_if_finished=True)
 
 
 def study_name(problem: TuneProblem, space: list[KernelConfig]) -> str:
@@ -161,16 +192,16 @@ def study_name(problem: TuneProblem, space: list[KernelConfig]) -> str:
     return f"{problem.study_name}@space-{digest}"
 
 
-def make_storage(opts: SearchOptions) -> optuna.storages.RDBStorage:
-    """The RDB storage with heartbeats: a trial whose tuner stopped beating for `grace_s` is failed
-    and queued again once; the live trials of other tuners sharing the study are left alone."""
-    stale = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)  # Optuna >= 4.9
-    with warnings.catch_warnings():  # heartbeats are "experimental"
+def make_storage(opts: SearchOptions) -> optuna.storages.BaseStorage:
+    """The study storage of `opts`, with heartbeats: a trial whose tuner stopped beating for
+    `grace_s` is failed and queued again once; the live trials of other tuners are left alone."""
+    return open_storage(opts.storage, opts.heartbeat_s, opts.grace_s)
+
+
+def fail_stale_trials(study: optuna.Study) -> None:
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        callback = {"heartbeat_stale_trial_callback": stale(max_retry=1)} if stale else \
-            {"failed_trial_callback": optuna.storages.RetryFailedTrialCallback(max_retry=1)}
-        return optuna.storages.RDBStorage(opts.storage or default_storage(), heartbeat_interval=opts.heartbeat_s,
-                                          grace_period=opts.grace_s, **callback)
+        optuna.storages.fail_stale_trials(study)
 
 
 def open_study(problem: TuneProblem, opts: SearchOptions, name: str | None = None) -> optuna.Study:
@@ -179,13 +210,11 @@ def open_study(problem: TuneProblem, opts: SearchOptions, name: str | None = Non
     if name is None:
         name = study_name(problem, config_space(problem.family, problem.head_dim, problem.dtype, problem.causal))
     study = optuna.create_study(study_name=name, storage=make_storage(opts),
-                                sampler=make_sampler(opts.sampler, opts.seed, opts.ahead), direction="minimize",
+                                sampler=make_sampler(opts.sampler, opts.sampler_seed), direction="minimize",
                                 load_if_exists=True)
     if "problem" not in study.user_attrs:
         study.set_user_attr("problem", problem.to_dict())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        optuna.storages.fail_stale_trials(study)
+    fail_stale_trials(study)
     return study
 
 
@@ -234,28 +263,84 @@ def evaluate(backend: Backend, cfg: KernelConfig, problem: TuneProblem) -> Trial
     return replace(again, info={**again.info, "first_try": f"{res.status}: {res.reason}"})
 
 
-def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: list[KernelConfig] | None = None,
-           on_trial: Callable[[TrialRecord], Any] | None = None) -> SearchOutcome:
-    """Run (or continue) the study of `problem` until it holds `opts.trials` evaluated trials,
-    the space is exhausted, or `opts.timeout_s` passes."""
-    space = space if space is not None else config_space(problem.family, problem.head_dim, problem.dtype, problem.causal)
+@dataclass
+class _View:
+    """The study as one tuner needs it, read afresh: other tuners add to it all the time."""
+
+    done: dict[Params, FrozenTrial]  # per configuration, the trial whose result stands (told with a status)
+    counted: int  # finished trials that count toward the budget
+    held: dict[int, Params | None]  # running trials (any tuner's) by id: their configuration, None while sampled
+
+
+def _view(study: optuna.Study, family: str) -> _View:
+    done: dict[Params, FrozenTrial] = {}
+    counted, held = 0, {}
+    for t in study.get_trials(deepcopy=False):
+        if t.state == TrialState.RUNNING:
+            held[t._trial_id] = _params_or_none(t, family)
+        elif t.state.is_finished() and "status" in t.user_attrs:
+            done.setdefault(_params(t, family), t)  # trials are in order: a duplicate never shadows its source
+            counted += _counts(t)
+    return _View(done, counted, held)
+
+
+def _owner(study: optuna.Study, trial: optuna.Trial, params: Params, family: str, opts: SearchOptions,
+           stopped: Callable[[], bool]) -> FrozenTrial | None:
+    """The trial whose result `trial` takes instead of timing its configuration again: a finished
+    one of the same configuration, or an earlier running one (another tuner's), waited for. None:
+    this trial times it. Earlier trials still being sampled are waited for too: they may turn out to
+    be this configuration. While waiting, trials of dead tuners are failed, so a wait ends."""
+    start = time.monotonic()
+    next_check = start + opts.heartbeat_s
+    while True:
+        view = _view(study, family)
+        if params in view.done:
+            return view.done[params]
+        waited = time.monotonic() - start
+        earlier = [p for i, p in view.held.items() if i < trial._trial_id
+                   and ((p == params and waited < OWNER_WAIT_S) or (p is None and waited < PARAMS_WAIT_S))]
+        if not earlier or stopped():
+            return None
+        time.sleep(POLL_S)
+        if time.monotonic() > next_check:
+            fail_stale_trials(study)
+            next_check = time.monotonic() + opts.heartbeat_s
+
+
+def distributions(problem: TuneProblem, space: list[KernelConfig]) -> dict[str, CategoricalDistribution]:
+    """What the study samples: per parameter, the values some fitting configuration of `space` has
+    (fewer combinations to prune), or those of the whole space when none fits."""
     allowed = {params_of(c) for c in space}
     viable = {params_of(c) for c in space if c.unfit_reason(problem.gpu_arch) is None}
-    # Sample only values some fitting configuration has: fewer combinations to prune.
-    names = FAMILY_PARAMS[problem.family]
-    dists = {p: CategoricalDistribution(sorted({v[i] for v in viable or allowed})) for i, p in enumerate(names)}
-    if not viable and not allowed:
+    return {p: CategoricalDistribution(sorted({v[i] for v in viable or allowed}))
+            for i, p in enumerate(FAMILY_PARAMS[problem.family])}
+
+
+def default_aside(study: optuna.Study, default: KernelConfig) -> TrialResult | None:
+    """The default's result measured outside a restricted space, as recorded in the study."""
+    rec = study.user_attrs.get("default_aside")
+    return TrialResult(**rec["result"]) if isinstance(rec, dict) and rec.get("kernel") == default.name else None
+
+
+def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: list[KernelConfig] | None = None,
+           on_trial: Callable[[TrialRecord], Any] | None = None) -> SearchOutcome:
+    """Run (or continue, or join) the study of `problem` until it holds `opts.trials` evaluated trials
+    (those other tuners hold count), the space is exhausted, or `opts.timeout_s` passes. When other
+    tuners still hold trials of an unfinished study, `in_flight` of the outcome says how many."""
+    space = space if space is not None else config_space(problem.family, problem.head_dim, problem.dtype, problem.causal)
+    if not space:
         raise ValueError(f"the search space of {problem.key} is empty")
+    allowed = {params_of(c) for c in space}
+    viable = {params_of(c) for c in space if c.unfit_reason(problem.gpu_arch) is None}
+    names = FAMILY_PARAMS[problem.family]
+    dists = distributions(problem, space)
     study = open_study(problem, opts, study_name(problem, space))
-    seen: dict[Params, FrozenTrial] = {}
-    for t in _finished(study):
-        seen.setdefault(_params(t, problem.family), t)
-    evaluated = sum(1 for t in _finished(study) if _counts(t))
+    view = _view(study, problem.family)
     default = problem.default_config()
     queued: set[Params] = set()
 
     def enqueue(params: Params) -> None:
-        if params not in seen and params not in queued and all(v in dists[p].choices for p, v in zip(names, params)):
+        if params not in view.done and params not in queued and all(v in dists[p].choices for p, v in zip(names, params)):
             study.enqueue_trial(dict(zip(names, params)), skip_if_exists=True)
             queued.add(params)
 
@@ -263,9 +348,19 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
     if opts.exhaustive:
         for c in space:
             enqueue(params_of(c))
-    budget = len(viable - set(seen)) if opts.exhaustive else opts.trials - evaluated
+
+    def open_configs(v: _View) -> set[Params]:  # viable, neither done nor held by any tuner
+        return viable - set(v.done) - set(v.held.values())
+
+    def claimed(v: _View) -> int:  # evaluated, or held by a tuner and to be evaluated
+        return v.counted + len({p for p in v.held.values() if p in viable and p not in v.done})
+
+    def wanted(v: _View) -> bool:
+        return bool(open_configs(v)) and (opts.exhaustive or claimed(v) < opts.trials)
+
+    budget = len(viable - set(view.done)) if opts.exhaustive else opts.trials - claimed(view)
     max_asks = 5 * max(budget, 0) + 2 * len(allowed) + 16  # TPE repeating itself must not loop forever
-    start, asks, done = time.monotonic(), 0, 0
+    start, asks = time.monotonic(), 0
     pending: deque[tuple[optuna.Trial, Params]] = deque()
     current: optuna.Trial | None = None  # the trial being evaluated
     heart = _Heartbeat(study, opts.heartbeat_s)
@@ -273,59 +368,66 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
     def out_of_time() -> bool:
         return opts.timeout_s is not None and time.monotonic() - start > opts.timeout_s
 
-    def exhausted() -> bool:
-        return viable <= set(seen) | {p for _, p in pending}
+    def stopped() -> bool:
+        return out_of_time() or (opts.stop is not None and opts.stop.is_set())
+
+    def tell(trial: optuna.Trial, cfg: KernelConfig | None, params: Params, res: TrialResult,
+             duplicate_of: int | None = None) -> None:
+        _tell(study, trial, res, duplicate_of, opts)
+        heart.release(trial)
+        _report(on_trial, trial.number, cfg, params, res, duplicate_of)
 
     try:
         while True:
-            while (len(pending) < min(max(1, opts.ahead), budget - done) and asks < max_asks
-                   and not exhausted() and not out_of_time()):
+            while len(pending) < max(1, opts.ahead) and asks < max_asks and not stopped():
+                if not wanted(_view(study, problem.family)):
+                    break
                 with warnings.catch_warnings():  # "heartbeat ... supposed to be used with Study.optimize": see _Heartbeat
                     warnings.filterwarnings("ignore", message="Heartbeat of storage")
                     trial, asks = study.ask(dists), asks + 1
                 heart.hold(trial)
+                if opts.worker:
+                    trial.set_user_attr("worker", opts.worker)
                 params = tuple(trial.params[p] for p in names)
                 reason = static_reason(problem, params, allowed)  # type: ignore[arg-type]
                 if reason is not None:
-                    res = TrialResult("pruned", reason=reason)
-                    _tell(study, trial, res)
-                    heart.release(trial)
-                    seen.setdefault(params, study.trials[trial.number])  # type: ignore[arg-type]
-                    _report(on_trial, trial.number, None, params, res)  # type: ignore[arg-type]
+                    tell(trial, None, params, TrialResult("pruned", reason=reason))  # type: ignore[arg-type]
                     continue
                 pending.append((trial, params))  # type: ignore[arg-type]
                 backend.prefetch([config_of(problem, params)], problem)  # type: ignore[arg-type]
-            if not pending or out_of_time():
+            if not pending or stopped():
                 break
             trial, params = pending.popleft()
             current = trial
             cfg = config_of(problem, params)
-            prev = seen.get(params)
+            prev = _owner(study, trial, params, problem.family, opts, stopped)
+            if stopped():
+                break
             if prev is not None:  # never time a configuration twice in one study
-                res = result_of(prev)
-                _tell(study, trial, res, duplicate_of=prev.number)
-                heart.release(trial)
-                current = None
-                _report(on_trial, trial.number, cfg, params, res, prev.number)
-                continue
-            res = evaluate(backend, cfg, problem)
-            _tell(study, trial, res)
-            heart.release(trial)
+                tell(trial, cfg, params, result_of(prev), prev.number)
+            else:
+                tell(trial, cfg, params, evaluate(backend, cfg, problem))
             current = None
-            seen[params] = study.trials[trial.number]
-            done += 1
-            _report(on_trial, trial.number, cfg, params, res)
     finally:
         heart.stop()
         for trial in [t for t, _ in pending] + [current] * (current is not None):
             # asked but never evaluated (timeout, Ctrl-C): closed without a status, not left to go stale
             study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
-    default_res = seen.get(params_of(default))
-    if default_res is None and params_of(default) not in allowed:  # outside a restricted space: measure it aside
-        default_res_value: TrialResult | None = evaluate(backend, default, problem)
+    # Trials other tuners still hold (budget met or not) will change the outcome: come back for them.
+    in_flight = 0 if stopped() or asks >= max_asks else len(_view(study, problem.family).held)
+    default_res = view.done.get(params_of(default))
+    if default_res is not None:
+        default_value: TrialResult | None = result_of(default_res)
+    elif params_of(default) not in allowed:  # outside a restricted space: measured aside, once per study
+        default_value = default_aside(study, default)
+        if default_value is None and not stopped():
+            default_value = evaluate(backend, default, problem)
+            study.set_user_attr("default_aside", {"kernel": default.name, "result": default_value.to_dict()})
     else:
-        default_res_value = result_of(default_res) if default_res is not None else None
-    return outcome(study, problem, default, default_res_value)
+        default_value = None
+    out = outcome(study, problem, default, default_value)
+    out.in_flight = in_flight
+    return out
 
 
 def _counts(t: FrozenTrial) -> bool:
@@ -344,11 +446,12 @@ def outcome(study: optuna.Study, problem: TuneProblem, default: KernelConfig,
     """The best verified trial of a study, with counts of every status."""
     finished = _finished(study)
     counts = Counter(t.user_attrs["status"] for t in finished if "duplicate_of" not in t.user_attrs)
-    ok = [t for t in finished if t.user_attrs["status"] == "ok"]
-    best = min(ok, key=lambda t: t.user_attrs["ms"], default=None)
+    ok = [t for t in finished if t.user_attrs["status"] == "ok" and "duplicate_of" not in t.user_attrs]
+    best = min(ok, key=lambda t: (t.user_attrs["ms"], t.number), default=None)
     if default_res is None:
         d = next((t for t in finished if _params(t, problem.family) == params_of(default)), None)
-        default_res = result_of(d) if d is not None else None
+        default_res = result_of(d) if d is not None else default_aside(study, default)
     return SearchOutcome(problem, config_of(problem, _params(best, problem.family)) if best else None,
                          result_of(best) if best else None, default, default_res, counts,
-                         sum(1 for t in finished if _counts(t)))
+                         sum(1 for t in finished if _counts(t)), versions=dict(best.user_attrs.get("versions", {}))
+                         if best else {})

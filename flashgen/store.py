@@ -1,11 +1,11 @@
 """Step 8: the tuned store, `tuned/<gpu-slug>.json`, one entry per problem.
 
 Files are written atomically (temp file + rename, under a lock), merged with what is
-there (an entry is replaced only by a faster one, or when forced), and kept
-diff-friendly (indented, sorted keys), keeping the file's mode so a shared store stays
-readable. A file that is not valid JSON, not a flashgen store, or made for another GPU
-raises `StoreError` naming the file: never a reset. load()'s path (`tuned_config`) warns
-once instead and uses the defaults.
+there (an entry is replaced only by a faster one, or when forced; the same winner from a
+study that has grown since updates it), and kept diff-friendly (indented, sorted keys),
+keeping the file's mode so a shared store stays readable. A file that is not valid JSON,
+not a flashgen store, or made for another GPU raises `StoreError` naming the file: never
+a reset. load()'s path (`tuned_config`) warns once instead and uses the defaults.
 """
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def _locked(path: Path) -> Iterator[None]:
 
 def merge(path: Path, gpu_name: str, arch: str, entries: dict[str, dict[str, Any]],
           force: bool = False) -> dict[str, str]:
-    """Merge entries into the store at `path`; returns key -> "added" | "replaced" | "kept"."""
+    """Merge entries into the store at `path`; returns key -> "added" | "replaced" | "updated" | "kept"."""
     actions: dict[str, str] = {}
     with _locked(path):
         doc = read_store(path, gpu_name, arch)
@@ -127,6 +127,9 @@ def merge(path: Path, gpu_name: str, arch: str, entries: dict[str, dict[str, Any
                 actions[key] = "added"
             elif force or new["median_ms"] < old["median_ms"]:
                 actions[key] = "replaced"
+            elif (new["median_ms"], new.get("kernel")) == (old["median_ms"], old.get("kernel")) and \
+                    new.get("trials", 0) > old.get("trials", 0):
+                actions[key] = "updated"  # the same winner, from a study that has grown since (a fleet's)
             else:
                 actions[key] = "kept"
                 continue

@@ -5,7 +5,8 @@ one that hangs never returns; either would end a study run in-process. So the GP
 runs in a spawned worker process: a fault makes it report and exit, a hang past the
 deadline gets it killed, and the next trial starts a fresh one. Compiles run in a
 process pool, `ahead` of the configuration being timed; one that dies or hangs fails its
-trial, not the tune.
+trial, not the tune. With several GPUs, each has a worker of its own, pinned to it by
+CUDA_VISIBLE_DEVICES, and their backends share one compile pool.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import multiprocessing as mp
 import os
 import signal
 import subprocess
+import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -41,8 +43,9 @@ def _resolve(task: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _serve(conn: Any) -> None:
+def _serve(conn: Any, env: dict[str, str] | None = None) -> None:
     """The worker's loop: run `module:function(*args)` tasks and send back (kind, value)."""
+    os.environ.update(env or {})  # before any task: CUDA reads CUDA_VISIBLE_DEVICES once, at cuInit
     while True:
         try:
             msg = conn.recv()
@@ -64,17 +67,17 @@ def _serve(conn: Any) -> None:
 class Worker:
     """One spawned process running tasks; restarted after it dies, faults or hangs."""
 
-    def __init__(self, hello: str | None = None, start_deadline_s: float = 180.0):
+    def __init__(self, hello: str | None = None, start_deadline_s: float = 180.0, env: dict[str, str] | None = None):
         self._ctx = mp.get_context("spawn")
         self._proc: Any = None
         self._conn: Any = None
-        self.hello, self.start_deadline_s = hello, start_deadline_s
+        self.hello, self.start_deadline_s, self.env = hello, start_deadline_s, dict(env or {})
         self.info: Any = None  # what the hello task returned
         self.restarts = 0
 
     def _start(self) -> None:
         parent, child = self._ctx.Pipe()
-        self._proc = self._ctx.Process(target=_serve, args=(child,), daemon=True, name="flashgen-gpu-worker")
+        self._proc = self._ctx.Process(target=_serve, args=(child, self.env), daemon=True, name="flashgen-gpu-worker")
         self._proc.start()
         child.close()
         self._conn = parent
@@ -133,13 +136,16 @@ class CompileAhead:
 
     A compile process that dies (killed for memory) breaks the whole pool, and a hung nvcc or
     ptxas never returns: either becomes a CompileError for that configuration and a new pool
-    for the rest. Pool processes lead their own process group, so a kill takes nvcc and ptxas too."""
+    for the rest. Pool processes lead their own process group, so a kill takes nvcc and ptxas too.
+    Thread-safe: the tuners of several GPUs share one pool; a pool is replaced only by the first
+    thread that finds it broken, not again by the others that waited on it."""
 
     def __init__(self, jobs: int | None = None, timeout_s: float = COMPILE_TIMEOUT_S):
         self.jobs = jobs or os.cpu_count() or 1
         self.timeout_s = timeout_s  # for one configuration, from `get`
         self._pool: ProcessPoolExecutor | None = None
         self._futures: dict[tuple[KernelConfig, str], Future] = {}
+        self._lock = threading.RLock()
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
@@ -147,41 +153,51 @@ class CompileAhead:
         return self._pool
 
     def submit(self, cfg: KernelConfig, target: str) -> None:
-        if (cfg, target) in self._futures:
-            return
-        try:
-            fut = self._executor().submit(compile_kernel, cfg, target)
-        except BrokenProcessPool:  # a compile process died since the last `get`: a new pool
-            self.close()
-            fut = self._executor().submit(compile_kernel, cfg, target)
-        self._futures[cfg, target] = fut
+        with self._lock:
+            if (cfg, target) in self._futures:
+                return
+            try:
+                fut = self._executor().submit(compile_kernel, cfg, target)
+            except BrokenProcessPool:  # a compile process died since the last `get`: a new pool
+                self._replace(self._pool)
+                fut = self._executor().submit(compile_kernel, cfg, target)
+            fut.pool = self._pool  # type: ignore[attr-defined] - which pool to replace if this one breaks
+            self._futures[cfg, target] = fut
 
     def get(self, cfg: KernelConfig, target: str) -> CompiledKernel:
         """The compiled kernel; raises CompileError (also for a compile that died twice or hung)."""
         for _ in range(2):  # the pool breaks for every compile in it: the one that dies again is to blame
-            self.submit(cfg, target)
+            with self._lock:
+                self.submit(cfg, target)
+                fut = self._futures.pop((cfg, target))
             try:
-                return self._futures.pop((cfg, target)).result(timeout=self.timeout_s)
+                return fut.result(timeout=self.timeout_s)
             except BrokenProcessPool as e:
-                self.close()
+                self._replace(fut.pool)  # type: ignore[attr-defined]
                 died = str(e)
             except FutureTimeout:
-                self.close()
+                self._replace(fut.pool)  # type: ignore[attr-defined]
                 raise CompileError(f"{cfg.name}: no compile result within {self.timeout_s:g} s (hung nvcc or "
                                    "ptxas?); killed") from None
             except subprocess.TimeoutExpired as e:
                 raise CompileError(f"{cfg.name}: {e}") from None
         raise CompileError(f"{cfg.name}: the compile process died, twice ({died}); killed for memory?")
 
+    def _replace(self, pool: ProcessPoolExecutor | None) -> None:
+        with self._lock:
+            if pool is not None and pool is self._pool:
+                self.close()
+
     def close(self) -> None:
         """Stop the pool and kill what still runs in it; pending compiles are forgotten."""
-        if self._pool is not None:
-            for pid in list((getattr(self._pool, "_processes", None) or {}).keys()):
-                for kill in (os.killpg, os.kill):  # its group (nvcc, ptxas), then itself
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        kill(pid, signal.SIGKILL)
-            self._pool.shutdown(wait=False, cancel_futures=True)
-        self._pool, self._futures = None, {}
+        with self._lock:
+            if self._pool is not None:
+                for pid in list((getattr(self._pool, "_processes", None) or {}).keys()):
+                    for kill in (os.killpg, os.kill):  # its group (nvcc, ptxas), then itself
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            kill(pid, signal.SIGKILL)
+                self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool, self._futures = None, {}
 
 
 def compile_reason(e: Exception, lines: int = 6) -> str:
@@ -189,16 +205,40 @@ def compile_reason(e: Exception, lines: int = 6) -> str:
     return "\n".join(text[:lines] + (["..."] if len(text) > lines else []))
 
 
+def pinned(device: int) -> dict[str, str]:
+    """The environment that shows a worker only GPU `device` (an index among those this process sees)."""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if "CUDA_VISIBLE_DEVICES" in os.environ and device >= len(visible):
+        raise NoGpuError(f"GPU {device} is not among CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r}")
+    return {"CUDA_VISIBLE_DEVICES": visible[device] if visible else str(device)}
+
+
+def gpu_devices() -> list[dict[str, Any]]:
+    """The GPUs this process sees (a fresh worker asks the driver, so the tuner never initialises CUDA)."""
+    w = Worker(hello="flashgen.worker:gpu_list")
+    try:
+        w.call("builtins:len", ())
+        return list(w.info)
+    finally:
+        w.close()
+
+
 class GpuBackend:
-    """Times configurations on this machine's GPU: compile ahead, then verify and time in the worker."""
+    """Times configurations on one GPU: compile ahead, then verify and time in the worker.
+
+    `device` pins the worker to that GPU (None: the default one); `compiler` is a compile pool
+    shared with the backends of the other GPUs (None: one of its own, closed with the backend)."""
 
     def __init__(self, jobs: int | None = None, deadline_s: float = 120.0, warmup: int = 10, reps: int = 50,
-                 compile_timeout_s: float = COMPILE_TIMEOUT_S):
-        self.worker = Worker(hello="flashgen.worker:gpu_hello")
+                 compile_timeout_s: float = COMPILE_TIMEOUT_S, device: int | None = None,
+                 compiler: CompileAhead | None = None):
+        self.device = device
+        self.worker = Worker(hello="flashgen.worker:gpu_hello", env=pinned(device) if device is not None else None)
         self.worker.call("builtins:len", ())  # starts the worker, raising NoGpuError without a GPU
         info = self.worker.info
         self.gpu_name, self.gpu_arch, self.driver_version = info["name"], info["arch"], info["driver"]
-        self.compiler = CompileAhead(jobs, compile_timeout_s)
+        self._own_compiler = compiler is None
+        self.compiler = compiler or CompileAhead(jobs, compile_timeout_s)
         self.deadline_s, self.warmup, self.reps = deadline_s, warmup, reps
 
     def target(self, cfg: KernelConfig) -> str:
@@ -228,7 +268,8 @@ class GpuBackend:
         return ok_result(problem, value["ms"], **info)
 
     def close(self) -> None:
-        self.compiler.close()
+        if getattr(self, "_own_compiler", True):
+            self.compiler.close()
         self.worker.close()
 
 
@@ -249,6 +290,17 @@ def gpu_hello() -> dict[str, Any]:
     lib().cuDriverGetVersion(ctypes.byref(v))
     return {"name": dev.name, "arch": dev.arch, "sm_count": dev.sm_count,
             "driver": f"{v.value // 1000}.{v.value % 1000 // 10}"}
+
+
+def gpu_list() -> list[dict[str, Any]]:
+    """Every visible GPU: index, name, arch."""
+    import ctypes  # noqa: PLC0415
+
+    from .driver import check, device_info, lib  # noqa: PLC0415
+
+    n = ctypes.c_int()
+    check(lib().cuDeviceGetCount(ctypes.byref(n)), "cuDeviceGetCount")
+    return [{"index": i, "name": device_info(i).name, "arch": device_info(i).arch} for i in range(n.value)]
 
 
 def _launch_illegal(kernel: CompiledKernel) -> None:

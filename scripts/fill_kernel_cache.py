@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from flashgen.compile import CompileError, compile_kernel, target_for  # noqa: E402
-from flashgen.config import DTYPES, FAMILIES, HEAD_DIMS, KernelConfig, default_config  # noqa: E402
+from flashgen.config import DTYPES, FAMILIES, HEAD_DIMS, BwdConfig, KernelConfig, default_config  # noqa: E402
 
 
-def test_suite_configs(arch: str) -> set[KernelConfig]:
+def test_suite_configs(arch: str) -> set[KernelConfig | BwdConfig]:
     sys.path.insert(0, str(ROOT / "tests"))
     import test_gpu_api  # noqa: PLC0415
     import test_gpu_fwd  # noqa: PLC0415
@@ -32,7 +32,9 @@ def test_suite_configs(arch: str) -> set[KernelConfig]:
     out = {c for hd, dt, causal in itertools.product(HEAD_DIMS, DTYPES, (False, True))
            for c in test_gpu_fwd.configs_for(hd, dt, causal, arch)}
     out |= set(test_gpu_api.family_configs(arch))
-    return out
+    import test_gpu_bwd  # noqa: PLC0415
+
+    return out | set(test_gpu_bwd.bwd_configs(arch)) | set(test_gpu_bwd.forward_configs(arch))
 
 
 def store_configs(arch: str) -> set[KernelConfig]:
@@ -60,7 +62,7 @@ def main() -> None:
     ap.add_argument("--defaults", action="store_true")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     args = ap.parse_args()
-    cfgs: set[KernelConfig] = set()
+    cfgs: set[KernelConfig | BwdConfig] = set()
     if args.tests:
         cfgs |= test_suite_configs(args.arch)
     if args.store:
@@ -69,7 +71,7 @@ def main() -> None:
         cfgs |= default_configs(args.arch)
     failed = []
 
-    def build(cfg: KernelConfig) -> None:
+    def build(cfg: KernelConfig | BwdConfig) -> None:
         try:
             compile_kernel(cfg, target_for(args.arch, cfg.family))
         except CompileError as e:

@@ -119,15 +119,29 @@ def test_torch_compile_fullgraph_traces_through_attention():
     assert out.shape == (2, 17, 4) and out.dtype == torch.float32
 
 
-def test_inputs_that_require_grad_are_refused():
+def test_gradients_flow_through_the_operators():
+    """q, k, v that require grad go through flashgen::attention, whose backward is flashgen::attention_backward
+    (meta tensors here, which run the fake implementations: the shapes and the wiring, without a GPU)."""
+    q = torch.empty(2, 17, 8, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    k = torch.empty(2, 33, 2, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    v = torch.empty(2, 33, 2, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+    assert out.grad_fn is not None and lse.grad_fn is not None
+    (out.float().sum() + lse.sum()).backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    assert q.grad.dtype == q.dtype and v.grad.device == v.device
+
+
+def test_inputs_that_require_grad_are_refused_where_no_backward_applies():
     q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="no backward"):
-        flashgen.attention(q, k, k)
-    with pytest.raises(RuntimeError, match="no backward"):
-        flashgen.attention(k, q, k, causal=True)
+    with pytest.raises(RuntimeError, match="softmax_scale > 0"):  # the backward runs s > 0 only
+        flashgen.attention(q, k, k, softmax_scale=-1.0)
+    kern = flashgen.load(64, "bf16", False, gpu_arch="sm80")
+    with pytest.raises(RuntimeError, match="forward only"):  # a loaded Kernel has no autograd
+        kern(q, k, k)
     with torch.no_grad(), pytest.raises(ValueError, match="is on cpu"):  # no grad: past the guard, to the checks
-        flashgen.attention(q, k, k)
+        kern(q, k, k)
 
 
 def test_stream_is_refused_for_torch_tensors():

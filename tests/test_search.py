@@ -15,7 +15,7 @@ from flashgen.backend import SimulatedBackend, TrialResult
 from flashgen.compile import CompileError
 from flashgen.config import ArchLimits, space
 from flashgen.problem import TuneProblem
-from flashgen.search import PARAMS, SearchOptions, open_study, params_of, search, study_name
+from flashgen.search import PARAMS, SearchOptions, distributions, open_study, params_of, search, study_name
 from flashgen.worker import CompileAhead, Worker
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -103,11 +103,14 @@ def test_a_killed_run_is_retried_after_the_grace_period_and_live_trials_are_left
     search(p, SimulatedBackend(), o)
     study = open_study(p, o)
     storage = study._storage
-    victim = next(c for c in small_space(p) if c.unfit_reason("sm90") is None)
+    victim, other = [c for c in small_space(p) if c.unfit_reason("sm90") is None
+                     and params_of(c) not in search_mod._view(study, "sm80").done][:2]
+    dists = distributions(p, space("sm80", 128, "bf16", False))  # as a tuner asks: with its configuration
     study.enqueue_trial(dict(zip(PARAMS, params_of(victim))))
-    dead = study.ask()  # held by a tuner that is then killed: one heartbeat, then none
+    study.enqueue_trial(dict(zip(PARAMS, params_of(other))))
+    dead = study.ask(dists)  # held by a tuner that is then killed: one heartbeat, then none
     storage.record_heartbeat(dead._trial_id)
-    live = study.ask()  # held by another tuner on the same study, alive and beating
+    live = study.ask(dists)  # held by another tuner on the same study, alive and beating
     stop = threading.Event()
 
     def beat():
@@ -120,15 +123,17 @@ def test_a_killed_run_is_retried_after_the_grace_period_and_live_trials_are_left
     try:
         storage.record_heartbeat(live._trial_id)
         first = SimulatedBackend()
-        search(p, first, dataclasses.replace(o, trials=4))  # within the grace period: nothing failed
+        out = search(p, first, dataclasses.replace(o, trials=4))  # within the grace period: nothing failed
         assert state(dead) == state(live) == TrialState.RUNNING and victim.name not in first.calls
+        assert first.calls == [] and out.trials == 3 and out.in_flight == 2  # both held trials count toward 4
         time.sleep(4.5)
         later = SimulatedBackend()
         out = search(p, later, dataclasses.replace(o, trials=6))
         assert state(dead) == TrialState.FAIL and state(live) == TrialState.RUNNING
         assert victim.name in later.calls  # the dead trial's configuration, retried once
         retry = [t for t in open_study(p, o).trials if t.system_attrs.get("failed_trial") == dead.number]
-        assert len(retry) == 1 and retry[0].user_attrs["status"] == "ok" and out.trials == 6
+        assert len(retry) == 1 and retry[0].user_attrs["status"] == "ok"
+        assert out.trials == 5 and out.in_flight == 1 and len(later.calls) == 2  # the live trial is the sixth
     finally:
         stop.set()
         beater.join()

@@ -1,0 +1,162 @@
+"""The backward pass: compile a BwdConfig's kernels and run them on torch CUDA tensors.
+
+    kern = load_backward(128, "bf16", causal=True)
+    dq, dk, dv = backward(kern, q, k, v, out, dout, lse)
+
+Three launches on torch's current stream (templates/sm80/bwd.cu.j2):
+`{name}_pre` (D = rowsum(dO * O) in fp32; zero the fp32 dQ accumulator), `{name}` (one block per
+K/V tile: dK, dV in registers, dQ added to the accumulator by fp32 atomics), `{name}_convert`
+(accumulator to q's dtype). A deterministic config replaces the atomics and `_convert` by
+`{name}_dq`, one block per Q tile that recomputes S, P, dP, dS over the K/V tiles it sees.
+GQA/MQA: the main kernel writes each query head's dK, dV in fp32 to (batch, seqlen_k, heads,
+head_dim) buffers and torch sums each group here, in fp32, then casts (as flash_attn sums its
+expanded dK, dV), so dK and dV stay deterministic.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+from . import driver
+from .compile import CompiledKernel, compile_kernel, target_for
+from .config import BwdConfig, default_bwd_config
+from .launch import _current_stream, scale_args
+from .tensors import Problem, aligned, check_qkv, view
+
+# struct BwdParams (templates/common/bwd_params.cuh.j2): 13 pointers, 24 strides, 5 ints, 2 floats.
+_BWD = struct.Struct("=13Q24q5i2f4x")
+assert _BWD.size == 328
+
+
+def load_backward(head_dim: int, dtype: str, causal: bool, config: BwdConfig | None = None,
+                  gpu_arch: str | None = None, deterministic: bool = False) -> CompiledKernel:
+    """The compiled backward for a problem: `config`, else the default for `gpu_arch` (default: the
+    current device's arch). There is no tuned store for the backward yet."""
+    if gpu_arch is None:
+        gpu_arch = driver.device_info().arch
+    if config is None:
+        config = default_bwd_config(head_dim, dtype, causal, gpu_arch, deterministic)
+    elif (config.head_dim, config.dtype, config.causal) != (head_dim, dtype, causal):
+        raise ValueError(f"config {config.name} is not for head_dim={head_dim}, dtype={dtype}, causal={causal}")
+    if reason := config.unfit_reason(gpu_arch):
+        raise ValueError(f"{config.name} does not fit {gpu_arch}: {reason}")
+    return compile_kernel(config, target_for(gpu_arch, config.family))
+
+
+def pack_params(ptrs: tuple[int, ...], strides: tuple[int, ...], prob: Problem, scale: float, scale_log2: float) -> bytes:
+    """The bytes of `struct BwdParams`: pointers q k v o dout lse delta dq_accum dq dk dv dk_accum
+    dv_accum, then the (batch, row, head) strides of q k v o dout dq dk dv."""
+    return _BWD.pack(*ptrs, *strides, prob.batch, prob.heads, prob.heads_k, prob.seqlen_q, prob.seqlen_k,
+                     scale, scale_log2)
+
+
+def _usable(t: Any, name: str) -> Any:
+    """`t` itself, or a contiguous copy where the kernels cannot read it (last dim strided, unaligned)."""
+    import torch  # noqa: PLC0415
+
+    tv = view(t, name)
+    if (tv.strides[3] != 1 and tv.shape[3] != 1) or not aligned(tv):
+        return t.clone(memory_format=torch.contiguous_format)  # a fresh allocation: aligned
+    return t
+
+
+def _grad_buffer(given: Any, like: Any, name: str) -> Any:
+    """A caller's gradient buffer, checked (it is written in place), or a fresh one like `like`."""
+    import torch  # noqa: PLC0415
+
+    if given is None:
+        return torch.empty_like(like, memory_format=torch.contiguous_format)
+    if not isinstance(given, torch.Tensor) or given.device != like.device:
+        raise TypeError(f"{name} must be a torch tensor on {like.device}")
+    if given.dtype != like.dtype or tuple(given.shape) != tuple(like.shape):
+        raise ValueError(f"{name} must have dtype {like.dtype} and shape {tuple(like.shape)}; "
+                         f"got {given.dtype} {tuple(given.shape)}")
+    gv = view(given, name)
+    if (gv.strides[3] != 1 and gv.shape[3] != 1) or not aligned(gv):
+        raise ValueError(f"{name} must be contiguous in its last dim, 16-byte aligned, with strides that are "
+                         "multiples of 8 elements")
+    return given
+
+
+def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any, lse: Any,
+             softmax_scale: float | None = None, dq: Any = None, dk: Any = None, dv: Any = None,
+             dlse: Any = None) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv) of attention(q, k, v) given the forward's `out` and `lse` and the output's
+    gradient `dout`, all torch CUDA tensors in flash_attn's layout. `dq`, `dk`, `dv`, if given,
+    are written in place. `dlse`, the gradient of lse (batch, heads, seqlen_q), if any: since
+    d lse_i / d S_ij = P_ij, it enters as D - dlse in dS = P (dP - D). Runs on torch's current stream."""
+    import torch  # noqa: PLC0415
+
+    cfg = kernel.config
+    if not isinstance(cfg, BwdConfig):
+        raise TypeError(f"kernel {cfg.name} is not a backward kernel (load it with load_backward)")
+    if softmax_scale is not None and not float(softmax_scale) > 0:  # the forward's s <= 0 (|s| on -Q or Q = 0)
+        raise NotImplementedError(f"the backward needs softmax_scale > 0, not {softmax_scale!r}")
+    scale, scale_log2 = scale_args(softmax_scale, cfg.head_dim)
+    if scale <= 0:  # a positive scale so small that scale * log2(e) is 0 in float32
+        raise NotImplementedError(f"the backward needs a softmax_scale whose float32 scale * log2(e) is > 0, "
+                                  f"not {softmax_scale!r}")
+    qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
+    if qv.kind != "torch":
+        raise TypeError("backward takes torch CUDA tensors")
+    prob = check_qkv(qv, kv, vv)
+    if prob.head_dim != cfg.head_dim or prob.dtype != cfg.dtype:
+        raise ValueError(f"kernel {cfg.name} is for head_dim={cfg.head_dim}, dtype={cfg.dtype}; "
+                         f"got head_dim={prob.head_dim}, dtype={prob.dtype}")
+    b, sq, sk, h, hk, d = prob.batch, prob.seqlen_q, prob.seqlen_k, prob.heads, prob.heads_k, prob.head_dim
+    for name, t in (("out", out), ("dout", dout)):
+        tv = view(t, name)
+        if tuple(tv.shape) != (b, sq, h, d) or tv.dtype != prob.dtype or tv.device != qv.device:
+            raise ValueError(f"{name} must be like q: shape {(b, sq, h, d)}, {prob.dtype}, cuda:{qv.device}; "
+                             f"got {tuple(tv.shape)}, {tv.dtype}, cuda:{tv.device}")
+    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or tuple(lse.shape) != (b, h, sq) \
+            or lse.device != q.device:
+        raise ValueError(f"lse must be the forward's float32 (batch, heads, seqlen_q) = {(b, h, sq)} tensor on {q.device}")
+    lse = lse.contiguous()
+    q, k, v, out, dout = (_usable(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (dout, "dout")))
+    dq, dk, dv = _grad_buffer(dq, q, "dq"), _grad_buffer(dk, k, "dk"), _grad_buffer(dv, v, "dv")
+    if b * h * sq == 0 or sk == 0:  # no query row, or no key (O = 0, P = 0): every gradient is 0
+        for g in (dq, dk, dv):
+            g.zero_()
+        return dq, dk, dv
+
+    f32 = dict(dtype=torch.float32, device=q.device)
+    delta = torch.empty((b, h, sq), **f32)
+    dq_accum = None if cfg.deterministic else torch.empty((b, sq, h, d), **f32)
+    grouped = h != hk
+    dk_accum = torch.empty((b, sk, h, d), **f32) if grouped else None
+    dv_accum = torch.empty((b, sk, h, d), **f32) if grouped else None
+
+    def ptr(t: Any) -> int:
+        return 0 if t is None else t.data_ptr()
+
+    ptrs = tuple(ptr(t) for t in (q, k, v, out, dout, lse, delta, dq_accum, dq, dk, dv, dk_accum, dv_accum))
+    strides = tuple(s for t in (q, k, v, out, dout, dq, dk, dv) for s in t.stride()[:3])
+    params = pack_params(ptrs, strides, prob, scale, scale_log2)
+
+    dev = q.get_device()
+    driver.use_device(dev)
+    ctx, stream = driver.primary_context_id(dev), _current_stream(dev)
+    names = cfg.kernel_names
+
+    def launch(role: str, grid: tuple[int, int, int], threads: int, smem: int) -> None:
+        # get_function caches by (context, digest): one digest per __global__ of this cubin
+        fn = driver.get_function(kernel.cubin, names[role], smem, f"{kernel.digest}:{names[role]}", ctx)
+        fn.launch(grid, threads, params, stream)
+
+    launch("pre", cfg.rows_grid(b, h, sq), cfg.row_threads, 0)
+    if dlse is not None:
+        delta.sub_(dlse)
+    launch("main", cfg.grid(b, h, sk), cfg.threads, cfg.smem_bytes)
+    if cfg.deterministic:
+        launch("dq", cfg.dq_grid(b, h, sq), cfg.threads, cfg.smem_bytes)
+    else:
+        launch("convert", cfg.rows_grid(b, h, sq), cfg.row_threads, 0)
+    if grouped:  # sum each group of query heads onto its k/v head, in fp32
+        dk.copy_(dk_accum.view(b, sk, hk, h // hk, d).sum(3))
+        dv.copy_(dv_accum.view(b, sk, hk, h // hk, d).sum(3))
+    return dq, dk, dv
+
+
+__all__ = ["backward", "load_backward", "pack_params"]

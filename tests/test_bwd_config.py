@@ -1,0 +1,156 @@
+"""The backward's configuration, rendering, parameter packing and compilation (no GPU needed)."""
+import itertools
+import os
+import struct
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from flashgen.backward import _BWD, backward, pack_params
+from flashgen.compile import CompiledKernel, Resources, compile_kernel, parse_ptxas, target_for
+from flashgen.config import (
+    ARCHS, DTYPES, HEAD_DIMS, BwdConfig, ConfigError, KernelConfig, bwd_space, bwd_warp_grid, default_bwd_config,
+)
+from flashgen.render import render
+from flashgen.tensors import Problem
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kernel-cache"))
+
+
+@pytest.mark.parametrize("field,value,allowed", [
+    ("head_dim", 48, "32"), ("dtype", "fp32", "'fp16'"), ("block_m", 256, "32, 64, 128"),
+    ("block_n", 16, "32, 64, 128"), ("num_warps", 16, "2, 4, 8"), ("deterministic", 1, "False, True"),
+    ("causal", "yes", "False, True"), ("family", "sm90", "'sm80'"),
+])
+def test_bad_field_names_field_and_allowed_values(field, value, allowed):
+    kw = dict(head_dim=64, dtype="fp16", causal=False, block_m=64, block_n=64, num_warps=4)
+    kw[field] = value
+    with pytest.raises(ConfigError, match=f"{field}={value!r} is not allowed.*{allowed}"):
+        BwdConfig(**kw)
+
+
+def test_warps_must_tile_every_product():
+    with pytest.raises(ConfigError, match=r"num_warps=8 cannot tile the \[32, 32\] S = Q K\^T"):
+        BwdConfig(64, "fp16", False, 32, 32, 8)
+    with pytest.raises(ConfigError, match=r"num_warps=8 cannot tile the \[32, 32\] dK, dV"):
+        BwdConfig(32, "fp16", False, 64, 32, 8)
+    assert bwd_warp_grid(64, 128, 8) == (4, 2) and bwd_warp_grid(32, 64, 4) == (2, 2)
+    assert bwd_warp_grid(32, 96, 8) is None  # 96 columns in 4 pieces of 24: not whole 16-wide pieces
+
+
+def test_name_spells_every_field_and_is_hashable():
+    c = BwdConfig(128, "bf16", True, 64, 64, 8)
+    assert c.name == "bwd_sm80_d128_bf16_causal_bm64_bn64_w8_det0"
+    assert BwdConfig(96, "fp16", False, 64, 32, 4, True).name == "bwd_sm80_d96_fp16_full_bm64_bn32_w4_det1"
+    assert c.kernel_names == {"pre": c.name + "_pre", "main": c.name, "convert": c.name + "_convert"}
+    d = BwdConfig(128, "bf16", True, 64, 64, 8, deterministic=True)
+    assert d.kernel_names == {"pre": d.name + "_pre", "main": d.name, "dq": d.name + "_dq"}
+    assert len({c, d, BwdConfig(128, "bf16", True, 64, 64, 8)}) == 2
+    assert BwdConfig.from_dict(d.to_dict()) == d
+    with pytest.raises(ConfigError, match="unknown config fields"):
+        BwdConfig.from_dict({**c.to_dict(), "num_stages": 2})
+    names = {x.name for hd in HEAD_DIMS for dt in DTYPES for ca in (0, 1) for det in (0, 1)
+             for x in bwd_space(hd, dt, bool(ca), bool(det))}
+    assert len(names) == sum(len(bwd_space(hd, dt, bool(ca), bool(det)))
+                             for hd in HEAD_DIMS for dt in DTYPES for ca in (0, 1) for det in (0, 1))
+
+
+def test_derived_figures():
+    c = BwdConfig(128, "fp16", False, 64, 32, 4)
+    assert c.threads == 128 and c.row_threads == 256
+    assert c.smem_bytes == (2 * 32 * 128 + 2 * 64 * 128 + 2 * 64 * 32) * 2 + 2 * 64 * 4
+    assert c.grid(2, 3, 100) == (4 * 3 * 2, 1, 1)
+    assert c.dq_grid(2, 3, 100) == (2 * 3 * 2, 1, 1)
+    assert c.rows_grid(2, 3, 100) == (13 * 3 * 2, 1, 1)
+    assert c.grid(30000, 70000, 32) == (30000 * 70000, 1, 1)  # beyond 65535 heads and batch: one flat x
+    with pytest.raises(ValueError, match="split the batch"):
+        c.grid(2**16, 2**16, 1024)
+    # dK + dV (2 * 32 * 128 / 128) + S + dP (2 * 64 * 32 / 128)
+    assert c.accum_regs == 64 + 32
+
+
+def test_unfit_reasons():
+    assert "shared memory" in BwdConfig(256, "fp16", False, 64, 32, 8).unfit_reason("sm86")
+    assert BwdConfig(256, "fp16", False, 64, 32, 8).unfit_reason("sm80") is None
+    assert "accumulator registers" in BwdConfig(128, "fp16", False, 64, 64, 4).unfit_reason("sm90")
+    assert "accumulator registers" in BwdConfig(256, "fp16", False, 64, 64, 8).unfit_reason("sm90")
+    with pytest.raises(ConfigError, match="arch='sm70'"):
+        BwdConfig(64, "fp16", False, 64, 64, 4).unfit_reason("sm70")
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_defaults_fit_every_arch_and_are_in_the_space(arch):
+    for hd, dt, causal, det in itertools.product(HEAD_DIMS, DTYPES, (False, True), (False, True)):
+        c = default_bwd_config(hd, dt, causal, arch, det)
+        assert c.unfit_reason(arch) is None and c.deterministic == det
+        assert c in bwd_space(hd, dt, causal, det)
+
+
+def test_render_dispatches_on_the_config_type():
+    c = BwdConfig(64, "bf16", True, 64, 64, 4)
+    src = render(c)
+    for name in c.kernel_names.values():
+        assert f"void __launch_bounds__" in src and f" {name}(const __grid_constant__ BwdParams p)" in src
+    assert f"{c.name}_dq(" not in src and "struct BwdParams" in src and "__nv_bfloat16" in src
+    det = render(BwdConfig(64, "fp16", False, 64, 64, 4, True))
+    assert "_dq(const __grid_constant__" in det and "_convert(" not in det and "__half" in det
+    fwd = render(KernelConfig(64, "fp16", False, 64, 64, 4, 2))  # the forward is unchanged
+    assert "struct FwdParams" in fwd and "BwdParams" not in fwd
+
+
+def test_pack_params_matches_the_struct_layout():
+    prob = Problem(batch=2, seqlen_q=3, seqlen_k=4, heads=6, heads_k=2, head_dim=64, dtype="fp16")
+    ptrs = tuple(range(1000, 1013))
+    strides = tuple(range(1, 25))
+    raw = pack_params(ptrs, strides, prob, 0.125, 0.18)
+    assert len(raw) == _BWD.size == 328  # static_assert(sizeof(BwdParams) == 328) in the template
+    assert struct.unpack_from("=13Q", raw, 0) == ptrs
+    assert struct.unpack_from("=24q", raw, 104) == strides
+    assert struct.unpack_from("=5i", raw, 296) == (2, 6, 2, 3, 4)
+    assert struct.unpack_from("=2f", raw, 316) == pytest.approx((0.125, 0.18))
+
+
+def test_backward_rejects_before_touching_a_gpu():
+    cfg = BwdConfig(64, "fp16", False, 64, 64, 4)
+    kern = CompiledKernel(cfg, "sm_80", "", b"", Resources(1, 0, 0, 0, 0), "")
+    torch = pytest.importorskip("torch")
+    q = torch.randn(1, 8, 2, 64, dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="softmax_scale > 0"):
+        backward(kern, q, q, q, q, q, None, softmax_scale=-0.5)
+    with pytest.raises(NotImplementedError, match="softmax_scale > 0"):
+        backward(kern, q, q, q, q, q, None, softmax_scale=0.0)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        backward(kern, q, q, q, q, q, None)
+    fwd = CompiledKernel(KernelConfig(64, "fp16", False, 64, 64, 4, 2), "sm_80", "", b"", Resources(1, 0, 0, 0, 0), "")
+    with pytest.raises(TypeError, match="not a backward kernel"):
+        backward(fwd, q, q, q, q, q, None)
+
+
+def _check_no_spills(kernels):
+    for k in kernels:
+        assert k.cubin[:4] == b"\x7fELF", k.name
+        assert k.resources.smem_bytes == k.config.smem_bytes
+        for name in k.config.kernel_names.values():  # every __global__ of the file
+            r = parse_ptxas(k.ptxas_log, name, 0)
+            assert f"'{name}'" in k.ptxas_log, name
+            assert 0 < r.registers <= 255, name
+            assert not r.spills and r.stack_bytes == 0, f"{name} spills on {k.target}: {r}"
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_defaults_compile_without_spills(arch):
+    cfgs = [default_bwd_config(hd, dt, c, arch) for hd, dt, c in itertools.product(HEAD_DIMS, DTYPES, (False, True))]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        kernels = list(pool.map(lambda c: compile_kernel(c, target_for(arch, c.family)), cfgs))
+    _check_no_spills(kernels)
+    assert kernels[0].resources == parse_ptxas(kernels[0].ptxas_log, kernels[0].config.name, kernels[0].config.smem_bytes)
+
+
+def test_deterministic_defaults_compile_without_spills():
+    cfgs = [default_bwd_config(hd, "bf16", True, "sm80", deterministic=True) for hd in HEAD_DIMS]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        kernels = list(pool.map(lambda c: compile_kernel(c, "sm_80"), cfgs))
+    _check_no_spills(kernels)

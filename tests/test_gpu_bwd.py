@@ -1,0 +1,226 @@
+"""The backward on the GPU against float64 autograd: every head dim, dtype, mask, length pair (odd,
+unequal both ways) and head layout, on fresh random inputs and dO, with out and lse from
+flashgen's own forward and NaN-poisoned gradient buffers. The bar, flash_attn's: each gradient's
+max error <= 2 x the error of the same computation by PyTorch in the input dtype, + 1e-4."""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from flashgen.compile import compile_kernel, target_for
+from flashgen.config import DTYPES, HEAD_DIMS, BwdConfig, default_bwd_config, default_config
+
+pytestmark = pytest.mark.gpu
+
+PAIRS = [(1, 1), (17, 17), (113, 211), (211, 113), (128, 128), (1023, 1023), (17, 2048), (2048, 17)]
+LAYOUTS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
+# Beside each default (bf16), tiles that take other warp grids: 2 warps with two 16-row m-tiles
+# each, 128-row Q tiles, and sm86's d256 tiles (32 x 32, 4 warps, 16-column S pieces).
+OTHER_TILES = [(64, 32, 2), (128, 64, 8), (32, 32, 4)]
+DET_PAIRS = [(17, 17), (113, 211), (211, 113), (1023, 1023)]
+
+
+def _arch() -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm{major}{minor}"
+
+
+def _others(head_dim: int, dtype: str, causal: bool, arch: str) -> list[BwdConfig]:
+    out = []
+    for bm, bn, w in OTHER_TILES:
+        try:
+            c = BwdConfig(head_dim, dtype, causal, bm, bn, w)
+        except ValueError:
+            continue
+        if c.unfit_reason(arch) is None and c != default_bwd_config(head_dim, dtype, causal, arch):
+            out.append(c)
+    return out
+
+
+def bwd_configs(arch: str) -> list[BwdConfig]:
+    """Every backward configuration this suite compiles on `arch` (scripts/fill_kernel_cache.py)."""
+    out = []
+    for hd, dt, causal in itertools.product(HEAD_DIMS, DTYPES, (False, True)):
+        out.append(default_bwd_config(hd, dt, causal, arch))
+        if dt == "bf16":
+            out.append(default_bwd_config(hd, dt, causal, arch, deterministic=True))
+            out += _others(hd, dt, causal, arch)
+    return list(dict.fromkeys(out))
+
+
+def forward_configs(arch: str) -> list:
+    """The forward kernels (sm80 family defaults) that make out and lse."""
+    return [default_config(hd, dt, c, arch, "sm80") for hd, dt, c in itertools.product(HEAD_DIMS, DTYPES, (False, True))]
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """{(kind, head_dim, dtype, causal): [compiled]} for kind "fwd", "bwd", "det", "other"; compiled up front."""
+    arch = _arch()
+    wanted = bwd_configs(arch) + forward_configs(arch)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
+        compiled = list(pool.map(lambda c: compile_kernel(c, target_for(arch, c.family)), wanted))
+    out: dict = {}
+    for k in compiled:
+        c = k.config
+        if not isinstance(c, BwdConfig):
+            kind = "fwd"
+        elif c.deterministic:
+            kind = "det"
+        else:
+            kind = "bwd" if c == default_bwd_config(c.head_dim, c.dtype, c.causal, arch) else "other"
+        out.setdefault((kind, c.head_dim, c.dtype, c.causal), []).append(k)
+    return out
+
+
+def _attention(q, k, v, causal: bool, scale: float):
+    """Explicit attention in q's dtype (autograd-able); a row that sees no key gives 0."""
+    import torch
+
+    sq, sk, group = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)  # keys j > i + sk - sq
+        s = s.masked_fill(mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def _grads(q, k, v, dout, causal: bool, scale: float, dtype):
+    import torch
+
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out = _attention(*leaves, causal, scale)
+    return torch.autograd.grad(out, leaves, dout.to(dtype))
+
+
+def _inputs(batch, sq, sk, heads, heads_k, head_dim, dtype):
+    import torch
+
+    from flashgen.verify import random_qkv
+
+    q, k, v = random_qkv(batch, sq, sk, heads, heads_k, head_dim, dtype)
+    dout = torch.randn_like(q)
+    return q, k, v, dout
+
+
+def _check(fwd, bwd, q, k, v, dout, causal, scale=None) -> list[str]:
+    """Failures of one backward run against float64 (empty: it passed)."""
+    import torch
+
+    from flashgen.backward import backward
+    from flashgen.launch import run
+
+    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out, lse, _ = run(fwd, q, k, v, scale)
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    got = backward(bwd, q, k, v, out, dout, lse, scale, *grads)
+    torch.cuda.synchronize()
+    ref = _grads(q, k, v, dout, causal, s, torch.float64)
+    pt = _grads(q, k, v, dout, causal, s, q.dtype)
+    failures = []
+    for name, g, r, p, buf in zip(("dq", "dk", "dv"), got, ref, pt, grads):
+        if g.data_ptr() != buf.data_ptr():
+            failures.append(f"{name}: not written into the buffer given")
+        if torch.isnan(g).any():
+            failures.append(f"{name}: NaN (unwritten or poisoned element)")
+            continue
+        err = (g.double() - r).abs().max().item() if r.numel() else 0.0
+        bound = 2 * ((p.double() - r).abs().max().item() if r.numel() else 0.0) + 1e-4
+        if err > bound:
+            failures.append(f"{name}: max error {err:.3g} > bound {bound:.3g}")
+    return failures
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_matches_float64_reference(kernels, head_dim, dtype, causal, layout):
+    heads, heads_k = LAYOUTS[layout]
+    fwd = kernels[("fwd", head_dim, dtype, causal)][0]
+    default = kernels[("bwd", head_dim, dtype, causal)]
+    failures = []
+    for sq, sk in PAIRS:
+        batch = 2 if max(sq, sk) <= 1024 else 1
+        # the other tiles skip the 2048-long pairs (their masks are the default's, their cost is not)
+        others = kernels.get(("other", head_dim, dtype, causal), []) if max(sq, sk) <= 1024 else []
+        for bwd in default + others:
+            q, k, v, dout = _inputs(batch, sq, sk, heads, heads_k, head_dim, dtype)  # fresh every case
+            failures += [f"{bwd.name} sq={sq} sk={sk} {layout}: {f}" for f in _check(fwd, bwd, q, k, v, dout, causal)]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_deterministic_is_bit_identical_and_correct(kernels, head_dim, causal):
+    import torch
+
+    from flashgen.backward import backward
+    from flashgen.launch import run
+
+    fwd = kernels[("fwd", head_dim, "bf16", causal)][0]
+    det = kernels[("det", head_dim, "bf16", causal)][0]
+    failures = []
+    for (sq, sk), layout in zip(DET_PAIRS, itertools.cycle(LAYOUTS)):
+        q, k, v, dout = _inputs(2, sq, sk, *LAYOUTS[layout], head_dim, "bf16")
+        failures += [f"{det.name} sq={sq} sk={sk} {layout}: {f}" for f in _check(fwd, det, q, k, v, dout, causal)]
+        out, lse, _ = run(fwd, q, k, v)
+        first = [g.clone() for g in backward(det, q, k, v, out, dout, lse)]
+        second = backward(det, q, k, v, out, dout, lse)
+        for name, a, b in zip(("dq", "dk", "dv"), first, second):
+            if not torch.equal(a, b):
+                failures.append(f"{det.name} sq={sq} sk={sk} {layout}: {name} differs between two runs")
+    assert not failures, "\n".join(failures)
+
+
+def test_strided_inputs_custom_scale_and_fresh_buffers(kernels):
+    """q, k, v sliced out of one packed qkv tensor (non-contiguous heads), dO not contiguous, a custom
+    scale, gradients allocated by backward()."""
+    import torch
+
+    from flashgen.backward import backward
+    from flashgen.launch import run
+
+    fwd, bwd = kernels[("fwd", 64, "bf16", True)][0], kernels[("bwd", 64, "bf16", True)][0]
+    qkv = torch.randn(2, 300, 3, 8, 64, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    dout = torch.randn(2, 8, 300, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    out, lse, _ = run(fwd, q, k, v, 0.3)
+    dq, dk, dv = backward(bwd, q, k, v, out, dout, lse, 0.3)
+    ref = _grads(q, k, v, dout, True, 0.3, torch.float64)
+    pt = _grads(q, k, v, dout, True, 0.3, torch.bfloat16)
+    for g, r, p in zip((dq, dk, dv), ref, pt):
+        assert g.shape == r.shape and g.dtype == torch.bfloat16
+        assert (g.double() - r).abs().max().item() <= 2 * (p.double() - r).abs().max().item() + 1e-4
+    with pytest.raises(NotImplementedError, match="softmax_scale > 0"):
+        backward(bwd, q, k, v, out, dout, lse, -0.3)
+
+
+def test_empty_sequences_give_zero_gradients(kernels):
+    import torch
+
+    from flashgen.backward import backward
+
+    bwd = kernels[("bwd", 64, "fp16", False)][0]
+    q = torch.randn(1, 5, 2, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, 0, 2, 64, device="cuda", dtype=torch.float16)
+    lse = torch.full((1, 2, 5), float("inf"), device="cuda")
+    dq, dk, dv = backward(bwd, q, k, k, torch.zeros_like(q), torch.randn_like(q), lse,
+                          dq=torch.full_like(q, float("nan")))
+    assert dq.abs().max().item() == 0 and dk.numel() == 0
+
+
+def test_load_backward_compiles_the_default():
+    from flashgen.backward import load_backward
+
+    kern = load_backward(128, "bf16", True)
+    assert kern.config == default_bwd_config(128, "bf16", True, _arch())
+    assert not kern.resources.spills
