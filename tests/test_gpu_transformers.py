@@ -98,7 +98,7 @@ def test_padded_batch_is_refused(models):
         fg(ids, attention_mask=mask)
 
 
-def test_training_loss_curves_agree_with_sdpa():
+def test_training_loss_curves_agree_with_sdpa(calls):
     """A few hundred AdamW steps of a small random-weight Llama on random tokens, once through flashgen
     (forward and backward kernels) and once through SDPA, from the same weights and batches: the two
     loss curves agree within bf16 noise."""
@@ -124,6 +124,8 @@ def test_training_loss_curves_agree_with_sdpa():
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
         curves[attn] = torch.tensor(losses)
+        if attn != "sdpa":
+            assert len(calls) == steps * 2  # every step's forward went through flashgen in both layers
     sdpa, fg = curves["sdpa"], curves[fg_hf.NAME]
     gap = (sdpa - fg).abs()
     print(f"loss: sdpa {sdpa[0]:.3f} -> {sdpa[-1]:.3f}, flashgen {fg[0]:.3f} -> {fg[-1]:.3f}; "

@@ -16,8 +16,8 @@ cached keys is bottom-right causal). The mask function registered with the same 
 transformers would build the mask and returns None for those; anything else (padding,
 a sliding window or chunk that cuts into the keys, packed sequences, a pre-allocated static
 cache, an explicit 4-D mask, dropout, softcapping, attention sinks, output_attentions) raises
-a ValueError that names it and the way round it. flashgen has no backward yet: run the model
-under torch.no_grad() or torch.inference_mode() (generate() does), else flashgen raises.
+a ValueError that names it and the way round it. Training works: flashgen.attention has a
+backward (autograd through the flashgen::attention operator).
 
 The name: transformers treats every attn_implementation containing "flash" as one of its own
 flash-attention paths (it tries to import flash_attn or fetch a hub kernel of that name, and
@@ -75,7 +75,7 @@ def refuse_unsupported(attention_mask: Any, dropout: float, seqlen_k: int, kwarg
             "a causal one. An explicit 4-D mask or padding cannot be expressed: pass no attention_mask (or a 2-D mask of "
             f"ones) for sequences of one length, {SDPA}")
     if dropout:
-        raise ValueError(f"attention dropout ({dropout}) is not supported (flashgen is inference-only, no backward yet): "
+        raise ValueError(f"attention dropout ({dropout}) is not supported (flashgen has no dropout): "
                          f"call model.eval() for inference, {SDPA} for training")
     unsupported = {
         "softcap": "logit softcapping", "s_aux": "attention sinks", "sinks": "attention sinks",
