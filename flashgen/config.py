@@ -70,8 +70,23 @@ def arch_limits(arch: str) -> ArchLimits:
     return ARCHS[arch]
 
 
+class _AsDict:
+    """to_dict / from_dict of a config dataclass: the store, cache metadata and studies keep them as JSON."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Any:
+        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"unknown config fields {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+
 @dataclass(frozen=True)
-class KernelConfig:
+class KernelConfig(_AsDict):
     """One forward attention kernel. Frozen and hashable; validated on construction."""
 
     head_dim: int
@@ -169,11 +184,7 @@ class KernelConfig:
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         """One flat grid of m-blocks x heads x batch (the kernel unfolds blockIdx.x): gridDim.y and
         .z stop at 65535, x at 2^31 - 1."""
-        blocks = -(-seqlen_q // self.block_m) * heads * batch
-        if blocks > MAX_GRID_X:
-            raise ValueError(f"{blocks} blocks (ceil(seqlen_q / {self.block_m}) * heads * batch) exceed the "
-                             f"{MAX_GRID_X} a launch may have; split the batch")
-        return (blocks, 1, 1)
+        return _flat_grid(-(-seqlen_q // self.block_m), heads, batch, f"ceil(seqlen_q / {self.block_m})")
 
     def unfit_reason(self, arch: str) -> str | None:
         """Why this config cannot run on `arch`, or None if it fits."""
@@ -191,16 +202,6 @@ class KernelConfig:
             )
         return None
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "KernelConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ConfigError(f"unknown config fields {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**d)
 
 
 def space(family: str, head_dim: int, dtype: str, causal: bool) -> list[KernelConfig]:
@@ -285,7 +286,7 @@ def bwd_warp_grid(rows: int, cols: int, warps: int) -> tuple[int, int] | None:
 
 
 @dataclass(frozen=True)
-class BwdConfig:
+class BwdConfig(_AsDict):
     """One FlashAttention-2 backward (all its kernels). Frozen and hashable; validated on construction."""
 
     head_dim: int
@@ -374,16 +375,6 @@ class BwdConfig:
                     f"(tiles too large for {self.num_warps} warps at head_dim={self.head_dim})")
         return None
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "BwdConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ConfigError(f"unknown config fields {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**d)
 
 
 def _flat_grid(tiles: int, heads: int, batch: int, what: str) -> tuple[int, int, int]:
