@@ -23,6 +23,16 @@ from typing import Any, Callable, Iterable, Protocol
 from .bench import flops
 
 PEERS = ("flash", "cudnn", "efficient")  # SDPA backends: FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTENTION
+# FlashAttention-4 / cuDNN (SDPA) forward on the H200, bf16, measured in one run on 2026-11-30 (issue
+# "Hopper forward at or above FlashAttention-4"): flashgen / cuDNN at or above this is FA4's level.
+# (head_dim, seqlen, causal) -> ratio; the same target is used for fp16.
+FA4_OVER_CUDNN = {
+    (64, 1024, False): 0.96, (64, 1024, True): 0.81, (64, 4096, False): 1.13, (64, 4096, True): 1.14,
+    (64, 16384, False): 1.21, (64, 16384, True): 1.21, (128, 1024, False): 1.00, (128, 1024, True): 1.00,
+    (128, 4096, False): 1.11, (128, 4096, True): 1.11, (128, 16384, False): 1.13, (128, 16384, True): 1.15,
+    (256, 1024, False): 1.04, (256, 1024, True): 1.02, (256, 4096, False): 1.09, (256, 4096, True): 1.16,
+    (256, 16384, False): 1.13, (256, 16384, True): 1.20,
+}
 HOST_SHAPE = (1, 128, 1)  # batch, seqlen, heads of the host-cost problem: microseconds of GPU work at most
 
 
@@ -235,7 +245,13 @@ def run_grid(points: list[Point], runner: Runner, peers: list[str], progress: bo
 
 
 def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
+    return "-".rjust(int(spec.split(".")[0] or 0)) if x is None else format(x, spec)
+
+
+def fa4_target(pt: Point) -> float | None:
+    """FlashAttention-4's speed relative to cuDNN at this point on the H200 (None where not measured):
+    the ratio flashgen / cuDNN has to reach."""
+    return FA4_OVER_CUDNN.get((pt.head_dim, pt.seqlen, pt.causal))
 
 
 def table(rows: list[Row], peers: list[str], ceiling: dict[str, float] | None = None) -> str:
@@ -245,7 +261,8 @@ def table(rows: list[Row], peers: list[str], ceiling: dict[str, float] | None = 
     b2b = [p for p in peers if any(r.ms.get(f"{p}_b2b") for r in rows)]  # sustained peer figures, where measured
     head = f"{'dtype':<5} {'d':>4} {'mask':<6} {'N':>6} {'flashgen':>9} {'api':>9} {'api/kern':>9} " + \
         " ".join(f"{p:>9}" for p in peers) + " " + \
-        " ".join(f"{'x ' + p:>9}" for p in peers) + (f" {'% matmul':>9}" if ceiling else "") + \
+        " ".join(f"{'x ' + p:>9}" for p in peers) + (f" {'FA4 goal':>9}" if "cudnn" in peers else "") + \
+        (f" {'% matmul':>9}" if ceiling else "") + \
         "".join(f" {p + ' b2b':>10} {'api x ' + p:>10}" for p in b2b)
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -255,6 +272,7 @@ def table(rows: list[Row], peers: list[str], ceiling: dict[str, float] | None = 
                      f"{_fmt(r.ratio('flashgen', who='api'), '9.2f')} " +
                      " ".join(_fmt(r.tflops(p), '9.1f') for p in peers) + " " +
                      " ".join(_fmt(r.ratio(p), '9.2f') for p in peers) +
+                     (f" {_fmt(fa4_target(pt), '9.2f')}" if "cudnn" in peers else "") +
                      (f" {_fmt(_share(r, ceiling), '9.1f')}" if ceiling else "") +
                      "".join(f" {_fmt(r.tflops(p + '_b2b'), '10.1f')} {_fmt(r.ratio(p + '_b2b', who='api'), '10.2f')}"
                              for p in b2b))
@@ -272,6 +290,7 @@ def to_records(rows: list[Row], peers: list[str], ceiling: dict[str, float] | No
         rec: dict[str, Any] = {**asdict(r.point), "kernel": r.kernel}
         if ceiling:
             rec["pct_matmul"] = _share(r, ceiling)
+        rec["fa4_over_cudnn_target"] = fa4_target(r.point)
         for who in ("flashgen", "api", "kernel_b2b", *peers, *(f"{p}_b2b" for p in peers)):
             rec[f"{who}_ms"] = r.ms.get(who)
             rec[f"{who}_tflops"] = r.tflops(who)

@@ -161,3 +161,17 @@ def test_torch_runner_times_kernel_api_and_host():
     host = runner.host_us("bf16", 64, True)
     print(f"kernel {row.ms['flashgen'] * 1e3:.1f} us, api {row.ms['api'] * 1e3:.1f} us per call; host us/call {host}")
     assert set(host) == {"attention", "kernel", "sdpa"} and all(0 < t < 10_000 for t in host.values())
+
+
+def test_each_point_shows_fa4s_ratio_to_cudnn_as_its_goal(tmp_path):
+    from flashgen.compare import fa4_target, to_records
+
+    rs = run_grid(grid(["bf16"], [64, 256], [False, True], [1024, 2048]), SimulatedRunner(), ["flash", "cudnn"],
+                  progress=False)
+    assert fa4_target(rs[0].point) == 0.96 and fa4_target(rs[1].point) is None  # d64 full 1024; 2048 not measured
+    lines = table(rs, ["flash", "cudnn"]).splitlines()
+    assert "x cudnn  FA4 goal" in lines[0]
+    col = 11  # dtype d mask N flashgen api api/kern flash cudnn (x flash) (x cudnn) (FA4 goal)
+    assert lines[2].split()[col] == "0.96" and lines[3].split()[col] == "-"
+    recs = to_records(rs, ["flash", "cudnn"])
+    assert [r["fa4_over_cudnn_target"] for r in recs if r["head_dim"] == 256 and r["seqlen"] == 1024] == [1.04, 1.02]
