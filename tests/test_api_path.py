@@ -222,3 +222,46 @@ def test_a_plan_launches_the_same_bytes_as_the_checked_path(monkeypatch, family)
     launch.run_views(kern, qv, kv, vv, prob, -0.3, out=out, lse=lse)
     assert len(launched) == 2 and launched[0] == launched[1]
     assert launched[0][0] == cfg.grid(2, 8, 100) and launched[0][3] == 7
+
+
+def test_loaded_functions_are_keyed_by_context_id_not_address(monkeypatch):
+    """A destroyed context's address can come back for a new context: the module loaded in the old one
+    must not be reused there (the driver reports a new id for the new context)."""
+    loads = []
+
+    class FakeFunction:
+        def __init__(self, cubin, name, smem):
+            loads.append(name)
+
+    ids = iter([101, 101, 202])  # two calls in one context, then a new context at the same address
+    monkeypatch.setattr(driver, "Function", FakeFunction)
+    monkeypatch.setattr(driver, "current_context", lambda: 0xABC000)
+    monkeypatch.setattr(driver, "context_id", lambda ctx=None: next(ids))
+    monkeypatch.setattr(driver, "_functions", {})
+    a = driver.get_function(b"cubin", "k", 0, "digest")
+    b = driver.get_function(b"cubin", "k", 0, "digest")
+    c = driver.get_function(b"cubin", "k", 0, "digest")
+    assert a is b and c is not a and len(loads) == 2
+
+
+def test_the_tensors_device_decides_arch_store_and_context(monkeypatch):
+    """q on cuda:1 while cuda:0 is current: the kernel is chosen for, and launched in, device 1."""
+    import flashgen.launch as launch
+    from flashgen.compile import CompiledKernel, Resources
+    from flashgen.tensors import Problem
+
+    asked, used = [], []
+    monkeypatch.setattr(driver, "device_info", lambda device=None: asked.append(device) or H200)
+    monkeypatch.setattr(driver, "use_device", lambda device: used.append(device))
+    monkeypatch.setattr(driver, "primary_context_id", lambda device: 10 + device)
+    monkeypatch.setattr(driver, "get_function", lambda *a, **kw: used.append(("ctx", a[-1])))
+    monkeypatch.setattr(api, "_compiled", lambda cfg, target: FakeCompiled(cfg))
+    flashgen.reload()
+    api._resolver.kernel(1, 64, "bf16", False, 1024, None)
+    assert asked and all(d == 1 for d in asked)
+    cfg = flashgen.default_config(64, "bf16", False, "sm90", "sm80")
+    kern = CompiledKernel(cfg, "sm_90", "", b"", Resources(1, 0, 0, 0, cfg.smem_bytes), "")
+    v = View(None, "torch", 0x1000, (1, 64, 2, 64), (8192, 128, 64, 1), "bf16", 1)
+    launch.make_plan(kern, v, v, v, Problem(1, 64, 64, 2, 2, 64, "bf16"), None)
+    assert used == [1, ("ctx", 11)]
+    flashgen.reload()
