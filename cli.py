@@ -3,6 +3,9 @@
 
     python cli.py tune --arch sm80 --head-dim 64,128 --dtype bf16 --trials 60
     python cli.py tune --arch sm80 --head-dim 64 --compile-only      # no GPU needed
+    python cli.py tune --arch sm80 --gpus all --storage postgresql://tuner@db-host/flashgen  # on each host
+    python cli.py tune --collect --storage postgresql://tuner@db-host/flashgen  # the fleet's winners -> tuned/
+    python cli.py dashboard --storage postgresql://tuner@db-host/flashgen
     python cli.py show
     python cli.py export --arch sm80 --out exported/
     python cli.py check --head-dim 64,128
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import re
 import sys
 from pathlib import Path
@@ -19,6 +23,9 @@ from pathlib import Path
 from flashgen import config as C
 from flashgen.problem import BATCH_TOKENS, HEADS_DIM_TOTAL, SEQLEN_BUCKETS, TuneProblem
 
+STORAGE_HELP = ("Optuna storage shared by the tuners: a database URL (sqlite:///f.db, postgresql://user@host/db) "
+                "or a journal file on a shared filesystem (journal:///shared/f.log, or a path not ending in "
+                ".db/.sqlite/.sqlite3); default: SQLite in the user data dir")
 CHECK_SHAPES = [(2, 128, 128, 4, 4), (1, 1000, 1000, 8, 2), (2, 77, 333, 4, 1), (1, 333, 77, 4, 4), (1, 4096, 4096, 16, 16)]
 
 
@@ -45,6 +52,16 @@ def duration(text: str) -> float:
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
 
 
+def gpu_list(text: str) -> list[int] | str:
+    """"all", or GPU indices such as 0,1 (an index given twice runs two tuners on that GPU)."""
+    if text.strip() == "all":
+        return "all"
+    gpus = int_list(text)
+    if not gpus or min(gpus) < 0:
+        raise argparse.ArgumentTypeError(f"expected 'all' or GPU indices like 0,1, got {text!r}")
+    return gpus
+
+
 def causal_list(text: str) -> list[bool]:
     return {"yes": [True], "no": [False], "both": [False, True]}[text]
 
@@ -64,7 +81,7 @@ def add_problem_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="cli.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{tune,show,export,check,bench}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{tune,show,export,check,bench,dashboard}")
 
     t = sub.add_parser("tune", help="search the tile space per problem on this GPU and store the fastest verified kernel")
     add_problem_args(t)
@@ -75,9 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--trials", type=int, default=60, help="evaluated trials per problem, in total over reruns (default 60)")
     t.add_argument("--timeout", type=duration, default=None, help="time limit per problem, e.g. 10m")
     t.add_argument("--sampler", choices=("tpe", "random"), default="tpe", help="Optuna sampler (default tpe)")
-    t.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    t.add_argument("--seed", type=int, default=0,
+                   help="sampler seed, mixed with each tuner's name so that tuners of one study differ (default 0)")
     t.add_argument("--exhaustive", action="store_true", help="evaluate every configuration of the (restricted) space")
-    t.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite in the user data dir)")
+    t.add_argument("--storage", default=None, help=STORAGE_HELP)
+    t.add_argument("--gpus", type=gpu_list, default=None,
+                   help="tune on these GPUs, one tuner each (e.g. 0,1 or all; default: the current GPU only)")
+    t.add_argument("--collect", action="store_true",
+                   help="tune nothing: write the winners of every study in --storage into the tuned store")
+    t.add_argument("--heartbeat", type=int, default=30, help="seconds between heartbeats of held trials (default 30)")
+    t.add_argument("--grace", type=int, default=120,
+                   help="a trial without a heartbeat this many seconds was held by a dead tuner: failed and "
+                        "retried once elsewhere (default 120)")
     t.add_argument("--tuned-dir", type=Path, default=None, help="tuned store directory (default FLASHGEN_TUNED_DIR or tuned/)")
     t.add_argument("--force", action="store_true", help="replace stored entries even when the new result is slower")
     t.add_argument("--compile-only", action="store_true", help="no GPU: render and compile the space, print resources")
@@ -93,10 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a compile (nvcc, ptxas) taking longer is killed and fails its trial (default 10m)")
     t.add_argument("--simulate", action="store_true",
                    help="testing only: time with flashgen.backend.SimulatedBackend's cost model (fake numbers)")
+    t.add_argument("--simulate-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: seconds per trial
+    t.add_argument("--simulate-log", default=None, help=argparse.SUPPRESS)  # tests: a log of every evaluation
 
     s = sub.add_parser("show", help="print the tuned table")
     s.add_argument("--gpu", default=None, help="only this GPU (its name, e.g. 'NVIDIA H200', or file slug)")
     s.add_argument("--tuned-dir", type=Path, default=None, help="tuned store directory")
+    s.add_argument("--from-storage", default=None, metavar="STORAGE",
+                   help="show the winners held in this study storage (URL or journal path) instead of the store")
 
     e = sub.add_parser("export", help="write tuned kernels as .cu + launch header for a C++ project")
     e.add_argument("--arch", default="sm80", help="template family to export (default sm80)")
@@ -120,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--reps", type=int, default=50, help="timed repetitions per kernel (default 50)")
     b.add_argument("--simulate", action="store_true",
                    help="testing only: time with flashgen.compare.SimulatedRunner (fake numbers)")
+
+    d = sub.add_parser("dashboard", help="open optuna-dashboard on the studies: trials, failures, importances "
+                                         "(pip install -e '.[fleet]')")
+    d.add_argument("--storage", default=None, help=STORAGE_HELP)
+    d.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1; 0.0.0.0 for all)")
+    d.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     return ap
 
 
@@ -150,7 +186,8 @@ def validate(args: argparse.Namespace) -> None:
     _check("head-dim", args.head_dim, C.HEAD_DIMS)
     _check("dtype", args.dtype, C.DTYPES)
     if args.cmd in ("tune", "bench"):  # the problem grid: positive counts and lengths
-        for name in ("trials" if args.cmd == "tune" else "reps", "batch_tokens", "heads_dim_total"):
+        for name in ("trials", "heartbeat", "grace") * (args.cmd == "tune") + ("reps",) * (args.cmd == "bench") \
+                + ("batch_tokens", "heads_dim_total"):
             if getattr(args, name) < 1:
                 raise CliError(f"--{name.replace('_', '-')} must be at least 1")
         bad = [s for s in args.seqlen if s < 1]
@@ -158,6 +195,10 @@ def validate(args: argparse.Namespace) -> None:
             raise CliError(f"--seqlen values must be positive, got {bad}")
     if args.cmd != "tune":
         return
+    if args.grace <= args.heartbeat:
+        raise CliError(f"--grace {args.grace} must be longer than --heartbeat {args.heartbeat}")
+    if args.simulate and args.gpus == "all":
+        raise CliError("--gpus all needs real GPUs; with --simulate give indices, e.g. --gpus 0,1")
     for field, allowed in (("block_m", C.FAMILY_BLOCK_MS[args.arch]), ("block_n", C.FAMILY_BLOCK_NS[args.arch]),
                            ("num_warps", C.NUM_WARPS), ("num_stages", C.NUM_STAGES)):
         if getattr(args, field) is not None:
@@ -212,43 +253,112 @@ def compile_only(args: argparse.Namespace) -> int:
     return 0
 
 
-def tune(args: argparse.Namespace) -> int:
-    import optuna
-    from tqdm import tqdm
+def open_storage(storage: str | None, heartbeat_s: int | None = None, grace_s: int | None = None):
+    """The study storage, or one clear line on why it cannot be opened (server down, no driver, bad URL)."""
+    from flashgen.studies import describe, make_storage, resolve
+
+    try:
+        return make_storage(storage, heartbeat_s, grace_s)
+    except ImportError as e:
+        raise CliError(f"cannot open {describe(resolve(storage))}: {e} (pip install -e '.[fleet]' brings the "
+                       "PostgreSQL driver)") from None
+    except Exception as e:  # noqa: BLE001 - SQLAlchemy's and the journal's errors, as one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CliError(f"cannot open {describe(resolve(storage))}: {type(e).__name__}: {first}") from None
+
+
+def make_tuners(args: argparse.Namespace) -> list:
+    """One tuner per GPU of --gpus (the current GPU without it), or simulated ones with --simulate."""
+    from concurrent.futures import ThreadPoolExecutor
 
     from flashgen.backend import SimulatedBackend
     from flashgen.compile import nvcc_version
-    from flashgen.search import SearchOptions, search
+    from flashgen.fleet import Tuner, worker_names
+    from flashgen.worker import CompileAhead, GpuBackend, NoGpuError, gpu_devices
+
+    if args.simulate:
+        gpu_arch = args.gpu_arch or "sm90"
+        return [Tuner(name, SimulatedBackend(delay_s=args.simulate_delay, log=args.simulate_log),
+                      "Simulated GPU", gpu_arch, {"nvcc": "simulated", "driver": "simulated"})
+                for name in worker_names(args.gpus or [0])]
+    try:
+        if args.gpus is None:  # the current GPU, as without a fleet
+            backends = [GpuBackend(args.jobs, args.deadline, compile_timeout_s=args.compile_timeout)]
+            devices: list = [os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0]
+        else:
+            devices = [d["index"] for d in gpu_devices()] if args.gpus == "all" else args.gpus
+            if not devices:
+                raise NoGpuError("the driver lists no GPU")
+            compiler = CompileAhead(args.jobs, args.compile_timeout)  # the host's cores, shared by every GPU
+            with ThreadPoolExecutor(len(devices)) as pool:  # each worker imports torch: start them together
+                started = [pool.submit(GpuBackend, args.jobs, args.deadline, compile_timeout_s=args.compile_timeout,
+                                       device=d, compiler=compiler) for d in devices]
+            failed = [f.exception() for f in started if f.exception() is not None]
+            if failed:
+                for f in started:
+                    if f.exception() is None:
+                        f.result().close()
+                compiler.close()
+                raise failed[0]
+            backends = [f.result() for f in started]
+    except NoGpuError as e:
+        raise CliError(f"no GPU to time kernels on ({e}). Without a GPU, use --compile-only to render and "
+                       "compile the space and see each configuration's resources.") from None
+    nvcc = nvcc_version()
+    return [Tuner(name, b, b.gpu_name, b.gpu_arch, {"nvcc": nvcc, "driver": b.driver_version})
+            for name, b in zip(worker_names(devices), backends)]
+
+
+STORE_HEAD = ["problem", "best kernel", "ms", "TFLOP/s", "default ms", "speedup", "trials/pruned/failed", "store"]
+
+
+def tune(args: argparse.Namespace) -> int:
+    import threading
+
+    import optuna
+    from tqdm import tqdm
+
+    from flashgen.fleet import Job, run
+    from flashgen.search import SearchOptions
     from flashgen.store import make_entry, merge, store_path
-    from flashgen.worker import GpuBackend, NoGpuError
 
     if args.compile_only:
         return compile_only(args)
+    if args.collect:
+        return collect(args)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    if args.simulate:
-        backend, gpu_name, gpu_arch = SimulatedBackend(), "Simulated GPU", args.gpu_arch or "sm90"
-        versions = {"nvcc": "simulated", "driver": "simulated"}
-    else:
-        try:
-            backend = GpuBackend(args.jobs, args.deadline, compile_timeout_s=args.compile_timeout)
-        except NoGpuError as e:
-            raise CliError(f"no GPU to time kernels on ({e}). Without a GPU, use --compile-only to render and "
-                           "compile the space and see each configuration's resources.") from None
-        gpu_name, gpu_arch = backend.gpu_name, backend.gpu_arch
-        versions = {"nvcc": nvcc_version(), "driver": backend.driver_version}
-    rows = []
+    open_storage(args.storage, args.heartbeat, args.grace)
+    tuners = make_tuners(args)
+    rows: dict[tuple[str, str], list] = {}
+    lock = threading.Lock()
     try:
-        check_family(args.arch, gpu_name, gpu_arch)
+        for t in tuners:
+            check_family(args.arch, t.gpu_name, t.gpu_arch)
+        ahead = 1 if args.simulate else max(2, (args.jobs or 8) // len(tuners))
         opts = SearchOptions(args.trials, args.timeout, args.sampler, args.seed, args.exhaustive, args.storage,
-                             ahead=1 if args.simulate else (args.jobs or 8))
-        for hd, dt, ca, sl, g in itertools.product(args.head_dim, args.dtype, causal_list(args.causal), args.seqlen,
-                                                   args.gqa):
-            prob = TuneProblem(gpu_name, gpu_arch, args.arch, dt, hd, ca, sl, g, args.batch_tokens, args.heads_dim_total)
-            space = restricted_space(args, hd, dt, ca)
-            bar = tqdm(total=len(space) if args.exhaustive else args.trials, desc=prob.key, unit="trial", leave=True)
-            state = {"pruned": 0, "failed": 0, "best": 0.0}
+                             ahead=ahead, heartbeat_s=args.heartbeat, grace_s=args.grace)
+        models = list(dict.fromkeys((t.gpu_name, t.gpu_arch) for t in tuners))
+        jobs = [Job(TuneProblem(gpu, arch, args.arch, dt, hd, ca, sl, g, args.batch_tokens, args.heads_dim_total),
+                    tuple(restricted_space(args, hd, dt, ca)))
+                for gpu, arch in models
+                for hd, dt, ca, sl, g in itertools.product(args.head_dim, args.dtype, causal_list(args.causal),
+                                                           args.seqlen, args.gqa)]
+        per_job = (lambda j: len(j.space)) if args.exhaustive else (lambda j: args.trials)
+        single = len(tuners) == 1
+        bars: dict = {}
+        state = {"pruned": 0, "failed": 0, "best": 0.0}
+        if not single:
+            print(f"{len(tuners)} tuners: " + ", ".join(f"{t.name} ({t.gpu_name})" for t in tuners), flush=True)
+            bars[None] = tqdm(total=sum(map(per_job, jobs)), desc=f"{len(jobs)} problems", unit="trial")
 
-            def on_trial(rec, bar=bar, state=state) -> None:
+        def on_start(tuner, job) -> None:
+            if single and job not in bars:  # one bar per problem, as it starts
+                bars[job] = tqdm(total=per_job(job), desc=job.problem.key, unit="trial", leave=True)
+                state.update(pruned=0, failed=0, best=0.0)
+
+        def on_trial(tuner, job, rec) -> None:
+            with lock:
+                bar = bars[job if single else None]
                 if rec.result.status == "pruned":
                     state["pruned"] += 1
                 elif rec.duplicate_of is None:
@@ -257,34 +367,103 @@ def tune(args: argparse.Namespace) -> int:
                         state["best"] = max(state["best"], rec.result.tflops)
                     else:
                         state["failed"] += 1
-                        tqdm.write(f"  trial {rec.number} {rec.config.name}: {rec.result.status}: "
+                        who = "" if single else f"[{tuner.name}] {job.problem.key} "
+                        tqdm.write(f"  {who}trial {rec.number} {rec.config.name}: {rec.result.status}: "
                                    f"{rec.result.reason.splitlines()[0] if rec.result.reason else ''}")
                 bar.set_postfix(pruned=state["pruned"], failed=state["failed"], best_tflops=f"{state['best']:.1f}")
 
-            out = search(prob, backend, opts, space, on_trial)
-            bar.close()
-            entry = make_entry(out, versions)
-            action = merge(store_path(gpu_name, gpu_arch, args.tuned_dir), gpu_name, gpu_arch, {prob.key: entry},
-                           args.force)[prob.key] if entry else "nothing verified"
-            d = out.default
-            speed = f"{d.ms / out.best.ms:.2f}x" if out.best and d and d.ok else "-"
-            failed = sum(v for k, v in out.counts.items() if k not in ("ok", "pruned"))
-            rows.append([prob.key, out.best_config.name if out.best_config else "-",
-                         f"{out.best.ms:.4f}" if out.best else "-", f"{out.best.tflops:.1f}" if out.best else "-",
-                         f"{d.ms:.4f}" if d and d.ok else (d.status if d else "-"), speed,
-                         f"{out.trials}/{out.counts['pruned']}/{failed}", action])
+        def on_done(job, out) -> None:
+            p = job.problem
+            entry = make_entry(out, out.versions or next(t.versions for t in tuners
+                                                          if (t.gpu_name, t.gpu_arch) == (p.gpu_name, p.gpu_arch)))
+            with lock:
+                if single:
+                    bars.pop(job).close()
+                action = merge(store_path(p.gpu_name, p.gpu_arch, args.tuned_dir), p.gpu_name, p.gpu_arch,
+                               {p.key: entry}, args.force)[p.key] if entry else "nothing verified"
+                rows.setdefault((p.gpu_name, p.gpu_arch), []).append(store_row(p.key, out, action))
+
+        run(tuners, jobs, opts, on_trial, on_done, on_start)
     finally:
-        backend.close()
-    print(f"\n{gpu_name} ({gpu_arch}) -> {store_path(gpu_name, gpu_arch, args.tuned_dir)}")
-    print(table(rows, ["problem", "best kernel", "ms", "TFLOP/s", "default ms", "speedup", "trials/pruned/failed",
-                       "store"]))
+        for bar in bars.values():
+            bar.close()
+        for t in tuners:
+            t.backend.close()
+        if not args.simulate and tuners and args.gpus is not None:
+            tuners[0].backend.compiler.close()  # the shared pool
+    for (gpu, arch), model_rows in rows.items():
+        print(f"\n{gpu} ({arch}) -> {store_path(gpu, arch, args.tuned_dir)}")
+        print(table(model_rows, STORE_HEAD))
     return 0
+
+
+def store_row(key: str, out, action: str) -> list:
+    """A row of tune's table for a search outcome."""
+    d = out.default
+    speed = f"{d.ms / out.best.ms:.2f}x" if out.best and d and d.ok else "-"
+    failed = sum(v for k, v in out.counts.items() if k not in ("ok", "pruned"))
+    return [key, out.best_config.name if out.best_config else "-", f"{out.best.ms:.4f}" if out.best else "-",
+            f"{out.best.tflops:.1f}" if out.best else "-", f"{d.ms:.4f}" if d and d.ok else (d.status if d else "-"),
+            speed, f"{out.trials}/{out.counts['pruned']}/{failed}", action]
+
+
+def collect(args: argparse.Namespace) -> int:
+    """tune --collect: the winners of every study in the storage, merged into the tuned store per GPU model."""
+    from flashgen import fleet
+    from flashgen.store import merge, store_path
+    from flashgen.studies import describe, resolve
+
+    open_storage(args.storage)
+    found = fleet.collect(args.storage)
+    if not found:
+        print(f"no verified results in {describe(resolve(args.storage))}")
+    for (gpu, arch), entries in sorted(found.items()):
+        path = store_path(gpu, arch, args.tuned_dir)
+        actions = merge(path, gpu, arch, entries, args.force)
+        rows = [[key, *entry_row(e)[:-1], e.get("trials", "?"), actions[key]] for key, e in sorted(entries.items())]
+        print(f"{gpu} ({arch}) <- {describe(resolve(args.storage))} -> {path}")
+        print(table(rows, ["problem", "kernel", "ms", "TFLOP/s", "default ms", "speedup", "trials", "store"]) + "\n")
+    return 0
+
+
+def entry_row(e: dict) -> list:
+    """kernel, ms, TFLOP/s, default ms, speedup, date of a store entry."""
+    d = e.get("default") or {}
+    speed = f"{d['median_ms'] / e['median_ms']:.2f}x" if d.get("median_ms") else "-"
+    return [e.get("kernel", "?"), f"{e['median_ms']:.4f}", f"{e.get('tflops') or 0:.1f}",
+            f"{d['median_ms']:.4f}" if d.get("median_ms") else "-", speed, e.get("date", "?")]
+
+
+def show_doc(doc: dict, where: str) -> None:
+    rows = []
+    for key, e in sorted(doc["entries"].items()):
+        kernel, ms, tf, dms, speed, date = entry_row(e)
+        rows.append([key, kernel, ms, tf, dms, speed, e.get("trials", "?"), date])
+    print(f"{doc['gpu'].get('name')} ({doc['gpu'].get('arch')}): {where}")
+    print(table(rows, ["problem", "kernel", "ms", "TFLOP/s", "default ms", "speedup", "trials", "date"]) + "\n")
 
 
 def show(args: argparse.Namespace) -> int:
     from flashgen.paths import tuned_dir
     from flashgen.store import read_store
 
+    if args.from_storage:
+        from flashgen import fleet
+        from flashgen.problem import gpu_slug
+        from flashgen.studies import describe, resolve
+
+        where = describe(resolve(args.from_storage))
+        open_storage(args.from_storage)
+        shown = 0
+        for (gpu, arch), entries in sorted(fleet.collect(args.from_storage).items()):
+            if args.gpu and args.gpu not in (gpu, gpu_slug(gpu, arch)):
+                continue
+            shown += 1
+            show_doc({"gpu": {"name": gpu, "arch": arch}, "entries": entries}, f"{where} (not in the store; "
+                     "write it with tune --collect)")
+        if not shown:
+            print(f"no verified results{' for ' + args.gpu if args.gpu else ''} in {where}")
+        return 0
     root = args.tuned_dir or tuned_dir()
     files = sorted(Path(root).glob("*.json"))
     shown = 0
@@ -293,17 +472,23 @@ def show(args: argparse.Namespace) -> int:
         if args.gpu and args.gpu not in (path.stem, doc["gpu"].get("name")):
             continue
         shown += 1
-        rows = []
-        for key, e in sorted(doc["entries"].items()):
-            d = e.get("default") or {}
-            speed = f"{d['median_ms'] / e['median_ms']:.2f}x" if d.get("median_ms") else "-"
-            rows.append([key, e.get("kernel", "?"), f"{e['median_ms']:.4f}", f"{e.get('tflops') or 0:.1f}",
-                         f"{d['median_ms']:.4f}" if d.get("median_ms") else "-", speed, e.get("trials", "?"),
-                         e.get("date", "?")])
-        print(f"{doc['gpu'].get('name')} ({doc['gpu'].get('arch')}): {path}")
-        print(table(rows, ["problem", "kernel", "ms", "TFLOP/s", "default ms", "speedup", "trials", "date"]) + "\n")
+        show_doc(doc, str(path))
     if not shown:
         print(f"no tuned results{' for ' + args.gpu if args.gpu else ''} in {root}; run: python cli.py tune --arch sm80")
+    return 0
+
+
+def dashboard(args: argparse.Namespace) -> int:
+    try:
+        import optuna_dashboard
+    except ImportError:
+        raise CliError("the dashboard needs optuna-dashboard: pip install -e '.[fleet]'") from None
+    from flashgen.studies import describe, resolve
+
+    storage = open_storage(args.storage)
+    print(f"optuna-dashboard for {describe(resolve(args.storage))} on http://{args.host}:{args.port}/ "
+          "(Ctrl-C stops it)", flush=True)
+    optuna_dashboard.run_server(storage, host=args.host, port=args.port)
     return 0
 
 
@@ -407,11 +592,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd in ("tune", "check", "bench"):
             validate(args)
-        return {"tune": tune, "show": show, "export": export, "check": check, "bench": bench}[args.cmd](args)
+        return {"tune": tune, "show": show, "export": export, "check": check, "bench": bench,
+                "dashboard": dashboard}[args.cmd](args)
     except (CliError, StoreError, C.ConfigError, CompileError, CudaError) as e:
         print(f"cli.py {args.cmd}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        if args.cmd == "dashboard":
+            return 0
         print("interrupted; rerun the same command to continue the studies", file=sys.stderr)
         return 130
 

@@ -24,11 +24,9 @@ import warnings
 import zlib
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Callable
 
 import optuna
-import platformdirs
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
@@ -406,7 +404,10 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
             if prev is not None:  # never time a configuration twice in one study
                 tell(trial, cfg, params, result_of(prev), prev.number)
             else:
-                tell(trial, cfg, params, evaluate(backend, cfg, problem))
+                res = evaluate(backend, cfg, problem)
+                if opts.stop is not None and opts.stop.is_set() and not res.ok:
+                    break  # Ctrl-C reaches the GPU worker too: its death is not the kernel's failure
+                tell(trial, cfg, params, res)
             current = None
     finally:
         heart.stop()
@@ -418,9 +419,9 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
     default_res = view.done.get(params_of(default))
     if default_res is not None:
         default_value: TrialResult | None = result_of(default_res)
-    elif params_of(default) not in allowed:  # outside a restricted space: measured aside, once per study
-        default_value = default_aside(study, default)
-        if default_value is None and not stopped():
+    elif params_of(default) not in allowed:  # outside a restricted space: measured aside, once per study,
+        default_value = default_aside(study, default)  # by a tuner leaving it finished
+        if default_value is None and not stopped() and not in_flight:
             default_value = evaluate(backend, default, problem)
             study.set_user_attr("default_aside", {"kernel": default.name, "result": default_value.to_dict()})
     else:

@@ -143,4 +143,19 @@ def _open(url: str, heartbeat_s: int | None, grace_s: int | None) -> BaseStorage
             kw["engine_kwargs"] = {"pool_pre_ping": True}  # a server restart must not kill a long tune
         if heartbeat_s:
             kw.update(heartbeat_interval=heartbeat_s, grace_period=grace_s, **_retry_callback())
-        return optuna.storages.RDBStorage(url, **kw)
+        return _rdb(url, kw)
+
+
+def _rdb(url: str, kw: dict[str, Any], attempts: int = 6) -> optuna.storages.RDBStorage:
+    """RDBStorage creates its tables on first use: tuners of a fleet started together on an empty
+    database race to create them, and the losers' CREATE fails. They try again and find them."""
+    import sqlalchemy.exc  # noqa: PLC0415
+
+    for attempt in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(url, **kw)
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")

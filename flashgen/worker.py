@@ -166,22 +166,33 @@ class CompileAhead:
 
     def get(self, cfg: KernelConfig, target: str) -> CompiledKernel:
         """The compiled kernel; raises CompileError (also for a compile that died twice or hung)."""
-        for _ in range(2):  # the pool breaks for every compile in it: the one that dies again is to blame
-            with self._lock:
-                self.submit(cfg, target)
-                fut = self._futures.pop((cfg, target))
-            try:
-                return fut.result(timeout=self.timeout_s)
-            except BrokenProcessPool as e:
-                self._replace(fut.pool)  # type: ignore[attr-defined]
-                died = str(e)
-            except FutureTimeout:
-                self._replace(fut.pool)  # type: ignore[attr-defined]
-                raise CompileError(f"{cfg.name}: no compile result within {self.timeout_s:g} s (hung nvcc or "
-                                   "ptxas?); killed") from None
-            except subprocess.TimeoutExpired as e:
-                raise CompileError(f"{cfg.name}: {e}") from None
-        raise CompileError(f"{cfg.name}: the compile process died, twice ({died}); killed for memory?")
+        with self._lock:
+            self.submit(cfg, target)
+            fut = self._futures.pop((cfg, target))
+        try:
+            return fut.result(timeout=self.timeout_s)
+        except BrokenProcessPool:
+            self._replace(fut.pool)  # type: ignore[attr-defined]
+        except FutureTimeout:
+            self._replace(fut.pool)  # type: ignore[attr-defined]
+            raise CompileError(f"{cfg.name}: no compile result within {self.timeout_s:g} s (hung nvcc or "
+                               "ptxas?); killed") from None
+        except subprocess.TimeoutExpired as e:
+            raise CompileError(f"{cfg.name}: {e}") from None
+        # A dead process breaks the pool for every compile in it (other tuners' too): compile this one
+        # again in a process of its own, so that only the one that dies again is blamed.
+        alone = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=os.setpgrp)
+        try:
+            return alone.submit(compile_kernel, cfg, target).result(timeout=self.timeout_s)
+        except BrokenProcessPool as e:
+            raise CompileError(f"{cfg.name}: the compile process died, twice ({e}); killed for memory?") from None
+        except FutureTimeout:
+            raise CompileError(f"{cfg.name}: no compile result within {self.timeout_s:g} s (hung nvcc or "
+                               "ptxas?); killed") from None
+        except subprocess.TimeoutExpired as e:
+            raise CompileError(f"{cfg.name}: {e}") from None
+        finally:
+            _kill(alone)
 
     def _replace(self, pool: ProcessPoolExecutor | None) -> None:
         with self._lock:
@@ -192,12 +203,17 @@ class CompileAhead:
         """Stop the pool and kill what still runs in it; pending compiles are forgotten."""
         with self._lock:
             if self._pool is not None:
-                for pid in list((getattr(self._pool, "_processes", None) or {}).keys()):
-                    for kill in (os.killpg, os.kill):  # its group (nvcc, ptxas), then itself
-                        with contextlib.suppress(ProcessLookupError, PermissionError):
-                            kill(pid, signal.SIGKILL)
-                self._pool.shutdown(wait=False, cancel_futures=True)
+                _kill(self._pool)
             self._pool, self._futures = None, {}
+
+
+def _kill(pool: ProcessPoolExecutor) -> None:
+    """Shut a pool down, killing its processes and their groups (nvcc, ptxas) if still running."""
+    for pid in list((getattr(pool, "_processes", None) or {}).keys()):
+        for kill in (os.killpg, os.kill):  # its group (nvcc, ptxas), then itself
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill(pid, signal.SIGKILL)
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def compile_reason(e: Exception, lines: int = 6) -> str:

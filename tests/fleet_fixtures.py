@@ -46,7 +46,8 @@ def _missing() -> str | None:
         try:
             pwd.getpwnam("nobody")
         except KeyError:
-            return "running as root, and there is no unprivileged user 'nobody' to run PostgreSQL as (initdb refuses root)"
+            return ("running as root, and there is no unprivileged user 'nobody' to run PostgreSQL as "
+                    "(initdb refuses root)")
     return None
 
 

@@ -21,7 +21,7 @@ def run(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess
                           timeout=timeout, cwd=REPO, env=env)
 
 
-@pytest.mark.parametrize("cmd", [[], ["tune"], ["show"], ["export"], ["check"]])
+@pytest.mark.parametrize("cmd", [[], ["tune"], ["show"], ["export"], ["check"], ["dashboard"]])
 def test_help(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main([*cmd, "--help"])
@@ -31,8 +31,13 @@ def test_help(cmd, capsys):
     if cmd == ["tune"]:
         for flag in ("--arch", "--head-dim", "--dtype", "--causal", "--seqlen", "--batch-tokens", "--heads-dim-total",
                      "--trials", "--timeout", "--storage", "--compile-only", "--force", "--exhaustive", "--sampler",
-                     "--compile-timeout"):
+                     "--compile-timeout", "--gpus", "--collect", "--heartbeat", "--grace"):
             assert flag in out
+        assert "--simulate-delay" not in out  # test-only options stay hidden
+    if cmd == ["show"]:
+        assert "--from-storage" in out
+    if cmd == []:
+        assert "dashboard" in out
 
 
 @pytest.mark.parametrize("args, words", [
@@ -48,6 +53,8 @@ def test_help(cmd, capsys):
     (["tune", "--gqa", "0", "--compile-only"], "--gqa 0: the group size"),
     (["bench", "--seqlen", "0", "--simulate"], "--seqlen values must be positive"),
     (["bench", "--reps", "0", "--simulate"], "--reps must be at least 1"),
+    (["tune", "--simulate", "--heartbeat", "30", "--grace", "20"], "--grace 20 must be longer than --heartbeat 30"),
+    (["tune", "--simulate", "--gpus", "all"], "--gpus all needs real GPUs"),
 ])
 def test_errors_are_one_clear_line(args, words, capsys):
     assert cli.main(args) == 2
@@ -59,6 +66,12 @@ def test_bad_flag_values_are_argparse_errors(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["tune", "--timeout", "soon"])
     assert e.value.code == 2 and "duration" in capsys.readouterr().err
+
+
+def test_gpu_lists():
+    assert cli.gpu_list("all") == "all" and cli.gpu_list("0,1") == [0, 1] and cli.gpu_list("0,0") == [0, 0]
+    with pytest.raises(Exception, match="GPU indices"):
+        cli.gpu_list("-1")
 
 
 def test_durations():

@@ -111,6 +111,15 @@ def test_a_storage_is_chosen_by_url_or_path(tmp_path):
     assert isinstance(studies.make_storage(f"sqlite:///{tmp_path / 'r.db'}", 1, 3), optuna.storages.RDBStorage)
 
 
+def test_tuners_started_together_on_an_empty_database_all_open_it(postgres_url):
+    """RDBStorage creates its tables on first use: the tuners that lose that race must try again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(6) as pool:
+        opened = list(pool.map(lambda _: studies._open(postgres_url, 1, 3), range(6)))
+    assert all(isinstance(s, optuna.storages.RDBStorage) for s in opened)
+
+
 @pytest.mark.parametrize("tuners", [2, 4])
 def test_tuner_processes_share_studies_and_time_each_configuration_once(shared_storage, tmp_path, tuners):
     logs = [tmp_path / f"eval{i}.log" for i in range(tuners)]
@@ -139,12 +148,13 @@ def test_a_tuner_killed_mid_trial_is_failed_by_heartbeat_and_its_trial_retried(s
             time.sleep(0.05)
         assert held, "the victim never started a trial"
         victim.send_signal(signal.SIGKILL)
-        victim.wait(30)
+        victim.communicate(timeout=30)
         finish([survivor], timeout=180)
     finally:
         for p in (victim, survivor):
             if p.poll() is None:
                 p.kill()
+            p.communicate(timeout=30)
     (study, config), = held
     (trials,) = all_trials(shared_storage).values()
     dead = [t for t in trials if t.state == TrialState.FAIL and "status" not in t.user_attrs]
@@ -155,7 +165,8 @@ def test_a_tuner_killed_mid_trial_is_failed_by_heartbeat_and_its_trial_retried(s
     assert retry.user_attrs["worker"].split(":")[1].startswith(f"{survivor.pid}/")
     started, done = evaluations(logs)
     assert done[study, config] == 1 and max(done.values()) == 1  # timed once, by the survivor: nothing lost
-    timed = [t for t in trials if t.user_attrs.get("status") not in (None, "pruned") and "duplicate_of" not in t.user_attrs]
+    timed = [t for t in trials
+             if t.user_attrs.get("status") not in (None, "pruned") and "duplicate_of" not in t.user_attrs]
     assert 6 <= len(timed) <= 7 and all(t.state.is_finished() for t in trials)
 
 
@@ -236,10 +247,43 @@ def test_the_dashboard_serves_the_studies(tmp_path):
         assert names == set(optuna.get_all_study_names(studies.make_storage(storage))) and len(names) == 2
     finally:
         proc.terminate()
-        proc.wait(10)
+        proc.communicate(timeout=10)
 
 
 def test_the_dashboard_without_its_extra_is_one_line(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "optuna_dashboard", None)
     assert cli.main(["dashboard"]) == 2
     assert "pip install -e '.[fleet]'" in capsys.readouterr().err
+
+
+def test_gpus_all_starts_a_pinned_backend_per_gpu_sharing_one_compile_pool(tmp_path, monkeypatch, capsys):
+    """The GPU wiring of --gpus without GPUs: a fake GpuBackend records how each tuner's backend is made."""
+    import flashgen.compile
+    from flashgen import worker
+    from flashgen.backend import SimulatedBackend
+
+    made, closed = [], []
+
+    class FakeGpu(SimulatedBackend):
+        def __init__(self, jobs, deadline_s, compile_timeout_s=0.0, device=None, compiler=None):
+            super().__init__()
+            self.device, self.compiler = device, compiler
+            self.gpu_name, self.gpu_arch, self.driver_version = "Fake GPU", "sm90", "0.0"
+            made.append(self)
+
+        def close(self):
+            closed.append(self.device)
+
+    monkeypatch.setattr(worker, "GpuBackend", FakeGpu)
+    monkeypatch.setattr(worker, "gpu_devices", lambda: [{"index": i, "name": "Fake GPU", "arch": "sm90"}
+                                                        for i in range(3)])
+    monkeypatch.setattr(flashgen.compile, "nvcc_version", lambda: "12.9")
+    storage = str(tmp_path / "s.journal")
+    assert cli.main(["tune", *PROBLEMS, "--trials", "4", "--gpus", "all", "--storage", storage,
+                     "--tuned-dir", str(tmp_path / "tuned")]) == 0
+    assert [b.device for b in made] == [0, 1, 2] and sorted(closed) == [0, 1, 2]
+    assert len({id(b.compiler) for b in made}) == 1 and isinstance(made[0].compiler, worker.CompileAhead)
+    assert "3 tuners" in capsys.readouterr().out
+    doc = store_doc(tmp_path / "tuned")
+    assert doc["gpu"]["name"] == "Fake GPU" and all(e["nvcc"] == "12.9" for e in doc["entries"].values())
+    assert sum(len(b.calls) > 0 for b in made) >= 2

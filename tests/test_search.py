@@ -326,3 +326,69 @@ def test_a_restricted_space_is_a_study_of_its_own(tmp_path):
     assert study_name(p, small) != whole and study_name(p, small).startswith(p.study_name + "@space-")
     full = search(p, SimulatedBackend(), opts(tmp_path, trials=6))
     assert full.trials == 6 and whole.startswith(p.study_name + "@space-")
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # the test asks outside Study.optimize, as search() does
+def test_a_trial_of_a_configuration_another_tuner_holds_waits_for_its_result(tmp_path):
+    """Samplers of different tuners can propose the same configuration at once: the later trial must
+    take the earlier one's result (once it is told), not time the configuration a second time."""
+    p = problem()
+    o = opts(tmp_path, trials=3)
+    study = open_study(p, o, study_name(p, space("sm80", 128, "bf16", False)))
+    cfg = next(c for c in small_space(p) if c.unfit_reason("sm90") is None)
+    dists = distributions(p, space("sm80", 128, "bf16", False))
+    for _ in range(2):
+        study.enqueue_trial(dict(zip(PARAMS, params_of(cfg))))
+    first, second = study.ask(dists), study.ask(dists)  # held by two tuners
+    found = []
+    waiter = threading.Thread(target=lambda: found.append(
+        search_mod._owner(study, second, params_of(cfg), "sm80", o, lambda: False)))
+    waiter.start()
+    time.sleep(1.0)
+    assert waiter.is_alive() and not found  # the earlier trial is still being timed: wait for it
+    search_mod._tell(study, first, SimulatedBackend().evaluate(cfg, p))
+    waiter.join(10)
+    assert [t.number for t in found] == [first.number]
+    assert search_mod._owner(study, first, params_of(cfg), "sm80", o, lambda: False).number == first.number
+
+
+def test_tuners_in_threads_on_one_study_time_each_configuration_once(tmp_path):
+    p = problem()
+    cfgs = small_space(p)
+    backends = [SimulatedBackend(delay_s=0.05) for _ in range(3)]
+    outs: list = []
+    threads = [threading.Thread(target=lambda b=b, i=i: outs.append(search(
+        p, b, opts(tmp_path, trials=10, worker=f"t{i}", heartbeat_s=1, grace_s=30), cfgs)))
+        for i, b in enumerate(backends)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    aside = p.default_config().name  # outside this space: measured aside by the tuners leaving last
+    calls = [c for b in backends for c in b.calls if c != aside]
+    assert len(calls) == len(set(calls)) and sum(1 for b in backends if b.calls) >= 2
+    study = open_study(p, opts(tmp_path), study_name(p, cfgs))
+    timed = [t for t in study.trials if t.user_attrs.get("status") == "ok" and "duplicate_of" not in t.user_attrs]
+    assert 10 <= len(timed) <= 12 and len(calls) == len(timed)
+    assert all(t.state.is_finished() for t in study.trials)
+    assert max(o.trials for o in outs) == len(timed)
+
+
+def test_a_failure_while_stopping_is_not_the_kernels(tmp_path):
+    """Ctrl-C of a fleet reaches the GPU workers too: the trial being timed then fails without a status
+    (retried by a later run), never recorded as the configuration's fault."""
+    stop = threading.Event()
+
+    class Interrupted(SimulatedBackend):
+        def evaluate(self, config, problem):
+            if len(self.calls) == 2:
+                stop.set()
+                self.calls.append(config.name)
+                return TrialResult("faulted", reason="the worker died (exit code -2); restarted")
+            return super().evaluate(config, problem)
+
+    p = problem()
+    out = search(p, Interrupted(), opts(tmp_path, trials=6, stop=stop))
+    trials = open_study(p, opts(tmp_path)).trials
+    assert out.counts["faulted"] == 0 and out.trials == 2
+    assert [t.state for t in trials if "status" not in t.user_attrs] == [TrialState.FAIL]

@@ -201,3 +201,13 @@ def test_the_shipped_stores_are_keyed_by_their_problems():
         doc = read_store(f)
         for k, e in doc["entries"].items():
             assert k == TuneProblem(**e["problem"]).key, f"{f.name}: {k}"
+
+
+def test_the_same_winner_from_a_grown_study_updates_its_entry(path):
+    """A fleet's tuners merge as they leave a study; one that leaves later has seen more trials."""
+    merge(path, GPU, ARCH, {key(): entry(2.0)})
+    grown = {**entry(2.0), "trials": 9}
+    assert merge(path, GPU, ARCH, {key(): grown}) == {key(): "updated"}
+    assert read_store(path)["entries"][key()]["trials"] == 9
+    assert merge(path, GPU, ARCH, {key(): entry(2.0)}) == {key(): "kept"}  # fewer trials: the entry stays
+    assert read_store(path)["entries"][key()]["trials"] == 9

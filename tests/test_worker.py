@@ -147,3 +147,43 @@ def test_a_worker_that_cannot_restart_is_an_error_value(monkeypatch, tmp_path):
         assert res.info["registers"] == 64
     finally:
         b.worker.close()
+
+
+def test_a_pinned_worker_sees_only_its_gpu(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert worker.pinned(1) == {"CUDA_VISIBLE_DEVICES": "1"}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # the tuner's own view: indices are into it
+    assert worker.pinned(1) == {"CUDA_VISIBLE_DEVICES": "3"}
+    with pytest.raises(worker.NoGpuError, match="not among"):
+        worker.pinned(2)
+    w = Worker(env=worker.pinned(0))
+    try:
+        assert w.call("os:getenv", "CUDA_VISIBLE_DEVICES") == ("ok", "2")
+        w.call("os:_exit", 3)  # a restarted worker is pinned again
+        assert w.call("os:getenv", "CUDA_VISIBLE_DEVICES") == ("ok", "2")
+    finally:
+        w.close()
+
+
+def test_one_compile_pool_serves_the_tuners_of_several_gpus(fake):
+    """Threads share the pool; one compile that kills its process breaks the pool for all of them:
+    the pool is replaced once, the others' compiles are retried, and only the culprit fails."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = CompileAhead(jobs=2)
+    cfgs = [KernelConfig(64, "bf16", False, bm, bn, 4, st) for bm in (64, 128) for bn in (32, 64) for st in (1, 2)]
+    cfgs = [c for c in cfgs if c not in (DIES, HANGS)]
+
+    def get(c):
+        try:
+            return pool.get(c, "sm_80")
+        except CompileError as e:
+            return e
+
+    try:
+        with ThreadPoolExecutor(4) as threads:
+            results = list(threads.map(get, [DIES, *cfgs]))
+        assert isinstance(results[0], CompileError) and "died" in str(results[0])
+        assert results[1:] == [f"{c.name} for sm_80" for c in cfgs]
+    finally:
+        pool.close()
