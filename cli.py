@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 from flashgen import config as C
-from flashgen.problem import BATCH_TOKENS, HEADS_DIM_TOTAL, SEQLEN_BUCKETS, TuneProblem
+from flashgen.problem import (BATCH_TOKENS, DEFAULT_TRIALS, EXHAUSTIVE_MAX, HEADS_DIM_TOTAL, SEQLEN_BUCKETS,
+                              TuneProblem)
 
 STORAGE_HELP = ("Optuna storage shared by the tuners: a database URL (sqlite:///f.db, postgresql://user@host/db) "
                 "or a journal file on a shared filesystem (journal:///shared/f.log, or a path not ending in "
@@ -89,12 +90,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--gqa", type=int_list, default=[1], help="GQA group sizes, heads // heads_k (default 1)")
     t.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS, help="batch = batch_tokens // seqlen (default 16384)")
     t.add_argument("--heads-dim-total", type=int, default=HEADS_DIM_TOTAL, help="heads = this // head_dim (default 2048)")
-    t.add_argument("--trials", type=int, default=60, help="evaluated trials per problem, in total over reruns (default 60)")
+    t.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "both"), default="fwd",
+                   help="tune the forward, the backward (its kernels timed alone, gradients verified against "
+                        "float64; family sm80's templates) or both (default fwd)")
+    t.add_argument("--trials", type=int, default=None,
+                   help=f"evaluated trials per problem, in total over reruns: a sampled search (default: every "
+                        f"configuration when at most {EXHAUSTIVE_MAX} fit the GPU, else {DEFAULT_TRIALS} sampled)")
     t.add_argument("--timeout", type=duration, default=None, help="time limit per problem, e.g. 10m")
     t.add_argument("--sampler", choices=("tpe", "random"), default="tpe", help="Optuna sampler (default tpe)")
     t.add_argument("--seed", type=int, default=0,
                    help="sampler seed, mixed with each tuner's name so that tuners of one study differ (default 0)")
-    t.add_argument("--exhaustive", action="store_true", help="evaluate every configuration of the (restricted) space")
+    t.add_argument("--exhaustive", action=argparse.BooleanOptionalAction, default=None,
+                   help="evaluate every configuration of the (restricted) space; --no-exhaustive: sample "
+                        f"--trials with --sampler (default: exhaustive when at most {EXHAUSTIVE_MAX} fit, unless "
+                        "--trials is given)")
     t.add_argument("--storage", default=None, help=STORAGE_HELP)
     t.add_argument("--gpus", type=gpu_list, default=None,
                    help="tune on these GPUs, one tuner each (e.g. 0,1 or all; default: the current GPU only)")
@@ -144,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seqlens (default 1024,2048,4096,8192,16384)")
     b.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS, help="batch = batch_tokens // seqlen (default 16384)")
     b.add_argument("--heads-dim-total", type=int, default=HEADS_DIM_TOTAL, help="heads = this // head_dim (default 2048)")
+    b.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "both"), default="fwd",
+                   help="time the forward, the backward (flashgen's backward kernels against SDPA's backward "
+                        "per peer; 2.5x the forward's FLOPs) or both (default fwd)")
     b.add_argument("--peers", type=str_list, default=["flash", "cudnn"],
                    help="SDPA backends to compare with: flash,cudnn,efficient (default flash,cudnn)")
     b.add_argument("--out", type=Path, default=None, help="write <gpu>-<date>.json/.csv/.png here")
@@ -167,9 +179,24 @@ def table(rows: list[list], head: list[str]) -> str:
     return "\n".join(lines)
 
 
-def restricted_space(args: argparse.Namespace, head_dim: int, dtype: str, causal: bool) -> list[C.KernelConfig]:
-    cfgs = C.space(args.arch, head_dim, dtype, causal)
-    for field in ("block_m", "block_n", "num_warps", "num_stages"):
+def passes(args: argparse.Namespace) -> list[str]:
+    """The passes of `tune --pass`."""
+    p = getattr(args, "pass_", "fwd")
+    return ["fwd", "bwd"] if p == "both" else [p]
+
+
+def pass_family(args: argparse.Namespace, pass_: str) -> str:
+    """The template family a pass is tuned in: --arch for the forward; the backward has sm80's only."""
+    return args.arch if pass_ == "fwd" else "sm80"
+
+
+def restricted_space(args: argparse.Namespace, head_dim: int, dtype: str, causal: bool,
+                     pass_: str = "fwd") -> list:
+    if pass_ == "bwd":
+        cfgs = C.bwd_space(head_dim, dtype, causal)
+    else:
+        cfgs = C.space(args.arch, head_dim, dtype, causal)
+    for field in ("block_m", "block_n", "num_warps") + ("num_stages",) * (pass_ == "fwd"):
         keep = getattr(args, field)
         if keep is not None:
             cfgs = [c for c in cfgs if getattr(c, field) in keep]
@@ -188,7 +215,7 @@ def validate(args: argparse.Namespace) -> None:
     if args.cmd in ("tune", "bench"):  # the problem grid: positive counts and lengths
         for name in ("trials", "heartbeat", "grace") * (args.cmd == "tune") + ("reps",) * (args.cmd == "bench") \
                 + ("batch_tokens", "heads_dim_total"):
-            if getattr(args, name) < 1:
+            if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise CliError(f"--{name.replace('_', '-')} must be at least 1")
         bad = [s for s in args.seqlen if s < 1]
         if bad:
@@ -199,10 +226,15 @@ def validate(args: argparse.Namespace) -> None:
         raise CliError(f"--grace {args.grace} must be longer than --heartbeat {args.heartbeat}")
     if args.simulate and args.gpus == "all":
         raise CliError("--gpus all needs real GPUs; with --simulate give indices, e.g. --gpus 0,1")
-    for field, allowed in (("block_m", C.FAMILY_BLOCK_MS[args.arch]), ("block_n", C.FAMILY_BLOCK_NS[args.arch]),
-                           ("num_warps", C.NUM_WARPS), ("num_stages", C.NUM_STAGES)):
-        if getattr(args, field) is not None:
-            _check(field.replace("_", "-"), getattr(args, field), allowed)
+    if args.trials is not None and args.exhaustive:
+        raise CliError("--trials and --exhaustive conflict: an exhaustive search evaluates every configuration")
+    choices = {"fwd": (("block_m", C.FAMILY_BLOCK_MS[args.arch]), ("block_n", C.FAMILY_BLOCK_NS[args.arch]),
+                       ("num_warps", C.NUM_WARPS), ("num_stages", C.NUM_STAGES)),
+               "bwd": (("block_m", C.BWD_BLOCK_MS), ("block_n", C.BWD_BLOCK_NS), ("num_warps", C.BWD_NUM_WARPS))}
+    for p in passes(args):
+        for field, allowed in choices[p]:
+            if getattr(args, field) is not None:
+                _check(field.replace("_", "-"), getattr(args, field), allowed)
     if args.gpu_arch is not None:
         _check("gpu-arch", [args.gpu_arch], tuple(C.ARCHS))
     for hd, g in itertools.product(args.head_dim, args.gqa):
@@ -211,9 +243,9 @@ def validate(args: argparse.Namespace) -> None:
             raise CliError(f"--gqa {g}: the group size (heads // heads_k) must be at least 1")
         if heads % g:
             raise CliError(f"--gqa {g}: heads = max(1, {args.heads_dim_total} // {hd}) = {heads} is not a multiple of it")
-    for hd, dt, ca in itertools.product(args.head_dim, args.dtype, causal_list(args.causal)):
-        if not restricted_space(args, hd, dt, ca):
-            raise CliError(f"the restricted space of family {args.arch} is empty for d{hd} {dt} "
+    for hd, dt, ca, p in itertools.product(args.head_dim, args.dtype, causal_list(args.causal), passes(args)):
+        if not restricted_space(args, hd, dt, ca, p):
+            raise CliError(f"the restricted {p} space of family {pass_family(args, p)} is empty for d{hd} {dt} "
                            f"{'causal' if ca else 'full'}: loosen --block-m/--block-n/--num-warps/--num-stages")
 
 
@@ -227,19 +259,19 @@ def compile_only(args: argparse.Namespace) -> int:
     nvcc_version()  # no nvcc: one clear error now rather than one per configuration
     gpu_arch = args.gpu_arch or (current_gpu() or (None, args.arch))[1]
     check_family(args.arch, f"an {gpu_arch} GPU", gpu_arch)
-    target = target_for(gpu_arch, args.arch)
-    cfgs = [c for hd, dt, ca in itertools.product(args.head_dim, args.dtype, causal_list(args.causal))
-            for c in restricted_space(args, hd, dt, ca)]
+    target = target_for(gpu_arch, args.arch)  # the backward's family (sm80) compiles for the same GPU
+    cfgs = [c for p, hd, dt, ca in itertools.product(passes(args), args.head_dim, args.dtype, causal_list(args.causal))
+            for c in restricted_space(args, hd, dt, ca, p)]
     print(f"compiling {len(cfgs)} configurations of family {args.arch} for {target} ({gpu_arch} limits)")
     pool = CompileAhead(args.jobs, args.compile_timeout)
     try:
         for c in cfgs:
-            pool.submit(c, target)
+            pool.submit(c, target_for(gpu_arch, c.family))
         rows, passing = [], 0
         for c in cfgs:
             reason = c.unfit_reason(gpu_arch)
             try:
-                r = pool.get(c, target).resources
+                r = pool.get(c, target_for(gpu_arch, c.family)).resources
                 res = [r.registers, r.smem_bytes, f"{r.spill_stores}/{r.spill_loads}"]
             except CompileError as e:
                 res, reason = ["-", c.smem_bytes, "-"], "compile failed: " + compile_reason(e, 1)
@@ -319,7 +351,7 @@ def tune(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from flashgen.fleet import Job, run
-    from flashgen.search import SearchOptions
+    from flashgen.search import SearchOptions, exhaustive_for, viable_count
     from flashgen.store import make_entry, merge, store_path
 
     if args.compile_only:
@@ -335,15 +367,25 @@ def tune(args: argparse.Namespace) -> int:
         for t in tuners:
             check_family(args.arch, t.gpu_name, t.gpu_arch)
         ahead = 1 if args.simulate else max(2, (args.jobs or 8) // len(tuners))
-        opts = SearchOptions(args.trials, args.timeout, args.sampler, args.seed, args.exhaustive, args.storage,
-                             ahead=ahead, heartbeat_s=args.heartbeat, grace_s=args.grace)
+        # --exhaustive / --no-exhaustive decide; else --trials asks for a sampled search; else per problem
+        # (search.exhaustive_for): every configuration when at most EXHAUSTIVE_MAX fit, else DEFAULT_TRIALS sampled
+        exhaustive = args.exhaustive if args.exhaustive is not None else (False if args.trials is not None else None)
+        opts = SearchOptions(args.trials or DEFAULT_TRIALS, args.timeout, args.sampler, args.seed, exhaustive,
+                             args.storage, ahead=ahead, heartbeat_s=args.heartbeat, grace_s=args.grace)
         models = list(dict.fromkeys((t.gpu_name, t.gpu_arch) for t in tuners))
-        jobs = [Job(TuneProblem(gpu, arch, args.arch, dt, hd, ca, sl, g, args.batch_tokens, args.heads_dim_total),
-                    tuple(restricted_space(args, hd, dt, ca)))
+        jobs = [Job(TuneProblem(gpu, arch, pass_family(args, p), dt, hd, ca, sl, g, args.batch_tokens,
+                                args.heads_dim_total, p),
+                    tuple(restricted_space(args, hd, dt, ca, p)))
                 for gpu, arch in models
-                for hd, dt, ca, sl, g in itertools.product(args.head_dim, args.dtype, causal_list(args.causal),
-                                                           args.seqlen, args.gqa)]
-        per_job = (lambda j: len(j.space)) if args.exhaustive else (lambda j: args.trials)
+                for p, hd, dt, ca, sl, g in itertools.product(passes(args), args.head_dim, args.dtype,
+                                                              causal_list(args.causal), args.seqlen, args.gqa)]
+        modes = {j: exhaustive_for(j.problem, opts, list(j.space)) for j in jobs}
+        for j in jobs:
+            n = viable_count(j.problem, list(j.space))
+            how = (f"exhaustive: all {n} fitting configurations" if modes[j] else
+                   f"{opts.sampler}: {opts.trials} trials of {n} fitting configurations")
+            print(f"{j.problem.study_name}: {how}", flush=True)
+        per_job = lambda j: viable_count(j.problem, list(j.space)) if modes[j] else opts.trials  # noqa: E731
         single = len(tuners) == 1
         bars: dict = {}
         state = {"pruned": 0, "failed": 0, "best": 0.0}
@@ -546,7 +588,7 @@ def bench(args: argparse.Namespace) -> int:
 
     _check("peers", args.peers, PEERS)
     points = grid(args.dtype, args.head_dim, causal_list(args.causal), args.seqlen, args.batch_tokens,
-                  args.heads_dim_total)
+                  args.heads_dim_total, passes(args))
     ceiling: dict[str, float] = {}
     if args.simulate:
         runner, gpu = SimulatedRunner(), "simulated"
@@ -565,6 +607,10 @@ def bench(args: argparse.Namespace) -> int:
     rows = run_grid(points, runner, args.peers)
     first = points[0]
     host = runner.host_us(first.dtype, first.head_dim, first.causal)
+    if any(p.pass_ == "bwd" for p in points):
+        print("backward (bwd) rows: flashgen = its backward kernels alone (tuned for this GPU, else the default), api = "
+              "torch.autograd.grad through flashgen.attention, <peer> = SDPA's backward the same way; "
+              "TFLOP/s count 2.5x the forward's FLOPs")
     print(f"{gpu}, {datetime.date.today()}, family {args.arch}: TFLOP/s (4*B*H*N*N*D, halved for causal) and flashgen's ratio")
     print("flashgen: the kernel alone (GPU kept busy ahead of each call); api: flashgen.attention() back to back, "
           "host cost included; x <peer>: the kernel's ratio; <peer> b2b: SDPA back to back, api x <peer>: "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 import threading
 import time
 import warnings
@@ -222,7 +223,7 @@ class Resolver:
                         tuned_dir: Path | str | None) -> tuple[int, ...]:
         """The seqlens the store holds for this problem, filtered exactly as store.lookup filters."""
         from .driver import device_info  # noqa: PLC0415
-        from .store import StoreError, read_store, store_path  # noqa: PLC0415
+        from .store import StoreError, entry_pass, read_store, store_path  # noqa: PLC0415
 
         gpu = device_info(device)
         path = store_path(gpu.name, gpu.arch, tuned_dir)
@@ -235,6 +236,8 @@ class Resolver:
             return ()  # load() -> tuned_config warns once and uses the default
         seqlens = set()
         for e in entries:
+            if entry_pass(e) != "fwd":
+                continue
             try:
                 cfg = KernelConfig.from_dict(e["config"])
             except (ConfigError, KeyError, TypeError):
@@ -265,6 +268,10 @@ def reload() -> None:
     _resolver.clear()
     store._cache.clear()
     store._warned.clear()
+    ops = sys.modules.get("flashgen.ops")  # the autograd path's tuned backwards, if torch brought it in
+    if ops is not None:
+        ops._stamps.clear()
+        ops._tuned_backwards.cache_clear()
 
 
 def launch_torch(kern: Kernel, plan: Any, q: Any, k: Any, v: Any, softmax_scale: float | None,

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .bench import flops
-from .config import KernelConfig
+from .config import BwdConfig, KernelConfig
 from .problem import TuneProblem
 
 STATUSES = ("ok", "pruned", "compile_failed", "verify_failed", "error", "faulted", "timeout")
@@ -41,7 +41,7 @@ class TrialResult:
 
 def tflops(problem: TuneProblem, ms: float) -> float:
     b, sq, sk, h, _ = problem.shape()
-    return flops(b, h, sq, sk, problem.head_dim, problem.causal) / (ms * 1e-3) / 1e12
+    return flops(b, h, sq, sk, problem.head_dim, problem.causal, problem.pass_) / (ms * 1e-3) / 1e12
 
 
 def ok_result(problem: TuneProblem, ms: float, **info: Any) -> TrialResult:
@@ -51,9 +51,9 @@ def ok_result(problem: TuneProblem, ms: float, **info: Any) -> TrialResult:
 class Backend(Protocol):
     """Evaluates configurations; `prefetch` lets a backend start work (compiles) ahead."""
 
-    def prefetch(self, configs: list[KernelConfig], problem: TuneProblem) -> None: ...
+    def prefetch(self, configs: list[KernelConfig | BwdConfig], problem: TuneProblem) -> None: ...
 
-    def evaluate(self, config: KernelConfig, problem: TuneProblem) -> TrialResult: ...
+    def evaluate(self, config: KernelConfig | BwdConfig, problem: TuneProblem) -> TrialResult: ...
 
     def close(self) -> None: ...
 
@@ -72,22 +72,23 @@ class SimulatedBackend:
         self.calls: list[str] = []
         self.delay_s, self.log = delay_s, Path(log) if log else None
 
-    def _log(self, what: str, config: KernelConfig, problem: TuneProblem) -> None:
+    def _log(self, what: str, config: KernelConfig | BwdConfig, problem: TuneProblem) -> None:
         if self.log is not None:
             with open(self.log, "a") as f:  # one short append per line: whole lines even with several writers
                 f.write(f"{what} {problem.study_name} {config.name} {os.getpid()}\n")
 
-    def prefetch(self, configs: list[KernelConfig], problem: TuneProblem) -> None:
+    def prefetch(self, configs: list[KernelConfig | BwdConfig], problem: TuneProblem) -> None:
         pass
 
-    def cost_ms(self, cfg: KernelConfig, problem: TuneProblem) -> float:
+    def cost_ms(self, cfg: KernelConfig | BwdConfig, problem: TuneProblem) -> float:
         # Best at 128x128 tiles, 4-8 warps, 3 stages (not the default, so tuning has something to find).
         b, s, _, h, _ = problem.shape()
         work = b * h * s * s * cfg.head_dim * (0.5 if cfg.causal else 1.0) * 1e-12
         tile = abs(cfg.block_m - 128) / 64 + abs(cfg.block_n - 128) / 64
-        return work * (1.0 + 0.3 * tile + 0.1 * abs(cfg.num_warps - 6) / 2 + 0.15 * abs(cfg.num_stages - 3))
+        return work * (1.0 + 0.3 * tile + 0.1 * abs(cfg.num_warps - 6) / 2 + 0.15 * abs(getattr(cfg, "num_stages", 3) - 3))
+        # a BwdConfig has no stages: its cost is the tiles' and warps' alone
 
-    def evaluate(self, config: KernelConfig, problem: TuneProblem) -> TrialResult:
+    def evaluate(self, config: KernelConfig | BwdConfig, problem: TuneProblem) -> TrialResult:
         self.calls.append(config.name)
         self._log("start", config, problem)
         time.sleep(self.delay_s)

@@ -8,10 +8,18 @@ from .compile import CompiledKernel
 from .launch import run
 
 
-def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
-    """Forward attention FLOPs: 4*B*H*Sq*Sk*D (two matmuls), halved for causal."""
+BWD_FLOPS_RATIO = 2.5  # the backward's five matmuls (S, dP, dV, dK, dQ) against the forward's two
+
+
+def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool,
+          pass_: str = "fwd") -> float:
+    """Attention FLOPs: forward 4*B*H*Sq*Sk*D (two matmuls), halved for causal; backward 2.5x that
+    (the convention of FlashAttention's benchmarks: its recompute of S is not counted)."""
     f = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
-    return f / 2 if causal else f
+    f = f / 2 if causal else f
+    if pass_ not in ("fwd", "bwd"):
+        raise ValueError(f"pass_={pass_!r}; choose fwd or bwd")
+    return f * BWD_FLOPS_RATIO if pass_ == "bwd" else f
 
 
 def time_cuda(fn: Callable[[int], Any], warmup: int = 10, reps: int = 50, rotate: int = 1,
@@ -65,5 +73,32 @@ def time_kernel(kernel: CompiledKernel, batch: int, seqlen_q: int, seqlen_k: int
     def call(i: int) -> None:
         q, k, v = sets[i]
         run(kernel, q, k, v, out=outs[i][0], lse=outs[i][1])
+
+    return median_ms(time_cuda(call, warmup, reps, rotate=len(sets)))
+
+
+def time_backward(kernel: CompiledKernel, fwd_kernel: CompiledKernel, batch: int, seqlen_q: int, seqlen_k: int,
+                  heads: int, heads_k: int | None = None, warmup: int = 10, reps: int = 50, seed: int = 0) -> float:
+    """Median milliseconds of the backward `kernel` alone (all its launches) on random inputs of this
+    shape: `fwd_kernel` runs once per input set for out and lse, outside the timing; sets rotated past L2."""
+    import torch  # noqa: PLC0415
+
+    from .backward import backward  # noqa: PLC0415
+    from .verify import random_qkv  # noqa: PLC0415
+
+    cfg = kernel.config
+    hk = heads_k or heads
+    # read: q k v o dO (+ lse, D); written: dq dk dv (+ the fp32 dQ accumulator)
+    set_bytes = 2 * cfg.head_dim * batch * (seqlen_q * heads * 5 + 4 * seqlen_k * hk)
+    sets = []
+    for i in range(l2_rotation(set_bytes)):
+        q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, hk, cfg.head_dim, cfg.dtype, seed + i)
+        out, lse, _ = run(fwd_kernel, q, k, v)
+        grads = tuple(torch.empty_like(t) for t in (q, k, v))
+        sets.append((q, k, v, out, torch.randn_like(q), lse, grads))
+
+    def call(i: int) -> None:
+        q, k, v, out, dout, lse, (dq, dk, dv) = sets[i]
+        backward(kernel, q, k, v, out, dout, lse, dq=dq, dk=dk, dv=dv)
 
     return median_ms(time_cuda(call, warmup, reps, rotate=len(sets)))

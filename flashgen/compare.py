@@ -44,16 +44,17 @@ class Point:
     seqlen: int
     batch: int
     heads: int
+    pass_: str = "fwd"  # "bwd": the backward (dQ, dK, dV given out, lse and dO), 2.5x the forward's FLOPs
 
     @property
     def tflop(self) -> float:
-        return flops(self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim, self.causal) / 1e12
+        return flops(self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim, self.causal, self.pass_) / 1e12
 
 
 def grid(dtypes: Iterable[str], head_dims: Iterable[int], causals: Iterable[bool], seqlens: Iterable[int],
-         batch_tokens: int = 16384, heads_dim_total: int = 2048) -> list[Point]:
-    return [Point(dt, d, c, n, max(1, batch_tokens // n), max(1, heads_dim_total // d))
-            for dt in dtypes for d in head_dims for c in causals for n in seqlens]
+         batch_tokens: int = 16384, heads_dim_total: int = 2048, passes: Iterable[str] = ("fwd",)) -> list[Point]:
+    return [Point(dt, d, c, n, max(1, batch_tokens // n), max(1, heads_dim_total // d), p)
+            for p in passes for dt in dtypes for d in head_dims for c in causals for n in seqlens]
 
 
 @dataclass
@@ -89,7 +90,7 @@ class SimulatedRunner:
 
     def time_point(self, point: Point, peers: list[str]) -> Row:
         base = point.tflop / 300.0 * 1e3  # "300 TFLOP/s"
-        row = Row(point, kernel=f"simulated_d{point.head_dim}")
+        row = Row(point, kernel=f"simulated_{'bwd_' * (point.pass_ == 'bwd')}d{point.head_dim}")
         row.ms["flashgen"] = base * (0.9 if point.head_dim == 64 else 1.05)
         row.ms["api"] = row.ms["flashgen"] * 1.25  # "host cost shows"
         row.ms["kernel_b2b"] = row.ms["flashgen"] * 1.1
@@ -111,6 +112,8 @@ class TorchRunner:
         self.arch, self.warmup, self.reps = arch, warmup, reps  # arch: template family, None = fastest tuned
 
     def time_point(self, point: Point, peers: list[str]) -> Row:
+        if point.pass_ == "bwd":
+            return self.time_backward_point(point, peers)
         import torch  # noqa: PLC0415
         from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
 
@@ -142,6 +145,50 @@ class TorchRunner:
             except RuntimeError as e:  # the backend refuses this shape or dtype
                 row.ms[p], row.notes[p] = None, str(e).splitlines()[0][:200]
         del sets, sdpa_sets
+        torch.cuda.empty_cache()
+        return row
+
+    def time_backward_point(self, point: Point, peers: list[str]) -> Row:
+        """The backward: "flashgen" its kernels alone (the tuned BwdConfig for this GPU and seqlen, else the
+        default; out and lse from the forward, outside the timing), "api" torch.autograd.grad through
+        flashgen.attention (the graph kept: the backward alone, host included), each peer SDPA's backward
+        timed the same way, its backend forced."""
+        import torch  # noqa: PLC0415
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+        import flashgen  # noqa: PLC0415
+
+        from .bench import median_ms, time_backward, time_cuda  # noqa: PLC0415
+        from .ops import _backward_kernel  # noqa: PLC0415
+        from .verify import random_qkv  # noqa: PLC0415
+
+        b, n, h, d = point.batch, point.seqlen, point.heads, point.head_dim
+        tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[point.dtype]
+        kern = _backward_kernel(torch.cuda.current_device(), d, tdt, point.causal, n)
+        fwd = flashgen.load(d, point.dtype, point.causal, seqlen=n, arch="sm80").compiled
+        row = Row(point, kernel=kern.name)
+        row.ms["flashgen"] = time_backward(kern, fwd, b, n, n, h, h, self.warmup, self.reps)
+        q, k, v = random_qkv(b, n, n, h, h, d, point.dtype, seed=0)
+        dout = torch.randn_like(q)
+
+        def grad_ms(forward: Callable[..., Any], inputs: tuple, grad: Any) -> float:
+            leaves = [t.detach().clone().requires_grad_() for t in inputs]
+            out = forward(*leaves)
+            return median_ms(time_cuda(lambda i: torch.autograd.grad(out, leaves, grad, retain_graph=True),
+                                       self.warmup, self.reps))
+
+        row.ms["api"] = grad_ms(lambda q, k, v: flashgen.attention(q, k, v, causal=point.causal), (q, k, v), dout)
+        backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                    "efficient": SDPBackend.EFFICIENT_ATTENTION}
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        for p in peers:
+            try:
+                with sdpa_kernel(backends[p]):
+                    row.ms[p] = grad_ms(lambda q, k, v: sdpa(q, k, v, is_causal=point.causal),
+                                        tuple(t.transpose(1, 2) for t in (q, k, v)), dout.transpose(1, 2))
+            except RuntimeError as e:  # the backend refuses this shape or dtype
+                row.ms[p], row.notes[p] = None, str(e).splitlines()[0][:200]
+        del q, k, v, dout
         torch.cuda.empty_cache()
         return row
 
@@ -259,7 +306,8 @@ def table(rows: list[Row], peers: list[str], ceiling: dict[str, float] | None = 
     ratio), flashgen's kernel's ratio to each peer and, given `ceiling` (TFLOP/s of a matrix product
     per dtype), its share of it."""
     b2b = [p for p in peers if any(r.ms.get(f"{p}_b2b") for r in rows)]  # sustained peer figures, where measured
-    head = f"{'dtype':<5} {'d':>4} {'mask':<6} {'N':>6} {'flashgen':>9} {'api':>9} {'api/kern':>9} " + \
+    passes = any(r.point.pass_ != "fwd" for r in rows)  # a pass column only where a backward is in the table
+    head = f"{'pass ' if passes else ''}{'dtype':<5} {'d':>4} {'mask':<6} {'N':>6} {'flashgen':>9} {'api':>9} {'api/kern':>9} " + \
         " ".join(f"{p:>9}" for p in peers) + " " + \
         " ".join(f"{'x ' + p:>9}" for p in peers) + (f" {'FA4 goal':>9}" if "cudnn" in peers else "") + \
         (f" {'% matmul':>9}" if ceiling else "") + \
@@ -267,12 +315,12 @@ def table(rows: list[Row], peers: list[str], ceiling: dict[str, float] | None = 
     lines = [head, "-" * len(head)]
     for r in rows:
         pt = r.point
-        lines.append(f"{pt.dtype:<5} {pt.head_dim:>4} {'causal' if pt.causal else 'full':<6} {pt.seqlen:>6} "
+        lines.append(f"{pt.pass_ + ' ' if passes else ''}{pt.dtype:<5} {pt.head_dim:>4} {'causal' if pt.causal else 'full':<6} {pt.seqlen:>6} "
                      f"{_fmt(r.tflops('flashgen'), '9.1f')} {_fmt(r.tflops('api'), '9.1f')} "
                      f"{_fmt(r.ratio('flashgen', who='api'), '9.2f')} " +
                      " ".join(_fmt(r.tflops(p), '9.1f') for p in peers) + " " +
                      " ".join(_fmt(r.ratio(p), '9.2f') for p in peers) +
-                     (f" {_fmt(fa4_target(pt), '9.2f')}" if "cudnn" in peers else "") +
+                     (f" {_fmt(fa4_target(pt) if pt.pass_ == 'fwd' else None, '9.2f')}" if "cudnn" in peers else "") +
                      (f" {_fmt(_share(r, ceiling), '9.1f')}" if ceiling else "") +
                      "".join(f" {_fmt(r.tflops(p + '_b2b'), '10.1f')} {_fmt(r.ratio(p + '_b2b', who='api'), '10.2f')}"
                              for p in b2b))
@@ -290,7 +338,7 @@ def to_records(rows: list[Row], peers: list[str], ceiling: dict[str, float] | No
         rec: dict[str, Any] = {**asdict(r.point), "kernel": r.kernel}
         if ceiling:
             rec["pct_matmul"] = _share(r, ceiling)
-        rec["fa4_over_cudnn_target"] = fa4_target(r.point)
+        rec["fa4_over_cudnn_target"] = fa4_target(r.point) if r.point.pass_ == "fwd" else None
         for who in ("flashgen", "api", "kernel_b2b", *peers, *(f"{p}_b2b" for p in peers)):
             rec[f"{who}_ms"] = r.ms.get(who)
             rec[f"{who}_tflops"] = r.tflops(who)

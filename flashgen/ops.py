@@ -39,7 +39,7 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     """(dq, dk, dv), contiguous, like q, k, v: the sm80 family's backward kernels (flashgen.backward)."""
     from .backward import backward  # noqa: PLC0415
 
-    kern = _backward_kernel(q.get_device(), q.shape[3], q.dtype, causal)
+    kern = _backward_kernel(q.get_device(), q.shape[3], q.dtype, causal, q.shape[1])
     return backward(kern, q, k, v, out, dout.contiguous(), lse, softmax_scale, dlse=dlse)
 
 
@@ -49,13 +49,57 @@ def _(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
-@functools.lru_cache(maxsize=64)
-def _backward_kernel(device: int, head_dim: int, dtype: torch.dtype, causal: bool) -> Any:
-    from .backward import load_backward  # noqa: PLC0415
-    from .driver import device_info  # noqa: PLC0415
+def _backward_kernel(device: int, head_dim: int, dtype: torch.dtype, causal: bool, seqlen: int | None = None) -> Any:
+    """The backward for these tensors' GPU: the tuned BwdConfig of the nearest stored seqlen bucket, else
+    the default. Cached: the store's buckets are read again only when its file changed (looked at most
+    every api.STORE_CHECK_S), kernels by configuration."""
+    from .api import nearest_bucket  # noqa: PLC0415
 
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    return load_backward(head_dim, name, causal, gpu_arch=device_info(device).arch)
+    gpu_name, arch = _gpu(device)
+    tuned = _tuned_backwards(gpu_name, arch, head_dim, name, causal, _store_stamp(gpu_name, arch))
+    bucket = nearest_bucket(seqlen, tuple(sorted(tuned)))
+    return _load_backward(head_dim, name, causal, tuned.get(bucket) if bucket is not None else None, arch)
+
+
+@functools.lru_cache(maxsize=16)
+def _gpu(device: int) -> tuple[str, str]:
+    from .driver import device_info  # noqa: PLC0415
+
+    info = device_info(device)
+    return info.name, info.arch
+
+
+_stamps: dict[tuple[str, str], tuple[float, tuple | None]] = {}  # GPU -> (when looked, the store file's stamp)
+
+
+def _store_stamp(gpu_name: str, arch: str) -> tuple | None:
+    """The stamp (api._stamp) of the GPU's store file, looked at on disk at most every api.STORE_CHECK_S."""
+    import time  # noqa: PLC0415
+
+    from .api import STORE_CHECK_S, _stamp  # noqa: PLC0415
+    from .store import store_path  # noqa: PLC0415
+
+    now = time.monotonic()
+    hit = _stamps.get((gpu_name, arch))
+    if hit is None or now - hit[0] >= STORE_CHECK_S:
+        hit = _stamps[gpu_name, arch] = (now, _stamp(store_path(gpu_name, arch)))
+    return hit[1]
+
+
+@functools.lru_cache(maxsize=64)
+def _tuned_backwards(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, stamp: tuple | None) -> dict:
+    """seqlen bucket -> tuned BwdConfig for this GPU and problem, as the store file with `stamp` holds them."""
+    from .store import tuned_buckets  # noqa: PLC0415
+
+    return tuned_buckets(gpu_name, arch, head_dim, dtype, causal, pass_="bwd", family="sm80")
+
+
+@functools.lru_cache(maxsize=64)
+def _load_backward(head_dim: int, dtype: str, causal: bool, config: Any, arch: str) -> Any:
+    from .backward import load_backward  # noqa: PLC0415
+
+    return load_backward(head_dim, dtype, causal, config=config, gpu_arch=arch)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
-from .config import KernelConfig, default_config
+from .config import BwdConfig, KernelConfig, default_bwd_config, default_config
 
 SEQLEN_BUCKETS = (1024, 4096, 16384)
 HEADS_DIM_TOTAL = 2048  # heads * head_dim of the model the problem stands for
@@ -12,6 +12,15 @@ BATCH_TOKENS = 16384  # batch * seqlen
 # Scores (batch * heads * seqlen_q * seqlen_k) the float64 reference computes per trial: a bound on
 # its time. Its memory is one chunk of query rows sized from free memory (verify.ref_chunk_rows).
 VERIFY_REF_SCORES = 2**30
+# The backward's reference (autograd through explicit attention, not chunked) keeps several score-sized
+# float64 tensors at once: a smaller bound.
+VERIFY_REF_SCORES_BWD = 2**26
+PASSES = ("fwd", "bwd")
+# How a problem is searched by default (search.exhaustive_for): all of its configurations that fit the GPU
+# when there are at most EXHAUSTIVE_MAX (sampling saves little there and may miss the best), else
+# DEFAULT_TRIALS sampled by TPE.
+EXHAUSTIVE_MAX = 300
+DEFAULT_TRIALS = 60
 
 
 def gpu_slug(gpu_name: str, arch: str) -> str:
@@ -33,15 +42,21 @@ class TuneProblem:
     gqa_group: int = 1
     batch_tokens: int = BATCH_TOKENS
     heads_dim_total: int = HEADS_DIM_TOTAL
+    pass_: str = "fwd"  # "fwd": a KernelConfig; "bwd": a BwdConfig (its kernels timed alone)
+
+    def __post_init__(self) -> None:
+        if self.pass_ not in PASSES:
+            raise ValueError(f"pass_={self.pass_!r}; choose one of {', '.join(PASSES)}")
 
     @property
     def key(self) -> str:
         """The problem's name in the store and (with the GPU slug) the Optuna study name: it names
         everything the measured time depends on, sizes included, so that results of different
-        sizes never compete."""
+        sizes never compete. A backward problem ends in "_bwd"; a forward one has no pass suffix
+        (the keys of stores made before the backward stay valid)."""
         mask = "causal" if self.causal else "full"
         return (f"{self.family}_d{self.head_dim}_{self.dtype}_{mask}_s{self.seqlen}_g{self.gqa_group}"
-                f"_bt{self.batch_tokens}_hdt{self.heads_dim_total}")
+                f"_bt{self.batch_tokens}_hdt{self.heads_dim_total}" + ("_bwd" if self.pass_ == "bwd" else ""))
 
     @property
     def gpu_slug(self) -> str:
@@ -69,19 +84,23 @@ class TuneProblem:
 
     def verify_shape(self) -> tuple[int, int, int, int, int]:
         """The timed shape with batch, then heads, cut (keeping the GQA ratio) until the
-        float64 reference's (batch, heads, seqlen, seqlen) scores are at most VERIFY_REF_SCORES."""
+        float64 reference's (batch, heads, seqlen, seqlen) scores are at most VERIFY_REF_SCORES
+        (VERIFY_REF_SCORES_BWD for a backward problem)."""
         b, s, _, h, hk = self.shape()
+        cap = VERIFY_REF_SCORES_BWD if self.pass_ == "bwd" else VERIFY_REF_SCORES
         g = h // hk
-        while b > 1 and b * h * s * s > VERIFY_REF_SCORES:
+        while b > 1 and b * h * s * s > cap:
             b //= 2
-        while hk > 1 and b * h * s * s > VERIFY_REF_SCORES:
+        while hk > 1 and b * h * s * s > cap:
             hk //= 2
             h = hk * g
-        while h > 1 and b * h * s * s > VERIFY_REF_SCORES:  # one k/v head left: cut the group instead
+        while h > 1 and b * h * s * s > cap:  # one k/v head left: cut the group instead
             h //= 2
         return b, s, s, h, hk
 
-    def default_config(self) -> KernelConfig:
+    def default_config(self) -> KernelConfig | BwdConfig:
+        if self.pass_ == "bwd":
+            return default_bwd_config(self.head_dim, self.dtype, self.causal, self.gpu_arch)
         return default_config(self.head_dim, self.dtype, self.causal, self.gpu_arch, self.family)
 
     def to_dict(self) -> dict:

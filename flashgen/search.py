@@ -31,12 +31,14 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from .backend import Backend, TrialResult
-from .config import ConfigError, KernelConfig, space as config_space
-from .problem import TuneProblem
+from .config import BwdConfig, ConfigError, KernelConfig, bwd_space, space as config_space
+from .problem import DEFAULT_TRIALS, EXHAUSTIVE_MAX, TuneProblem
 from .studies import default_storage, make_storage as open_storage  # noqa: F401 - default_storage: re-exported
 
 PARAMS = ("block_m", "block_n", "num_warps", "num_stages")  # Optuna's parameter names = KernelConfig fields
-FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, "overlap", "pingpong")}
+BWD_PARAMS = ("block_m", "block_n", "num_warps")  # = BwdConfig's tuned fields (deterministic is a choice, not a knob)
+# Keyed by `params_key`: the family for a forward problem, "bwd_<family>" for a backward one.
+FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, "overlap", "pingpong"), "bwd_sm80": BWD_PARAMS}
 SAMPLERS = ("tpe", "random")
 RETRIED = ("error", "timeout")  # may pass on a second try (a busy or restarted GPU worker)
 POLL_S = 0.25  # how often a tuner waiting for another's trial reads the study
@@ -69,11 +71,12 @@ def make_sampler(name: str, seed: int) -> optuna.samplers.BaseSampler:
 
 @dataclass
 class SearchOptions:
-    trials: int = 60  # the study's total of evaluated (not pruned, not repeated) trials
+    trials: int = DEFAULT_TRIALS  # the study's total of evaluated (not pruned, not repeated) trials
     timeout_s: float | None = None  # for this run of this problem
     sampler: str = "tpe"
     seed: int = 0
-    exhaustive: bool = False  # enumerate the whole (restricted) space instead of sampling
+    exhaustive: bool | None = False  # enumerate the whole (restricted) space instead of sampling; None: per
+    # problem, exhaustive when its fitting configurations are at most EXHAUSTIVE_MAX (see `exhaustive_for`)
     storage: str | None = None  # URL or path (see `studies`); None: default_storage()
     ahead: int = 1  # configurations sampled and prefetched ahead of the one being timed
     heartbeat_s: int = 30  # a held trial's heartbeat; Optuna wants whole seconds
@@ -112,13 +115,44 @@ class SearchOutcome:
     versions: dict[str, str] = field(default_factory=dict)  # those the best trial was timed with
 
 
-def params_of(cfg: KernelConfig) -> Params:
-    return tuple(getattr(cfg, p) for p in FAMILY_PARAMS[cfg.family])
+AnyConfig = KernelConfig | BwdConfig
 
 
-def config_of(problem: TuneProblem, params: Params) -> KernelConfig:
-    return KernelConfig(problem.head_dim, problem.dtype, problem.causal, family=problem.family,
-                        **dict(zip(FAMILY_PARAMS[problem.family], params)))
+def params_key(problem: TuneProblem) -> str:
+    """The FAMILY_PARAMS entry of a problem: its family, prefixed "bwd_" for a backward problem."""
+    return problem.family if problem.pass_ == "fwd" else f"bwd_{problem.family}"
+
+
+def params_of(cfg: AnyConfig) -> Params:
+    key = f"bwd_{cfg.family}" if isinstance(cfg, BwdConfig) else cfg.family
+    return tuple(getattr(cfg, p) for p in FAMILY_PARAMS[key])
+
+
+def config_of(problem: TuneProblem, params: Params) -> AnyConfig:
+    make = BwdConfig if problem.pass_ == "bwd" else KernelConfig
+    return make(problem.head_dim, problem.dtype, problem.causal, family=problem.family,
+                **dict(zip(FAMILY_PARAMS[params_key(problem)], params)))
+
+
+def problem_space(problem: TuneProblem) -> list[AnyConfig]:
+    """The whole space of a problem's pass (arch fit not checked)."""
+    if problem.pass_ == "bwd":
+        return bwd_space(problem.head_dim, problem.dtype, problem.causal)  # type: ignore[return-value]
+    return config_space(problem.family, problem.head_dim, problem.dtype, problem.causal)  # type: ignore[return-value]
+
+
+def viable_count(problem: TuneProblem, space: list[AnyConfig] | None = None) -> int:
+    """How many configurations of `space` (default: the problem's) fit the problem's GPU."""
+    space = problem_space(problem) if space is None else space
+    return sum(1 for c in space if c.unfit_reason(problem.gpu_arch) is None)
+
+
+def exhaustive_for(problem: TuneProblem, opts: SearchOptions, space: list[AnyConfig] | None = None) -> bool:
+    """Whether the search of `problem` enumerates its space: `opts.exhaustive` when given, else
+    (None) when at most EXHAUSTIVE_MAX configurations fit, where sampling saves little and may miss the best."""
+    if opts.exhaustive is not None:
+        return opts.exhaustive
+    return viable_count(problem, space) <= EXHAUSTIVE_MAX
 
 
 def static_reason(problem: TuneProblem, params: Params, allowed: set[Params]) -> str | None:
@@ -206,7 +240,7 @@ def open_study(problem: TuneProblem, opts: SearchOptions, name: str | None = Non
     """The problem's study (`name`, by default that of its whole space), created if new; trials
     of killed tuners (no heartbeat for `opts.grace_s`) are failed and queued again."""
     if name is None:
-        name = study_name(problem, config_space(problem.family, problem.head_dim, problem.dtype, problem.causal))
+        name = study_name(problem, problem_space(problem))
     study = optuna.create_study(study_name=name, storage=make_storage(opts),
                                 sampler=make_sampler(opts.sampler, opts.sampler_seed), direction="minimize",
                                 load_if_exists=True)
@@ -311,7 +345,7 @@ def distributions(problem: TuneProblem, space: list[KernelConfig]) -> dict[str, 
     allowed = {params_of(c) for c in space}
     viable = {params_of(c) for c in space if c.unfit_reason(problem.gpu_arch) is None}
     return {p: CategoricalDistribution(sorted({v[i] for v in viable or allowed}))
-            for i, p in enumerate(FAMILY_PARAMS[problem.family])}
+            for i, p in enumerate(FAMILY_PARAMS[params_key(problem)])}
 
 
 def default_aside(study: optuna.Study, default: KernelConfig) -> TrialResult | None:
@@ -325,15 +359,17 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
     """Run (or continue, or join) the study of `problem` until it holds `opts.trials` evaluated trials
     (those other tuners hold count), the space is exhausted, or `opts.timeout_s` passes. When other
     tuners still hold trials of an unfinished study, `in_flight` of the outcome says how many."""
-    space = space if space is not None else config_space(problem.family, problem.head_dim, problem.dtype, problem.causal)
+    space = space if space is not None else problem_space(problem)
+    opts = replace(opts, exhaustive=exhaustive_for(problem, opts, space))
     if not space:
         raise ValueError(f"the search space of {problem.key} is empty")
     allowed = {params_of(c) for c in space}
     viable = {params_of(c) for c in space if c.unfit_reason(problem.gpu_arch) is None}
-    names = FAMILY_PARAMS[problem.family]
+    kind = params_key(problem)
+    names = FAMILY_PARAMS[kind]
     dists = distributions(problem, space)
     study = open_study(problem, opts, study_name(problem, space))
-    view = _view(study, problem.family)
+    view = _view(study, kind)
     default = problem.default_config()
     queued: set[Params] = set()
 
@@ -378,7 +414,7 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
     try:
         while True:
             while len(pending) < max(1, opts.ahead) and asks < max_asks and not stopped():
-                if not wanted(_view(study, problem.family)):
+                if not wanted(_view(study, kind)):
                     break
                 with warnings.catch_warnings():  # "heartbeat ... supposed to be used with Study.optimize": see _Heartbeat
                     warnings.filterwarnings("ignore", message="Heartbeat of storage")
@@ -398,7 +434,7 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
             trial, params = pending.popleft()
             current = trial
             cfg = config_of(problem, params)
-            prev = _owner(study, trial, params, problem.family, opts, stopped)
+            prev = _owner(study, trial, params, kind, opts, stopped)
             if stopped():
                 break
             if prev is not None:  # never time a configuration twice in one study
@@ -415,7 +451,7 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
             # asked but never evaluated (timeout, Ctrl-C): closed without a status, not left to go stale
             study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
     # Trials other tuners still hold (budget met or not) will change the outcome: come back for them.
-    in_flight = 0 if stopped() or asks >= max_asks else len(_view(study, problem.family).held)
+    in_flight = 0 if stopped() or asks >= max_asks else len(_view(study, kind).held)
     default_res = view.done.get(params_of(default))
     if default_res is not None:
         default_value: TrialResult | None = result_of(default_res)
@@ -450,9 +486,9 @@ def outcome(study: optuna.Study, problem: TuneProblem, default: KernelConfig,
     ok = [t for t in finished if t.user_attrs["status"] == "ok" and "duplicate_of" not in t.user_attrs]
     best = min(ok, key=lambda t: (t.user_attrs["ms"], t.number), default=None)
     if default_res is None:
-        d = next((t for t in finished if _params(t, problem.family) == params_of(default)), None)
+        d = next((t for t in finished if _params(t, params_key(problem)) == params_of(default)), None)
         default_res = result_of(d) if d is not None else default_aside(study, default)
-    return SearchOutcome(problem, config_of(problem, _params(best, problem.family)) if best else None,
+    return SearchOutcome(problem, config_of(problem, _params(best, params_key(problem))) if best else None,
                          result_of(best) if best else None, default, default_res, counts,
                          sum(1 for t in finished if _counts(t)), versions=dict(best.user_attrs.get("versions", {}))
                          if best else {})

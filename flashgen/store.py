@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .__version__ import __version__
-from .config import ConfigError, KernelConfig
+from .config import BwdConfig, ConfigError, KernelConfig
 from .paths import tuned_dir as default_tuned_dir
 from .problem import BATCH_TOKENS, HEADS_DIM_TOTAL, gpu_slug
 
@@ -37,11 +37,22 @@ def store_path(gpu_name: str, arch: str, tuned_dir: Path | str | None = None) ->
     return Path(tuned_dir or default_tuned_dir()) / f"{gpu_slug(gpu_name, arch)}.json"
 
 
+def entry_pass(e: dict[str, Any]) -> str:
+    """"fwd" or "bwd": the pass a store entry was tuned for (entries from before the backward: fwd)."""
+    p = e.get("problem")
+    return p.get("pass_", "fwd") if isinstance(p, dict) else "fwd"
+
+
+def config_from_entry(e: dict[str, Any]) -> KernelConfig | BwdConfig:
+    """The configuration of a store entry: a BwdConfig for a backward entry, else a KernelConfig."""
+    return (BwdConfig if entry_pass(e) == "bwd" else KernelConfig).from_dict(e["config"])
+
+
 def _check_entry(path: Path, key: str, e: Any) -> None:
     if not isinstance(e, dict):
         raise StoreError(f"{path}: entry {key!r} is not an object")
     try:
-        KernelConfig.from_dict(e["config"])
+        config_from_entry(e)
         ms = float(e["median_ms"])
     except (KeyError, TypeError, ValueError, ConfigError) as err:
         raise StoreError(f"{path}: entry {key!r} is damaged ({type(err).__name__}: {err}); fix or delete it") from None
@@ -196,18 +207,22 @@ def _log_distance(a: int, b: int) -> float:
 
 
 def lookup(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, seqlen: int | None = None,
-           family: str | None = None, tuned_dir: Path | str | None = None) -> KernelConfig | None:
+           family: str | None = None, tuned_dir: Path | str | None = None,
+           pass_: str = "fwd") -> KernelConfig | BwdConfig | None:
     """The tuned configuration for this problem on this GPU, or None.
 
     Nearest seqlen bucket (by ratio; the largest when seqlen is None), GQA group 1 preferred,
     then the standard size (BATCH_TOKENS, HEADS_DIM_TOTAL), else the largest: milliseconds
-    are compared only within one size. Family None picks the fastest family at that size."""
+    are compared only within one size. Family None picks the fastest family at that size.
+    `pass_` "bwd": the tuned backward (a BwdConfig), chosen by the same rules."""
     path = store_path(gpu_name, arch, tuned_dir)
     if not path.exists():
         return None
     cands = []
     for e in _cached_read(path, gpu_name, arch)["entries"].values():
-        cfg, p = KernelConfig.from_dict(e["config"]), e.get("problem", {})
+        if entry_pass(e) != pass_:
+            continue
+        cfg, p = config_from_entry(e), e.get("problem", {})
         if (cfg.head_dim, cfg.dtype, cfg.causal) != (head_dim, dtype, causal) or (family and cfg.family != family):
             continue
         if cfg.unfit_reason(arch) is None:
@@ -224,6 +239,30 @@ def lookup(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, se
     return min((c for c in cands if c[2] == size), key=lambda c: c[3])[4]
 
 
+def tuned_buckets(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, pass_: str = "fwd",
+                  family: str | None = None, tuned_dir: Path | str | None = None) -> dict[int, KernelConfig | BwdConfig]:
+    """seqlen bucket -> the configuration `lookup` gives for it, for every bucket the store holds for this
+    problem; {} (with one warning) when the store is unusable. What a caller caches instead of looking up per call."""
+    path = store_path(gpu_name, arch, tuned_dir)
+    if not path.exists():
+        return {}
+    try:
+        entries = _cached_read(path, gpu_name, arch)["entries"].values()
+        seqlens = set()
+        for e in entries:
+            if entry_pass(e) != pass_:
+                continue
+            cfg = config_from_entry(e)
+            if (cfg.head_dim, cfg.dtype, cfg.causal) == (head_dim, dtype, causal) and \
+                    (not family or cfg.family == family) and cfg.unfit_reason(arch) is None:
+                seqlens.add(e.get("problem", {}).get("seqlen", 0))
+        found = {s: lookup(gpu_name, arch, head_dim, dtype, causal, s, family, tuned_dir, pass_) for s in seqlens}
+    except StoreError as e:
+        _warn_once(str(e), f"{e}; using the family defaults until it is fixed")
+        return {}
+    return {s: c for s, c in found.items() if c is not None}
+
+
 def current_gpu() -> tuple[str, str] | None:
     """(name, arch) of the current GPU, or None when there is no driver or device."""
     try:
@@ -237,7 +276,7 @@ def current_gpu() -> tuple[str, str] | None:
 
 def tuned_config(head_dim: int, dtype: str, causal: bool, arch: str, seqlen: int | None = None,
                  family: str | None = None, tuned_dir: Path | str | None = None,
-                 gpu: tuple[str, str] | None = None) -> KernelConfig | None:
+                 gpu: tuple[str, str] | None = None, pass_: str = "fwd") -> KernelConfig | BwdConfig | None:
     """What load() uses before the family default: the stored result for `gpu` (name, arch;
     default the current GPU).
 
@@ -247,13 +286,14 @@ def tuned_config(head_dim: int, dtype: str, causal: bool, arch: str, seqlen: int
     if gpu is None or gpu[1] != arch:
         return None
     try:
-        cfg = lookup(gpu[0], arch, head_dim, dtype, causal, seqlen, family, tuned_dir)
+        cfg = lookup(gpu[0], arch, head_dim, dtype, causal, seqlen, family, tuned_dir, pass_)
     except StoreError as e:  # one warning, not an error in every attention() call
         _warn_once(str(e), f"{e}; using the family defaults until it is fixed")
         return None
     if cfg is None:
-        what = f"{gpu_slug(*gpu)} d{head_dim} {dtype} {'causal' if causal else 'full'} family {family or 'any'}"
+        what = (f"{gpu_slug(*gpu)} d{head_dim} {dtype} {'causal' if causal else 'full'} family {family or 'any'}"
+                + (" backward" if pass_ == "bwd" else ""))
         _warn_once(what, f"no tuned configuration for {what} in {store_path(*gpu, tuned_dir)}; using the family "
                          f"default (tune it: python cli.py tune --arch {family or 'sm80'} --head-dim {head_dim} "
-                         f"--dtype {dtype})")
+                         f"--dtype {dtype}{' --pass bwd' if pass_ == 'bwd' else ''})")
     return cfg

@@ -164,3 +164,88 @@ def verify(kernel: CompiledKernel, batch: int, seqlen_q: int, seqlen_k: int, hea
     cfg = kernel.config
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k or heads, cfg.head_dim, cfg.dtype, seed)
     return run_and_judge(kernel, q, k, v, reference(q, k, v, cfg.causal, softmax_scale), softmax_scale)
+
+
+# -- the backward ------------------------------------------------------------------------
+
+GRAD_ABS_TOL = 1e-4  # added to twice PyTorch's error, per gradient
+
+
+def attention_torch(q: Any, k: Any, v: Any, causal: bool, scale: float) -> Any:
+    """Explicit attention in q's dtype, autograd-able (GQA by repeating k, v); a row that sees no key gives 0."""
+    import torch  # noqa: PLC0415
+
+    sq, sk, group = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # S = Q K^T
+    if causal:
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)  # keys j > i + sk - sq
+        s = s.masked_fill(mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)  # O = P V
+
+
+def attention_grads(q: Any, k: Any, v: Any, dout: Any, causal: bool, scale: float, dtype: Any) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv) by autograd through `attention_torch` computed in `dtype` (float64: the reference)."""
+    import torch  # noqa: PLC0415
+
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out = attention_torch(*leaves, causal, scale)
+    return torch.autograd.grad(out, leaves, dout.to(dtype))
+
+
+@dataclass(frozen=True)
+class GradResult:
+    """A backward judged against float64: one line per failure; max_err the worst gradient's."""
+
+    ok: bool
+    max_err: float
+    failures: tuple[str, ...] = ()
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.failures)
+
+
+def judge_backward(got: tuple[Any, Any, Any], q: Any, k: Any, v: Any, dout: Any, causal: bool, scale: float,
+                   buffers: tuple[Any, Any, Any] | None = None) -> GradResult:
+    """Each gradient: no NaN, written into its buffer (if given), max error vs float64 <= 2 x PyTorch's
+    error in the input dtype + GRAD_ABS_TOL (flash_attn's bar)."""
+    import torch  # noqa: PLC0415
+
+    ref = attention_grads(q, k, v, dout, causal, scale, torch.float64)
+    pt = attention_grads(q, k, v, dout, causal, scale, q.dtype)
+    failures, worst = [], 0.0
+    for i, (name, g, r, p) in enumerate(zip(("dq", "dk", "dv"), got, ref, pt)):
+        if buffers is not None and g.data_ptr() != buffers[i].data_ptr():
+            failures.append(f"{name}: not written into the buffer given")
+        if torch.isnan(g).any():
+            failures.append(f"{name}: NaN (unwritten or poisoned element)")
+            worst = math.nan
+            continue
+        err = (g.double() - r).abs().max().item() if r.numel() else 0.0
+        bound = 2 * ((p.double() - r).abs().max().item() if r.numel() else 0.0) + GRAD_ABS_TOL
+        worst = max(worst, err) if not math.isnan(worst) else worst
+        if err > bound:
+            failures.append(f"{name}: max error {err:.3g} > bound {bound:.3g}")
+    return GradResult(not failures, worst, tuple(failures))
+
+
+def verify_backward(kernel: CompiledKernel, fwd_kernel: CompiledKernel, batch: int, seqlen_q: int, seqlen_k: int,
+                    heads: int, heads_k: int | None = None, seed: int | None = None,
+                    softmax_scale: float | None = None) -> GradResult:
+    """Run the backward `kernel` once on fresh random q, k, v, dO of this shape (out and lse from
+    `fwd_kernel`) into NaN-poisoned gradient buffers, and judge dq, dk, dv against float64."""
+    import torch  # noqa: PLC0415
+
+    from .backward import backward  # noqa: PLC0415
+
+    cfg = kernel.config
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k or heads, cfg.head_dim, cfg.dtype, seed)
+    dout = torch.randn_like(q)
+    scale = 1.0 / math.sqrt(cfg.head_dim) if softmax_scale is None else softmax_scale
+    out, lse, _ = run(fwd_kernel, q, k, v, softmax_scale)
+    buffers = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    got = backward(kernel, q, k, v, out, dout, lse, softmax_scale, *buffers)
+    torch.cuda.synchronize()
+    return judge_backward(got, q, k, v, dout, cfg.causal, scale, buffers)

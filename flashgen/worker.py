@@ -25,7 +25,7 @@ from typing import Any
 
 from .backend import TrialResult, ok_result
 from .compile import CompiledKernel, CompileError, compile_kernel, target_for
-from .config import KernelConfig
+from .config import BwdConfig, KernelConfig, default_config
 from .problem import TuneProblem
 
 FAULT_HOOK_ENV = "FLASHGEN_TEST_FAULT"  # a config name: the worker launches it on an illegal address (tests)
@@ -239,6 +239,12 @@ def gpu_devices() -> list[dict[str, Any]]:
         w.close()
 
 
+def fwd_config_for(problem: TuneProblem) -> KernelConfig:
+    """The forward that makes out and lse for a backward trial: the sm80 family's default on the problem's GPU
+    (the backward templates are sm80's; its out and lse are exact either way, verification says so)."""
+    return default_config(problem.head_dim, problem.dtype, problem.causal, problem.gpu_arch, "sm80")
+
+
 class GpuBackend:
     """Times configurations on one GPU: compile ahead, then verify and time in the worker.
 
@@ -260,20 +266,30 @@ class GpuBackend:
     def target(self, cfg: KernelConfig) -> str:
         return target_for(self.gpu_arch, cfg.family)
 
-    def prefetch(self, configs: list[KernelConfig], problem: TuneProblem) -> None:
+    def prefetch(self, configs: list[KernelConfig | BwdConfig], problem: TuneProblem) -> None:
+        if problem.pass_ == "bwd":
+            configs = [fwd_config_for(problem), *configs]
         for cfg in configs:
             self.compiler.submit(cfg, self.target(cfg))
 
-    def evaluate(self, config: KernelConfig, problem: TuneProblem) -> TrialResult:
+    def evaluate(self, config: KernelConfig | BwdConfig, problem: TuneProblem) -> TrialResult:
         try:
             kernel = self.compiler.get(config, self.target(config))
+            fwd = None
+            if problem.pass_ == "bwd":  # the forward that makes out and lse (compiled once, cached)
+                fwd_cfg = fwd_config_for(problem)
+                fwd = self.compiler.get(fwd_cfg, self.target(fwd_cfg))
         except CompileError as e:
             return TrialResult("compile_failed", reason=compile_reason(e))
         r = kernel.resources
         info = {"registers": r.registers, "spill_bytes": r.spill_stores + r.spill_loads, "smem_bytes": r.smem_bytes}
         try:
-            kind, value = self.worker.call("flashgen.worker:gpu_trial", kernel, problem, self.warmup, self.reps,
-                                           deadline_s=self.deadline_s)
+            if fwd is None:
+                kind, value = self.worker.call("flashgen.worker:gpu_trial", kernel, problem, self.warmup, self.reps,
+                                               deadline_s=self.deadline_s)
+            else:
+                kind, value = self.worker.call("flashgen.worker:gpu_trial_bwd", kernel, fwd, problem, self.warmup,
+                                               self.reps, deadline_s=self.deadline_s)
         except NoGpuError as e:  # the worker could not be restarted after a fault: still a value
             return TrialResult("error", reason=str(e), info=info)
         if kind != "ok":  # "error" (an exception in the worker, e.g. out of memory), "faulted" or "timeout"
@@ -350,6 +366,28 @@ def gpu_trial(kernel: CompiledKernel, problem: TuneProblem, warmup: int, reps: i
         return {"status": "verify_failed", "reason": vr.reason, "max_err": vr.max_err}
     b, sq, sk, h, hk = problem.shape()
     ms = time_kernel(kernel, b, sq, sk, h, hk, warmup=warmup, reps=reps)
+    torch.cuda.empty_cache()
+    return {"status": "ok", "ms": ms, "max_err": vr.max_err, "reason": ""}
+
+
+def gpu_trial_bwd(kernel: CompiledKernel, fwd_kernel: CompiledKernel, problem: TuneProblem, warmup: int,
+                  reps: int) -> dict[str, Any]:
+    """A backward trial: verify dq, dk, dv against float64 on fresh random inputs (the problem's shape
+    cut to fit the reference, see TuneProblem.verify_shape), then time the backward kernels alone."""
+    import torch  # noqa: PLC0415
+
+    from .bench import time_backward  # noqa: PLC0415
+    from .verify import verify_backward  # noqa: PLC0415
+
+    if os.environ.get(HANG_HOOK_ENV) == kernel.name:
+        time.sleep(1e6)
+    b, sq, sk, h, hk = problem.verify_shape()
+    vr = verify_backward(kernel, fwd_kernel, b, sq, sk, h, hk)
+    torch.cuda.empty_cache()
+    if not vr.ok:
+        return {"status": "verify_failed", "reason": vr.reason, "max_err": vr.max_err}
+    b, sq, sk, h, hk = problem.shape()
+    ms = time_backward(kernel, fwd_kernel, b, sq, sk, h, hk, warmup=warmup, reps=reps)
     torch.cuda.empty_cache()
     return {"status": "ok", "ms": ms, "max_err": vr.max_err, "reason": ""}
 

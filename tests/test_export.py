@@ -98,3 +98,57 @@ def test_exported_sm90_kernel_compiles_and_links_for_sm90a(tmp_path):
     proc = subprocess.run([NVCC, "-gencode", "arch=compute_90a,code=sm_90a", "-std=c++17", "-o", str(out / "app"),
                            str(out / "main.cu"), str(out / f"{cfg.name}.cu")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+BWD_MAIN = """\
+#include "{a}.h"
+#include "{b}.h"
+int main() {{
+    BwdParams p = {{}};
+    p.batch = 1; p.heads = 1; p.heads_k = 1; p.seqlen_q = 128; p.seqlen_k = 128;
+    static_assert(flashgen::{a}_launch::ROW_THREADS == 32 * flashgen::{a}_launch::ROW_WARPS, "row kernels");
+    static_assert(flashgen::{b}_launch::DETERMINISTIC, "the _dq kernel");
+    return (int)flashgen::{a}_launch::launch(p) + (int)flashgen::{b}_launch::launch(p, 0);
+}}
+"""
+
+
+def fill_bwd_store(tmp_path) -> list:
+    from flashgen.config import BwdConfig
+    from flashgen.problem import TuneProblem
+
+    cfgs = [BwdConfig(64, "bf16", True, 64, 64, 4), BwdConfig(128, "fp16", False, 64, 32, 8, deterministic=True)]
+    gpu, arch = "NVIDIA A100-SXM4-80GB", "sm80"
+    entries = {}
+    for c in cfgs:
+        p = TuneProblem(gpu, arch, "sm80", c.dtype, c.head_dim, c.causal, 4096, pass_="bwd")
+        entries[p.key] = {"config": c.to_dict(), "kernel": c.name, "median_ms": 1.0, "tflops": 1.0,
+                          "problem": p.to_dict()}
+    merge(store_path(gpu, arch, tmp_path), gpu, arch, entries)
+    return cfgs
+
+
+def test_export_writes_tuned_backwards(tmp_path):
+    cfgs = fill_bwd_store(tmp_path / "tuned")
+    files = export("sm80", tmp_path / "out", tmp_path / "tuned")
+    assert sorted(f.name for f in files) == sorted([f"{c.name}.cu" for c in cfgs] + [f"{c.name}.h" for c in cfgs]
+                                                   + ["manifest.json"])
+    man = {m["kernel"]: m for m in json.loads((tmp_path / "out" / "manifest.json").read_text())["kernels"]}
+    assert man[cfgs[0].name]["kernels"] == cfgs[0].kernel_names and man[cfgs[0].name]["threads"] == 128
+    h = (tmp_path / "out" / f"{cfgs[0].name}.h").read_text()
+    assert "struct BwdParams" in h and f"SMEM_BYTES = {cfgs[0].smem_bytes}" in h and f"{cfgs[0].name}_convert" in h
+    assert f"{cfgs[1].name}_dq<<<" in (tmp_path / "out" / f"{cfgs[1].name}.h").read_text()
+
+
+@needs_nvcc
+def test_exported_backward_compiles_and_links_with_plain_nvcc(tmp_path):
+    a, b = fill_bwd_store(tmp_path / "tuned")
+    out = tmp_path / "out"
+    export("sm80", out, tmp_path / "tuned")
+    (out / "main.cu").write_text(BWD_MAIN.format(a=a.name, b=b.name))
+    proc = subprocess.run([NVCC, "-arch=sm_80", "-std=c++17", "-o", str(out / "app"), str(out / "main.cu"),
+                           str(out / f"{a.name}.cu"), str(out / f"{b.name}.cu")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    host = subprocess.run(["g++" if shutil.which("g++") else "c++", "-std=c++17", "-fsyntax-only", "-x", "c++",
+                           str(out / f"{a.name}.h")], capture_output=True, text=True)
+    assert host.returncode == 0, host.stderr
