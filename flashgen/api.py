@@ -18,7 +18,7 @@ from typing import Any
 
 from .compile import CompiledKernel, Resources, compile_kernel, target_for
 from .config import FAMILIES, ConfigError, KernelConfig, arch_limits, default_config
-from .launch import launch_plan, make_plan, run, run_views, scale_args
+from .launch import STREAM_FOR_TORCH, launch_plan, make_plan, run, run_views, scale_args
 from .tensors import Problem, aligned_strides, check_qkv, is_torch, view
 
 STORE_CHECK_S = 1.0  # how often attention() looks whether a store file changed on disk
@@ -56,8 +56,7 @@ class Kernel:
         if is_torch(q):
             refuse_grad(q, k, v, "a loaded Kernel is forward only: call flashgen.attention, which has the backward")
             if stream is not None:
-                raise TypeError("stream= is for GPU arrays; torch tensors run on torch's current stream "
-                                "(use `with torch.cuda.stream(s):`)")
+                raise TypeError(STREAM_FOR_TORCH)
             out, lse = self.run_torch(q, k, v, softmax_scale, return_lse)
         else:
             out, lse, _ = run(self.compiled, q, k, v, softmax_scale, stream)
@@ -67,8 +66,7 @@ class Kernel:
         """(out, lse) for torch tensors: checked once per call signature (shapes, strides, dtypes,
         device, scale), then a dict lookup, five pointers packed and a launch. lse is None
         when not wanted (the kernel then skips it)."""
-        sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-               q.get_device(), k.get_device(), v.get_device(), softmax_scale)
+        sig = signature(q, k, v, softmax_scale)
         plan = self._plans.get(sig)
         if plan is None:
             plan = self._plans[sig] = self.plan(q, k, v, softmax_scale)
@@ -189,19 +187,22 @@ class Resolver:
         self._stamps: dict[Path, tuple | None] = {}
         self._checked = time.monotonic()
 
-    def _stale(self) -> bool:
+    def refresh(self) -> None:
+        """Forget everything if a store file read so far changed on disk (looked at most every check_every_s)."""
+        if not self._stamps:
+            return
         now = time.monotonic()
         if now - self._checked < self.check_every_s:
-            return False
+            return
         self._checked = now
-        return any(_stamp(path) != stamp for path, stamp in self._stamps.items())
+        if any(_stamp(path) != stamp for path, stamp in self._stamps.items()):
+            with self._lock:
+                self.clear()
 
     def kernel(self, device: int, head_dim: int, dtype: str, causal: bool, seqlen: int, family: str | None,
                tuned_dir: Path | str | None = None) -> Kernel:
         key = (device, head_dim, dtype, causal, family, tuned_dir)
-        if self._stamps and self._stale():
-            with self._lock:
-                self.clear()
+        self.refresh()
         hit = self._exact.get((key, seqlen))
         if hit is not None:
             return hit
@@ -285,22 +286,31 @@ def launch_torch(kern: Kernel, plan: Any, q: Any, k: Any, v: Any, softmax_scale:
     return res
 
 
+def signature(q: Any, k: Any, v: Any, softmax_scale: float | None) -> tuple:
+    """What a torch call's plan depends on: shapes, strides, dtypes, devices and scale."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+            q.get_device(), k.get_device(), v.get_device(), softmax_scale)
+
+
+def _checked(q: Any, k: Any, v: Any, softmax_scale: float | None, arch: str | None) -> tuple:
+    """(q, k, v views, problem) after every check a call gets before any GPU work."""
+    qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
+    prob: Problem = check_qkv(qv, kv, vv)
+    if arch is not None and arch not in FAMILIES:
+        raise ValueError(f"arch={arch!r} is not a template family; choose one of {', '.join(FAMILIES)}")
+    scale_args(softmax_scale, prob.head_dim)  # a bad scale is refused here too
+    return qv, kv, vv, prob
+
+
 def forward_torch(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, arch: str | None,
                   want_lse: bool = True) -> tuple[Any, Any]:
     """`forward` for torch tensors: one dict lookup from the call's signature to its kernel and plan."""
     r = _resolver
-    if r._stamps and r._stale():
-        with r._lock:
-            r.clear()
-    sig = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-           q.get_device(), k.get_device(), v.get_device(), softmax_scale, causal, arch)
+    r.refresh()
+    sig = (*signature(q, k, v, softmax_scale), causal, arch)
     hit = r._by_signature.get(sig)
     if hit is None:
-        qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
-        prob = check_qkv(qv, kv, vv)
-        if arch is not None and arch not in FAMILIES:
-            raise ValueError(f"arch={arch!r} is not a template family; choose one of {', '.join(FAMILIES)}")
-        scale_args(softmax_scale, prob.head_dim)  # a bad scale is refused before any GPU work
+        qv, _, _, prob = _checked(q, k, v, softmax_scale, arch)
         kern = r.kernel(qv.device, prob.head_dim, prob.dtype, causal, prob.seqlen_k, arch)
         hit = (kern, kern.plan(q, k, v, softmax_scale))
         if len(r._by_signature) > 4096:
@@ -311,21 +321,16 @@ def forward_torch(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | N
 
 def forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, arch: str | None,
             stream: Any = None) -> tuple[Any, Any]:
-    """(out, lse) through the resolved kernel: the eager body of `attention` and of the torch operator."""
-    if stream is None and is_torch(q):
+    """(out, lse) through the resolved kernel: the eager body of `attention` and of the torch operator.
+    GPU arrays run in the current context, on `stream`."""
+    if is_torch(q):
+        if stream is not None:
+            raise TypeError(STREAM_FOR_TORCH)
         return forward_torch(q, k, v, causal, softmax_scale, arch)
-    qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
-    prob: Problem = check_qkv(qv, kv, vv)
-    if arch is not None and arch not in FAMILIES:
-        raise ValueError(f"arch={arch!r} is not a template family; choose one of {', '.join(FAMILIES)}")
-    scale_args(softmax_scale, prob.head_dim)  # a bad scale is refused before any GPU work
-    if qv.kind == "torch":
-        device = qv.device
-    else:
-        from .driver import context_device  # noqa: PLC0415
+    from .driver import context_device  # noqa: PLC0415
 
-        device = context_device()
-    kern = _resolver.kernel(device, prob.head_dim, prob.dtype, causal, prob.seqlen_k, arch)
+    qv, kv, vv, prob = _checked(q, k, v, softmax_scale, arch)
+    kern = _resolver.kernel(context_device(), prob.head_dim, prob.dtype, causal, prob.seqlen_k, arch)
     out, lse, _ = run_views(kern.compiled, qv, kv, vv, prob, softmax_scale, stream)
     return out, lse
 
@@ -347,8 +352,7 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
         from . import ops  # noqa: PLC0415  (registers the operator; needs torch, which q proves is there)
 
         if stream is not None:
-            raise TypeError("stream= is for GPU arrays; torch tensors run on torch's current stream "
-                            "(use `with torch.cuda.stream(s):`)")
+            raise TypeError(STREAM_FOR_TORCH)
         out, lse = ops.attention(q, k, v, causal, softmax_scale, arch, return_lse)
     else:
         out, lse = forward(q, k, v, causal, softmax_scale, arch, stream)

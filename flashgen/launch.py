@@ -37,6 +37,9 @@ class FwdParams(ctypes.Structure):
 # The same bytes as FwdParams, packed in one call (a ctypes Structure costs several microseconds).
 _FWD = struct.Struct("=5Q12q5i2f4x")
 assert _FWD.size == ctypes.sizeof(FwdParams)
+_SM90_BYTES = -(-(3 * 128 + _FWD.size) // 128) * 128  # sizeof(Sm90FwdParams): CUtensorMap's alignment pads the tail
+STREAM_FOR_TORCH = ("stream= is for GPU arrays; torch tensors run on torch's current stream "
+                    "(use `with torch.cuda.stream(s):`)")
 
 
 def scale_args(softmax_scale: float | None, head_dim: int) -> tuple[float, float]:
@@ -59,19 +62,21 @@ def pack_params(q: View, k: View, v: View, o: View, lse_ptr: int, prob: Problem,
                      prob.batch, prob.heads, prob.heads_k, prob.seqlen_q, prob.seqlen_k, scale, scale_log2)
 
 
+def tmap_geometry(q: View, k: View, v: View, prob: Problem, cfg: KernelConfig) -> tuple:
+    """(dims, byte strides, box) of the q, k, v tensor maps: 4-d over (head_dim, seqlen, heads, batch),
+    boxes of SMEM_W x block_m (q) or block_n (k, v) rows."""
+    return tuple(((prob.head_dim, n, heads, prob.batch), (2 * t.strides[1], 2 * t.strides[2], 2 * t.strides[0]),
+                  (cfg.smem_w, rows, 1, 1))
+                 for t, n, heads, rows in ((q, prob.seqlen_q, prob.heads, cfg.block_m),
+                                           (k, prob.seqlen_k, prob.heads_k, cfg.block_n),
+                                           (v, prob.seqlen_k, prob.heads_k, cfg.block_n)))
+
+
 def sm90_params(p: bytes | FwdParams, q: View, k: View, v: View, prob: Problem, cfg: KernelConfig) -> bytes:
     """Bytes of `struct Sm90FwdParams` (templates/sm90/params.cuh.j2): TMA maps of q, k, v at 0, 128, 256, then FwdParams."""
-    d, width, block_m, block_n = prob.head_dim, cfg.smem_w, cfg.block_m, cfg.block_n
-
-    def tmap(t: View, seqlen: int, heads: int, rows: int) -> bytes:
-        dims = (d, seqlen, heads, prob.batch)
-        strides = (2 * t.strides[1], 2 * t.strides[2], 2 * t.strides[0])
-        return driver.tensor_map(prob.dtype, t.ptr, dims, strides, (width, rows, 1, 1), 2 * width)  # cached by args
-
-    blob = (tmap(q, prob.seqlen_q, prob.heads, block_m) + tmap(k, prob.seqlen_k, prob.heads_k, block_n)
-            + tmap(v, prob.seqlen_k, prob.heads_k, block_n) + bytes(p))
-    size = -(-len(blob) // 128) * 128  # sizeof(Sm90FwdParams): CUtensorMap's alignment pads the tail
-    return blob.ljust(size, b"\0")
+    maps = b"".join(driver.tensor_map(prob.dtype, t.ptr, dims, strides, box, 2 * cfg.smem_w)  # cached by args
+                    for t, (dims, strides, box) in zip((q, k, v), tmap_geometry(q, k, v, prob, cfg)))
+    return (maps + bytes(p)).ljust(_SM90_BYTES, b"\0")
 
 
 def _empty(like: View, shape: tuple[int, ...], dtype: str) -> Any:
@@ -164,14 +169,8 @@ def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
     """`run` on inputs already viewed and checked (check_qkv)."""
     torch_in = qv.kind == "torch"
     if stream is not None and torch_in:
-        raise TypeError("stream= is for GPU arrays; torch tensors run on torch's current stream "
-                        "(use `with torch.cuda.stream(s):`)")
-    cfg = kernel.config
-    if prob.head_dim != cfg.head_dim or prob.dtype != cfg.dtype:
-        raise ValueError(
-            f"kernel {cfg.name} is for head_dim={cfg.head_dim}, dtype={cfg.dtype}; "
-            f"got head_dim={prob.head_dim}, dtype={prob.dtype}"
-        )
+        raise TypeError(STREAM_FOR_TORCH)
+    cfg = _checked_kernel(kernel, prob)
     scale, scale_log2 = scale_args(softmax_scale, prob.head_dim)
     if not (aligned(qv) and aligned(kv) and aligned(vv)):
         qv, kv, vv = (_fix_alignment(t, n) for t, n in ((qv, "q"), (kv, "k"), (vv, "v")))
@@ -194,10 +193,7 @@ def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
         _fill_empty(out, lse)
         return out, lse, prob
     if torch_in:
-        dev = qv.device
-        driver.use_device(dev)  # the tensors' device, whatever device is current (tensor maps need it too)
-        fn = driver.get_function(kernel.cubin, cfg.name, cfg.smem_bytes, kernel.digest, driver.primary_context_id(dev))
-        handle = _current_stream(dev)
+        fn, handle = _torch_function(kernel, qv.device), _current_stream(qv.device)
     else:
         ctx, dev = driver.current_context(), driver.context_device()  # GPU arrays run in the current context
         for name, t in (("q", qv), ("k", kv), ("v", vv), ("out", ov)):
@@ -210,6 +206,22 @@ def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
         params = sm90_params(params, qv, kv, vv, prob, cfg)
     fn.launch(grid, cfg.threads, params, handle)
     return out, lse, prob
+
+
+def _checked_kernel(kernel: CompiledKernel, prob: Problem) -> KernelConfig:
+    cfg = kernel.config
+    if prob.head_dim != cfg.head_dim or prob.dtype != cfg.dtype:
+        raise ValueError(f"kernel {cfg.name} is for head_dim={cfg.head_dim}, dtype={cfg.dtype}; "
+                         f"got head_dim={prob.head_dim}, dtype={prob.dtype}")
+    return cfg
+
+
+def _torch_function(kernel: CompiledKernel, device: int) -> driver.Function:
+    """The kernel loaded in `device`'s primary context, made current first (whatever device was current):
+    torch tensors run where they live, and tensor maps need that context too."""
+    driver.use_device(device)
+    cfg = kernel.config
+    return driver.get_function(kernel.cubin, cfg.name, cfg.smem_bytes, kernel.digest, driver.primary_context_id(device))
 
 
 class Plan(NamedTuple):
@@ -231,23 +243,16 @@ class Plan(NamedTuple):
 
 def make_plan(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Problem, softmax_scale: float | None) -> Plan:
     """The plan of torch inputs already viewed and checked (check_qkv), with aligned strides."""
-    cfg = kernel.config
-    if prob.head_dim != cfg.head_dim or prob.dtype != cfg.dtype:
-        raise ValueError(f"kernel {cfg.name} is for head_dim={cfg.head_dim}, dtype={cfg.dtype}; "
-                         f"got head_dim={prob.head_dim}, dtype={prob.dtype}")
+    cfg = _checked_kernel(kernel, prob)
     scale, scale_log2 = scale_args(softmax_scale, prob.head_dim)
     b, sq, sk, h, hk, d = prob.batch, prob.seqlen_q, prob.seqlen_k, prob.heads, prob.heads_k, prob.head_dim
     o_strides = (sq * h * d, h * d, d)  # a fresh contiguous out
     fields = (*qv.strides[:3], *kv.strides[:3], *vv.strides[:3], *o_strides, b, h, hk, sq, sk, scale, scale_log2)
     fn, tmaps = None, None
     if b * h * sq and sk:
-        driver.use_device(qv.device)
-        fn = driver.get_function(kernel.cubin, cfg.name, cfg.smem_bytes, kernel.digest,
-                                 driver.primary_context_id(qv.device))
+        fn = _torch_function(kernel, qv.device)
         if cfg.family == "sm90":
-            tmaps = tuple(((d, n, heads, b), (2 * t.strides[1], 2 * t.strides[2], 2 * t.strides[0]), (cfg.smem_w, rows, 1, 1))
-                          for t, n, heads, rows in ((qv, sq, h, cfg.block_m), (kv, sk, hk, cfg.block_n),
-                                                    (vv, sk, hk, cfg.block_n)))
+            tmaps = tmap_geometry(qv, kv, vv, prob, cfg)
     return Plan(qv.device, fn, cfg.threads, cfg.grid(b, h, sq) if b * h * sq else (0, 1, 1), (b, sq, h, d), (b, h, sq),
                 fields, tmaps, prob.dtype, 2 * cfg.smem_w, {})
 
@@ -261,10 +266,7 @@ def launch_plan(plan: Plan, q: Any, k: Any, v: Any, want_lse: bool = True) -> tu
     out = q.new_empty(plan.o_shape)
     lse = q.new_empty(plan.lse_shape, dtype=_float32()) if want_lse else None
     if plan.fn is None:
-        if out.numel():
-            out.zero_()
-            if lse is not None:
-                lse.fill_(math.inf)
+        _fill_empty(out, lse)
         return out, lse
     driver.use_device(plan.device)
     params = _FWD.pack(qp, kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr(), *plan.fields)
@@ -279,9 +281,6 @@ def launch_plan(plan: Plan, q: Any, k: Any, v: Any, want_lse: bool = True) -> tu
         params = (maps + params).ljust(_SM90_BYTES, b"\0")
     plan.fn.launch(plan.grid, plan.threads, params, _current_stream(plan.device))
     return out, lse
-
-
-_SM90_BYTES = -(-(3 * 128 + _FWD.size) // 128) * 128  # sizeof(Sm90FwdParams)
 
 
 @functools.lru_cache(maxsize=1)
@@ -300,12 +299,15 @@ def _current_stream(device: int) -> int:
 
 
 def _fill_empty(out: Any, lse: Any) -> None:
+    """No key at all: O = 0 and LSE = +inf (lse may be None: not wanted)."""
     if hasattr(out, "zero_"):
         out.zero_()
-        lse.fill_(math.inf)
+        if lse is not None:
+            lse.fill_(math.inf)
     else:
         out.fill(0)
-        lse.fill(math.inf)
+        if lse is not None:
+            lse.fill(math.inf)
 
 
 __all__ = ["FwdParams", "pack_params", "run", "run_views", "scale_args"]

@@ -17,6 +17,24 @@ def gpu_missing_reason() -> str | None:
     return None
 
 
+def tuner_missing_reason() -> str | None:
+    """Why a real tune cannot run here (it also needs pycuda), or None."""
+    import importlib.util  # noqa: PLC0415
+
+    for mod in ("torch", "pycuda"):
+        if importlib.util.find_spec(mod) is None:
+            return f"{mod} is not installed"
+    import torch  # noqa: PLC0415
+
+    return None if torch.cuda.is_available() else "no CUDA GPU visible to torch"
+
+
+def needs_gpu_tuner() -> list:
+    """pytestmark of the tests that run a real tune on the GPU."""
+    reason = tuner_missing_reason()
+    return [pytest.mark.gpu, pytest.mark.skipif(reason is not None, reason=f"needs a GPU: {reason}")]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     reason = gpu_missing_reason()
     if reason is None:

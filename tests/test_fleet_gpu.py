@@ -9,7 +9,6 @@ so the wall times compare the tuners, not nvcc.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,22 +17,14 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import needs_gpu_tuner
 
 REPO = Path(__file__).resolve().parent.parent
 SPACE = ["--arch", "sm80", "--head-dim", "64", "--dtype", "bf16,fp16", "--causal", "both", "--seqlen", "1024,4096",
          "--block-m", "64,128", "--block-n", "64,128", "--num-warps", "4", "--num-stages", "2"]
 
 
-def _missing() -> str | None:
-    for mod in ("torch", "pycuda"):
-        if importlib.util.find_spec(mod) is None:
-            return f"{mod} is not installed"
-    import torch  # noqa: PLC0415
-
-    return None if torch.cuda.is_available() else "no CUDA GPU visible to torch"
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_missing() is not None, reason=f"needs a GPU: {_missing()}")]
+pytestmark = needs_gpu_tuner()
 
 
 def cli(*args: str, env: dict, timeout: float = 560) -> tuple[float, str]:

@@ -4,27 +4,18 @@ Run on a GPU machine: python -m pytest -q -m gpu tests/test_tune_gpu.py
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import needs_gpu_tuner
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _missing() -> str | None:
-    for mod in ("torch", "pycuda"):
-        if importlib.util.find_spec(mod) is None:
-            return f"{mod} is not installed"
-    import torch  # noqa: PLC0415
-
-    return None if torch.cuda.is_available() else "no CUDA GPU visible to torch"
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_missing() is not None, reason=f"needs a GPU: {_missing()}")]
+pytestmark = needs_gpu_tuner()
 
 
 def test_short_tune_survives_a_fault_and_a_hang_and_load_uses_it(tmp_path, monkeypatch):
