@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "both"), default="fwd",
                    help="time the forward, the backward (flashgen's backward kernels against SDPA's backward "
                         "per peer; 2.5x the forward's FLOPs) or both (default fwd)")
+    b.add_argument("--kind", choices=("dense", "decode", "varlen", "window", "serving"), default="dense",
+                   help="dense: the grid above; decode: KV-cache decoding (contiguous and paged) against a copy of "
+                        "the same bytes and SDPA; varlen: a packed causal batch against the dense kernels; window: a "
+                        "causal sliding window at N=16384; serving: the last three (default dense)")
     b.add_argument("--peers", type=str_list, default=["flash", "cudnn"],
                    help="SDPA backends to compare with: flash,cudnn,efficient (default flash,cudnn)")
     b.add_argument("--out", type=Path, default=None, help="write <gpu>-<date>.json/.csv/.png here")
@@ -578,8 +582,50 @@ def check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def bench_serving(args: argparse.Namespace) -> int:
+    """`bench --kind decode|varlen|window|serving`: each serving path beside its same-run reference."""
+    import datetime
+    import json
+
+    from flashgen import __version__
+    from flashgen import bench_serving as bs
+
+    try:
+        import torch
+    except ImportError:
+        raise CliError("bench needs torch with CUDA on a GPU machine") from None
+    if not torch.cuda.is_available():
+        raise CliError("bench needs a CUDA GPU; none is visible")
+    gpu = torch.cuda.get_device_name()
+    kinds = ("decode", "varlen", "window") if args.kind == "serving" else (args.kind,)
+    dtype = args.dtype[0]
+    result: dict = {"gpu": gpu, "date": str(datetime.date.today()), "flashgen": __version__, "torch": torch.__version__,
+                    "dtype": dtype}
+    if "decode" in kinds:
+        result["decode"] = bs.decode_rows(128, dtype)
+        print(f"{gpu}, {datetime.date.today()}: decode, heads 32/8, d128, {dtype}, seqlen_q 1. kernel: device time "
+              "(CUDA events, GPU kept busy ahead); b2b: attention_with_kvcache back to back (validate=False); "
+              "validated: with the default checks (one host sync per call)")
+        print(bs.decode_table(result["decode"]))
+    if "varlen" in kinds:
+        result["varlen"] = bs.varlen_rows(128, dtype)
+    if "window" in kinds:
+        result["window"] = bs.window_rows(128, dtype)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = args.out / f"{gpu.lower().replace(' ', '-')}-{datetime.date.today()}-{args.kind}"
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        if "decode" in result:
+            bs.plot_decode(result["decode"], stem.with_suffix(".png"))
+        print(f"wrote {stem}.json" + (f", {stem}.png" if "decode" in result else ""))
+    return 0
+
+
 def bench(args: argparse.Namespace) -> int:
     import datetime
+
+    if args.kind != "dense":
+        return bench_serving(args)
 
     from flashgen import __version__
     from flashgen.compare import (PEERS, SimulatedRunner, TorchRunner, grid, host_line, host_problem, matmul_ceiling,

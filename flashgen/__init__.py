@@ -8,9 +8,10 @@ from .api import Kernel, attention, choose_config, load, reload
 from .compile import CompileError, CompiledKernel, Resources, compile_kernel
 from .config import ConfigError, KernelConfig, default_config, space
 from .render import render
+from .serving import attention_varlen, attention_with_kvcache
 from .store import StoreError
 
 __all__ = [
-    "__version__", "attention", "load", "reload", "Kernel", "choose_config", "KernelConfig", "ConfigError", "default_config",
+    "__version__", "attention", "attention_varlen", "attention_with_kvcache", "load", "reload", "Kernel", "choose_config", "KernelConfig", "ConfigError", "default_config",
     "space", "render", "compile_kernel", "CompiledKernel", "CompileError", "Resources", "StoreError",
 ]

@@ -14,12 +14,19 @@ HEAD_DIMS = (32, 64, 96, 128, 256)
 DTYPES = ("fp16", "bf16")
 BLOCK_MS = (64, 128, 192, 256)
 BLOCK_NS = (32, 64, 96, 128, 160, 176, 192, 256)
-NUM_WARPS = (2, 4, 8, 12, 16)
+NUM_WARPS = (1, 2, 4, 8, 12, 16)
 NUM_STAGES = (1, 2, 3, 4)
 ELEM_BYTES = 2  # fp16 and bf16
 # sm80: warps split block_m into 16-row mma tiles. sm90: one producer warpgroup plus one
 # consumer warpgroup per 64 rows of block_m (wgmma is m64), so num_warps follows block_m.
-FAMILY_BLOCK_MS = {"sm80": (64, 128, 256), "sm90": (64, 128, 192)}
+FAMILY_BLOCK_MS = {"sm80": (16, 32, 64, 128, 256), "sm90": (64, 128, 192)}
+COMBINE_WARPS = 4  # (row, head) pairs per block of the split-KV combine kernel (a warp each)
+# Row blocks below 64 (and one-warp blocks) serve few query rows (decode); dense spaces keep to 64 and up.
+DENSE_MIN_BLOCK_M = 64
+# Serving features of a forward kernel (sm80 family): each a compile-time switch, off = not in the code.
+FEATURES = ("varlen", "paged", "split", "pack_gqa", "window", "softcap", "alibi")
+_FEATURE_TAGS = {"varlen": "vl", "paged": "pg", "split": "sp", "pack_gqa": "pk", "window": "win", "softcap": "sc",
+                 "alibi": "al"}
 # wgmma takes any N that is a multiple of 8 (16 here, for the P V k-steps); mma.sync tiles stay powers of two.
 FAMILY_BLOCK_NS = {"sm80": (32, 64, 128, 256), "sm90": (64, 96, 128, 160, 176, 192, 256)}
 # sm90 consumers get registers from the producer through setmaxnreg: (producer, consumer)
@@ -99,6 +106,14 @@ class KernelConfig(_AsDict):
     family: str = "sm80"
     overlap: bool = False  # sm90: issue the next S = QK^T alongside this tile's P V
     pingpong: bool = False  # sm90: the two consumer warpgroups take turns issuing GEMMs
+    # Serving features (sm80 family; see FEATURES and templates/sm80/serve.cuh.j2):
+    varlen: bool = False  # per-sequence offsets (cu_seqlens) and key counts (seqused_k: KV cache lengths)
+    paged: bool = False  # K/V pages through a block table
+    split: bool = False  # split-KV: partial results per key range, merged by the _combine kernel
+    pack_gqa: bool = False  # the query heads of one KV head share a tile (K/V read once per KV head)
+    window: bool = False  # sliding window
+    softcap: bool = False  # scores = softcap * tanh(scores / softcap)
+    alibi: bool = False  # scores -= slope * |i + seqlen_k - seqlen_q - j|
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
@@ -111,6 +126,15 @@ class KernelConfig(_AsDict):
         _check_choice("num_stages", self.num_stages, NUM_STAGES)
         _check_choice("overlap", self.overlap, (False, True))
         _check_choice("pingpong", self.pingpong, (False, True))
+        for f in FEATURES:
+            _check_choice(f, getattr(self, f), (False, True))
+        if self.serving and self.family != "sm80":
+            raise ConfigError(f"serving features ({', '.join(self.features)}) are built in family sm80 (it runs on "
+                              f"Hopper too), not {self.family}")
+        if self.paged and not self.varlen:
+            raise ConfigError("paged=True needs varlen=True (a paged cache has per-sequence lengths)")
+        if self.pack_gqa and self.alibi:
+            raise ConfigError("pack_gqa and alibi do not combine (ALiBi slopes differ between the packed heads)")
         if self.family != "sm90" and (self.overlap or self.pingpong):
             raise ConfigError(f"overlap and pingpong are sm90-family knobs; family {self.family} has neither")
         if self.pingpong and self.consumers != 2:
@@ -138,7 +162,24 @@ class KernelConfig(_AsDict):
             f"fwd_{self.family}_d{self.head_dim}_{self.dtype}_{mask}"
             f"_bm{self.block_m}_bn{self.block_n}_w{self.num_warps}_s{self.num_stages}"
         )
-        return name + f"_ov{int(self.overlap)}_pp{int(self.pingpong)}" if self.family == "sm90" else name
+        if self.family == "sm90":
+            return name + f"_ov{int(self.overlap)}_pp{int(self.pingpong)}"
+        return name + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The serving features this kernel was generated with, in FEATURES order."""
+        return tuple(f for f in FEATURES if getattr(self, f))
+
+    @property
+    def serving(self) -> bool:
+        """Takes ServeParams (templates/common/serve_params.cuh.j2) rather than FwdParams."""
+        return any(getattr(self, f) for f in FEATURES)
+
+    @property
+    def kernel_names(self) -> dict[str, str]:
+        """Role -> `__global__` name of every kernel in the rendered file (split-KV adds its combine)."""
+        return {"main": self.name, "combine": f"{self.name}_combine"} if self.split else {"main": self.name}
 
     @property
     def threads(self) -> int:
@@ -210,9 +251,9 @@ def space(family: str, head_dim: int, dtype: str, causal: bool) -> list[KernelCo
     Arch fit is not checked here (see `KernelConfig.unfit_reason`)."""
     _check_choice("family", family, FAMILIES)
     out = []
-    for bm in FAMILY_BLOCK_MS[family]:
+    for bm in (b for b in FAMILY_BLOCK_MS[family] if b >= DENSE_MIN_BLOCK_M):
         for bn in FAMILY_BLOCK_NS[family]:
-            for w in (NUM_WARPS if family == "sm80" else (4 * (1 + bm // 64),)):
+            for w in ([w for w in NUM_WARPS if w > 1] if family == "sm80" else (4 * (1 + bm // 64),)):
                 for s in NUM_STAGES:
                     for ov, pp in ([(False, False)] if family == "sm80" else
                                    [(False, False), (True, False), (False, True), (True, True)]):

@@ -6,7 +6,7 @@ import functools
 import jinja2
 
 from .__version__ import __version__
-from .config import BWD_ROW_WARPS, SM90_REGS, BwdConfig, KernelConfig
+from .config import BWD_ROW_WARPS, COMBINE_WARPS, SM90_REGS, BwdConfig, KernelConfig
 from .paths import templates_dir
 
 # dtype -> (C++ element type, its 2-vector, the float2 packer, the PTX mma type)
@@ -39,7 +39,7 @@ def render(cfg: KernelConfig | BwdConfig) -> str:
     producer_regs, consumer_regs = SM90_REGS.get(cfg.consumers, (None, None)) if cfg.family == "sm90" else (None, None)
     return template.render(
         cfg=cfg, version=__version__, elem_t=elem_t, elem2_t=elem2_t, pack_fn=pack_fn, ptx_type=ptx_type,
-        producer_regs=producer_regs, consumer_regs=consumer_regs,
+        producer_regs=producer_regs, consumer_regs=consumer_regs, combine_warps=COMBINE_WARPS,
     )
 
 

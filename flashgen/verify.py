@@ -249,3 +249,38 @@ def verify_backward(kernel: CompiledKernel, fwd_kernel: CompiledKernel, batch: i
     got = backward(kernel, q, k, v, out, dout, lse, softmax_scale, *buffers)
     torch.cuda.synchronize()
     return judge_backward(got, q, k, v, dout, cfg.causal, scale, buffers)
+
+
+def attention_mods_ref(q: Any, k: Any, v: Any, causal: bool, scale: float, window: tuple[int, int] = (-1, -1),
+                       softcap: float = 0.0, slopes: Any = None, dtype: Any = None) -> tuple[Any, Any]:
+    """One sequence, q (seqlen_q, heads, d) against k, v (seqlen_k, heads_k, d), computed in `dtype`
+    (float64: the reference; q's dtype: what PyTorch's own error is): (out, lse (heads, seqlen_q)),
+    with the serving score modifiers (window aligned like causal, softcap, ALiBi slopes (heads,)).
+    A row that sees no key gives O = 0, LSE = +inf."""
+    import torch  # noqa: PLC0415
+
+    dtype = dtype or torch.float64
+    sq, h, _ = q.shape
+    sk, hk = k.shape[:2]
+    qf = q.to(dtype).transpose(0, 1)
+    kf = k.to(dtype).repeat_interleave(h // hk, dim=1).transpose(0, 1)
+    vf = v.to(dtype).repeat_interleave(h // hk, dim=1).transpose(0, 1)
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)  # the row's diagonal key
+    j = torch.arange(sk, device=q.device)[None, :]
+    if slopes is not None:
+        s = s - slopes.to(s.dtype)[:, None, None] * (i - j).abs().to(s.dtype)
+    left, right = window
+    right = 0 if causal else right
+    mask = torch.zeros(sq, sk, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        mask |= j > i + right
+    if left >= 0:
+        mask |= j < i - left
+    s = s.masked_fill(mask, float("-inf"))
+    lse = torch.logsumexp(s.double(), dim=-1)  # (h, sq)
+    p = torch.exp(s.double() - lse[..., None]).nan_to_num(0.0).to(vf.dtype)
+    out = (p @ vf).transpose(0, 1)
+    return out, lse.nan_to_num(nan=math.inf, neginf=math.inf)

@@ -34,7 +34,10 @@ def test_suite_configs(arch: str) -> set[KernelConfig | BwdConfig]:
     out |= set(test_gpu_api.family_configs(arch))
     import test_gpu_bwd  # noqa: PLC0415
 
-    return out | set(test_gpu_bwd.bwd_configs(arch)) | set(test_gpu_bwd.forward_configs(arch))
+    import test_gpu_serving  # noqa: PLC0415
+
+    return (out | set(test_gpu_bwd.bwd_configs(arch)) | set(test_gpu_bwd.forward_configs(arch))
+            | test_gpu_serving.serving_configs(arch))
 
 
 def store_configs(arch: str) -> set[KernelConfig]:

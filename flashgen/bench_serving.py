@@ -1,0 +1,210 @@
+"""Bench of the serving paths on a GPU (`cli.py bench --kind decode|varlen|window`), each point beside
+its same-run reference: decode reads K/V against a device-to-device copy of as many bytes and SDPA;
+varlen and window count useful FLOPs against flashgen's dense kernels at the same work.
+
+Figures per point: `kernel` (CUDA events with the GPU kept busy ahead of each call: device time),
+`b2b` (the public call back to back, host cost included) and, for decode, host microseconds per call.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any, Callable
+
+from .bench import median_ms, time_cuda
+from .compare import back_to_back_ms, host_us_per_call
+
+DECODE_POINTS = [(1, 1024), (1, 8192), (1, 131072), (8, 32768), (32, 8192), (128, 4096)]  # (batch, cache length)
+DECODE_HEADS = (32, 8)
+PAGE_SIZES = (0, 16, 256)  # 0: contiguous
+
+
+def copy_tb_s(nbytes: int) -> float:
+    """TB/s of a device-to-device copy of nbytes (bytes read + bytes written over the time)."""
+    import torch  # noqa: PLC0415
+
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = median_ms(time_cuda(lambda i: dst.copy_(src), warmup=5, reps=30))
+    return 2 * nbytes / (ms * 1e-3) / 1e12
+
+
+def _paged(cache: Any, page_size: int) -> tuple[Any, Any]:
+    """The same cache as shuffled pages: (pool, block_table)."""
+    import torch  # noqa: PLC0415
+
+    b, n, hk, d = cache.shape
+    pages = n // page_size
+    perm = torch.randperm(b * pages, device=cache.device)
+    pool = torch.empty((b * pages, page_size, hk, d), dtype=cache.dtype, device=cache.device)
+    pool[perm] = cache.view(b * pages, page_size, hk, d)
+    return pool, perm.view(b, pages).to(torch.int32)
+
+
+def decode_rows(head_dim: int = 128, dtype: str = "bf16", points: list[tuple[int, int]] | None = None,
+                splits_sweep: tuple[int, ...] = (1, 4, 16, 64), progress: Callable[[str], None] = print) -> list[dict]:
+    """One row per (batch, cache length, page size): flashgen's K/V read rate (device time and back to
+    back) against a copy of the same bytes and SDPA on the same (contiguous) cache."""
+    import torch  # noqa: PLC0415
+
+    from . import attention_with_kvcache  # noqa: PLC0415
+
+    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    h, hk = DECODE_HEADS
+    rows = []
+    for batch, n in points or DECODE_POINTS:
+        kv_bytes = 2 * batch * n * hk * head_dim * 2
+        copy = copy_tb_s(kv_bytes)
+        q = torch.randn(batch, 1, h, head_dim, device="cuda", dtype=tdt)
+        kc = torch.randn(batch, n, hk, head_dim, device="cuda", dtype=tdt)
+        vc = torch.randn_like(kc)
+        lens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+        sdpa_ms = median_ms(time_cuda(lambda i: sdpa(qt, kt, vt, enable_gqa=True), warmup=3, reps=20))
+        for page in PAGE_SIZES:
+            if page and n % page:
+                continue
+            k_arg, v_arg, table = kc, vc, None
+            if page:  # the same cache as shuffled pages, one table for K and V
+                k_arg, table = _paged(kc, page)
+                v_arg = torch.empty_like(k_arg)
+                v_arg[table.view(-1).long()] = vc.view(-1, page, hk, head_dim)
+
+            def call(splits: int = 0, validate: bool = False) -> Any:
+                return attention_with_kvcache(q, k_arg, v_arg, cache_seqlens=lens, block_table=table,
+                                              num_splits=splits, validate=validate)
+
+            kern_ms = median_ms(time_cuda(lambda i: call(), warmup=5, reps=30))
+            b2b = back_to_back_ms(lambda i: call(), calls=50)
+            b2b_checked = back_to_back_ms(lambda i: call(validate=True), calls=20)
+            sweep = {s: median_ms(time_cuda(lambda i, s=s: call(s), warmup=3, reps=15)) for s in splits_sweep}
+            host = host_us_per_call({"call": lambda: call()}, calls=50, loops=3)["call"] if batch * n <= 8192 else None
+            row = {"batch": batch, "cache": n, "page": page, "kv_bytes": kv_bytes, "copy_tb_s": copy,
+                   "kernel_us": kern_ms * 1e3, "b2b_us": b2b * 1e3, "b2b_validated_us": b2b_checked * 1e3,
+                   "tb_s": kv_bytes / (kern_ms * 1e-3) / 1e12, "b2b_tb_s": kv_bytes / (b2b * 1e-3) / 1e12,
+                   "sdpa_us": sdpa_ms * 1e3, "sdpa_tb_s": kv_bytes / (sdpa_ms * 1e-3) / 1e12,
+                   "splits_us": {s: t * 1e3 for s, t in sweep.items()}, "host_us": host}
+            row["of_copy"] = row["tb_s"] / copy
+            rows.append(row)
+            progress(f"decode b{batch} n{n} page{page}: {row['tb_s']:.2f} TB/s ({row['of_copy']:.0%} of copy "
+                     f"{copy:.2f}), b2b {row['b2b_tb_s']:.2f}, SDPA {row['sdpa_tb_s']:.2f}")
+    return rows
+
+
+def _causal_flops(lq: int, lk: int, d: int, h: int, window: int = -1) -> float:
+    """4 * d * h * (query, key) pairs seen under a bottom-right causal mask (and a left window)."""
+    pairs = 0
+    shift = lk - lq
+    for i in range(lq):
+        hi = min(lk, i + shift + 1)
+        lo = max(0, i + shift - window) if window >= 0 else 0
+        pairs += max(0, hi - lo)
+    return 4.0 * d * h * pairs
+
+
+def varlen_rows(head_dim: int = 128, dtype: str = "bf16", n_seqs: int = 64, lo: int = 64, hi: int = 8192,
+                seed: int = 0, progress: Callable[[str], None] = print) -> list[dict]:
+    """A packed causal batch of n_seqs lengths drawn log-uniformly from [lo, hi], against flashgen's dense
+    causal kernels (each family) at the mean length with the same token count."""
+    import random
+
+    import torch  # noqa: PLC0415
+
+    import flashgen  # noqa: PLC0415
+
+    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    h = 2048 // head_dim
+    rng = random.Random(seed)
+    lens = [int(math.exp(rng.uniform(math.log(lo), math.log(hi)))) for _ in range(n_seqs)]
+    total = sum(lens)
+    cu = torch.tensor([0, *__import__("itertools").accumulate(lens)], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(total, h, head_dim, device="cuda", dtype=tdt) for _ in range(3))
+    flops = sum(_causal_flops(n, n, head_dim, h) for n in lens)
+    ms = median_ms(time_cuda(lambda i: flashgen.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True,
+                                                                 validate=False), warmup=3, reps=20))
+    b2b = back_to_back_ms(lambda i: flashgen.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True),
+                          calls=10)
+    mean = total // n_seqs
+    batch = max(1, total // mean)
+    qd, kd, vd = (torch.randn(batch, mean, h, head_dim, device="cuda", dtype=tdt) for _ in range(3))
+    dense = {}
+    for fam in ("sm80", "sm90"):
+        if fam == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+            continue
+        d_ms = median_ms(time_cuda(lambda i: flashgen.attention(qd, kd, vd, causal=True, arch=fam), warmup=3, reps=20))
+        dense[fam] = batch * _causal_flops(mean, mean, head_dim, h) / (d_ms * 1e-3) / 1e12
+    row = {"n_seqs": n_seqs, "lens": lens, "total": total, "mean": mean, "tflops": flops / (ms * 1e-3) / 1e12,
+           "b2b_tflops": flops / (b2b * 1e-3) / 1e12, "dense_tflops": dense}
+    progress(f"varlen {n_seqs} seqs ({lo}-{hi}, mean {mean}): {row['tflops']:.0f} TFLOP/s useful; dense at the mean: "
+             + ", ".join(f"{f} {t:.0f}" for f, t in dense.items()))
+    return [row]
+
+
+def window_rows(head_dim: int = 128, dtype: str = "bf16", n: int = 16384, window: int = 1024,
+                progress: Callable[[str], None] = print) -> list[dict]:
+    """Causal sliding window at one long sequence: useful TFLOP/s against the same serving kernel without
+    the window and flashgen's dense causal kernels, all at N."""
+    import torch  # noqa: PLC0415
+
+    import flashgen  # noqa: PLC0415
+
+    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    h = 2048 // head_dim
+    q, k, v = (torch.randn(n, h, head_dim, device="cuda", dtype=tdt) for _ in range(3))
+    cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    out = {}
+    for name, win in (("window", (window, -1)), ("causal_varlen", (-1, -1))):
+        ms = median_ms(time_cuda(lambda i, w=win: flashgen.attention_varlen(q, k, v, cu, cu, n, n, causal=True,
+                                                                           window_size=w, validate=False),
+                                 warmup=3, reps=20))
+        out[name] = _causal_flops(n, n, head_dim, h, window if name == "window" else -1) / (ms * 1e-3) / 1e12
+    qd, kd, vd = (t.unsqueeze(0) for t in (q, k, v))
+    for fam in ("sm80", "sm90"):
+        if fam == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+            continue
+        ms = median_ms(time_cuda(lambda i: flashgen.attention(qd, kd, vd, causal=True, arch=fam), warmup=3, reps=20))
+        out[f"dense_{fam}"] = _causal_flops(n, n, head_dim, h) / (ms * 1e-3) / 1e12
+    row = {"n": n, "window": window, "tflops": out}
+    progress(f"window {window} at N={n}: " + ", ".join(f"{k} {t:.0f}" for k, t in out.items()) + " TFLOP/s (useful)")
+    return [row]
+
+
+def decode_table(rows: list[dict]) -> str:
+    head = ["batch", "cache", "page", "kernel us", "TB/s", "% copy", "b2b us", "b2b TB/s", "validated b2b us",
+            "SDPA TB/s", "host us", "splits sweep us"]
+    lines = [head]
+    for r in rows:
+        lines.append([r["batch"], r["cache"], r["page"] or "-", f"{r['kernel_us']:.1f}", f"{r['tb_s']:.2f}",
+                      f"{r['of_copy']:.0%}", f"{r['b2b_us']:.1f}", f"{r['b2b_tb_s']:.2f}", f"{r['b2b_validated_us']:.1f}",
+                      f"{r['sdpa_tb_s']:.2f}", "-" if r["host_us"] is None else f"{r['host_us']:.1f}",
+                      " ".join(f"{s}:{t:.0f}" for s, t in r["splits_us"].items())])
+    w = [max(len(str(x[i])) for x in lines) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).ljust(w[i]) for i, c in enumerate(x)).rstrip() for x in lines)
+
+
+def plot_decode(rows: list[dict], path: Any) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    labels = sorted({(r["batch"], r["cache"]) for r in rows})
+    x = range(len(labels))
+    for i, page in enumerate(PAGE_SIZES):
+        vals = [next((r["tb_s"] for r in rows if (r["batch"], r["cache"]) == lab and r["page"] == page), 0) for lab in labels]
+        ax.bar([j + 0.2 * i for j in x], vals, 0.2, label=f"flashgen {'contiguous' if not page else f'page {page}'}")
+    sd = [next(r["sdpa_tb_s"] for r in rows if (r["batch"], r["cache"]) == lab) for lab in labels]
+    ax.bar([j + 0.6 for j in x], sd, 0.2, label="SDPA (contiguous)")
+    cp = statistics.median(r["copy_tb_s"] for r in rows)
+    ax.axhline(cp, color="k", ls="--", lw=1, label=f"copy {cp:.2f} TB/s")
+    ax.set_xticks([j + 0.3 for j in x], [f"b{b} x {n // 1024}k" for b, n in labels])
+    ax.set_ylabel("K/V read, TB/s (device time)")
+    ax.set_title("decode, 32/8 heads, d128, bf16, seqlen_q 1")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+__all__ = ["decode_rows", "varlen_rows", "window_rows", "decode_table", "plot_decode", "copy_tb_s"]

@@ -1,0 +1,431 @@
+"""Step 4 for serving problems: varlen batches and KV caches (contiguous or paged), with split-KV.
+
+`attention_varlen` and `attention_with_kvcache` follow flash_attn's functions of the same
+purpose. Each call checks its arguments before anything runs, picks a kernel generated with
+exactly the features the call uses (templates/sm80/serve.cuh.j2: a feature the call does not
+use is not in the code), packs `struct ServeParams` and launches on torch's current stream;
+split-KV calls add the `_combine` kernel of the same file.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import struct
+from typing import Any, NamedTuple
+
+from . import driver
+from .compile import CompiledKernel, compile_kernel, target_for
+from .config import _DEFAULT_TILES, ARCHS, COMBINE_WARPS, HEAD_DIMS, KernelConfig
+from .launch import LOG2E, _current_stream, scale_args
+from .tensors import _TORCH_DTYPES
+
+# FwdParams ("=5Q12q5i2f4x", launch._FWD), then ServeParams' own fields (templates/common/serve_params.cuh.j2).
+_SERVE = struct.Struct("=5Q12q5i2f4x7Q4q5if")
+assert _SERVE.size == 280
+MAX_SPLITS = 128
+# Decode tiles (few query rows): rows up to 16 or 32 -> (block_m, block_n, num_warps, num_stages) by head dim.
+_DECODE_TILES = {
+    16: {32: (16, 128, 1, 3), 64: (16, 128, 1, 3), 96: (16, 32, 1, 3), 128: (16, 64, 1, 3), 256: (16, 32, 1, 3)},
+    32: {32: (32, 128, 2, 3), 64: (32, 128, 2, 3), 96: (32, 64, 2, 3), 128: (32, 64, 2, 3), 256: (32, 32, 2, 3)},
+}
+
+
+class Mods(NamedTuple):
+    """Score modifiers of one call: window (-1: unbounded), softcap (0: off), ALiBi slopes (None: off)."""
+
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi: Any = None
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_splits(tiles: int, slots: int, n_blocks: int, max_splits: int = MAX_SPLITS) -> int:
+    """How many key ranges each row block is split into: the fewest whose waves fill the GPU's
+    block slots within 15% of the best (FlashAttention-2's rule); 1 when the tiles alone fill it."""
+    if tiles <= 0 or n_blocks <= 1 or tiles >= 0.8 * slots:
+        return 1
+    limit = min(max_splits, slots, n_blocks)
+    effs: dict[int, float] = {}
+    for s in range(1, limit + 1):
+        if s > 1 and -(-n_blocks // s) == -(-n_blocks // (s - 1)):
+            continue  # no fewer key blocks per split than s - 1 gives
+        waves = tiles * s / slots
+        effs[s] = waves / math.ceil(waves)
+    best = max(effs.values())
+    return min(s for s, e in effs.items() if e >= 0.85 * best)
+
+
+@functools.lru_cache(maxsize=1024)
+def serve_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, **features: bool) -> KernelConfig:
+    """The configuration for a serving call: decode tiles when a sequence has at most 32 (packed)
+    rows, else the dense default tiles of the sm80 family, with exactly `features` compiled in."""
+    for cap, tiles in sorted(_DECODE_TILES.items()):
+        if rows <= cap:
+            bm, bn, w, s = tiles[head_dim]
+            return KernelConfig(head_dim, dtype, causal, bm, bn, w, s, "sm80", **features)
+    reason = ""
+    for bm, bn, w, s in _DEFAULT_TILES[head_dim]:
+        cfg = KernelConfig(head_dim, dtype, causal, bm, bn, w, s, "sm80", **features)
+        reason = cfg.unfit_reason(arch)
+        if reason is None:
+            return cfg
+    raise ValueError(f"no serving configuration fits {arch} for head_dim={head_dim}: {reason}")
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(cfg: KernelConfig, arch: str) -> CompiledKernel:
+    return compile_kernel(cfg, target_for(arch, cfg.family))
+
+
+def _slots(cfg: KernelConfig, sm_count: int, arch: str) -> int:
+    """Blocks of `cfg` resident on the GPU at once (shared memory and the 32-block cap bound it)."""
+    per_sm = min(32, max(1, ARCHS[arch].smem_per_block // max(cfg.smem_bytes, 1)), 2048 // cfg.threads)
+    return sm_count * per_sm
+
+
+# -- argument checks ------------------------------------------------------------------
+
+def _dtype(t: Any, name: str) -> str:
+    dt = _TORCH_DTYPES.get(str(t.dtype))
+    if dt is None:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: torch.float16, torch.bfloat16")
+    return dt
+
+
+def _check_same(tensors: dict[str, Any], dtype: str, device: Any) -> None:
+    for name, t in tensors.items():
+        if not t.is_cuda or t.device != device:
+            raise ValueError(f"{name} is on {t.device}; q is on {device}")
+        if _dtype(t, name) != dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}; q has {dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim")
+        if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
+            raise ValueError(f"{name} needs a 16-byte aligned base and strides that are multiples of 8 elements")
+
+
+def _int32(t: Any, name: str, shape: tuple[int, ...], device: Any) -> None:
+    import torch  # noqa: PLC0415
+
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+        raise TypeError(f"{name} must be a torch.int32 tensor, not {getattr(t, 'dtype', type(t).__name__)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}; q is on {device}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}; got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _mods(window_size: Any, softcap: float, alibi_slopes: Any, causal: bool, batch: int, heads: int,
+          device: Any) -> Mods:
+    import torch  # noqa: PLC0415
+
+    try:
+        left, right = (int(x) for x in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right) of ints, -1 for unbounded; got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries are >= 0, or -1 for unbounded; got {(left, right)}")
+    if causal:
+        right = 0  # flash_attn: causal is the window's right edge at the diagonal
+    softcap = float(softcap)
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0: off); got {softcap}")
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
+            raise TypeError("alibi_slopes must be a torch.float32 tensor of shape (heads,) or (batch, heads)")
+        if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+            raise ValueError(f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}); got {tuple(alibi_slopes.shape)}")
+        if alibi_slopes.device != device or alibi_slopes.stride(-1) != 1:
+            raise ValueError("alibi_slopes must be on q's device and contiguous in its last dim")
+    return Mods((left, right), softcap, alibi_slopes)
+
+
+# -- the launch ------------------------------------------------------------------------
+
+def _scales(softmax_scale: float | None, head_dim: int, softcap: float) -> tuple[float, float, float]:
+    """(softmax_scale field, scale_log2, softcap_pre). With softcap the kernel computes
+    tanh(S * scale / softcap) and runs the softmax at softcap * log2(e)."""
+    scale, scale_log2 = scale_args(softmax_scale, head_dim)
+    if softcap == 0.0:
+        return scale, scale_log2, 0.0
+    s = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    return 1.0, softcap * LOG2E, s / softcap
+
+
+def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse: Any, *, batch: int, max_rows: int,
+            seqlen_q: int, seqlen_k: int, total_rows: int, cu_q: Any, cu_k: Any, seqused_k: Any, block_table: Any,
+            page_size: int, num_splits: int, mods: Mods, softmax_scale: float | None, lse_strides: tuple[int, int],
+            batch_strides: tuple[int, int, int]) -> None:
+    """One serving launch (plus the combine when split). q/out rows: (.., rows, heads, d) views;
+    k, v: (.., keys or page rows, heads_k, d). batch_strides: (q/o, k, v) batch (or page) strides."""
+    import torch  # noqa: PLC0415
+
+    heads, heads_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    kern = _compiled(cfg, arch)
+    dev = q.get_device()
+    driver.use_device(dev)
+    ctx, stream = driver.primary_context_id(dev), _current_stream(dev)
+    scale, scale_log2, softcap_pre = _scales(softmax_scale, d, mods.softcap)
+    o_accum = lse_accum = None
+    if cfg.split:
+        o_accum = torch.empty((num_splits, total_rows, heads, d), dtype=torch.float32, device=q.device)
+        lse_accum = torch.empty((num_splits, total_rows, heads), dtype=torch.float32, device=q.device)
+
+    def ptr(t: Any) -> int:
+        return 0 if t is None else t.data_ptr()
+
+    alibi = mods.alibi
+    qb, kb, vb = batch_strides
+    params = _SERVE.pack(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), ptr(lse),
+        qb, q.stride(-3), q.stride(-2), kb, k.stride(-3), k.stride(-2), vb, v.stride(-3), v.stride(-2),
+        0 if cu_q is not None else out.stride(0), out.stride(-3), out.stride(-2),
+        batch, heads, heads_k, seqlen_q, seqlen_k, scale, scale_log2,
+        ptr(cu_q), ptr(cu_k), ptr(seqused_k), ptr(block_table), ptr(alibi), ptr(o_accum), ptr(lse_accum),
+        0 if block_table is None else block_table.stride(0),
+        0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
+        lse_strides[0], lse_strides[1], total_rows, page_size, num_splits, mods.window[0], mods.window[1], softcap_pre)
+    heads_grid = heads_k if cfg.pack_gqa else heads
+    blocks = -(-max_rows // cfg.block_m) * heads_grid * batch * num_splits
+    if blocks == 0:
+        return
+    names = cfg.kernel_names
+    fn = driver.get_function(kern.cubin, names["main"], cfg.smem_bytes, f"{kern.digest}:main", ctx)
+    fn.launch((blocks, 1, 1), cfg.threads, params, stream)
+    if cfg.split:
+        comb = driver.get_function(kern.cubin, names["combine"], 0, f"{kern.digest}:combine", ctx)
+        comb.launch((-(-total_rows * heads // COMBINE_WARPS), 1, 1), 32 * COMBINE_WARPS, params, stream)
+
+
+def _arch_and_slots(device: int) -> tuple[str, int]:
+    info = driver.device_info(device)
+    return info.arch, info.sm_count
+
+
+def _want_split(num_splits: int, cfg_rows_tiles: int, n_blocks: int, cfg: KernelConfig, sm_count: int, arch: str) -> int:
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0: flashgen chooses); got {num_splits}")
+    if num_splits == 0:
+        return choose_splits(cfg_rows_tiles, _slots(cfg, sm_count, arch), n_blocks)
+    return min(num_splits, MAX_SPLITS)
+
+
+def _refuse_grad(*tensors: Any) -> None:
+    import torch  # noqa: PLC0415
+
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError("flashgen's varlen and KV-cache attention have no backward yet; call it under "
+                           "torch.no_grad() or use flashgen.attention for training")
+
+
+def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
+                     max_seqlen_k: int, causal: bool = False, softmax_scale: float | None = None,
+                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
+                     return_lse: bool = False, num_splits: int = 1, validate: bool = True) -> Any:
+    """Attention over a packed batch of sequences of different lengths (flash_attn_varlen_func).
+
+    q: (total_q, heads, head_dim); k, v: (total_k, heads_k, head_dim); cu_seqlens_q/_k: int32
+    (batch + 1,) offsets, from 0 to total; sequence b is q[cu_q[b]:cu_q[b+1]] against
+    k[cu_k[b]:cu_k[b+1]], each with its own bottom-right causal alignment; empty sequences
+    are allowed. Returns out like q, and with return_lse also lse (heads, total_q) fp32.
+    validate=False skips the checks that read the offsets back (one host sync per call): for
+    loops over trusted inputs; CUDA-graph capture skips them by itself."""
+    import torch  # noqa: PLC0415
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-d torch tensor (total, heads, head_dim); got "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    dtype = _dtype(q, "q")
+    _check_same({"q": q, "k": k, "v": v}, dtype, q.device)
+    total_q, heads, d = q.shape
+    total_k, heads_k, _ = k.shape
+    _check_heads(q, k, v, d, heads, heads_k)
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}; got {tuple(v.shape)}")
+    batch = cu_seqlens_q.shape[0] - 1 if hasattr(cu_seqlens_q, "shape") and cu_seqlens_q.dim() == 1 else -1
+    if batch < 0:
+        raise ValueError("cu_seqlens_q must be a 1-d int32 tensor of batch + 1 offsets")
+    _int32(cu_seqlens_q, "cu_seqlens_q", (batch + 1,), q.device)
+    _int32(cu_seqlens_k, "cu_seqlens_k", (batch + 1,), q.device)
+    if max_seqlen_q < 0 or max_seqlen_k < 0:
+        raise ValueError("max_seqlen_q and max_seqlen_k must be >= 0")
+    if validate and not torch.cuda.is_current_stream_capturing():  # one small copy: offsets sound before any launch
+        _check_offsets(cu_seqlens_q, "cu_seqlens_q", total_q, max_seqlen_q)
+        _check_offsets(cu_seqlens_k, "cu_seqlens_k", total_k, max_seqlen_k)
+    mods = _mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device)
+    _refuse_grad(q, k, v)
+    out = torch.empty_like(q) if q.is_contiguous() else q.new_empty(q.shape)
+    lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device) if return_lse else None
+    if total_q and heads and batch:
+        arch, sm_count = _arch_and_slots(q.get_device())
+        features = dict(varlen=True, **_mod_features(mods, causal))
+        cfg = serve_config(d, dtype, causal, max_seqlen_q, arch, **features)
+        tiles = -(-max_seqlen_q // cfg.block_m) * heads * batch
+        splits = _want_split(num_splits, tiles, -(-max_seqlen_k // cfg.block_n), cfg, sm_count, arch)
+        if splits > 1:
+            cfg = serve_config(d, dtype, causal, max_seqlen_q, arch, split=True, **features)
+        _launch(cfg, arch, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse, batch=batch,
+                max_rows=max_seqlen_q, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, total_rows=total_q, cu_q=cu_seqlens_q,
+                cu_k=cu_seqlens_k, seqused_k=None, block_table=None, page_size=0, num_splits=splits, mods=mods,
+                softmax_scale=softmax_scale, lse_strides=(0, total_q), batch_strides=(0, 0, 0))
+    return (out, lse) if return_lse else out
+
+
+def _mod_features(mods: Mods, causal: bool) -> dict[str, bool]:
+    left, right = mods.window
+    return {"window": left >= 0 or (right >= 0 and not causal), "softcap": mods.softcap != 0.0,
+            "alibi": mods.alibi is not None}
+
+
+def _check_heads(q: Any, k: Any, v: Any, d: int, heads: int, heads_k: int) -> None:
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim={d} is not supported; choose one of {HEAD_DIMS}")
+    if k.shape[-1] != d or v.shape[-1] != d:
+        raise ValueError(f"q, k and v must share head_dim; got {d}, {k.shape[-1]}, {v.shape[-1]}")
+    if heads_k == 0 or heads % heads_k:
+        raise ValueError(f"heads={heads} must be a multiple of heads_k={heads_k} (GQA/MQA)")
+
+
+def _check_offsets(cu: Any, name: str, total: int, max_len: int) -> None:
+    vals = cu.tolist()
+    if vals[0] != 0 or vals[-1] != total:
+        raise ValueError(f"{name} must run from 0 to {total} (the packed length); got {vals[0]} .. {vals[-1]}")
+    lens = [b - a for a, b in zip(vals, vals[1:])]
+    if any(n < 0 for n in lens):
+        raise ValueError(f"{name} must be non-decreasing")
+    if lens and max(lens) > max_len:
+        raise ValueError(f"a sequence of {max(lens)} tokens is longer than max_seqlen ({max_len}) for {name}")
+
+
+def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None,
+                           cache_seqlens: Any = None, block_table: Any = None, causal: bool = False,
+                           softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
+                           softcap: float = 0.0, alibi_slopes: Any = None, num_splits: int = 0,
+                           return_lse: bool = False, validate: bool = True) -> Any:
+    """Attention of new queries against a KV cache (flash_attn_with_kvcache).
+
+    q: (batch, seqlen_q, heads, head_dim). k_cache, v_cache: (batch, seqlen_cache, heads_k, head_dim),
+    or paged (num_pages, page_size, heads_k, head_dim) addressed through block_table (batch, max_pages)
+    int32. cache_seqlens: int or int32 (batch,) tokens already in each cache (None: all of a contiguous
+    cache). k, v (batch, seqlen_new, heads_k, head_dim), if given, are written into the cache in place
+    at cache_seqlens before attending. num_splits: key ranges per query block (split-KV); 0 lets
+    flashgen choose. Returns out like q, and with return_lse also lse (batch, heads, seqlen_q) fp32.
+    validate=False skips the checks that read cache_seqlens and block_table back (one host sync per
+    call; out-of-range values then read or write outside the cache): for decode loops over trusted
+    inputs; CUDA-graph capture skips them by itself."""
+    import torch  # noqa: PLC0415
+
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-d torch tensor; got {tuple(getattr(t, 'shape', ()))}")
+    dtype = _dtype(q, "q")
+    _check_same({"q": q, "k_cache": k_cache, "v_cache": v_cache}, dtype, q.device)
+    batch, seqlen_q, heads, d = q.shape
+    heads_k = k_cache.shape[2]
+    _check_heads(q, k_cache, v_cache, d, heads, heads_k)
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}; got {tuple(v_cache.shape)}")
+    paged = block_table is not None
+    if paged:
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must be an int32 tensor (batch={batch}, max_pages)")
+        _int32(block_table, "block_table", tuple(block_table.shape), q.device)
+        page_size = k_cache.shape[1]
+        if page_size % 16:
+            raise ValueError(f"page_size (k_cache.shape[1]) must be a multiple of 16; got {page_size}")
+        capacity = block_table.shape[1] * page_size
+    else:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache must have q's batch {batch} (or pass block_table for a paged cache)")
+        page_size, capacity = 0, k_cache.shape[1]
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    elif cache_seqlens is None:
+        if paged:
+            raise ValueError("a paged cache needs cache_seqlens (the tokens each sequence holds)")
+        cache_seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+    else:
+        _int32(cache_seqlens, "cache_seqlens", (batch,), q.device)
+    seqlen_new = 0
+    if (k is None) != (v is None):
+        raise ValueError("pass both k and v to append, or neither")
+    if k is not None:
+        if tuple(k.shape) != tuple(v.shape) or k.dim() != 4 or k.shape[0] != batch or tuple(k.shape[2:]) != (heads_k, d):
+            raise ValueError(f"k and v to append must both be (batch={batch}, seqlen_new, heads_k={heads_k}, "
+                             f"head_dim={d}); got {tuple(k.shape)} and {tuple(v.shape)}")
+        if _dtype(k, "k") != dtype or _dtype(v, "v") != dtype or k.device != q.device or v.device != q.device:
+            raise TypeError("k and v to append must have q's dtype and device")
+        seqlen_new = k.shape[1]
+    mods = _mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device)
+    longest = capacity  # the most keys a sequence has: bounds the split-KV choice
+    if validate and not torch.cuda.is_current_stream_capturing():  # one small copy: no access outside the cache
+        longest = _check_cache(cache_seqlens, seqlen_new, capacity, block_table, k_cache.shape[0])
+    _refuse_grad(q, k_cache, v_cache, k, v)
+    if seqlen_new:
+        _append(k_cache, v_cache, k, v, cache_seqlens, block_table, page_size)
+    seqused = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
+    out = q.new_empty(q.shape)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
+    if batch * seqlen_q * heads == 0:
+        return (out, lse) if return_lse else out
+    arch, sm_count = _arch_and_slots(q.get_device())
+    group = heads // heads_k
+    pack = group > 1 and alibi_slopes is None
+    rows = seqlen_q * (group if pack else 1)
+    features = dict(varlen=True, paged=paged, pack_gqa=pack, **_mod_features(mods, causal))
+    cfg = serve_config(d, dtype, causal, rows, arch, **features)
+    n_blocks = -(-longest // cfg.block_n)
+    tiles = -(-rows // cfg.block_m) * (heads_k if pack else heads) * batch
+    splits = _want_split(num_splits, tiles, n_blocks, cfg, sm_count, arch)
+    if splits > 1:
+        cfg = serve_config(d, dtype, causal, rows, arch, split=True, **features)
+    _launch(cfg, arch, q, k_cache, v_cache, out, lse, batch=batch, max_rows=rows, seqlen_q=seqlen_q,
+            seqlen_k=capacity, total_rows=batch * seqlen_q, cu_q=None, cu_k=None, seqused_k=seqused,
+            block_table=block_table, page_size=page_size, num_splits=splits, mods=mods, softmax_scale=softmax_scale,
+            lse_strides=(heads * seqlen_q, seqlen_q),
+            batch_strides=(q.stride(0), k_cache.stride(0), v_cache.stride(0)))
+    return (out, lse) if return_lse else out
+
+
+def _check_cache(cache_seqlens: Any, seqlen_new: int, capacity: int, block_table: Any, num_pages: int) -> int:
+    """Raise if a sequence would read or write outside its cache; returns the longest sequence after the append."""
+    import torch  # noqa: PLC0415
+
+    parts = [cache_seqlens.min().view(1), cache_seqlens.max().view(1)]
+    if block_table is not None and block_table.numel():  # only the pages the sequences use are read
+        page_size = capacity // block_table.shape[1]
+        used = (cache_seqlens.long() + seqlen_new + page_size - 1) // page_size
+        live = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < used[:, None]
+        parts += [block_table.masked_fill(~live, 0).min().view(1).to(torch.int32),
+                  block_table.masked_fill(~live, 0).max().view(1).to(torch.int32)]
+    vals = torch.cat(parts).tolist()
+    if vals[0] < 0:
+        raise ValueError(f"cache_seqlens has a negative entry ({vals[0]})")
+    if vals[1] + seqlen_new > capacity:
+        raise ValueError(f"the cache holds {capacity} tokens per sequence; cache_seqlens up to {vals[1]} plus "
+                         f"{seqlen_new} appended do not fit")
+    if len(vals) > 2 and vals[1] + seqlen_new > 0 and (vals[2] < 0 or vals[3] >= num_pages):
+        raise ValueError(f"block_table entries must lie in [0, {num_pages}); got {vals[2]} .. {vals[3]}")
+    return vals[1] + seqlen_new
+
+
+def _append(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, page_size: int) -> None:
+    """Write k, v at positions cache_seqlens[b] + [0, seqlen_new) of each sequence's cache, in place."""
+    import torch  # noqa: PLC0415
+
+    batch, n = k.shape[:2]
+    pos = cache_seqlens.long()[:, None] + torch.arange(n, device=k.device)[None, :]  # (batch, n)
+    if block_table is None:
+        rows = torch.arange(batch, device=k.device)[:, None].expand(batch, n)
+        k_cache[rows, pos] = k
+        v_cache[rows, pos] = v
+    else:
+        pages = torch.gather(block_table.long(), 1, pos // page_size)
+        k_cache[pages, pos % page_size] = k
+        v_cache[pages, pos % page_size] = v
+
+
+__all__ = ["attention_varlen", "attention_with_kvcache", "choose_splits", "serve_config"]

@@ -1,0 +1,237 @@
+"""Varlen batches and KV caches on the GPU against a float64 reference built sequence by sequence:
+empty, length-1 and odd lengths, unequal q/k lengths, causal, GQA/MQA, contiguous and paged caches
+(appended k/v checked exactly), several num_splits including the automatic choice, and window,
+softcap and ALiBi alone and with causal. The bar is flash-attention's: max error <= 2x the error
+of the same computation in the input dtype (+ 1e-5); LSE within 1e-3 with the same +inf pattern."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+from flashgen import attention_varlen, attention_with_kvcache  # noqa: E402
+from flashgen.verify import attention_mods_ref  # noqa: E402
+
+DT = {"fp16": torch.float16, "bf16": torch.bfloat16}
+LAYOUTS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
+LSE_TOL = 1e-3
+# (seqlen_q, seqlen_k) per sequence: empty both, no key, length 1, odd and unequal both ways.
+VARLEN_SEQS = [(0, 0), (3, 0), (1, 1), (17, 17), (113, 211), (211, 113), (0, 37), (1, 300), (128, 128), (300, 1)]
+
+
+def _check(outs: list, refs: list, pts: list, lses: list | None = None, ref_lses: list | None = None) -> None:
+    """outs[i] vs refs[i] (float64) with the bound from pts[i] (the same math in the input dtype)."""
+    got = torch.cat([o.reshape(-1).double() for o in outs])
+    ref = torch.cat([r.reshape(-1) for r in refs])
+    pt = torch.cat([p.reshape(-1).double() for p in pts])
+    assert not torch.isnan(got).any(), "NaN in output (an unwritten or poisoned element)"
+    bound = 2 * (pt - ref).abs().max().item() + 1e-5 if ref.numel() else 1e-5
+    err = (got - ref).abs().max().item() if ref.numel() else 0.0
+    assert err <= bound, f"max error {err:.3g} > bound {bound:.3g}"
+    if lses is not None:
+        g = torch.cat([x.reshape(-1).double() for x in lses])
+        r = torch.cat([x.reshape(-1) for x in ref_lses])
+        assert torch.equal(torch.isfinite(g), torch.isfinite(r)), "LSE +inf pattern differs from the reference"
+        fin = torch.isfinite(r)
+        if fin.any():
+            lerr = (g[fin] - r[fin]).abs().max().item()
+            assert lerr <= LSE_TOL, f"LSE error {lerr:.3g}"
+
+
+def _rand(*shape, dtype):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+def _varlen_case(seqs, hd, dtype, causal, layout, num_splits=1, window=(-1, -1), softcap=0.0, alibi=False):
+    torch.manual_seed(hash((tuple(seqs), hd, dtype, causal, layout, num_splits, window, softcap, alibi)) % 2**31)
+    h, hk = LAYOUTS[layout]
+    dt = DT[dtype]
+    lq = [a for a, _ in seqs]
+    lk = [b for _, b in seqs]
+    cu_q = torch.tensor([0, *itertools_accumulate(lq)], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *itertools_accumulate(lk)], dtype=torch.int32, device="cuda")
+    q, k, v = _rand(sum(lq), h, hd, dtype=dt), _rand(sum(lk), hk, hd, dtype=dt), _rand(sum(lk), hk, hd, dtype=dt)
+    slopes = torch.rand(h, device="cuda", dtype=torch.float32) * 0.5 if alibi else None
+    scale = 1 / math.sqrt(hd)
+    out, lse = attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, window_size=window,
+                                softcap=softcap, alibi_slopes=slopes, return_lse=True, num_splits=num_splits)
+    torch.cuda.synchronize()
+    outs, refs, pts, lses, rlses = [], [], [], [], []
+    for b in range(len(seqs)):
+        qs, ks, vs = q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
+        ref, rl = attention_mods_ref(qs, ks, vs, causal, scale, window, softcap, slopes)
+        pt, _ = attention_mods_ref(qs, ks, vs, causal, scale, window, softcap, slopes, dtype=dt)
+        outs.append(out[cu_q[b]:cu_q[b + 1]])
+        refs.append(ref)
+        pts.append(pt)
+        lses.append(lse[:, cu_q[b]:cu_q[b + 1]])
+        rlses.append(rl)
+    _check(outs, refs, pts, lses, rlses)
+
+
+def itertools_accumulate(xs):
+    import itertools
+
+    return list(itertools.accumulate(xs))
+
+
+@pytest.mark.parametrize("hd", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_varlen_matches_reference(hd, dtype, causal, layout):
+    _varlen_case(VARLEN_SEQS, hd, dtype, causal, layout)
+
+
+@pytest.mark.parametrize("hd", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("splits", [3, 0])
+def test_varlen_split_kv(hd, causal, splits):
+    _varlen_case([(1, 1000), (17, 2049), (0, 5), (4, 0), (113, 511)], hd, "bf16", causal, "gqa", num_splits=splits)
+
+
+# (window, softcap, alibi) alone and together; each with and without causal.
+MODS = {"window": ((64, 16), 0.0, False), "window-left": ((100, -1), 0.0, False), "softcap": ((-1, -1), 30.0, False),
+        "alibi": ((-1, -1), 0.0, True), "all": ((48, 48), 20.0, True)}
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("mod", list(MODS))
+def test_score_modifiers(hd, dtype, causal, mod):
+    window, softcap, alibi = MODS[mod]
+    _varlen_case([(1, 1), (113, 211), (300, 300), (211, 113), (17, 1000)], hd, dtype, causal, "gqa", 1, window,
+                 softcap, alibi)
+
+
+def _kvcache_case(batch, seqlen_q, hd, dtype, layout, page_size, append, num_splits, causal=False, seed=0,
+                  window=(-1, -1), softcap=0.0):
+    torch.manual_seed(seed)
+    h, hk = LAYOUTS[layout]
+    dt = DT[dtype]
+    cap = 1024
+    lens = torch.tensor([0, 1, 17, 500, 1023 - append * 7][:batch], dtype=torch.int32, device="cuda")
+    new = 7 if append else 0
+    q = _rand(batch, seqlen_q, h, hd, dtype=dt)
+    kc, vc = _rand(batch, cap, hk, hd, dtype=dt), _rand(batch, cap, hk, hd, dtype=dt)
+    kn = _rand(batch, new, hk, hd, dtype=dt) if append else None
+    vn = _rand(batch, new, hk, hd, dtype=dt) if append else None
+    expect_k, expect_v = kc.clone(), vc.clone()
+    for b in range(batch):
+        if append:
+            expect_k[b, lens[b]:lens[b] + new] = kn[b]
+            expect_v[b, lens[b]:lens[b] + new] = vn[b]
+    table = None
+    if page_size:  # the same contents, scattered over shuffled pages
+        pages = cap // page_size
+        perm = torch.randperm(batch * pages + 3, device="cuda")[:batch * pages].to(torch.int32)
+        table = perm.view(batch, pages)
+        k_pool = _rand(batch * pages + 3, page_size, hk, hd, dtype=dt)
+        v_pool = _rand(batch * pages + 3, page_size, hk, hd, dtype=dt)
+        k_pool[table.long()] = kc.view(batch, pages, page_size, hk, hd)
+        v_pool[table.long()] = vc.view(batch, pages, page_size, hk, hd)
+        kc_arg, vc_arg = k_pool, v_pool
+    else:
+        kc_arg, vc_arg = kc, vc
+    out = attention_with_kvcache(q, kc_arg, vc_arg, kn, vn, cache_seqlens=lens, block_table=table, causal=causal,
+                                 window_size=window, softcap=softcap, num_splits=num_splits, return_lse=True)
+    out, lse = out
+    torch.cuda.synchronize()
+    got_k = kc_arg[table.long()].view(batch, cap, hk, hd) if page_size else kc_arg
+    got_v = vc_arg[table.long()].view(batch, cap, hk, hd) if page_size else vc_arg
+    assert torch.equal(got_k, expect_k) and torch.equal(got_v, expect_v), "the cache after the append differs"
+    scale = 1 / math.sqrt(hd)
+    outs, refs, pts, lses, rl = [], [], [], [], []
+    for b in range(batch):
+        n = int(lens[b]) + new
+        ref, rlse = attention_mods_ref(q[b], expect_k[b, :n], expect_v[b, :n], causal, scale, window, softcap)
+        pt, _ = attention_mods_ref(q[b], expect_k[b, :n], expect_v[b, :n], causal, scale, window, softcap, dtype=dt)
+        outs.append(out[b])
+        refs.append(ref)
+        pts.append(pt)
+        lses.append(lse[b])
+        rl.append(rlse)
+    _check(outs, refs, pts, lses, rl)
+
+
+@pytest.mark.parametrize("hd", [64, 128, 256])
+@pytest.mark.parametrize("seqlen_q", [1, 4, 128])
+@pytest.mark.parametrize("page_size", [0, 16, 256], ids=["contiguous", "page16", "page256"])
+@pytest.mark.parametrize("append", [False, True], ids=["read", "append"])
+@pytest.mark.parametrize("splits", [1, 3, 0])
+def test_kvcache_matches_reference(hd, seqlen_q, page_size, append, splits):
+    _kvcache_case(5, seqlen_q, hd, "bf16", "gqa", page_size, append, splits, causal=seqlen_q > 1)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("hd", [32, 96])
+def test_kvcache_layouts_and_dtypes(dtype, layout, hd):
+    _kvcache_case(4, 1, hd, dtype, layout, 16, True, 0)
+
+
+def test_kvcache_window_and_softcap():
+    _kvcache_case(5, 4, 128, "bf16", "gqa", 0, True, 0, causal=True, window=(100, -1), softcap=25.0)
+
+
+def test_bad_arguments_raise_before_launch():
+    q = _rand(2, 1, 8, 128, dtype=torch.bfloat16)
+    kc = _rand(2, 64, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="do not fit"):
+        attention_with_kvcache(q, kc, kc.clone(), _rand(2, 8, 2, 128, dtype=torch.bfloat16),
+                               _rand(2, 8, 2, 128, dtype=torch.bfloat16), cache_seqlens=60)
+    with pytest.raises(TypeError, match="int32"):
+        attention_with_kvcache(q, kc, kc.clone(), cache_seqlens=torch.tensor([1, 2], device="cuda"))
+    pool = _rand(4, 16, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="block_table entries"):
+        attention_with_kvcache(q, pool, pool.clone(), cache_seqlens=torch.tensor([20, 3], dtype=torch.int32,
+                                                                                  device="cuda"),
+                               block_table=torch.tensor([[0, 9], [1, 2]], dtype=torch.int32, device="cuda"))
+    qv = _rand(10, 8, 128, dtype=torch.bfloat16)
+    kv = _rand(10, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        attention_varlen(qv, kv, kv, torch.tensor([0, 6, 4, 10], dtype=torch.int32, device="cuda"),
+                         torch.tensor([0, 3, 6, 10], dtype=torch.int32, device="cuda"), 6, 4)
+    with pytest.raises(ValueError, match="longer than max_seqlen"):
+        attention_varlen(qv, kv, kv, torch.tensor([0, 5, 10], dtype=torch.int32, device="cuda"),
+                         torch.tensor([0, 5, 10], dtype=torch.int32, device="cuda"), 4, 5)
+
+
+def serving_configs(arch: str) -> set:
+    """Every kernel this module can launch (split-KV both ways where flashgen chooses), for
+    scripts/fill_kernel_cache.py: compile here, run there."""
+    from flashgen.serving import serve_config
+
+    out = set()
+
+    def add(hd, dtype, causal, rows, **features):
+        for split in (False, True):
+            out.add(serve_config(hd, dtype, causal, rows, arch, split=split, **features))
+
+    for hd in (32, 64, 96, 128, 256):
+        for dtype in DT:
+            for causal in (False, True):
+                add(hd, dtype, causal, 300, varlen=True)
+                add(hd, dtype, causal, 113, varlen=True)
+    for hd in (64, 128):
+        for dtype in DT:
+            for causal in (False, True):
+                for window, softcap, alibi in MODS.values():
+                    right = 0 if causal else window[1]
+                    add(hd, dtype, causal, 300, varlen=True, window=window[0] >= 0 or (right >= 0 and not causal),
+                        softcap=bool(softcap), alibi=alibi)
+    for hd in (64, 128, 256):
+        for seqlen_q in (1, 4, 128):
+            for paged in (False, True):
+                add(hd, "bf16", seqlen_q > 1, seqlen_q * 4, varlen=True, paged=paged, pack_gqa=True)
+    for dtype in DT:
+        for hd in (32, 96):
+            for layout, (h, hk) in LAYOUTS.items():
+                add(hd, dtype, False, h // hk if h > hk else 1, varlen=True, paged=True, pack_gqa=h > hk)
+    add(128, "bf16", True, 16, varlen=True, pack_gqa=True, window=True, softcap=True)
+    return out

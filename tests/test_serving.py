@@ -1,0 +1,73 @@
+"""Serving kernels without a GPU: configuration rules, the split-KV choice, rendering and compiling
+(sm_80 and sm_90a), and the argument checks that need no device data."""
+from __future__ import annotations
+
+import pytest
+
+from flashgen.compile import compile_kernel
+from flashgen.config import FEATURES, ConfigError, KernelConfig, space
+from flashgen.render import render
+from flashgen.serving import MAX_SPLITS, choose_splits, serve_config
+
+
+def test_features_name_the_kernel_and_dense_names_stay():
+    dense = KernelConfig(128, "bf16", True, 128, 64, 8, 2)
+    assert dense.name == "fwd_sm80_d128_bf16_causal_bm128_bn64_w8_s2" and not dense.serving
+    cfg = KernelConfig(128, "bf16", False, 16, 64, 1, 3, varlen=True, paged=True, split=True, pack_gqa=True)
+    assert cfg.name.endswith("_vl_pg_sp_pk") and cfg.features == ("varlen", "paged", "split", "pack_gqa")
+    assert cfg.kernel_names == {"main": cfg.name, "combine": cfg.name + "_combine"}
+    assert KernelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_feature_rules():
+    with pytest.raises(ConfigError, match="family sm80"):
+        KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", varlen=True)
+    with pytest.raises(ConfigError, match="paged=True needs varlen"):
+        KernelConfig(128, "bf16", False, 64, 64, 4, 2, paged=True)
+    with pytest.raises(ConfigError, match="pack_gqa and alibi"):
+        KernelConfig(128, "bf16", False, 64, 64, 4, 2, varlen=True, pack_gqa=True, alibi=True)
+
+
+def test_dense_spaces_keep_out_decode_tiles():
+    for cfg in space("sm80", 128, "bf16", False):
+        assert cfg.block_m >= 64 and cfg.num_warps > 1 and not cfg.serving
+
+
+def test_split_choice_fills_the_gpu_and_stays_one_when_full():
+    assert choose_splits(tiles=264, slots=264, n_blocks=128) == 1  # the tiles alone fill every slot
+    s = choose_splits(tiles=8, slots=264, n_blocks=2048)  # batch 1, 8 KV heads, a 128k cache
+    assert 16 <= s <= MAX_SPLITS and (8 * s) / 264 > 0.8 * -(-(8 * s) // 264)
+    assert choose_splits(tiles=8, slots=264, n_blocks=3) <= 3  # never more splits than key blocks
+    assert choose_splits(tiles=1, slots=264, n_blocks=1) == 1
+
+
+@pytest.mark.parametrize("rows,bm", [(1, 16), (16, 16), (17, 32), (32, 32), (300, 128)])
+def test_serve_config_follows_rows(rows, bm):
+    cfg = serve_config(128, "bf16", False, rows, "sm90", varlen=True, pack_gqa=rows <= 32)
+    assert cfg.block_m == bm and cfg.unfit_reason("sm90") is None
+
+
+FEATURE_SETS = [
+    dict(varlen=True, paged=True, split=True, pack_gqa=True),
+    dict(varlen=True, window=True, softcap=True, alibi=True),
+]
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("features", FEATURE_SETS, ids=["decode", "mods"])
+def test_serving_kernels_compile_without_spills(target, features, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path))
+    rows = 4 if features.get("pack_gqa") else 300
+    cfg = serve_config(128, "bf16", not features.get("pack_gqa"), rows, "sm80", **features)
+    src = render(cfg)
+    assert f"{cfg.name}(const __grid_constant__ ServeParams p)" in src
+    assert ("_combine(" in src) == cfg.split
+    res = compile_kernel(cfg, target).resources
+    assert not res.spills, f"{cfg.name} spills on {target}: {res}"
+
+
+def test_every_feature_renders_alone():
+    for f in FEATURES:
+        extra = {"varlen": True} if f == "paged" else {}
+        cfg = KernelConfig(64, "fp16", True, 64, 64, 4, 2, **{f: True, **extra})
+        assert f"constexpr bool {'PACK_GQA' if f == 'pack_gqa' else f.upper()} = true;" in render(cfg)
