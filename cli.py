@@ -18,6 +18,7 @@ import itertools
 import os
 import re
 import sys
+from typing import Any
 from pathlib import Path
 
 from flashgen import config as C
@@ -232,8 +233,9 @@ def validate(args: argparse.Namespace) -> None:
         raise CliError("--gpus all needs real GPUs; with --simulate give indices, e.g. --gpus 0,1")
     if args.trials is not None and args.exhaustive:
         raise CliError("--trials and --exhaustive conflict: an exhaustive search evaluates every configuration")
-    choices = {"fwd": (("block_m", C.FAMILY_BLOCK_MS[args.arch]), ("block_n", C.FAMILY_BLOCK_NS[args.arch]),
-                       ("num_warps", C.NUM_WARPS), ("num_stages", C.NUM_STAGES)),
+    dense_bm = tuple(b for b in C.FAMILY_BLOCK_MS[args.arch] if b >= C.DENSE_MIN_BLOCK_M)  # decode tiles: not here
+    choices = {"fwd": (("block_m", dense_bm), ("block_n", C.FAMILY_BLOCK_NS[args.arch]),
+                       ("num_warps", tuple(w for w in C.NUM_WARPS if w > 1)), ("num_stages", C.NUM_STAGES)),
                "bwd": (("block_m", C.BWD_BLOCK_MS), ("block_n", C.BWD_BLOCK_NS), ("num_warps", C.BWD_NUM_WARPS))}
     for p in passes(args):
         for field, allowed in choices[p]:
@@ -582,6 +584,17 @@ def check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _bench_torch(hint: str) -> Any:
+    """torch, where it can run on a CUDA GPU; else the CliError saying what is missing."""
+    try:
+        import torch
+    except ImportError:
+        raise CliError(f"bench needs torch with CUDA on a GPU machine{hint}") from None
+    if not torch.cuda.is_available():
+        raise CliError("bench needs a CUDA GPU; none is visible")
+    return torch
+
+
 def bench_serving(args: argparse.Namespace) -> int:
     """`bench --kind decode|varlen|window|serving`: each serving path beside its same-run reference."""
     import datetime
@@ -590,12 +603,7 @@ def bench_serving(args: argparse.Namespace) -> int:
     from flashgen import __version__
     from flashgen import bench_serving as bs
 
-    try:
-        import torch
-    except ImportError:
-        raise CliError("bench needs torch with CUDA on a GPU machine") from None
-    if not torch.cuda.is_available():
-        raise CliError("bench needs a CUDA GPU; none is visible")
+    torch = _bench_torch("")
     gpu = torch.cuda.get_device_name()
     kinds = ("decode", "varlen", "window") if args.kind == "serving" else (args.kind,)
     dtype = args.dtype[0]
@@ -639,12 +647,7 @@ def bench(args: argparse.Namespace) -> int:
     if args.simulate:
         runner, gpu = SimulatedRunner(), "simulated"
     else:
-        try:
-            import torch
-        except ImportError:
-            raise CliError("bench needs torch with CUDA on a GPU machine (or --simulate for a dry run)") from None
-        if not torch.cuda.is_available():
-            raise CliError("bench needs a CUDA GPU; none is visible")
+        torch = _bench_torch(" (or --simulate for a dry run)")
         gpu = torch.cuda.get_device_name()
         major, minor = torch.cuda.get_device_capability()
         check_family(args.arch, gpu, f"sm{major}{minor}")

@@ -23,11 +23,11 @@ from .tensors import _TORCH_DTYPES
 _SERVE = struct.Struct("=5Q12q5i2f4x7Q4q5if")
 assert _SERVE.size == 280
 MAX_SPLITS = 128
-# Decode tiles (few query rows): rows up to 16 or 32 -> (block_m, block_n, num_warps, num_stages) by head dim.
-_DECODE_TILES = {
-    16: {32: (16, 128, 1, 3), 64: (16, 128, 1, 3), 96: (16, 32, 1, 3), 128: (16, 64, 1, 3), 256: (16, 32, 1, 3)},
-    32: {32: (32, 128, 2, 3), 64: (32, 128, 2, 3), 96: (32, 64, 2, 3), 128: (32, 64, 2, 3), 256: (32, 32, 2, 3)},
-}
+# Decode tiles (at most 32 query rows per sequence, packed): (block_m, block_n, num_warps, num_stages)
+# by head dim. Two warps even for 16 rows: one warp alone holds the K/V copies of a tile and its
+# accumulators, and spills at d128 and d256 where pages are smaller than a tile.
+_DECODE_TILES = {32: (32, 128, 2, 3), 64: (32, 128, 2, 3), 96: (32, 32, 2, 3), 128: (32, 64, 2, 3), 256: (32, 32, 2, 3)}
+DECODE_ROWS = 32
 
 
 class Mods(NamedTuple):
@@ -59,10 +59,9 @@ def choose_splits(tiles: int, slots: int, n_blocks: int, max_splits: int = MAX_S
 def serve_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, **features: bool) -> KernelConfig:
     """The configuration for a serving call: decode tiles when a sequence has at most 32 (packed)
     rows, else the dense default tiles of the sm80 family, with exactly `features` compiled in."""
-    for cap, tiles in sorted(_DECODE_TILES.items()):
-        if rows <= cap:
-            bm, bn, w, s = tiles[head_dim]
-            return KernelConfig(head_dim, dtype, causal, bm, bn, w, s, "sm80", **features)
+    if rows <= DECODE_ROWS:
+        bm, bn, w, s = _DECODE_TILES[head_dim]
+        return KernelConfig(head_dim, dtype, causal, bm, bn, w, s, "sm80", **features)
     reason = ""
     for bm, bn, w, s in _DEFAULT_TILES[head_dim]:
         cfg = KernelConfig(head_dim, dtype, causal, bm, bn, w, s, "sm80", **features)
@@ -163,7 +162,6 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
     import torch  # noqa: PLC0415
 
     heads, heads_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    kern = _compiled(cfg, arch)
     dev = q.get_device()
     driver.use_device(dev)
     ctx, stream = driver.primary_context_id(dev), _current_stream(dev)
@@ -191,12 +189,19 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
     blocks = -(-max_rows // cfg.block_m) * heads_grid * batch * num_splits
     if blocks == 0:
         return
-    names = cfg.kernel_names
-    fn = driver.get_function(kern.cubin, names["main"], cfg.smem_bytes, f"{kern.digest}:main", ctx)
+    fn, comb = _functions(cfg, arch, ctx)
     fn.launch((blocks, 1, 1), cfg.threads, params, stream)
-    if cfg.split:
-        comb = driver.get_function(kern.cubin, names["combine"], 0, f"{kern.digest}:combine", ctx)
+    if comb is not None:
         comb.launch((-(-total_rows * heads // COMBINE_WARPS), 1, 1), 32 * COMBINE_WARPS, params, stream)
+
+
+@functools.lru_cache(maxsize=512)
+def _functions(cfg: KernelConfig, arch: str, ctx: int) -> tuple[driver.Function, driver.Function | None]:
+    """The main kernel and (split-KV) the combine of `cfg`, loaded in context `ctx`."""
+    kern, names = _compiled(cfg, arch), cfg.kernel_names
+    main = driver.get_function(kern.cubin, names["main"], cfg.smem_bytes, f"{kern.digest}:main", ctx)
+    comb = driver.get_function(kern.cubin, names["combine"], 0, f"{kern.digest}:combine", ctx) if cfg.split else None
+    return main, comb
 
 
 def _arch_and_slots(device: int) -> tuple[str, int]:

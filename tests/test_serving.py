@@ -41,7 +41,7 @@ def test_split_choice_fills_the_gpu_and_stays_one_when_full():
     assert choose_splits(tiles=1, slots=264, n_blocks=1) == 1
 
 
-@pytest.mark.parametrize("rows,bm", [(1, 16), (16, 16), (17, 32), (32, 32), (300, 128)])
+@pytest.mark.parametrize("rows,bm", [(1, 32), (16, 32), (17, 32), (32, 32), (300, 128)])
 def test_serve_config_follows_rows(rows, bm):
     cfg = serve_config(128, "bf16", False, rows, "sm90", varlen=True, pack_gqa=rows <= 32)
     assert cfg.block_m == bm and cfg.unfit_reason("sm90") is None

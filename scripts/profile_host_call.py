@@ -1,0 +1,55 @@
+"""Where the host time of one flashgen call goes: cProfile over many back-to-back calls on a GPU.
+
+    python scripts/profile_host_call.py [--kind kvcache|varlen|dense] [--calls 500] [--top 25]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kind", choices=("kvcache", "varlen", "dense"), default="kvcache")
+    ap.add_argument("--calls", type=int, default=500)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    import torch
+
+    import flashgen
+
+    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((1,), 1024, dtype=torch.int32, device="cuda")
+    qv, kv = q[0].expand(64, 32, 128).contiguous(), kc[0, :64].contiguous()
+    cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
+    call = {
+        "kvcache": lambda: flashgen.attention_with_kvcache(q, kc, kc, cache_seqlens=lens, validate=False),
+        "varlen": lambda: flashgen.attention_varlen(qv, kv, kv, cu, cu, 64, 64, validate=False),
+        "dense": lambda: flashgen.attention(q.expand(1, 64, 32, 128).contiguous(), kc[:, :64], kc[:, :64]),
+    }[args.kind]
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.calls):
+        call()
+    torch.cuda.synchronize()
+    print(f"{args.kind}: {(time.perf_counter() - t0) / args.calls * 1e6:.1f} us per call (wall, back to back)")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.calls):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
