@@ -14,7 +14,8 @@ import struct
 from typing import Any, NamedTuple
 
 from . import driver
-from .compile import CompiledKernel, compile_kernel, target_for
+from .api import _compiled, refuse_grad
+from .compile import target_for
 from .config import _DEFAULT_TILES, ARCHS, COMBINE_WARPS, HEAD_DIMS, KernelConfig
 from .launch import LOG2E, _current_stream, scale_args
 from .tensors import _TORCH_DTYPES
@@ -69,11 +70,6 @@ def serve_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, 
         if reason is None:
             return cfg
     raise ValueError(f"no serving configuration fits {arch} for head_dim={head_dim}: {reason}")
-
-
-@functools.lru_cache(maxsize=256)
-def _compiled(cfg: KernelConfig, arch: str) -> CompiledKernel:
-    return compile_kernel(cfg, target_for(arch, cfg.family))
 
 
 def _slots(cfg: KernelConfig, sm_count: int, arch: str) -> int:
@@ -198,7 +194,7 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
 @functools.lru_cache(maxsize=512)
 def _functions(cfg: KernelConfig, arch: str, ctx: int) -> tuple[driver.Function, driver.Function | None]:
     """The main kernel and (split-KV) the combine of `cfg`, loaded in context `ctx`."""
-    kern, names = _compiled(cfg, arch), cfg.kernel_names
+    kern, names = _compiled(cfg, target_for(arch, cfg.family)), cfg.kernel_names
     main = driver.get_function(kern.cubin, names["main"], cfg.smem_bytes, f"{kern.digest}:main", ctx)
     comb = driver.get_function(kern.cubin, names["combine"], 0, f"{kern.digest}:combine", ctx) if cfg.split else None
     return main, comb
@@ -217,12 +213,7 @@ def _want_split(num_splits: int, cfg_rows_tiles: int, n_blocks: int, cfg: Kernel
     return min(num_splits, MAX_SPLITS)
 
 
-def _refuse_grad(*tensors: Any) -> None:
-    import torch  # noqa: PLC0415
-
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        raise RuntimeError("flashgen's varlen and KV-cache attention have no backward yet; call it under "
-                           "torch.no_grad() or use flashgen.attention for training")
+NO_BACKWARD = "no backward yet for varlen and KV-cache attention"
 
 
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
@@ -261,7 +252,7 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
         _check_offsets(cu_seqlens_q, "cu_seqlens_q", total_q, max_seqlen_q)
         _check_offsets(cu_seqlens_k, "cu_seqlens_k", total_k, max_seqlen_k)
     mods = _mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device)
-    _refuse_grad(q, k, v)
+    refuse_grad(q, k, v, NO_BACKWARD)
     out = torch.empty_like(q) if q.is_contiguous() else q.new_empty(q.shape)
     lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device) if return_lse else None
     if total_q and heads and batch:
@@ -368,7 +359,9 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     longest = capacity  # the most keys a sequence has: bounds the split-KV choice
     if validate and not torch.cuda.is_current_stream_capturing():  # one small copy: no access outside the cache
         longest = _check_cache(cache_seqlens, seqlen_new, capacity, block_table, k_cache.shape[0])
-    _refuse_grad(q, k_cache, v_cache, k, v)
+    refuse_grad(q, k_cache, v_cache, NO_BACKWARD)
+    if k is not None:
+        refuse_grad(q, k, v, NO_BACKWARD)
     if seqlen_new:
         _append(k_cache, v_cache, k, v, cache_seqlens, block_table, page_size)
     seqused = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
@@ -404,8 +397,8 @@ def _check_cache(cache_seqlens: Any, seqlen_new: int, capacity: int, block_table
         page_size = capacity // block_table.shape[1]
         used = (cache_seqlens.long() + seqlen_new + page_size - 1) // page_size
         live = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < used[:, None]
-        parts += [block_table.masked_fill(~live, 0).min().view(1).to(torch.int32),
-                  block_table.masked_fill(~live, 0).max().view(1).to(torch.int32)]
+        used_pages = block_table.masked_fill(~live, 0)
+        parts += [used_pages.min().view(1).to(torch.int32), used_pages.max().view(1).to(torch.int32)]
     vals = torch.cat(parts).tolist()
     if vals[0] < 0:
         raise ValueError(f"cache_seqlens has a negative entry ({vals[0]})")
