@@ -106,6 +106,7 @@ class KernelConfig(_AsDict):
     family: str = "sm80"
     overlap: bool = False  # sm90: issue the next S = QK^T alongside this tile's P V
     pingpong: bool = False  # sm90: the two consumer warpgroups take turns issuing GEMMs
+    persistent: bool = False  # sm90: one CTA per SM loops over tiles (next Q and K/V load during this epilogue)
     # Serving features (sm80 family; see FEATURES and templates/sm80/serve.cuh.j2):
     varlen: bool = False  # per-sequence offsets (cu_seqlens) and key counts (seqused_k: KV cache lengths)
     paged: bool = False  # K/V pages through a block table
@@ -126,6 +127,7 @@ class KernelConfig(_AsDict):
         _check_choice("num_stages", self.num_stages, NUM_STAGES)
         _check_choice("overlap", self.overlap, (False, True))
         _check_choice("pingpong", self.pingpong, (False, True))
+        _check_choice("persistent", self.persistent, (False, True))
         for f in FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
         if self.serving and self.family != "sm80":
@@ -135,8 +137,8 @@ class KernelConfig(_AsDict):
             raise ConfigError("paged=True needs varlen=True (a paged cache has per-sequence lengths)")
         if self.pack_gqa and self.alibi:
             raise ConfigError("pack_gqa and alibi do not combine (ALiBi slopes differ between the packed heads)")
-        if self.family != "sm90" and (self.overlap or self.pingpong):
-            raise ConfigError(f"overlap and pingpong are sm90-family knobs; family {self.family} has neither")
+        if self.family != "sm90" and (self.overlap or self.pingpong or self.persistent):
+            raise ConfigError(f"overlap, pingpong and persistent are sm90-family knobs; family {self.family} has none")
         if self.pingpong and self.consumers != 2:
             raise ConfigError(f"pingpong=True needs block_m=128 (two consumer warpgroups), not {self.block_m}")
         if self.overlap and self.num_stages < 2:
@@ -163,7 +165,7 @@ class KernelConfig(_AsDict):
             f"_bm{self.block_m}_bn{self.block_n}_w{self.num_warps}_s{self.num_stages}"
         )
         if self.family == "sm90":
-            return name + f"_ov{int(self.overlap)}_pp{int(self.pingpong)}"
+            return name + f"_ov{int(self.overlap)}_pp{int(self.pingpong)}" + ("_ps" if self.persistent else "")
         return name + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
 
     @property
@@ -207,7 +209,7 @@ class KernelConfig(_AsDict):
         mbarriers and 1024 bytes to align the swizzled tiles)."""
         q = self.block_m * self.head_dim
         kv = 2 * self.num_stages * self.block_n * self.head_dim
-        extra = 8 * (1 + 4 * self.num_stages) + 1024 if self.family == "sm90" else 0
+        extra = 8 * (1 + self.persistent + 4 * self.num_stages) + 1024 if self.family == "sm90" else 0
         return (q + kv) * ELEM_BYTES + extra
 
     @property
@@ -222,10 +224,15 @@ class KernelConfig(_AsDict):
             return min(200, SM90_REGS[self.consumers][1] - 40)
         return MAX_ACCUM_REGS
 
-    def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
+    def grid(self, batch: int, heads: int, seqlen_q: int, sm_count: int | None = None) -> tuple[int, int, int]:
         """One flat grid of m-blocks x heads x batch (the kernel unfolds blockIdx.x): gridDim.y and
-        .z stop at 65535, x at 2^31 - 1."""
-        return _flat_grid(-(-seqlen_q // self.block_m), heads, batch, f"ceil(seqlen_q / {self.block_m})")
+        .z stop at 65535, x at 2^31 - 1. Persistent: one CTA per SM (`sm_count`), fewer if fewer tiles."""
+        grid = _flat_grid(-(-seqlen_q // self.block_m), heads, batch, f"ceil(seqlen_q / {self.block_m})")
+        if not self.persistent:
+            return grid
+        if not sm_count or sm_count < 1:
+            raise ValueError(f"{self.name} is persistent: its grid needs the GPU's SM count")
+        return (min(grid[0], sm_count), 1, 1)
 
     def unfit_reason(self, arch: str) -> str | None:
         """Why this config cannot run on `arch`, or None if it fits."""
@@ -255,10 +262,11 @@ def space(family: str, head_dim: int, dtype: str, causal: bool) -> list[KernelCo
         for bn in FAMILY_BLOCK_NS[family]:
             for w in ([w for w in NUM_WARPS if w > 1] if family == "sm80" else (4 * (1 + bm // 64),)):
                 for s in NUM_STAGES:
-                    for ov, pp in ([(False, False)] if family == "sm80" else
-                                   [(False, False), (True, False), (False, True), (True, True)]):
+                    for ov, pp, ps in ([(False, False, False)] if family == "sm80" else
+                                       [(ov, pp, ps) for ov, pp in ((False, False), (True, False), (False, True),
+                                                                    (True, True)) for ps in (False, True)]):
                         try:
-                            out.append(KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family, ov, pp))
+                            out.append(KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family, ov, pp, ps))
                         except ConfigError:
                             continue
     return out

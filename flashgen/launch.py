@@ -188,12 +188,13 @@ def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
         lse_ptr = _lse_ptr(lse, qv, lse_shape)
     if prob.batch * prob.heads * prob.seqlen_q == 0:
         return out, lse, prob
-    grid = cfg.grid(prob.batch, prob.heads, prob.seqlen_q)
+    cfg.grid(prob.batch, prob.heads, prob.seqlen_q, 1)  # refuses grids CUDA cannot launch, before any work
     if prob.seqlen_k == 0:  # no key at all: O = 0, LSE = +inf in both families, nothing to launch
         _fill_empty(out, lse)
         return out, lse, prob
     if torch_in:
-        fn, handle = _torch_function(kernel, qv.device), _current_stream(qv.device)
+        dev = qv.device
+        fn, handle = _torch_function(kernel, dev), _current_stream(dev)
     else:
         ctx, dev = driver.current_context(), driver.context_device()  # GPU arrays run in the current context
         for name, t in (("q", qv), ("k", kv), ("v", vv), ("out", ov)):
@@ -201,11 +202,17 @@ def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
                 raise ValueError(f"{name} is not on the current context's device (cuda:{dev})")
         handle = 0 if stream is None else int(getattr(stream, "handle", stream))
         fn = driver.get_function(kernel.cubin, cfg.name, cfg.smem_bytes, kernel.digest, driver.context_id(ctx))
+    grid = _grid(cfg, prob.batch, prob.heads, prob.seqlen_q, dev)
     params = pack_params(qv, kv, vv, ov, lse_ptr, prob, scale, scale_log2)
     if cfg.family == "sm90":
         params = sm90_params(params, qv, kv, vv, prob, cfg)
     fn.launch(grid, cfg.threads, params, handle)
     return out, lse, prob
+
+
+def _grid(cfg: KernelConfig, batch: int, heads: int, seqlen_q: int, device: int) -> tuple[int, int, int]:
+    """The launch grid on `device` (a persistent kernel runs one CTA per SM of it)."""
+    return cfg.grid(batch, heads, seqlen_q, driver.device_info(device).sm_count if cfg.persistent else None)
 
 
 def _checked_kernel(kernel: CompiledKernel, prob: Problem) -> KernelConfig:
@@ -253,7 +260,8 @@ def make_plan(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
         fn = _torch_function(kernel, qv.device)
         if cfg.family == "sm90":
             tmaps = tmap_geometry(qv, kv, vv, prob, cfg)
-    return Plan(qv.device, fn, cfg.threads, cfg.grid(b, h, sq) if b * h * sq else (0, 1, 1), (b, sq, h, d), (b, h, sq),
+    grid = _grid(cfg, b, h, sq, qv.device) if b * h * sq else (0, 1, 1)
+    return Plan(qv.device, fn, cfg.threads, grid, (b, sq, h, d), (b, h, sq),
                 fields, tmaps, prob.dtype, 2 * cfg.smem_w, {})
 
 

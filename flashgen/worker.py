@@ -337,14 +337,14 @@ def gpu_list() -> list[dict[str, Any]]:
 
 def _launch_illegal(kernel: CompiledKernel) -> None:
     """Test hook: launch the kernel on pointers no allocation owns, so it faults for real."""
-    from .driver import get_function, synchronize  # noqa: PLC0415
+    from .driver import device_info, get_function, synchronize  # noqa: PLC0415
     from .launch import FwdParams  # noqa: PLC0415
 
     cfg, bad = kernel.config, 0x10000
     row = cfg.head_dim  # one head: rows are head_dim apart
     strides = [cfg.block_m * row, row, row] * 4
     p = FwdParams(bad, bad, bad, bad, bad, *strides, 1, 1, 1, cfg.block_m, cfg.block_n, 1.0, 1.4426950408889634)
-    get_function(kernel.cubin, cfg.name, cfg.smem_bytes).launch(cfg.grid(1, 1, cfg.block_m), cfg.threads, p, 0)
+    get_function(kernel.cubin, cfg.name, cfg.smem_bytes).launch(cfg.grid(1, 1, cfg.block_m, device_info().sm_count if cfg.persistent else None), cfg.threads, p, 0)
     synchronize()
 
 

@@ -1,11 +1,12 @@
 """Time named kernel configurations (the kernel alone) on the bench's shape, each verified first.
 
     python scripts/time_configs.py --seqlen 1024,4096 fwd_sm90_d128_bf16_full_bm128_bn128_w12_s2_ov1_pp0 ...
+    python scripts/time_configs.py fwd_sm90_d64_bf16_full_bm128_bn128_w12_s2_ov0_pp0_ps@1024,16384 ...
 
 For before/after checks of a template change on chosen configurations: batch = 16384 // seqlen,
 heads = 2048 // head_dim (as in `cli.py bench`), CUDA-event medians after warm-up, inputs
-rotated past L2. Prints one line per configuration and seqlen; a kernel that fails to verify
-is reported and not timed.
+rotated past L2. A name may carry its own seqlens after `@`. Prints one line per configuration
+and seqlen; a kernel that fails to verify is reported and not timed.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from flashgen.compile import compile_kernel, target_for  # noqa: E402
 from flashgen.config import KernelConfig  # noqa: E402
 from flashgen.verify import verify  # noqa: E402
 
-_NAME = re.compile(r"fwd_(sm\d+)_d(\d+)_(fp16|bf16)_(full|causal)_bm(\d+)_bn(\d+)_w(\d+)_s(\d+)(?:_ov([01])_pp([01]))?$")
+_NAME = re.compile(r"fwd_(sm\d+)_d(\d+)_(fp16|bf16)_(full|causal)_bm(\d+)_bn(\d+)_w(\d+)_s(\d+)(?:_ov([01])_pp([01])(_ps)?)?$")
 
 
 def parse(name: str) -> KernelConfig:
@@ -29,9 +30,9 @@ def parse(name: str) -> KernelConfig:
     m = _NAME.match(name)
     if not m:
         raise SystemExit(f"not a forward kernel name: {name}")
-    fam, d, dt, mask, bm, bn, w, s, ov, pp = m.groups()
+    fam, d, dt, mask, bm, bn, w, s, ov, pp, ps = m.groups()
     return KernelConfig(int(d), dt, mask == "causal", int(bm), int(bn), int(w), int(s), fam,
-                        bool(int(ov or 0)), bool(int(pp or 0)))
+                        bool(int(ov or 0)), bool(int(pp or 0)), bool(ps))
 
 
 def main() -> None:
@@ -41,10 +42,11 @@ def main() -> None:
     ap.add_argument("--gpu-arch", default="sm90")
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
-    for name in args.names:
+    for arg in args.names:
+        name, _, seqlens = arg.partition("@")
         cfg = parse(name)
         kern = compile_kernel(cfg, target_for(args.gpu_arch, cfg.family))
-        for n in (int(x) for x in args.seqlen.split(",")):
+        for n in (int(x) for x in (seqlens or args.seqlen).split(",")):
             b, h = max(1, 16384 // n), max(1, 2048 // cfg.head_dim)
             vr = verify(kern, min(b, 2), n, n, h)
             if not vr.ok:

@@ -65,9 +65,10 @@ def test_parse_ptxas_report():
         parse_ptxas("nothing", "k1", 0)
 
 
+@pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("overlap,pingpong", [(False, False), (True, False), (False, True), (True, True)])
-def test_sm90_family_compiles_for_sm90a_without_spills_or_serialized_wgmma(overlap, pingpong):
-    cfgs = [KernelConfig(hd, dt, causal, 128, bn, 12, 2, "sm90", overlap, pingpong)
+def test_sm90_family_compiles_for_sm90a_without_spills_or_serialized_wgmma(overlap, pingpong, persistent):
+    cfgs = [KernelConfig(hd, dt, causal, 128, bn, 12, 2, "sm90", overlap, pingpong, persistent)
             for hd, bn in ((64, 128), (128, 128), (256, 64)) for dt, causal in (("bf16", True), ("fp16", False))]
     with ThreadPoolExecutor(max_workers=2) as pool:
         kernels = list(pool.map(lambda c: compile_kernel(c, "sm_90a"), cfgs))

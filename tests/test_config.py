@@ -44,6 +44,26 @@ def test_derived_figures():
         c.grid(batch=2**16, heads=2**16, seqlen_q=1)
 
 
+def test_persistent_sm90_config():
+    base = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90")
+    ps = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", persistent=True)
+    assert ps.name == base.name + "_ps" and base.name.endswith("_ov0_pp0")  # stored names of the others unchanged
+    assert ps.smem_bytes == base.smem_bytes + 8  # one more mbarrier: the next tile's Q may land
+    assert KernelConfig.from_dict(ps.to_dict()) == ps
+    assert KernelConfig.from_dict({k: v for k, v in base.to_dict().items() if k != "persistent"}) == base
+    # one CTA per SM, fewer when there are fewer tiles; the tile count itself is still checked
+    assert ps.grid(batch=4, heads=16, seqlen_q=4096, sm_count=132) == (132, 1, 1)
+    assert ps.grid(batch=1, heads=2, seqlen_q=200, sm_count=132) == (2 * 2, 1, 1)
+    with pytest.raises(ValueError, match="SM count"):
+        ps.grid(batch=1, heads=2, seqlen_q=200)
+    with pytest.raises(ValueError, match="exceed"):
+        ps.grid(batch=2**16, heads=2**16, seqlen_q=1024, sm_count=132)
+    with pytest.raises(ConfigError, match="sm90-family knobs"):
+        KernelConfig(128, "bf16", True, 128, 64, 8, 2, persistent=True)
+    sp = space("sm90", 128, "bf16", True)
+    assert sum(c.persistent for c in sp) * 2 == len(sp)
+
+
 def test_unfit_reasons_per_arch():
     big = KernelConfig(256, "bf16", False, 128, 64, 8, 2)  # 192 KB of shared memory
     assert big.unfit_reason("sm90") is None

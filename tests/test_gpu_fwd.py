@@ -24,7 +24,11 @@ OTHER_TILES = {
     "sm80": [(64, 32, 2, 3), (128, 128, 8, 1), (64, 64, 4, 2), (128, 32, 4, 1)],
     "sm90": [(64, 64, 8, 1), (128, 64, 12, 3, True, True), (192, 64, 16, 2, True), (64, 128, 8, 2),
              (128, 128, 12, 2, False, True), (128, 128, 12, 2, True), (128, 64, 12, 2, True, True),
-             (128, 176, 12, 2, True), (128, 96, 12, 2, False, True)],
+             (128, 176, 12, 2, True), (128, 96, 12, 2, False, True),
+             # persistent: plain, with overlap, ping-pong, both, one and three consumer warpgroups
+             (128, 128, 12, 2, False, False, True), (128, 64, 12, 2, True, False, True),
+             (128, 128, 12, 2, False, True, True), (128, 96, 12, 3, True, True, True),
+             (64, 64, 8, 2, False, False, True), (192, 64, 16, 2, True, False, True)],
 }
 
 
@@ -81,6 +85,40 @@ def test_matches_float64_reference(kernels, head_dim, dtype, causal, layout):
             r = run_and_judge(kern, q, k, v, ref)
             if not r.ok:
                 failures.append(f"{kern.name} sq={sq} sk={sk} {layout}: {r.reason}")
+    assert not failures, "\n".join(failures)
+
+
+# Persistent kernels with many more tiles than SMs (each CTA runs several, stage and Q phases carried
+# across tiles), with tiles whose rows see no key between others (causal, seqlen_q > seqlen_k), and
+# with a negative scale (Q negated in shared memory once per tile).
+PERSISTENT_CASES = [  # (batch, seqlen_q, seqlen_k, heads, heads_k, causal, softmax_scale)
+    (4, 2048, 2048, 16, 16, False, None), (4, 2048, 2048, 16, 4, True, None), (3, 1500, 700, 12, 3, True, None),
+    (2, 777, 1900, 8, 8, True, -0.2), (1, 64, 64, 1, 1, False, None),
+]
+
+
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_persistent_kernels_across_many_tiles(case):
+    from flashgen.driver import device_info
+    from flashgen.verify import random_qkv, reference, run_and_judge
+
+    if _arch() != "sm90":
+        pytest.skip("the persistent kernels are sm90-family")
+    batch, sq, sk, heads, heads_k, causal, scale = case
+    cfgs = [KernelConfig(d, "bf16", causal, *t[:4], "sm90", *t[4:]) for d in (64, 128, 256)
+            for t in OTHER_TILES["sm90"] if len(t) == 7 and t[6]]
+    cfgs = [c for c in cfgs if c.unfit_reason("sm90") is None]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
+        kerns = list(pool.map(lambda c: compile_kernel(c, "sm_90a"), cfgs))
+    sms, failures = device_info().sm_count, []
+    for d in (64, 128, 256):
+        q, k, v = random_qkv(batch, sq, sk, heads, heads_k, d, "bf16")
+        ref = reference(q, k, v, causal, scale)
+        for kern in (k_ for k_ in kerns if k_.config.head_dim == d):
+            tiles = -(-sq // kern.config.block_m) * heads * batch
+            r = run_and_judge(kern, q, k, v, ref, scale)
+            if not r.ok:
+                failures.append(f"{kern.name} ({tiles} tiles on {sms} SMs): {r.reason}")
     assert not failures, "\n".join(failures)
 
 
