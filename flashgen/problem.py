@@ -19,7 +19,7 @@ PASSES = ("fwd", "bwd")
 # How a problem is searched by default (search.exhaustive_for): all of its configurations that fit the GPU
 # when there are at most EXHAUSTIVE_MAX (sampling saves little there and may miss the best), else
 # DEFAULT_TRIALS sampled by TPE.
-EXHAUSTIVE_MAX = 300
+EXHAUSTIVE_MAX = 400
 DEFAULT_TRIALS = 60
 
 

@@ -38,7 +38,7 @@ from .studies import default_storage, make_storage as open_storage  # noqa: F401
 PARAMS = ("block_m", "block_n", "num_warps", "num_stages")  # Optuna's parameter names = KernelConfig fields
 BWD_PARAMS = ("block_m", "block_n", "num_warps")  # = BwdConfig's tuned fields (deterministic is a choice, not a knob)
 # Keyed by `params_key`: the family for a forward problem, "bwd_<family>" for a backward one.
-FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, "overlap", "pingpong"), "bwd_sm80": BWD_PARAMS}
+FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, "overlap", "pingpong", "persistent"), "bwd_sm80": BWD_PARAMS}
 SAMPLERS = ("tpe", "random")
 RETRIED = ("error", "timeout")  # may pass on a second try (a busy or restarted GPU worker)
 POLL_S = 0.25  # how often a tuner waiting for another's trial reads the study
