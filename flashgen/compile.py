@@ -166,6 +166,19 @@ def _key(source: str, flags: list[str]) -> str:
     return h.hexdigest()[:20]
 
 
+def _prefix(cfg: KernelConfig, target: str, source: str, flags: list[str]) -> str:
+    return f"{cfg.name}-{target}-{_key(source, flags)}-nvcc"
+
+
+def cache_entries(cfg: KernelConfig, target: str) -> list[Path]:
+    """The cache files (cubin and its .json) that hold `cfg` built for `target` by any nvcc."""
+    cdir = _private_cache()
+    if cdir is None:
+        return []
+    prefix = _prefix(cfg, target, render(cfg), [*arch_flags(target), *NVCC_FLAGS])
+    return sorted(p for p in cdir.glob(f"{prefix}*") if p.suffix in (".cubin", ".json"))
+
+
 def compile_kernel(cfg: KernelConfig, target: str, use_cache: bool = True) -> CompiledKernel:
     """Render and compile `cfg` for `target` ("sm_80", "sm_90", "sm_90a", ...)."""
     source = render(cfg)
@@ -173,7 +186,7 @@ def compile_kernel(cfg: KernelConfig, target: str, use_cache: bool = True) -> Co
     cdir = _private_cache() if use_cache else None
     if cdir is None:
         return _compile(cfg, target, source, flags)
-    prefix = f"{cfg.name}-{target}-{_key(source, flags)}-nvcc"
+    prefix = _prefix(cfg, target, source, flags)
     try:
         version = nvcc_version()
     except CompileError:  # no nvcc here: serve the newest entry any nvcc built, else say why we cannot build

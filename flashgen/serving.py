@@ -72,6 +72,18 @@ def serve_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, 
     raise ValueError(f"no serving configuration fits {arch} for head_dim={head_dim}: {reason}")
 
 
+def serve_grids(cfg: KernelConfig, batch: int, heads: int, heads_k: int, seqlen_q: int, total_rows: int,
+                num_splits: int) -> tuple[int, int]:
+    """Blocks of the main kernel and of the split-KV combine (0 without split), blocks of cfg.threads
+    and 32 * COMBINE_WARPS threads. The main grid is how locate() in templates/sm80/serve.cuh.j2
+    unfolds blockIdx.x: m-blocks of seqlen_q rows (seqlen_q * heads / heads_k packed (row, head) pairs
+    with pack_gqa) x heads (KV heads with pack_gqa) x batch x splits; the combine runs a warp per
+    (row, head) of total_rows * heads. The exported launch header's grid_x and combine_grid_x are this rule in C++."""
+    rows = seqlen_q * (heads // heads_k if cfg.pack_gqa else 1)
+    main = -(-rows // cfg.block_m) * (heads_k if cfg.pack_gqa else heads) * batch * (num_splits if cfg.split else 1)
+    return main, (-(-total_rows * heads // COMBINE_WARPS) if cfg.split else 0)
+
+
 def _slots(cfg: KernelConfig, sm_count: int, arch: str) -> int:
     """Blocks of `cfg` resident on the GPU at once (shared memory and the 32-block cap bound it)."""
     per_sm = min(32, max(1, ARCHS[arch].smem_per_block // max(cfg.smem_bytes, 1)), 2048 // cfg.threads)
@@ -149,7 +161,7 @@ def _scales(softmax_scale: float | None, head_dim: int, softcap: float) -> tuple
     return 1.0, softcap * LOG2E, s / softcap
 
 
-def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse: Any, *, batch: int, max_rows: int,
+def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse: Any, *, batch: int,
             seqlen_q: int, seqlen_k: int, total_rows: int, cu_q: Any, cu_k: Any, seqused_k: Any, block_table: Any,
             page_size: int, num_splits: int, mods: Mods, softmax_scale: float | None, lse_strides: tuple[int, int],
             batch_strides: tuple[int, int, int]) -> None:
@@ -181,14 +193,13 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
         0 if block_table is None else block_table.stride(0),
         0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
         lse_strides[0], lse_strides[1], total_rows, page_size, num_splits, mods.window[0], mods.window[1], softcap_pre)
-    heads_grid = heads_k if cfg.pack_gqa else heads
-    blocks = -(-max_rows // cfg.block_m) * heads_grid * batch * num_splits
+    blocks, combine_blocks = serve_grids(cfg, batch, heads, heads_k, seqlen_q, total_rows, num_splits)
     if blocks == 0:
         return
     fn, comb = _functions(cfg, arch, ctx)
     fn.launch((blocks, 1, 1), cfg.threads, params, stream)
     if comb is not None:
-        comb.launch((-(-total_rows * heads // COMBINE_WARPS), 1, 1), 32 * COMBINE_WARPS, params, stream)
+        comb.launch((combine_blocks, 1, 1), 32 * COMBINE_WARPS, params, stream)
 
 
 @functools.lru_cache(maxsize=512)
@@ -259,12 +270,12 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
         arch, sm_count = _arch_and_slots(q.get_device())
         features = dict(varlen=True, **_mod_features(mods, causal))
         cfg = serve_config(d, dtype, causal, max_seqlen_q, arch, **features)
-        tiles = -(-max_seqlen_q // cfg.block_m) * heads * batch
+        tiles = serve_grids(cfg, batch, heads, heads_k, max_seqlen_q, total_q, 1)[0]  # row blocks, one split
         splits = _want_split(num_splits, tiles, -(-max_seqlen_k // cfg.block_n), cfg, sm_count, arch)
         if splits > 1:
             cfg = serve_config(d, dtype, causal, max_seqlen_q, arch, split=True, **features)
         _launch(cfg, arch, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse, batch=batch,
-                max_rows=max_seqlen_q, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, total_rows=total_q, cu_q=cu_seqlens_q,
+                seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, total_rows=total_q, cu_q=cu_seqlens_q,
                 cu_k=cu_seqlens_k, seqused_k=None, block_table=None, page_size=0, num_splits=splits, mods=mods,
                 softmax_scale=softmax_scale, lse_strides=(0, total_q), batch_strides=(0, 0, 0))
     return (out, lse) if return_lse else out
@@ -376,11 +387,11 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     features = dict(varlen=True, paged=paged, pack_gqa=pack, **_mod_features(mods, causal))
     cfg = serve_config(d, dtype, causal, rows, arch, **features)
     n_blocks = -(-longest // cfg.block_n)
-    tiles = -(-rows // cfg.block_m) * (heads_k if pack else heads) * batch
+    tiles = serve_grids(cfg, batch, heads, heads_k, seqlen_q, batch * seqlen_q, 1)[0]  # row blocks, one split
     splits = _want_split(num_splits, tiles, n_blocks, cfg, sm_count, arch)
     if splits > 1:
         cfg = serve_config(d, dtype, causal, rows, arch, split=True, **features)
-    _launch(cfg, arch, q, k_cache, v_cache, out, lse, batch=batch, max_rows=rows, seqlen_q=seqlen_q,
+    _launch(cfg, arch, q, k_cache, v_cache, out, lse, batch=batch, seqlen_q=seqlen_q,
             seqlen_k=capacity, total_rows=batch * seqlen_q, cu_q=None, cu_k=None, seqused_k=seqused,
             block_table=block_table, page_size=page_size, num_splits=splits, mods=mods, softmax_scale=softmax_scale,
             lse_strides=(heads * seqlen_q, seqlen_q),
@@ -426,4 +437,4 @@ def _append(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, bloc
         v_cache[pages, pos % page_size] = v
 
 
-__all__ = ["attention_varlen", "attention_with_kvcache", "choose_splits", "serve_config"]
+__all__ = ["attention_varlen", "attention_with_kvcache", "choose_splits", "serve_config", "serve_grids"]

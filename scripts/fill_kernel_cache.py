@@ -1,16 +1,18 @@
 """Compile, without a GPU, every kernel a GPU run will load, into FLASHGEN_CACHE_DIR.
 
-    FLASHGEN_CACHE_DIR=.kcache python scripts/fill_kernel_cache.py --arch sm90 [--tests] [--store] [--defaults]
+    FLASHGEN_CACHE_DIR=.kcache python scripts/fill_kernel_cache.py --arch sm90 [--tests] [--store] [--defaults] [--into DIR]
 
 Carry the directory to the GPU machine and point FLASHGEN_CACHE_DIR at it there: device minutes
 then go to the GPU, not to nvcc. --tests: the GPU test suite's kernels; --store: every tuned
-kernel; --defaults: each family's default for every head dim, dtype and mask.
+kernel; --defaults: each family's default for every head dim, dtype and mask. --into DIR: also copy
+just these kernels' entries into DIR (a cache that has grown past what one run may carry).
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import os
+import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,8 +22,9 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flashgen.compile import CompileError, compile_kernel, target_for  # noqa: E402
+from flashgen.compile import CompileError, cache_entries, compile_kernel, target_for  # noqa: E402
 from flashgen.config import DTYPES, FAMILIES, HEAD_DIMS, BwdConfig, KernelConfig, default_config  # noqa: E402
+from flashgen.store import config_from_entry  # noqa: E402
 
 
 def test_suite_configs(arch: str) -> set[KernelConfig | BwdConfig]:
@@ -46,7 +49,7 @@ def store_configs(arch: str) -> set[KernelConfig]:
     out = set()
     for path in (ROOT / "tuned").glob("*.json"):
         for e in json.loads(path.read_text())["entries"].values():
-            cfg = KernelConfig.from_dict(e["config"])
+            cfg = config_from_entry(e)
             if cfg.unfit_reason(arch) is None:
                 out.add(cfg)
     return out
@@ -64,6 +67,7 @@ def main() -> None:
     ap.add_argument("--store", action="store_true")
     ap.add_argument("--defaults", action="store_true")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--into", type=Path, default=None, help="copy these kernels' cache entries into this directory")
     args = ap.parse_args()
     cfgs: set[KernelConfig | BwdConfig] = set()
     if args.tests:
@@ -74,15 +78,24 @@ def main() -> None:
         cfgs |= default_configs(args.arch)
     failed = []
 
+    used: list[Path] = []  # list.extend from pool threads: atomic under the GIL
+
     def build(cfg: KernelConfig | BwdConfig) -> None:
         try:
             compile_kernel(cfg, target_for(args.arch, cfg.family))
+            if args.into:
+                used.extend(cache_entries(cfg, target_for(args.arch, cfg.family)))
         except CompileError as e:
             failed.append(f"{cfg.name}: {str(e).splitlines()[0]}")
 
     with ThreadPoolExecutor(args.jobs) as pool:  # nvcc runs in subprocesses: threads are enough
         list(tqdm(pool.map(build, sorted(cfgs, key=lambda c: c.name)), total=len(cfgs), desc="compile", unit="kernel"))
     print(f"{len(cfgs) - len(failed)} kernels in {os.environ.get('FLASHGEN_CACHE_DIR', 'the user cache')}")
+    if args.into:
+        args.into.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for f in used:
+            shutil.copy2(f, args.into / f.name)
+        print(f"{len(used)} files copied into {args.into}")
     for f in failed:
         print("FAILED", f)
     sys.exit(1 if failed else 0)

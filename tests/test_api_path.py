@@ -14,6 +14,7 @@ import flashgen
 import flashgen.api as api
 import flashgen.driver as driver
 import flashgen.store as store
+from flashgen.store import config_from_entry
 from flashgen.config import KernelConfig
 from flashgen.launch import LOG2E, FwdParams, pack_params, scale_args
 from flashgen.tensors import Problem, View
@@ -69,7 +70,7 @@ def test_a_store_change_is_picked_up(h200, tmp_path):
     doc = json.loads(path.read_text())
     other = next(c for c in flashgen.space("sm90", 128, "bf16", False) if c != before and c.unfit_reason("sm90") is None)
     for e in doc["entries"].values():
-        if KernelConfig.from_dict(e["config"]) == before:
+        if config_from_entry(e) == before:
             e["config"], e["kernel"] = other.to_dict(), other.name
     path.write_text(json.dumps(doc, indent=2))
     assert r.kernel(0, 128, "bf16", False, 4096, "sm90", tuned).config == other

@@ -36,6 +36,8 @@ def test_help(cmd, capsys):
         assert "--simulate-delay" not in out  # test-only options stay hidden
     if cmd == ["show"]:
         assert "--from-storage" in out
+    if cmd == ["export"]:
+        assert "--features" in out and "--rows" in out and "--gpu-arch" in out
     if cmd == []:
         assert "dashboard" in out
 
@@ -55,6 +57,12 @@ def test_help(cmd, capsys):
     (["bench", "--reps", "0", "--simulate"], "--reps must be at least 1"),
     (["tune", "--simulate", "--heartbeat", "30", "--grace", "20"], "--grace 20 must be longer than --heartbeat 30"),
     (["tune", "--simulate", "--gpus", "all"], "--gpus all needs real GPUs"),
+    (["export", "--out", "x", "--features", "varlen,paging"], "--features paging: choose from varlen,paged"),
+    (["export", "--out", "x", "--features", "paged"], "paged=True needs varlen=True"),
+    (["export", "--out", "x", "--features", "varlen", "--arch", "sm90"], "serving kernels are family sm80"),
+    (["export", "--out", "x", "--features", "varlen", "--gpu", "NVIDIA H200"], "drop --gpu and --tuned-dir"),
+    (["export", "--out", "x", "--features", "varlen,paged,pack_gqa", "--head-dim", "128", "--gpu-arch", "sm86"],
+     "does not fit sm86: shared memory"),
 ])
 def test_errors_are_one_clear_line(args, words, capsys):
     assert cli.main(args) == 2
@@ -158,3 +166,22 @@ def test_a_missing_nvcc_is_one_line(monkeypatch, capsys):
         comp.nvcc_version.cache_clear()
     err = capsys.readouterr().err
     assert "FLASHGEN_NVCC=/nonexistent/nvcc is not a file" in err and "Traceback" not in err
+
+
+def test_export_of_serving_kernels(tmp_path, capsys):
+    from flashgen.serving import _SERVE, serve_config
+
+    assert cli.main(["export", "--out", str(tmp_path), "--features", "varlen,paged,split,pack_gqa", "--features",
+                     "varlen,window,softcap,alibi", "--head-dim", "128", "--causal", "no"]) == 0
+    assert "wrote 2 serving kernels (5 files)" in capsys.readouterr().out
+    dec = serve_config(128, "bf16", False, 1, "sm80", varlen=True, paged=True, split=True, pack_gqa=True)
+    mods = serve_config(128, "bf16", False, 1024, "sm80", varlen=True, window=True, softcap=True, alibi=True)
+    assert dec.block_m == 32 and mods.block_m == 128  # decode tiles for the paged set, prefill tiles otherwise
+    assert {p.stem for p in tmp_path.glob("*.cu")} == {dec.name, mods.name}
+    h = (tmp_path / f"{dec.name}.h").read_text()
+    assert "struct ServeParams" in h and f"PARAMS_BYTES = {_SERVE.size};" in h and f"{dec.name}_combine<<<" in h
+    man = json.loads((tmp_path / "manifest.json").read_text())
+    assert {m["kernel"] for m in man["kernels"]} == {dec.name, mods.name}
+    assert cli.main(["export", "--out", str(tmp_path / "r"), "--features", "varlen", "--rows", "8",
+                     "--head-dim", "64", "--causal", "yes", "--dtype", "fp16"]) == 0
+    assert [p.stem for p in (tmp_path / "r").glob("*.cu")] == [serve_config(64, "fp16", True, 8, "sm80", varlen=True).name]

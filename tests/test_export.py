@@ -85,8 +85,9 @@ int main() {{
 
 
 @needs_nvcc
-def test_exported_sm90_kernel_compiles_and_links_for_sm90a(tmp_path):
-    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, False)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_exported_sm90_kernel_compiles_and_links_for_sm90a(tmp_path, persistent):
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, False, persistent)
     merge(store_path("NVIDIA H200", "sm90", tmp_path / "tuned"), "NVIDIA H200", "sm90", {
         "k": {"config": cfg.to_dict(), "kernel": cfg.name, "median_ms": 1.0, "tflops": 1.0,
               "problem": {"seqlen": 4096, "gqa_group": 1}}})
@@ -94,6 +95,7 @@ def test_exported_sm90_kernel_compiles_and_links_for_sm90a(tmp_path):
     export("sm90", out, tmp_path / "tuned")
     h = (out / f"{cfg.name}.h").read_text()
     assert "struct Sm90FwdParams" in h and "cuTensorMapEncodeTiled" in h and "code=sm_90a" in h
+    assert ("cudaDevAttrMultiProcessorCount" in h) == persistent  # a persistent grid is one CTA per SM
     (out / "main.cu").write_text(SM90_MAIN.format(a=cfg.name))
     proc = subprocess.run([NVCC, "-gencode", "arch=compute_90a,code=sm_90a", "-std=c++17", "-o", str(out / "app"),
                            str(out / "main.cu"), str(out / f"{cfg.name}.cu")], capture_output=True, text=True)
@@ -152,3 +154,146 @@ def test_exported_backward_compiles_and_links_with_plain_nvcc(tmp_path):
     host = subprocess.run(["g++" if shutil.which("g++") else "c++", "-std=c++17", "-fsyntax-only", "-x", "c++",
                            str(out / f"{a.name}.h")], capture_output=True, text=True)
     assert host.returncode == 0, host.stderr
+
+
+# ---- Serving kernels (any of config.FEATURES): not tuned, exported by export_configs / cli.py export --features.
+
+SERVE_SETS = [dict(varlen=True, paged=True, split=True, pack_gqa=True),  # decode: a paged cache, GQA packed, split-KV
+              dict(varlen=True, window=True, softcap=True, alibi=True)]  # a varlen prefill with score modifiers
+
+
+def serving_cfgs() -> list[KernelConfig]:
+    from flashgen.serving import serve_config
+
+    return [serve_config(128, "bf16", False, 4, "sm80", **SERVE_SETS[0]),
+            serve_config(128, "bf16", True, 1024, "sm80", **SERVE_SETS[1])]
+
+
+def test_serving_export_documents_serve_params_grids_and_features(tmp_path):
+    from flashgen.export import export_configs
+    from flashgen.serving import _SERVE
+
+    dec, mods = serving_cfgs()
+    files = export_configs([dec, mods], tmp_path)
+    assert sorted(f.name for f in files) == sorted([f"{c.name}{x}" for c in (dec, mods) for x in (".cu", ".h")]
+                                                   + ["manifest.json"])
+    man = {m["kernel"]: m for m in json.loads((tmp_path / "manifest.json").read_text())["kernels"]}
+    assert man[dec.name]["kernels"] == dec.kernel_names and man[dec.name]["params_bytes"] == _SERVE.size
+    assert man[dec.name]["grid"] == "(ceil(seqlen_q * (heads / heads_k) / 32) * heads_k * batch * num_splits, 1, 1)"
+    assert man[dec.name]["combine_threads"] == 128 and "combine_grid" not in man[mods.name]
+    assert man[mods.name]["features"] == ["varlen", "window", "softcap", "alibi"]
+    assert f"{dec.name}_combine(" in (tmp_path / f"{dec.name}.cu").read_text()
+    h = (tmp_path / f"{dec.name}.h").read_text()
+    assert "struct ServeParams" in h and "struct FwdParams" in h and f"PARAMS_BYTES = {_SERVE.size};" in h
+    assert f"SMEM_BYTES = {dec.smem_bytes};" in h and f"THREADS = {dec.threads};" in h
+    assert f"{dec.name}_combine<<<" in h and "constexpr bool PACK_GQA = true;" in h
+    for words in ("cu_seqlens_q, cu_seqlens_k: int32 (batch + 1) offsets", "seqused_k", "block_table: int32",
+                  "PAGE_SIZE_MULTIPLE", "o_accum_floats", "lse_accum", "num_splits",
+                  "leave them 0 / null): window_left, window_right, softcap_pre, alibi_slopes"):
+        assert words in h, words
+    h = (tmp_path / f"{mods.name}.h").read_text()
+    assert "_combine" not in h and "window_left, window_right: query i sees keys" in h
+    assert "softcap_pre = softmax_scale / softcap" in h and "alibi_slopes: fp32 (heads)" in h
+
+
+def test_a_serving_config_in_the_store_gets_the_serving_header(tmp_path):
+    dec = serving_cfgs()[0]
+    merge(store_path("NVIDIA H200", "sm90", tmp_path / "tuned"), "NVIDIA H200", "sm90", {
+        "k": {"config": dec.to_dict(), "kernel": dec.name, "median_ms": 1.0, "tflops": 1.0,
+              "problem": {"seqlen": 4096, "gqa_group": 1}}})
+    export("sm80", tmp_path / "out", tmp_path / "tuned")
+    h = (tmp_path / "out" / f"{dec.name}.h").read_text()
+    assert "struct ServeParams" in h and "NVIDIA H200 (sm90)" in h and "-arch=sm_90" in h
+
+
+SERVE_MAIN = """\
+#include "{a}.h"
+#include "{b}.h"
+namespace A = flashgen::{a}_launch;
+namespace B = flashgen::{b}_launch;
+static_assert(A::SPLIT && A::PAGED && A::PACK_GQA && !A::ALIBI, "decode features");
+static_assert(B::WINDOW && B::SOFTCAP && B::ALIBI && !B::SPLIT, "modifier features");
+static_assert(sizeof(ServeParams) == A::PARAMS_BYTES, "the struct flashgen.serving packs");
+int main() {{
+    ServeParams p = {{}};  // a decode step: 2 sequences, 8 query heads on 2 KV heads, 4 splits over 256-key pages
+    p.f.batch = 2; p.f.heads = 8; p.f.heads_k = 2; p.f.seqlen_q = 1; p.f.seqlen_k = 4096;
+    p.total_rows = 2; p.page_size = 256; p.num_splits = 4;
+    A::set_scales(p, 0.08838834764831845);
+    cudaError_t e1 = A::launch(p);
+    p.num_splits = 1; p.window_left = 512; p.window_right = -1;
+    B::set_scales(p, 0.08838834764831845, 30.0);
+    cudaError_t e2 = B::launch(p, 0);
+    return (int)e1 + (int)e2;
+}}
+"""
+
+
+@needs_nvcc
+def test_exported_serving_kernels_compile_and_link_with_plain_nvcc(tmp_path):
+    from flashgen.export import export_configs
+
+    a, b = serving_cfgs()
+    export_configs([a, b], tmp_path)
+    for c in (a, b):
+        subprocess.run([NVCC, "-cubin", "-arch=sm_80", "-std=c++17", "-o", str(tmp_path / f"{c.name}.cubin"),
+                        str(tmp_path / f"{c.name}.cu")], check=True, capture_output=True, text=True)
+    (tmp_path / "main.cu").write_text(SERVE_MAIN.format(a=a.name, b=b.name))
+    proc = subprocess.run([NVCC, "-arch=sm_80", "-std=c++17", "-o", str(tmp_path / "app"), str(tmp_path / "main.cu"),
+                           str(tmp_path / f"{a.name}.cu"), str(tmp_path / f"{b.name}.cu")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    for c in (a, b):  # plain C++ outside nvcc too
+        host = subprocess.run(["g++" if shutil.which("g++") else "c++", "-std=c++17", "-fsyntax-only", "-x", "c++",
+                               str(tmp_path / f"{c.name}.h")], capture_output=True, text=True)
+        assert host.returncode == 0, host.stderr
+
+
+GRID_MAIN = """\
+#include <stdio.h>
+#include "{a}.h"
+namespace L = flashgen::{a}_launch;
+int main() {{
+    int b, h, hk, sq, rows, sp; double scale, cap;
+    printf("%d\\n", (int)sizeof(ServeParams));
+    while (scanf("%d %d %d %d %d %d %lf %lf", &b, &h, &hk, &sq, &rows, &sp, &scale, &cap) == 8) {{
+        ServeParams p = {{}};
+        L::set_scales(p, scale, cap);
+        printf("%u %u %a %a %a\\n", L::grid_x(sq, h, hk, b, sp), L::combine_grid_x(rows, h), p.f.softmax_scale,
+               p.f.scale_log2, p.softcap_pre);
+    }}
+    return 0;
+}}
+"""
+CXX = shutil.which("g++") or shutil.which("c++")
+
+
+@pytest.mark.skipif(CXX is None, reason="no host C++ compiler")
+@pytest.mark.parametrize("which", [0, 1], ids=["decode", "mods"])
+def test_header_grids_and_scales_are_serving_py_s(which, tmp_path):
+    """The header's C++ grid_x, combine_grid_x and set_scales give what flashgen.serving launches with."""
+    import struct
+
+    from flashgen.export import export_configs
+    from flashgen.serving import _SERVE, _scales, serve_grids
+
+    cfg = serving_cfgs()[which]
+    export_configs([cfg], tmp_path)
+    (tmp_path / "grid.cpp").write_text(GRID_MAIN.format(a=cfg.name))
+    subprocess.run([CXX, "-std=c++17", "-o", str(tmp_path / "grid"), str(tmp_path / "grid.cpp")], check=True,
+                   capture_output=True, text=True)
+    cases = [(b, h, hk, sq, b * sq, sp, scale, cap)
+             for b, h, hk, sq, sp in [(1, 32, 8, 1, 37), (3, 8, 8, 17, 1), (64, 16, 1, 4, 2), (2, 4, 2, 1000, 128),
+                                      (0, 8, 2, 1, 4), (5, 12, 4, 0, 3)]
+             for scale, cap in [(0.08838834764831845, 0.0), (-0.3, 0.0), (1e-50, 0.0), (0.125, 50.0)]]
+    out = subprocess.run([str(tmp_path / "grid")], input="".join(" ".join(map(str, c)) + "\n" for c in cases),
+                         capture_output=True, text=True, check=True).stdout.split("\n")
+    assert int(out[0]) == _SERVE.size
+
+    def f32(x: float) -> float:
+        return struct.unpack("f", struct.pack("f", x))[0]
+
+    for case, line in zip(cases, out[1:]):
+        b, h, hk, sq, rows, sp, scale, cap = case
+        main, comb, s, s_log2, pre = line.split()
+        assert (int(main), int(comb)) == serve_grids(cfg, b, h, hk, sq, rows, sp), case
+        want = tuple(f32(x) for x in _scales(scale, cfg.head_dim, cap))
+        assert (float.fromhex(s), float.fromhex(s_log2), float.fromhex(pre)) == want, case

@@ -7,7 +7,7 @@ import pytest
 from flashgen.compile import compile_kernel
 from flashgen.config import FEATURES, ConfigError, KernelConfig, space
 from flashgen.render import render
-from flashgen.serving import MAX_SPLITS, choose_splits, serve_config
+from flashgen.serving import MAX_SPLITS, choose_splits, serve_config, serve_grids
 
 
 def test_features_name_the_kernel_and_dense_names_stay():
@@ -71,3 +71,13 @@ def test_every_feature_renders_alone():
         extra = {"varlen": True} if f == "paged" else {}
         cfg = KernelConfig(64, "fp16", True, 64, 64, 4, 2, **{f: True, **extra})
         assert f"constexpr bool {'PACK_GQA' if f == 'pack_gqa' else f.upper()} = true;" in render(cfg)
+
+
+def test_serve_grids_follow_the_kernels_block_unfolding():
+    dec = serve_config(128, "bf16", False, 4, "sm80", varlen=True, paged=True, split=True, pack_gqa=True)
+    # 1 query row x 4 heads per KV head packed into one 32-row block, per KV head, sequence and split.
+    assert serve_grids(dec, batch=3, heads=32, heads_k=8, seqlen_q=1, total_rows=3, num_splits=5) == (8 * 3 * 5, 24)
+    assert serve_grids(dec, batch=1, heads=32, heads_k=8, seqlen_q=9, total_rows=9, num_splits=1) == (16, 72)
+    pre = serve_config(128, "bf16", True, 1000, "sm80", varlen=True, window=True)
+    # no split: num_splits does not multiply the grid, and there is no combine
+    assert serve_grids(pre, batch=2, heads=8, heads_k=2, seqlen_q=1000, total_rows=1500, num_splits=4) == (8 * 8 * 2, 0)
