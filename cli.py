@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "retried once elsewhere (default 120)")
     t.add_argument("--tuned-dir", type=Path, default=None, help="tuned store directory (default FLASHGEN_TUNED_DIR or tuned/)")
     t.add_argument("--force", action="store_true", help="replace stored entries even when the new result is slower")
-    t.add_argument("--compile-only", action="store_true", help="no GPU: render and compile the space, print resources")
+    t.add_argument("--compile-only", action="store_true", help="no GPU: compile the configurations that fit --gpu-arch, print their resources (and why the others do not fit)")
     t.add_argument("--gpu-arch", default=None, help="GPU arch to compile for with --compile-only or --simulate (default: this GPU, else --arch)")
     for field, choices in (("block-m", C.BLOCK_MS), ("block-n", C.BLOCK_NS), ("num-warps", C.NUM_WARPS),
                            ("num-stages", C.NUM_STAGES)):
@@ -292,13 +292,17 @@ def compile_only(args: argparse.Namespace) -> int:
     pool = CompileAhead(args.jobs, args.compile_timeout)
     try:
         for c in cfgs:
-            pool.submit(c, target_for(gpu_arch, c.family))
+            if c.unfit_reason(gpu_arch) is None:  # a config the GPU cannot run is not worth nvcc's minutes
+                pool.submit(c, target_for(gpu_arch, c.family))
         rows, passing = [], 0
         for c in cfgs:
             reason = c.unfit_reason(gpu_arch)
             try:
-                r = pool.get(c, target_for(gpu_arch, c.family)).resources
-                res = [r.registers, r.smem_bytes, f"{r.spill_stores}/{r.spill_loads}"]
+                if reason is not None:
+                    res = ["-", c.smem_bytes, "-"]
+                else:
+                    r = pool.get(c, target_for(gpu_arch, c.family)).resources
+                    res = [r.registers, r.smem_bytes, f"{r.spill_stores}/{r.spill_loads}"]
             except CompileError as e:
                 res, reason = ["-", c.smem_bytes, "-"], "compile failed: " + compile_reason(e, 1)
             passing += reason is None
