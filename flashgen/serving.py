@@ -60,10 +60,14 @@ def choose_splits(tiles: int, slots: int, n_blocks: int, max_splits: int = MAX_S
 def serve_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, **features: bool) -> KernelConfig:
     """The configuration for a serving call: decode tiles when a sequence has at most 32 (packed)
     rows, else the dense default tiles of the sm80 family, with exactly `features` compiled in."""
-    if rows <= DECODE_ROWS:
-        bm, bn, w, s = _DECODE_TILES[head_dim]
-        return KernelConfig(head_dim, dtype, causal, bm, bn, w, s, "sm80", **features)
     reason = ""
+    if rows <= DECODE_ROWS:  # fewer stages where the GPU's shared memory is smaller (sm86/sm89: 99 KB)
+        bm, bn, w, stages = _DECODE_TILES[head_dim]
+        for s in range(stages, 0, -1):
+            cfg = KernelConfig(head_dim, dtype, causal, bm, bn, w, s, "sm80", **features)
+            reason = cfg.unfit_reason(arch)
+            if reason is None:
+                return cfg
     for bm, bn, w, s in _DEFAULT_TILES[head_dim]:
         cfg = KernelConfig(head_dim, dtype, causal, bm, bn, w, s, "sm80", **features)
         reason = cfg.unfit_reason(arch)

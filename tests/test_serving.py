@@ -81,3 +81,16 @@ def test_serve_grids_follow_the_kernels_block_unfolding():
     pre = serve_config(128, "bf16", True, 1000, "sm80", varlen=True, window=True)
     # no split: num_splits does not multiply the grid, and there is no combine
     assert serve_grids(pre, batch=2, heads=8, heads_k=2, seqlen_q=1000, total_rows=1500, num_splits=4) == (8 * 8 * 2, 0)
+
+
+def test_decode_tiles_fit_every_arch():
+    """The 3-stage d128 decode tile needs 104 KB of shared memory: sm86/sm89 (99 KB) get fewer stages."""
+    from flashgen.config import ARCHS
+    from flashgen.serving import serve_config
+
+    for arch in ARCHS:
+        for d in (32, 64, 96, 128, 256):
+            cfg = serve_config(d, "bf16", True, 1, arch, varlen=True, paged=True, split=True)
+            assert cfg.unfit_reason(arch) is None and cfg.block_m == 32, (arch, d)
+    assert serve_config(128, "bf16", False, 1, "sm90", varlen=True).num_stages == 3
+    assert serve_config(128, "bf16", False, 1, "sm86", varlen=True).num_stages < 3
