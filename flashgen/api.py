@@ -224,7 +224,7 @@ class Resolver:
                         tuned_dir: Path | str | None) -> tuple[int, ...]:
         """The seqlens the store holds for this problem, filtered exactly as store.lookup filters."""
         from .driver import device_info  # noqa: PLC0415
-        from .store import StoreError, entry_pass, read_store, store_path  # noqa: PLC0415
+        from .store import StoreError, entry_pass, matches, read_store, store_path  # noqa: PLC0415
 
         gpu = device_info(device)
         path = store_path(gpu.name, gpu.arch, tuned_dir)
@@ -243,7 +243,7 @@ class Resolver:
                 cfg = KernelConfig.from_dict(e["config"])
             except (ConfigError, KeyError, TypeError):
                 continue
-            if (cfg.head_dim, cfg.dtype, cfg.causal) != (head_dim, dtype, causal) or (family and cfg.family != family):
+            if not matches(cfg, head_dim, dtype, causal, family):
                 continue
             if cfg.unfit_reason(gpu.arch) is None:
                 seqlens.add(e.get("problem", {}).get("seqlen", 0))

@@ -206,6 +206,13 @@ def _log_distance(a: int, b: int) -> float:
     return abs(math.log(a) - math.log(b))
 
 
+def matches(cfg: KernelConfig | BwdConfig, head_dim: int, dtype: str, causal: bool, family: str | None) -> bool:
+    """Whether a stored configuration answers this problem: its head dim, dtype, mask and family (any when
+    None). A serving kernel (varlen, paged, split, ...) takes other arguments: never the answer to a dense call."""
+    return ((cfg.head_dim, cfg.dtype, cfg.causal) == (head_dim, dtype, causal) and (not family or cfg.family == family)
+            and not getattr(cfg, "serving", False))
+
+
 def lookup(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, seqlen: int | None = None,
            family: str | None = None, tuned_dir: Path | str | None = None,
            pass_: str = "fwd") -> KernelConfig | BwdConfig | None:
@@ -223,7 +230,7 @@ def lookup(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, se
         if entry_pass(e) != pass_:
             continue
         cfg, p = config_from_entry(e), e.get("problem", {})
-        if (cfg.head_dim, cfg.dtype, cfg.causal) != (head_dim, dtype, causal) or (family and cfg.family != family):
+        if not matches(cfg, head_dim, dtype, causal, family):
             continue
         if cfg.unfit_reason(arch) is None:
             size = (p.get("batch_tokens", BATCH_TOKENS), p.get("heads_dim_total", HEADS_DIM_TOTAL))
@@ -253,8 +260,7 @@ def tuned_buckets(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: b
             if entry_pass(e) != pass_:
                 continue
             cfg = config_from_entry(e)
-            if (cfg.head_dim, cfg.dtype, cfg.causal) == (head_dim, dtype, causal) and \
-                    (not family or cfg.family == family) and cfg.unfit_reason(arch) is None:
+            if matches(cfg, head_dim, dtype, causal, family) and cfg.unfit_reason(arch) is None:
                 seqlens.add(e.get("problem", {}).get("seqlen", 0))
         found = {s: lookup(gpu_name, arch, head_dim, dtype, causal, s, family, tuned_dir, pass_) for s in seqlens}
     except StoreError as e:

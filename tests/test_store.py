@@ -105,6 +105,16 @@ def test_lookup_nearest_bucket_and_gqa(tmp_path, path):
     assert lookup("Other", ARCH, 128, "bf16", False, 4096, tuned_dir=tmp_path) is None
 
 
+def test_a_serving_entry_never_answers_a_dense_lookup(tmp_path, path):
+    """A serving kernel takes ServeParams, not FwdParams: even a faster one is not a dense call's kernel."""
+    serving = KernelConfig(128, "bf16", False, 128, 64, 8, 3, varlen=True, split=True)
+    fast = {**entry(0.01), "config": serving.to_dict(), "kernel": serving.name}
+    merge(path, GPU, ARCH, {key(): entry(1.0, stages=2), key() + "_vl_sp": fast})
+    assert lookup(GPU, ARCH, 128, "bf16", False, 4096, tuned_dir=tmp_path).num_stages == 2
+    assert set(store.tuned_buckets(GPU, ARCH, 128, "bf16", False, tuned_dir=tmp_path).values()) == {
+        KernelConfig(128, "bf16", False, 128, 64, 8, 2)}
+
+
 def test_choose_config_reads_the_store_for_the_current_gpu(tmp_path, path, monkeypatch):
     monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
     monkeypatch.setattr(store, "current_gpu", lambda: (GPU, ARCH))
