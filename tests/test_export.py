@@ -14,6 +14,28 @@ from flashgen.store import merge, store_path
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc (CUDA toolkit) is not on PATH")
 
+
+def compile_cubins(out, names) -> None:
+    """Each exported kernel alone, as a cubin for sm_80."""
+    for n in names:
+        subprocess.run([NVCC, "-cubin", "-arch=sm_80", "-std=c++17", "-o", str(out / f"{n}.cubin"), str(out / f"{n}.cu")],
+                       check=True, capture_output=True, text=True)
+
+
+def link_app(out, main: str, names, arch_flags=("-arch=sm_80",)) -> None:
+    """A host program (main) launching the kernels through their headers links against their .cu files."""
+    (out / "main.cu").write_text(main)
+    proc = subprocess.run([NVCC, *arch_flags, "-std=c++17", "-o", str(out / "app"), str(out / "main.cu"),
+                           *(str(out / f"{n}.cu") for n in names)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def assert_plain_cpp(header) -> None:
+    """The header is plain C++ outside nvcc too."""
+    host = subprocess.run(["g++" if shutil.which("g++") else "c++", "-std=c++17", "-fsyntax-only", "-x", "c++",
+                           str(header)], capture_output=True, text=True)
+    assert host.returncode == 0, host.stderr
+
 MAIN = """\
 #include "{a}.h"
 #include "{b}.h"
@@ -60,16 +82,9 @@ def test_exported_files_compile_and_link_with_plain_nvcc(tmp_path):
     a, b = fill_store(tmp_path / "tuned")
     out = tmp_path / "out"
     export("sm80", out, tmp_path / "tuned")
-    for c in (a, b):  # each kernel alone, as a cubin
-        subprocess.run([NVCC, "-cubin", "-arch=sm_80", "-std=c++17", "-o", str(out / f"{c.name}.cubin"),
-                        str(out / f"{c.name}.cu")], check=True, capture_output=True, text=True)
-    (out / "main.cu").write_text(MAIN.format(a=a.name, b=b.name))
-    proc = subprocess.run([NVCC, "-arch=sm_80", "-std=c++17", "-o", str(out / "app"), str(out / "main.cu"),
-                           str(out / f"{a.name}.cu"), str(out / f"{b.name}.cu")], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    host = subprocess.run(["g++" if shutil.which("g++") else "c++", "-std=c++17", "-fsyntax-only", "-x", "c++",
-                           str(out / f"{a.name}.h")], capture_output=True, text=True)
-    assert host.returncode == 0, host.stderr  # the header is plain C++ outside nvcc too
+    compile_cubins(out, (a.name, b.name))
+    link_app(out, MAIN.format(a=a.name, b=b.name), (a.name, b.name))
+    assert_plain_cpp(out / f"{a.name}.h")
 
 
 SM90_MAIN = """\
@@ -96,10 +111,7 @@ def test_exported_sm90_kernel_compiles_and_links_for_sm90a(tmp_path, persistent)
     h = (out / f"{cfg.name}.h").read_text()
     assert "struct Sm90FwdParams" in h and "cuTensorMapEncodeTiled" in h and "code=sm_90a" in h
     assert ("cudaDevAttrMultiProcessorCount" in h) == persistent  # a persistent grid is one CTA per SM
-    (out / "main.cu").write_text(SM90_MAIN.format(a=cfg.name))
-    proc = subprocess.run([NVCC, "-gencode", "arch=compute_90a,code=sm_90a", "-std=c++17", "-o", str(out / "app"),
-                           str(out / "main.cu"), str(out / f"{cfg.name}.cu")], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    link_app(out, SM90_MAIN.format(a=cfg.name), (cfg.name,), ("-gencode", "arch=compute_90a,code=sm_90a"))
 
 
 BWD_MAIN = """\
@@ -147,13 +159,8 @@ def test_exported_backward_compiles_and_links_with_plain_nvcc(tmp_path):
     a, b = fill_bwd_store(tmp_path / "tuned")
     out = tmp_path / "out"
     export("sm80", out, tmp_path / "tuned")
-    (out / "main.cu").write_text(BWD_MAIN.format(a=a.name, b=b.name))
-    proc = subprocess.run([NVCC, "-arch=sm_80", "-std=c++17", "-o", str(out / "app"), str(out / "main.cu"),
-                           str(out / f"{a.name}.cu"), str(out / f"{b.name}.cu")], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    host = subprocess.run(["g++" if shutil.which("g++") else "c++", "-std=c++17", "-fsyntax-only", "-x", "c++",
-                           str(out / f"{a.name}.h")], capture_output=True, text=True)
-    assert host.returncode == 0, host.stderr
+    link_app(out, BWD_MAIN.format(a=a.name, b=b.name), (a.name, b.name))
+    assert_plain_cpp(out / f"{a.name}.h")
 
 
 # ---- Serving kernels (any of config.FEATURES): not tuned, exported by export_configs / cli.py export --features.
@@ -234,17 +241,10 @@ def test_exported_serving_kernels_compile_and_link_with_plain_nvcc(tmp_path):
 
     a, b = serving_cfgs()
     export_configs([a, b], tmp_path)
+    compile_cubins(tmp_path, (a.name, b.name))
+    link_app(tmp_path, SERVE_MAIN.format(a=a.name, b=b.name), (a.name, b.name))
     for c in (a, b):
-        subprocess.run([NVCC, "-cubin", "-arch=sm_80", "-std=c++17", "-o", str(tmp_path / f"{c.name}.cubin"),
-                        str(tmp_path / f"{c.name}.cu")], check=True, capture_output=True, text=True)
-    (tmp_path / "main.cu").write_text(SERVE_MAIN.format(a=a.name, b=b.name))
-    proc = subprocess.run([NVCC, "-arch=sm_80", "-std=c++17", "-o", str(tmp_path / "app"), str(tmp_path / "main.cu"),
-                           str(tmp_path / f"{a.name}.cu"), str(tmp_path / f"{b.name}.cu")], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    for c in (a, b):  # plain C++ outside nvcc too
-        host = subprocess.run(["g++" if shutil.which("g++") else "c++", "-std=c++17", "-fsyntax-only", "-x", "c++",
-                               str(tmp_path / f"{c.name}.h")], capture_output=True, text=True)
-        assert host.returncode == 0, host.stderr
+        assert_plain_cpp(tmp_path / f"{c.name}.h")
 
 
 GRID_MAIN = """\
