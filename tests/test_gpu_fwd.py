@@ -98,23 +98,20 @@ PERSISTENT_CASES = [  # (batch, seqlen_q, seqlen_k, heads, heads_k, causal, soft
 
 
 @pytest.mark.parametrize("case", PERSISTENT_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_persistent_kernels_across_many_tiles(case):
+def test_persistent_kernels_across_many_tiles(kernels, case):
     from flashgen.driver import device_info
     from flashgen.verify import random_qkv, reference, run_and_judge
 
-    if _arch() != "sm90":
+    if _arch() != "sm90" or "sm90" not in os.environ.get("FLASHGEN_TEST_FAMILIES", "sm90"):
         pytest.skip("the persistent kernels are sm90-family")
     batch, sq, sk, heads, heads_k, causal, scale = case
-    cfgs = [KernelConfig(d, "bf16", causal, *t[:4], "sm90", *t[4:]) for d in (64, 128, 256)
-            for t in OTHER_TILES["sm90"] if len(t) == 7 and t[6]]
-    cfgs = [c for c in cfgs if c.unfit_reason("sm90") is None]
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
-        kerns = list(pool.map(lambda c: compile_kernel(c, "sm_90a"), cfgs))
     sms, failures = device_info().sm_count, []
     for d in (64, 128, 256):
         q, k, v = random_qkv(batch, sq, sk, heads, heads_k, d, "bf16")
         ref = reference(q, k, v, causal, scale)
-        for kern in (k_ for k_ in kerns if k_.config.head_dim == d):
+        persistent = [k_ for k_ in kernels[(d, "bf16", causal)] if k_.config.persistent]
+        assert persistent, f"no persistent kernel fits d{d}"
+        for kern in persistent:
             tiles = -(-sq // kern.config.block_m) * heads * batch
             r = run_and_judge(kern, q, k, v, ref, scale)
             if not r.ok:
