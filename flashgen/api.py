@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .compile import CompiledKernel, Resources, compile_kernel, target_for
-from .config import FAMILIES, ConfigError, KernelConfig, arch_limits, default_config
+from .config import FAMILIES, FP8_DTYPES, ConfigError, KernelConfig, arch_limits, default_config
 from .launch import STREAM_FOR_TORCH, launch_plan, make_plan, run, run_views, scale_args
 from .tensors import Problem, aligned_strides, check_qkv, is_torch, view
 
@@ -48,21 +48,24 @@ class Kernel:
         return self.config.name
 
     def __call__(self, q: Any, k: Any, v: Any, softmax_scale: float | None = None, return_lse: bool = False,
-                 stream: Any = None) -> Any:
+                 stream: Any = None, *, q_descale: Any = None, k_descale: Any = None, v_descale: Any = None) -> Any:
         """out = softmax(q k^T * scale [+ causal mask]) v; with return_lse, (out, lse) where lse is (batch, heads, seqlen_q) fp32.
 
         Torch tensors run on torch's current stream of their device; `stream` (a pycuda Stream or
-        raw handle) is for GPU arrays. Not traceable by torch.compile: use `flashgen.attention`."""
+        raw handle) is for GPU arrays. Not traceable by torch.compile: use `flashgen.attention`.
+        FP8 kernels take float8_e4m3fn q, k, v and their descale factors (see flashgen.fp8)."""
+        descale = _descale(q_descale, k_descale, v_descale)
         if is_torch(q):
             refuse_grad(q, k, v, "a loaded Kernel is forward only: call flashgen.attention, which has the backward")
             if stream is not None:
                 raise TypeError(STREAM_FOR_TORCH)
-            out, lse = self.run_torch(q, k, v, softmax_scale, return_lse)
+            out, lse = self.run_torch(q, k, v, softmax_scale, return_lse, descale)
         else:
-            out, lse, _ = run(self.compiled, q, k, v, softmax_scale, stream)
+            out, lse, _ = run(self.compiled, q, k, v, softmax_scale, stream, descale=descale)
         return (out, lse) if return_lse else out
 
-    def run_torch(self, q: Any, k: Any, v: Any, softmax_scale: float | None, want_lse: bool = True) -> tuple[Any, Any]:
+    def run_torch(self, q: Any, k: Any, v: Any, softmax_scale: float | None, want_lse: bool = True,
+                  descale: dict[str, Any] | None = None) -> tuple[Any, Any]:
         """(out, lse) for torch tensors: checked once per call signature (shapes, strides, dtypes,
         device, scale), then a dict lookup, five pointers packed and a launch. lse is None
         when not wanted (the kernel then skips it)."""
@@ -72,7 +75,7 @@ class Kernel:
             plan = self._plans[sig] = self.plan(q, k, v, softmax_scale)
             if len(self._plans) > 1024:
                 self._plans.clear()
-        return launch_torch(self, plan, q, k, v, softmax_scale, want_lse)
+        return launch_torch(self, plan, q, k, v, softmax_scale, want_lse, descale)
 
     def plan(self, q: Any, k: Any, v: Any, softmax_scale: float | None) -> Any:
         """launch.Plan of these inputs, after every check; None when a stride needs `run`'s copy."""
@@ -115,7 +118,7 @@ def choose_config(head_dim: int, dtype: str, causal: bool, arch: str, seqlen: in
 
     arch_limits(arch)
     return tuned_config(head_dim, dtype, causal, arch, seqlen, family, tuned_dir, gpu) or default_config(
-        head_dim, dtype, causal, arch, family or "sm80")
+        head_dim, dtype, causal, arch, family or ("sm90" if dtype in FP8_DTYPES else "sm80"))
 
 
 @functools.lru_cache(maxsize=256)
@@ -275,13 +278,19 @@ def reload() -> None:
         ops._tuned_backwards.cache_clear()
 
 
+def _descale(q_descale: Any, k_descale: Any, v_descale: Any) -> dict[str, Any] | None:
+    if q_descale is None and k_descale is None and v_descale is None:
+        return None
+    return {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+
+
 def launch_torch(kern: Kernel, plan: Any, q: Any, k: Any, v: Any, softmax_scale: float | None,
-                 want_lse: bool) -> tuple[Any, Any]:
+                 want_lse: bool, descale: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """One call by its plan; `run` (which copies what is misaligned) when there is no plan or a base
     pointer is off 16 bytes."""
-    res = None if plan is None else launch_plan(plan, q, k, v, want_lse)
+    res = None if plan is None else launch_plan(plan, q, k, v, want_lse, descale)
     if res is None:
-        out, lse, _ = run(kern.compiled, q, k, v, softmax_scale)
+        out, lse, _ = run(kern.compiled, q, k, v, softmax_scale, descale=descale)
         return out, lse
     return res
 
@@ -319,6 +328,33 @@ def forward_torch(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | N
     return launch_torch(hit[0], hit[1], q, k, v, softmax_scale, want_lse)
 
 
+def forward_fp8(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, arch: str | None,
+                descale: dict[str, Any] | None, out_dtype: str | None = None, block_quant_p: bool = False,
+                want_lse: bool = True) -> tuple[Any, Any]:
+    """`forward_torch` for float8_e4m3fn q, k, v (sm90 family, forward only): the tuned FP8 kernel, or its
+    variant writing `out_dtype` ("bf16" default, "fp16") or quantizing P per key tile (block_quant_p)."""
+    import dataclasses  # noqa: PLC0415
+
+    refuse_grad(q, k, v, "FP8 attention is forward only")
+    if arch is not None and arch != "sm90":
+        raise ValueError(f"FP8 attention is built in family sm90 (FP8 wgmma); arch={arch!r} has no FP8 tensor cores")
+    r = _resolver
+    r.refresh()
+    sig = (*signature(q, k, v, softmax_scale), causal, out_dtype, block_quant_p)
+    hit = r._by_signature.get(sig)
+    if hit is None:
+        qv, _, _, prob = _checked(q, k, v, softmax_scale, arch)
+        kern = r.kernel(qv.device, prob.head_dim, prob.dtype, causal, prob.seqlen_k, "sm90")
+        want = dataclasses.replace(kern.config, out_dtype=out_dtype or "bf16", block_quant_p=block_quant_p)
+        if want != kern.config:
+            kern = load(want.head_dim, want.dtype, causal, config=want, device=qv.device)
+        hit = (kern, kern.plan(q, k, v, softmax_scale))
+        if len(r._by_signature) > 4096:
+            r._by_signature.clear()
+        r._by_signature[sig] = hit
+    return launch_torch(hit[0], hit[1], q, k, v, softmax_scale, want_lse, descale)
+
+
 def forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, arch: str | None,
             stream: Any = None) -> tuple[Any, Any]:
     """(out, lse) through the resolved kernel: the eager body of `attention` and of the torch operator.
@@ -336,7 +372,9 @@ def forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, a
 
 
 def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float | None = None,
-              return_lse: bool = False, stream: Any = None, arch: str | None = None) -> Any:
+              return_lse: bool = False, stream: Any = None, arch: str | None = None, *, q_descale: Any = None,
+              k_descale: Any = None, v_descale: Any = None, out_dtype: str | None = None,
+              block_quant_p: bool = False) -> Any:
     """FlashAttention forward with flash_attn's conventions.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim) with
@@ -347,7 +385,23 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
 
     Torch tensors go through the `flashgen::attention` operator (torch.compile traces it, CUDA
     graphs capture it) and run on the current stream of their device; pycuda GPU arrays run in
-    the current context, on `stream`."""
+    the current context, on `stream`.
+
+    FP8 (Hopper): q, k, v in torch.float8_e4m3fn with fp32 descale factors q_descale, k_descale,
+    v_descale of shape (1,) or (batch, heads_k) (None: 1; `flashgen.fp8.quantize` makes them);
+    out in bf16, or out_dtype="fp16"; block_quant_p quantizes P with a scale per key tile.
+    Forward only, eager only (not through the operator)."""
+    descale = _descale(q_descale, k_descale, v_descale)
+    if is_torch(q) and str(q.dtype) == "torch.float8_e4m3fn":
+        if stream is not None:
+            raise TypeError(STREAM_FOR_TORCH)
+        if out_dtype not in (None, "bf16", "fp16"):
+            raise ValueError(f"out_dtype={out_dtype!r}: FP8 attention writes bf16 or fp16")
+        out, lse = forward_fp8(q, k, v, causal, softmax_scale, arch, descale, out_dtype, block_quant_p, return_lse)
+        return (out, lse) if return_lse else out
+    if descale is not None or out_dtype is not None or block_quant_p:
+        raise ValueError("q_descale, k_descale, v_descale, out_dtype and block_quant_p are for FP8 inputs "
+                         "(torch.float8_e4m3fn)")
     if is_torch(q):
         from . import ops  # noqa: PLC0415  (registers the operator; needs torch, which q proves is there)
 

@@ -61,18 +61,25 @@ def time_kernel(kernel: CompiledKernel, batch: int, seqlen_q: int, seqlen_k: int
     """Median milliseconds of `kernel` on random inputs of this shape, inputs rotated past L2."""
     import torch  # noqa: PLC0415
 
-    from .verify import random_qkv  # noqa: PLC0415
+    from .verify import random_fp8, random_qkv  # noqa: PLC0415
 
     cfg = kernel.config
     hk = heads_k or heads
-    set_bytes = 2 * cfg.head_dim * batch * (seqlen_q * heads * 2 + 2 * seqlen_k * hk)
-    sets = [random_qkv(batch, seqlen_q, seqlen_k, heads, hk, cfg.head_dim, cfg.dtype, seed + i)
-            for i in range(l2_rotation(set_bytes))]
-    outs = [(torch.empty_like(q), torch.empty(batch, heads, seqlen_q, device=q.device)) for q, _, _ in sets]
+    eb = cfg.elem_bytes
+    set_bytes = cfg.head_dim * batch * (seqlen_q * heads * (eb + 2) + 2 * eb * seqlen_k * hk)
+    if cfg.fp8:
+        sets = [random_fp8(batch, seqlen_q, seqlen_k, heads, hk, cfg.head_dim, seed + i)
+                for i in range(l2_rotation(set_bytes))]
+    else:
+        sets = [(*random_qkv(batch, seqlen_q, seqlen_k, heads, hk, cfg.head_dim, cfg.dtype, seed + i), None)
+                for i in range(l2_rotation(set_bytes))]
+    odt = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.output_dtype]
+    outs = [(torch.empty(q.shape, dtype=odt, device=q.device), torch.empty(batch, heads, seqlen_q, device=q.device))
+            for q, *_ in sets]
 
     def call(i: int) -> None:
-        q, k, v = sets[i]
-        run(kernel, q, k, v, out=outs[i][0], lse=outs[i][1])
+        q, k, v, descale = sets[i]
+        run(kernel, q, k, v, out=outs[i][0], lse=outs[i][1], descale=descale)
 
     return median_ms(time_cuda(call, warmup, reps, rotate=len(sets)))
 

@@ -11,12 +11,20 @@ from typing import Any
 
 FAMILIES = ("sm80", "sm90")
 HEAD_DIMS = (32, 64, 96, 128, 256)
-DTYPES = ("fp16", "bf16")
+HALF_DTYPES = ("fp16", "bf16")
+FP8_DTYPES = ("fp8_e4m3",)  # sm90 family only: e4m3 inputs with fp32 descale factors, bf16/fp16 out
+DTYPES = HALF_DTYPES + FP8_DTYPES
+OUT_DTYPES = HALF_DTYPES
+FP8_HEAD_DIMS = (64, 128, 256)  # rows of 64 or 128 bytes: TMA's and wgmma's 64- and 128-byte swizzle
 BLOCK_MS = (64, 128, 192, 256)
 BLOCK_NS = (32, 64, 96, 128, 160, 176, 192, 256)
 NUM_WARPS = (1, 2, 4, 8, 12, 16)
 NUM_STAGES = (1, 2, 3, 4)
 ELEM_BYTES = 2  # fp16 and bf16
+
+
+def elem_bytes(dtype: str) -> int:
+    return 1 if dtype in FP8_DTYPES else 2
 # sm80: warps split block_m into 16-row mma tiles. sm90: one producer warpgroup plus one
 # consumer warpgroup per 64 rows of block_m (wgmma is m64), so num_warps follows block_m.
 FAMILY_BLOCK_MS = {"sm80": (16, 32, 64, 128, 256), "sm90": (64, 128, 192)}
@@ -32,6 +40,8 @@ FAMILY_BLOCK_NS = {"sm80": (32, 64, 128, 256), "sm90": (64, 96, 128, 160, 176, 1
 # sm90 consumers get registers from the producer through setmaxnreg: (producer, consumer)
 # per thread for 2 and 3 consumer warpgroups; one consumer keeps the 255 cap at entry.
 SM90_REGS = {1: (None, 255), 2: (24, 240), 3: (24, 160)}
+# FP8: the producer warpgroup also transposes V in shared memory, so it keeps more.
+SM90_REGS_FP8 = {1: (None, 255), 2: (40, 232), 3: (40, 152)}
 
 
 @dataclass(frozen=True)
@@ -115,11 +125,35 @@ class KernelConfig(_AsDict):
     window: bool = False  # sliding window
     softcap: bool = False  # scores = softcap * tanh(scores / softcap)
     alibi: bool = False  # scores -= slope * |i + seqlen_k - seqlen_q - j|
+    # FP8 (dtype fp8_e4m3, sm90 family): the output's dtype ("" = bf16), and P quantized with a
+    # scale per row and key tile (its own max) instead of the running max's.
+    out_dtype: str = ""
+    block_quant_p: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
         _check_choice("head_dim", self.head_dim, HEAD_DIMS)
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("out_dtype", self.out_dtype, ("",) + OUT_DTYPES)
+        _check_choice("block_quant_p", self.block_quant_p, (False, True))
+        if self.fp8:
+            if self.family != "sm90":
+                raise ConfigError(f"dtype={self.dtype} needs family sm90 (FP8 wgmma); family {self.family} has no FP8 "
+                                  "tensor cores (Ampere) ")
+            if self.out_dtype == "":
+                object.__setattr__(self, "out_dtype", "bf16")
+            if self.head_dim not in FP8_HEAD_DIMS:
+                raise ConfigError(f"head_dim={self.head_dim} is not built for {self.dtype}; choose one of "
+                                  f"{', '.join(map(str, FP8_HEAD_DIMS))}")
+            if self.block_n % 64:
+                raise ConfigError(f"block_n={self.block_n} must be a multiple of 64 for {self.dtype} (V is transposed "
+                                  "into 64- or 128-byte rows of keys)")
+        else:
+            if self.out_dtype not in ("", self.dtype):
+                raise ConfigError(f"out_dtype={self.out_dtype!r}: a {self.dtype} kernel writes {self.dtype}")
+            object.__setattr__(self, "out_dtype", "")
+            if self.block_quant_p:
+                raise ConfigError("block_quant_p is an FP8 option (dtype fp8_e4m3)")
         _check_choice("causal", self.causal, (False, True))
         _check_choice("block_m", self.block_m, FAMILY_BLOCK_MS[self.family])
         _check_choice("block_n", self.block_n, FAMILY_BLOCK_NS[self.family])
@@ -165,8 +199,29 @@ class KernelConfig(_AsDict):
             f"_bm{self.block_m}_bn{self.block_n}_w{self.num_warps}_s{self.num_stages}"
         )
         if self.family == "sm90":
-            return name + f"_ov{int(self.overlap)}_pp{int(self.pingpong)}" + ("_ps" if self.persistent else "")
+            name += f"_ov{int(self.overlap)}_pp{int(self.pingpong)}" + ("_ps" if self.persistent else "")
+            if self.fp8:
+                name += f"_o{self.out_dtype}" + ("_bq" if self.block_quant_p else "")
+            return name
         return name + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype in FP8_DTYPES
+
+    @property
+    def output_dtype(self) -> str:
+        """The dtype of O: the inputs' (fp16, bf16) or out_dtype (FP8)."""
+        return self.out_dtype or self.dtype
+
+    @property
+    def elem_bytes(self) -> int:
+        return elem_bytes(self.dtype)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one swizzled shared-memory row (128, or 64): TMA's and wgmma's swizzle width."""
+        return self.smem_w * self.elem_bytes
 
     @property
     def features(self) -> tuple[str, ...]:
@@ -191,6 +246,8 @@ class KernelConfig(_AsDict):
     def smem_w(self) -> int:
         """Elements per swizzled shared-memory row (128 or 64 bytes): SMEM_W in the templates and
         the inner box of sm90's TMA descriptors."""
+        if self.fp8:
+            return 128 if self.head_dim % 128 == 0 else 64
         return 64 if self.head_dim % 64 == 0 else 32
 
     @property
@@ -206,11 +263,12 @@ class KernelConfig(_AsDict):
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the Q tile plus `num_stages` K and V tiles (sm90: plus its
-        mbarriers and 1024 bytes to align the swizzled tiles)."""
+        mbarriers and 1024 bytes to align the swizzled tiles). FP8 adds a ring of transposed V tiles and its two barriers per stage."""
         q = self.block_m * self.head_dim
-        kv = 2 * self.num_stages * self.block_n * self.head_dim
-        extra = 8 * (1 + self.persistent + 4 * self.num_stages) + 1024 if self.family == "sm90" else 0
-        return (q + kv) * ELEM_BYTES + extra
+        kv = (3 if self.fp8 else 2) * self.num_stages * self.block_n * self.head_dim
+        bars = 1 + self.persistent + (6 if self.fp8 else 4) * self.num_stages
+        extra = 8 * bars + 1024 if self.family == "sm90" else 0
+        return (q + kv) * self.elem_bytes + extra
 
     @property
     def accum_regs(self) -> int:
@@ -221,7 +279,7 @@ class KernelConfig(_AsDict):
     @property
     def max_accum_regs(self) -> int:
         if self.family == "sm90":  # what setmaxnreg leaves a consumer, less room for softmax state and addressing
-            return min(200, SM90_REGS[self.consumers][1] - 40)
+            return min(200, (SM90_REGS_FP8 if self.fp8 else SM90_REGS)[self.consumers][1] - 40)
         return MAX_ACCUM_REGS
 
     def grid(self, batch: int, heads: int, seqlen_q: int, sm_count: int | None = None) -> tuple[int, int, int]:
@@ -282,6 +340,7 @@ _DEFAULT_TILES_SM90 = {  # FlashAttention-3's choices, roughly: two consumer war
     128: [(128, 128, 12, 2)],
     256: [(128, 64, 12, 2)],
 }
+_DEFAULT_TILES_FP8 = {d: [(128, 128, 12, 2)] for d in FP8_HEAD_DIMS}
 _DEFAULT_TILES = {
     32: [(128, 128, 8, 2)],
     64: [(128, 64, 4, 2), (128, 64, 8, 2)],
@@ -292,10 +351,11 @@ _DEFAULT_TILES = {
 
 
 def default_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm80", family: str = "sm80") -> KernelConfig:
-    """The untuned configuration `load()` uses for a problem on `arch`."""
+    """The untuned configuration `load()` uses for a problem on `arch` (FP8 only exists in family sm90)."""
     _check_choice("head_dim", head_dim, HEAD_DIMS)
     reason = ""
-    for bm, bn, w, s in (_DEFAULT_TILES_SM90 if family == "sm90" else _DEFAULT_TILES)[head_dim]:
+    tiles = _DEFAULT_TILES_FP8 if dtype in FP8_DTYPES else _DEFAULT_TILES_SM90 if family == "sm90" else _DEFAULT_TILES
+    for bm, bn, w, s in tiles.get(head_dim, ()):
         cfg = KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family)
         reason = cfg.unfit_reason(arch)
         if reason is None:
@@ -350,7 +410,7 @@ class BwdConfig(_AsDict):
     def __post_init__(self) -> None:
         _check_choice("family", self.family, ("sm80",))
         _check_choice("head_dim", self.head_dim, HEAD_DIMS)
-        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("dtype", self.dtype, HALF_DTYPES)
         _check_choice("causal", self.causal, (False, True))
         _check_choice("block_m", self.block_m, BWD_BLOCK_MS)
         _check_choice("block_n", self.block_n, BWD_BLOCK_NS)

@@ -189,7 +189,7 @@ def get_function(cubin: bytes, name: str, smem_bytes: int, digest: str | None = 
 
 
 # cuTensorMapEncodeTiled enums (cuda.h)
-TMA_DTYPES = {"fp16": 6, "bf16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+TMA_DTYPES = {"fp16": 6, "bf16": 9, "fp8_e4m3": 0}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16 / _UINT8
 TMA_SWIZZLE = {32: 1, 64: 2, 128: 3}  # CU_TENSOR_MAP_SWIZZLE_{32,64,128}B by row bytes
 TMA_L2_PROMOTION_128B = 2
 

@@ -312,11 +312,15 @@ _SM90_NOTE = """
 // tensor's byte strides, element strides 1, box (SMEM_W, BLOCK_M for q / BLOCK_N for k and v, 1, 1),
 // swizzle SWIZZLE_BYTES (CU_TENSOR_MAP_SWIZZLE_128B or _64B), L2 promotion 128B, no OOB fill.
 // p.p holds the output, LSE, strides and sizes exactly as for the sm80 family."""
+_FP8_NOTE = """
+// FP8: q, k, v are e4m3 (tensor maps of CU_TENSOR_MAP_DATA_TYPE_UINT8); o is OUT_DTYPE. The descale
+// factors are fp32: p.q_descale.ptr[batch * batch_stride + head_k * head_stride], likewise k and v
+// (strides 0: one factor per tensor; a factor of 1 needs a device float holding 1)."""
 
 
-def _params_source(family: str) -> str:
-    parts = ["common/params.cuh.j2"] + (["sm90/params.cuh.j2"] if family == "sm90" else [])
-    return "\n".join(template_env().get_template(t).render() for t in parts)
+def _params_source(cfg: KernelConfig) -> str:
+    parts = ["common/params.cuh.j2"] + (["sm90/params.cuh.j2"] if cfg.family == "sm90" else [])
+    return "\n".join(template_env().get_template(t).render(cfg=cfg) for t in parts)
 
 
 def bwd_header(cfg: BwdConfig, tuned_on: list[str], target: str) -> str:
@@ -351,13 +355,17 @@ def header(cfg: KernelConfig | BwdConfig, tuned_on: list[str], target: str) -> s
     if cfg.serving:
         return serve_header(cfg, tuned_on, target)
     sm90 = cfg.family == "sm90"
+    extra = ""
+    if sm90:  # the TMA box geometry the caller's tensor maps must use
+        extra = f"\nconstexpr int SMEM_W = {cfg.smem_w};\nconstexpr int SWIZZLE_BYTES = {cfg.row_bytes};"
+        if cfg.fp8:
+            extra += f'\nconstexpr const char* OUT_DTYPE = "{cfg.output_dtype}";'
+    params_type = ("Sm90Fp8FwdParams" if cfg.fp8 else "Sm90FwdParams") if sm90 else "FwdParams"
     return _HEADER.format(name=cfg.name, version=__version__, tuned_on=", ".join(tuned_on) or "untuned",
-                          arch_flags=" ".join(arch_flags(target)), params=_params_source(cfg.family),
-                          tile_consts=_tile_consts(cfg), params_type="Sm90FwdParams" if sm90 else "FwdParams",
-                          params_note=_SM90_NOTE if sm90 else "", fwd_params="p.p" if sm90 else "p",
-                          # the TMA box geometry the caller's tensor maps must use
-                          extra_consts=f"\nconstexpr int SMEM_W = {cfg.smem_w};\nconstexpr int SWIZZLE_BYTES = "
-                                       f"{2 * cfg.smem_w};" if sm90 else "",
+                          arch_flags=" ".join(arch_flags(target)), params=_params_source(cfg),
+                          tile_consts=_tile_consts(cfg), params_type=params_type,
+                          params_note=(_SM90_NOTE + (_FP8_NOTE if cfg.fp8 else "")) if sm90 else "",
+                          fwd_params="p.p" if sm90 else "p", extra_consts=extra,
                           **(_PERSISTENT_GRID if cfg.persistent else _FLAT_GRID))
 
 

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 from . import driver
 from .compile import CompiledKernel
 from .config import KernelConfig
-from .tensors import Problem, View, aligned, check_qkv, view
+from .tensors import Problem, View, align_elems, aligned, check_qkv, view
 
 LOG2E = 1.4426950408889634
 _F32_MAX = 3.4028234663852886e38
@@ -65,25 +65,34 @@ def pack_params(q: View, k: View, v: View, o: View, lse_ptr: int, prob: Problem,
 def tmap_geometry(q: View, k: View, v: View, prob: Problem, cfg: KernelConfig) -> tuple:
     """(dims, byte strides, box) of the q, k, v tensor maps: 4-d over (head_dim, seqlen, heads, batch),
     boxes of SMEM_W x block_m (q) or block_n (k, v) rows."""
-    return tuple(((prob.head_dim, n, heads, prob.batch), (2 * t.strides[1], 2 * t.strides[2], 2 * t.strides[0]),
+    eb = cfg.elem_bytes
+    return tuple(((prob.head_dim, n, heads, prob.batch), (eb * t.strides[1], eb * t.strides[2], eb * t.strides[0]),
                   (cfg.smem_w, rows, 1, 1))
                  for t, n, heads, rows in ((q, prob.seqlen_q, prob.heads, cfg.block_m),
                                            (k, prob.seqlen_k, prob.heads_k, cfg.block_n),
                                            (v, prob.seqlen_k, prob.heads_k, cfg.block_n)))
 
 
-def sm90_params(p: bytes | FwdParams, q: View, k: View, v: View, prob: Problem, cfg: KernelConfig) -> bytes:
-    """Bytes of `struct Sm90FwdParams` (templates/sm90/params.cuh.j2): TMA maps of q, k, v at 0, 128, 256, then FwdParams."""
-    maps = b"".join(driver.tensor_map(prob.dtype, t.ptr, dims, strides, box, 2 * cfg.smem_w)  # cached by args
+def sm90_params(p: bytes | FwdParams, q: View, k: View, v: View, prob: Problem, cfg: KernelConfig,
+                descale: bytes = b"") -> bytes:
+    """Bytes of `struct Sm90FwdParams` (templates/sm90/params.cuh.j2): TMA maps of q, k, v at 0, 128, 256, then
+    FwdParams (FP8: Sm90Fp8FwdParams, the descale factors after it)."""
+    maps = b"".join(driver.tensor_map(prob.dtype, t.ptr, dims, strides, box, cfg.row_bytes)  # cached by args
                     for t, (dims, strides, box) in zip((q, k, v), tmap_geometry(q, k, v, prob, cfg)))
-    return (maps + bytes(p)).ljust(_SM90_BYTES, b"\0")
+    return (maps + bytes(p) + descale).ljust(_SM90_BYTES, b"\0")
+
+
+def _torch_dtype(dtype: str) -> Any:
+    import torch  # noqa: PLC0415
+
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
 
 
 def _empty(like: View, shape: tuple[int, ...], dtype: str) -> Any:
     if like.kind == "torch":
         import torch  # noqa: PLC0415
 
-        return like.obj.new_empty(shape, dtype=torch.float32) if dtype == "fp32" else like.obj.new_empty(shape)
+        return like.obj.new_empty(shape, dtype=_torch_dtype(dtype))
     import numpy as np  # noqa: PLC0415
     import pycuda.gpuarray as gpuarray  # noqa: PLC0415
 
@@ -100,7 +109,8 @@ def _fix_alignment(t: View, name: str) -> View:
         fixed = view(t.obj.clone(memory_format=torch.contiguous_format), name)
         if aligned(fixed):
             return fixed
-    raise ValueError(f"{name} needs a 16-byte aligned base and strides that are multiples of 8 elements")
+    raise ValueError(f"{name} needs a 16-byte aligned base and strides that are multiples of {align_elems(t.dtype)} "
+                     "elements")
 
 
 def _out_view(out: Any, like: View, shape: tuple[int, ...], dtype: str) -> View:
@@ -114,7 +124,7 @@ def _out_view(out: Any, like: View, shape: tuple[int, ...], dtype: str) -> View:
     else:
         ov = view(out, "out")
     if ov.dtype != dtype:
-        raise TypeError(f"out must have q's dtype {dtype}, not {ov.dtype}")
+        raise TypeError(f"out must have the kernel's output dtype {dtype}, not {ov.dtype}")
     if tuple(ov.shape) != shape:
         raise ValueError(f"out must have shape {shape}; got {tuple(ov.shape)}")
     if ov.strides[3] != 1 and shape[3] != 1:
@@ -156,31 +166,48 @@ def _lse_ptr(lse: Any, like: View, shape: tuple[int, ...]) -> int:
 
 
 def run(kernel: CompiledKernel, q: Any, k: Any, v: Any, softmax_scale: float | None = None,
-        stream: Any = None, out: Any = None, lse: Any = None) -> tuple[Any, Any, Problem]:
+        stream: Any = None, out: Any = None, lse: Any = None, descale: dict[str, Any] | None = None) -> tuple[Any, Any, Problem]:
     """Launch `kernel` on q, k, v; returns (out, lse, problem). `stream`: a pycuda Stream or raw handle.
 
-    `out` and `lse`, if given, are written in place (verification passes poisoned buffers)."""
+    `out` and `lse`, if given, are written in place (verification passes poisoned buffers). `descale`:
+    FP8 kernels' {"q_descale": ..., "k_descale": ..., "v_descale": ...} (missing factors are 1)."""
     qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
-    return run_views(kernel, qv, kv, vv, check_qkv(qv, kv, vv), softmax_scale, stream, out, lse)
+    return run_views(kernel, qv, kv, vv, check_qkv(qv, kv, vv), softmax_scale, stream, out, lse, descale)
+
+
+def descale_args(cfg: KernelConfig, prob: Problem, device: int, descale: dict[str, Any] | None) -> bytes:
+    """FP8: the packed descale factors (fp8.descale_bytes); a 16-bit kernel refuses any."""
+    if not cfg.fp8:
+        if descale and any(t is not None for t in descale.values()):
+            raise ValueError(f"descale factors are for FP8 inputs; {cfg.name} takes {cfg.dtype}")
+        return b""
+    if device < 0:
+        raise TypeError("FP8 inputs must be torch tensors (float8_e4m3fn)")
+    from .fp8 import descale_bytes  # noqa: PLC0415
+
+    return descale_bytes(prob.batch, prob.heads_k, device, **(descale or {}))
 
 
 def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Problem, softmax_scale: float | None = None,
-              stream: Any = None, out: Any = None, lse: Any = None) -> tuple[Any, Any, Problem]:
+              stream: Any = None, out: Any = None, lse: Any = None,
+              descale: dict[str, Any] | None = None) -> tuple[Any, Any, Problem]:
     """`run` on inputs already viewed and checked (check_qkv)."""
     torch_in = qv.kind == "torch"
     if stream is not None and torch_in:
         raise TypeError(STREAM_FOR_TORCH)
     cfg = _checked_kernel(kernel, prob)
+    scales = descale_args(cfg, prob, qv.device, descale)
     scale, scale_log2 = scale_args(softmax_scale, prob.head_dim)
     if not (aligned(qv) and aligned(kv) and aligned(vv)):
         qv, kv, vv = (_fix_alignment(t, n) for t, n in ((qv, "q"), (kv, "k"), (vv, "v")))
     o_shape, lse_shape = (prob.batch, prob.seqlen_q, prob.heads, prob.head_dim), (prob.batch, prob.heads, prob.seqlen_q)
+    out_dtype = cfg.output_dtype
     if out is None:
-        out = _empty(qv, o_shape, prob.dtype)
+        out = _empty(qv, o_shape, out_dtype)
         ov = view(out, "out") if torch_in else View(out, "cai", int(out.gpudata), o_shape,
-                                                     tuple(s // out.dtype.itemsize for s in out.strides), prob.dtype, -1)
+                                                     tuple(s // out.dtype.itemsize for s in out.strides), out_dtype, -1)
     else:
-        ov = _out_view(out, qv, o_shape, prob.dtype)
+        ov = _out_view(out, qv, o_shape, out_dtype)
     if lse is None:
         lse = _empty(qv, lse_shape, "fp32")
         lse_ptr = lse.data_ptr() if torch_in else int(lse.gpudata)
@@ -205,7 +232,7 @@ def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
     grid = _grid(cfg, prob.batch, prob.heads, prob.seqlen_q, dev)
     params = pack_params(qv, kv, vv, ov, lse_ptr, prob, scale, scale_log2)
     if cfg.family == "sm90":
-        params = sm90_params(params, qv, kv, vv, prob, cfg)
+        params = sm90_params(params, qv, kv, vv, prob, cfg, scales)
     fn.launch(grid, cfg.threads, params, handle)
     return out, lse, prob
 
@@ -246,6 +273,8 @@ class Plan(NamedTuple):
     dtype: str
     swizzle: int
     maps: dict  # sm90: (q, k, v pointers) -> the three encoded maps, a few kept
+    out_dtype: Any  # torch dtype of out when it is not q's (FP8), else None
+    batch_heads_k: tuple[int, int] | None  # FP8: (batch, heads_k), which per-head descale factors must match
 
 
 def make_plan(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Problem, softmax_scale: float | None) -> Plan:
@@ -262,16 +291,27 @@ def make_plan(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
             tmaps = tmap_geometry(qv, kv, vv, prob, cfg)
     grid = _grid(cfg, b, h, sq, qv.device) if b * h * sq else (0, 1, 1)
     return Plan(qv.device, fn, cfg.threads, grid, (b, sq, h, d), (b, h, sq),
-                fields, tmaps, prob.dtype, 2 * cfg.smem_w, {})
+                fields, tmaps, prob.dtype, cfg.row_bytes, {}, _torch_dtype(cfg.output_dtype) if cfg.fp8 else None,
+                (b, hk) if cfg.fp8 else None)
 
 
-def launch_plan(plan: Plan, q: Any, k: Any, v: Any, want_lse: bool = True) -> tuple[Any, Any] | None:
+def launch_plan(plan: Plan, q: Any, k: Any, v: Any, want_lse: bool = True,
+                descale: dict[str, Any] | None = None) -> tuple[Any, Any] | None:
     """(out, lse) of one call by its plan (lse None unless wanted: the kernel skips it); None when a
-    base pointer is not 16-byte aligned (take `run`)."""
+    base pointer is not 16-byte aligned (take `run`). `descale`: FP8's factors (see `run`)."""
     qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
     if (qp | kp | vp) & 15:
         return None
-    out = q.new_empty(plan.o_shape)
+    if plan.batch_heads_k is not None:
+        from .fp8 import descale_bytes  # noqa: PLC0415
+
+        scales = descale_bytes(*plan.batch_heads_k, plan.device, **(descale or {}))
+        out = q.new_empty(plan.o_shape, dtype=plan.out_dtype)
+    else:
+        if descale and any(t is not None for t in descale.values()):
+            raise ValueError(f"descale factors are for FP8 inputs, not {plan.dtype}")
+        scales = b""
+        out = q.new_empty(plan.o_shape)
     lse = q.new_empty(plan.lse_shape, dtype=_float32()) if want_lse else None
     if plan.fn is None:
         _fill_empty(out, lse)
@@ -286,7 +326,7 @@ def launch_plan(plan: Plan, q: Any, k: Any, v: Any, want_lse: bool = True) -> tu
             maps = plan.maps[qp, kp, vp] = b"".join(
                 driver.tensor_map(plan.dtype, p, dims, strides, box, plan.swizzle)
                 for p, (dims, strides, box) in zip((qp, kp, vp), plan.tmaps))
-        params = (maps + params).ljust(_SM90_BYTES, b"\0")
+        params = (maps + params + scales).ljust(_SM90_BYTES, b"\0")
     plan.fn.launch(plan.grid, plan.threads, params, _current_stream(plan.device))
     return out, lse
 

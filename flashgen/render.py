@@ -6,13 +6,14 @@ import functools
 import jinja2
 
 from .__version__ import __version__
-from .config import BWD_ROW_WARPS, COMBINE_WARPS, SM90_REGS, BwdConfig, KernelConfig
+from .config import BWD_ROW_WARPS, COMBINE_WARPS, SM90_REGS, SM90_REGS_FP8, BwdConfig, KernelConfig
 from .paths import templates_dir
 
 # dtype -> (C++ element type, its 2-vector, the float2 packer, the PTX mma type)
 _TYPES = {
     "fp16": ("__half", "__half2", "__floats2half2_rn", "f16"),
     "bf16": ("__nv_bfloat16", "__nv_bfloat162", "__floats2bfloat162_rn", "bf16"),
+    "fp8_e4m3": ("__nv_fp8_e4m3", None, None, "e4m3"),  # P and O are packed by pack_e4m3 and as out_dtype
 }
 
 
@@ -34,11 +35,14 @@ def render(cfg: KernelConfig | BwdConfig) -> str:
     file holds several: `cfg.kernel_names`)."""
     if isinstance(cfg, BwdConfig):
         return _render_bwd(cfg)
-    elem_t, elem2_t, pack_fn, ptx_type = _TYPES[cfg.dtype]
+    elem_t, _, _, ptx_type = _TYPES[cfg.dtype]
+    out_t, elem2_t, pack_fn, _ = _TYPES[cfg.output_dtype]  # pack2 packs O (and 16-bit P)
     template = template_env().get_template(f"{cfg.family}/fwd.cu.j2")
-    producer_regs, consumer_regs = SM90_REGS.get(cfg.consumers, (None, None)) if cfg.family == "sm90" else (None, None)
+    regs = SM90_REGS_FP8 if cfg.fp8 else SM90_REGS
+    producer_regs, consumer_regs = regs.get(cfg.consumers, (None, None)) if cfg.family == "sm90" else (None, None)
     return template.render(
-        cfg=cfg, version=__version__, elem_t=elem_t, elem2_t=elem2_t, pack_fn=pack_fn, ptx_type=ptx_type,
+        cfg=cfg, version=__version__, elem_t=elem_t, out_t=out_t, elem2_t=elem2_t, pack_fn=pack_fn, ptx_type=ptx_type,
+        params_t="Sm90Fp8FwdParams" if cfg.fp8 else "Sm90FwdParams",
         producer_regs=producer_regs, consumer_regs=consumer_regs, combine_warps=COMBINE_WARPS,
     )
 

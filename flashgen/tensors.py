@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from .config import HEAD_DIMS
+from .config import HEAD_DIMS, elem_bytes
 
-_TORCH_DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}
+_TORCH_DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float8_e4m3fn": "fp8_e4m3"}
 _CAI_DTYPES = {"<f2": "fp16", "float16": "fp16", "bfloat16": "bf16"}
 _torch_dtypes: dict[Any, str] = {}  # torch.dtype -> name, filled on first use (torch stays optional)
 
@@ -22,7 +22,7 @@ class View(NamedTuple):  # a NamedTuple: made three times per call, where a froz
     ptr: int
     shape: tuple[int, ...]
     strides: tuple[int, ...]
-    dtype: str  # "fp16" / "bf16"
+    dtype: str  # "fp16" / "bf16" / "fp8_e4m3"
     device: int  # torch device index; -1 for a GPU array (the current context's device)
 
 
@@ -39,7 +39,8 @@ def view(x: Any, name: str) -> View:
             dtype = _torch_dtypes[x.dtype] = _TORCH_DTYPES.get(str(x.dtype))
             if dtype is None:
                 del _torch_dtypes[x.dtype]
-                raise TypeError(f"{name} has dtype {x.dtype}; supported: torch.float16, torch.bfloat16")
+                raise TypeError(f"{name} has dtype {x.dtype}; supported: torch.float16, torch.bfloat16, "
+                                "torch.float8_e4m3fn (sm90, with descale factors)")
         return View(x, "torch", x.data_ptr(), tuple(x.shape), x.stride(), dtype, x.get_device())
     cai = getattr(x, "__cuda_array_interface__", None)
     if cai is None:
@@ -104,12 +105,17 @@ def check_qkv(q: View, k: View, v: View) -> Problem:
     return Problem(b, sq, sk, h, hk, d, q.dtype)
 
 
+def align_elems(dtype: str) -> int:
+    """Elements in 16 bytes: strides must be multiples of it (8 for fp16/bf16, 16 for FP8)."""
+    return 16 // elem_bytes(dtype)
+
+
 def aligned_strides(t: View) -> bool:
-    """Row, head and batch strides that keep 16-byte loads aligned (multiples of 8 elements)."""
-    s = t.strides
-    return s[0] % 8 == 0 and s[1] % 8 == 0 and s[2] % 8 == 0
+    """Row, head and batch strides that keep 16-byte loads aligned (multiples of 16 bytes)."""
+    s, n = t.strides, align_elems(t.dtype)
+    return s[0] % n == 0 and s[1] % n == 0 and s[2] % n == 0
 
 
 def aligned(t: View) -> bool:
-    """16-byte loads need a 16-byte aligned base and row strides that are multiples of 8 elements."""
-    return t.ptr % 16 == 0 and all(s % 8 == 0 for s in t.strides[:3])
+    """16-byte loads need a 16-byte aligned base and row strides that are multiples of 16 bytes."""
+    return t.ptr % 16 == 0 and aligned_strides(t)

@@ -3,7 +3,9 @@
 The bar is flash_attn's: the kernel's max error against the float64 reference must be at
 most twice the error of the same attention computed by PyTorch in the input dtype, plus
 1e-5; no NaN; every output element written (outputs are poisoned with NaN first); LSE
-within 1e-3 of the reference. Needs torch and a GPU.
+within 1e-3 of the reference. FP8's reference is computed from the dequantized inputs and
+its bar is plain FP8 attention emulated in PyTorch (flashgen.fp8.emulate): max error at most
+twice its, RMS error no worse. Needs torch and a GPU.
 """
 from __future__ import annotations
 
@@ -88,6 +90,7 @@ class VerifyResult:
     bound: float  # 2 * PyTorch-in-dtype error + 1e-5
     lse_err: float
     reason: str = ""
+    rms_err: float = math.nan  # FP8: the kernel's RMS error (its bar: Reference.rms_bound)
 
 
 def random_qkv(batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: int, head_dim: int, dtype: str,
@@ -105,6 +108,21 @@ def random_qkv(batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: in
     return rnd(seqlen_q, heads), rnd(seqlen_k, heads_k), rnd(seqlen_k, heads_k)
 
 
+def random_fp8(batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: int, head_dim: int,
+               seed: int | None = None, device: str = "cuda", per_head: bool = False, outliers: bool = False,
+               hadamard_rotation: bool = False) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """(q8, k8, v8, descale): standard-normal inputs quantized by flashgen.fp8.quantize. outliers: two
+    channels of q and k scaled by 10 first (outlier features of real activations)."""
+    from .fp8 import quantize  # noqa: PLC0415
+
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, "bf16", seed, device)
+    if outliers:
+        q, k = q.float(), k.float()
+        q[..., :2] *= 10
+        k[..., :2] *= 10
+    return quantize(q, k, v, per_head=per_head, hadamard_rotation=hadamard_rotation)
+
+
 @dataclass(frozen=True)
 class Reference:
     """The float64 answer for one set of inputs and the error bar a kernel must meet."""
@@ -112,6 +130,7 @@ class Reference:
     out: Any
     lse: Any
     bound: float  # 2 * (PyTorch in the input dtype vs float64) + 1e-5
+    rms_bound: float | None = None  # FP8: plain FP8's RMS error, which the kernel's may not exceed
 
 
 def reference(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None = None) -> Reference:
@@ -119,6 +138,20 @@ def reference(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None 
     pt, _ = attention_ref(q, k, v, causal, softmax_scale, upcast=False)
     bound = 2 * (pt.double() - ref).abs().max().item() + 1e-5 if ref.numel() else 1e-5
     return Reference(ref, ref_lse, bound)
+
+
+def reference_fp8(q8: Any, k8: Any, v8: Any, descale: dict[str, Any], causal: bool,
+                  softmax_scale: float | None = None) -> Reference:
+    """The float64 answer from the dequantized inputs; the bar from plain FP8 (flashgen.fp8.emulate)."""
+    from .fp8 import DESCALE_NAMES, dequantize, emulate  # noqa: PLC0415
+
+    hk = k8.shape[2]
+    q, k, v = (dequantize(t, descale[n], hk) for t, n in zip((q8, k8, v8), DESCALE_NAMES))
+    ref, ref_lse = attention_ref(q, k, v, causal, softmax_scale, upcast=True)
+    if not ref.numel():
+        return Reference(ref, ref_lse, 1e-5, 0.0)
+    err = emulate(q8, k8, v8, descale, causal, softmax_scale).double() - ref
+    return Reference(ref, ref_lse, 2 * err.abs().max().item() + 1e-5, err.pow(2).mean().sqrt().item())
 
 
 def judge(out: Any, lse: Any, ref: Reference) -> VerifyResult:
@@ -133,27 +166,35 @@ def judge(out: Any, lse: Any, ref: Reference) -> VerifyResult:
     if not torch.equal(finite, torch.isfinite(lse)) or torch.isnan(lse).any():
         return VerifyResult(False, max_err, bound, math.inf, "LSE finite/infinite pattern differs from the reference")
     lse_err = (lse[finite].double() - ref.lse[finite].double()).abs().max().item() if finite.any() else 0.0
+    rms = math.nan
+    if ref.rms_bound is not None:
+        rms = (out.double() - ref.out).pow(2).mean().sqrt().item() if ref.out.numel() else 0.0
     if max_err > bound:
-        return VerifyResult(False, max_err, bound, lse_err, f"max error {max_err:.3g} > bound {bound:.3g}")
+        return VerifyResult(False, max_err, bound, lse_err, f"max error {max_err:.3g} > bound {bound:.3g}", rms)
+    if ref.rms_bound is not None and rms > ref.rms_bound:
+        return VerifyResult(False, max_err, bound, lse_err, f"RMS error {rms:.3g} > plain FP8's {ref.rms_bound:.3g}",
+                            rms)
     if lse_err > LSE_TOL:
-        return VerifyResult(False, max_err, bound, lse_err, f"LSE error {lse_err:.3g} > {LSE_TOL}")
-    return VerifyResult(True, max_err, bound, lse_err)
+        return VerifyResult(False, max_err, bound, lse_err, f"LSE error {lse_err:.3g} > {LSE_TOL}", rms)
+    return VerifyResult(True, max_err, bound, lse_err, "", rms)
 
 
-def poisoned_outputs(q: Any) -> tuple[Any, Any]:
-    """NaN-filled out and lse buffers for q's problem: any element the kernel skips shows up."""
+def poisoned_outputs(q: Any, dtype: Any = None) -> tuple[Any, Any]:
+    """NaN-filled out (q's dtype, or `dtype`) and lse buffers for q's problem: any element the kernel skips shows up."""
     import torch  # noqa: PLC0415
 
     b, sq, h, _ = q.shape
-    return torch.full_like(q, float("nan")), torch.full((b, h, sq), float("nan"), device=q.device, dtype=torch.float32)
+    return (torch.full(q.shape, float("nan"), device=q.device, dtype=dtype or q.dtype),
+            torch.full((b, h, sq), float("nan"), device=q.device, dtype=torch.float32))
 
 
 def run_and_judge(kernel: CompiledKernel, q: Any, k: Any, v: Any, ref: Reference,
-                  softmax_scale: float | None = None) -> VerifyResult:
+                  softmax_scale: float | None = None, descale: dict[str, Any] | None = None) -> VerifyResult:
     import torch  # noqa: PLC0415
 
-    out, lse = poisoned_outputs(q)
-    run(kernel, q, k, v, softmax_scale, out=out, lse=lse)
+    cfg = kernel.config
+    out, lse = poisoned_outputs(q, getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[cfg.output_dtype]))
+    run(kernel, q, k, v, softmax_scale, out=out, lse=lse, descale=descale)
     torch.cuda.synchronize()
     return judge(out, lse, ref)
 
@@ -162,6 +203,10 @@ def verify(kernel: CompiledKernel, batch: int, seqlen_q: int, seqlen_k: int, hea
            seed: int | None = None, softmax_scale: float | None = None) -> VerifyResult:
     """Run `kernel` once on fresh random inputs of this shape into NaN-poisoned outputs and judge it."""
     cfg = kernel.config
+    if cfg.fp8:
+        q, k, v, descale = random_fp8(batch, seqlen_q, seqlen_k, heads, heads_k or heads, cfg.head_dim, seed)
+        ref = reference_fp8(q, k, v, descale, cfg.causal, softmax_scale)
+        return run_and_judge(kernel, q, k, v, ref, softmax_scale, descale)
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k or heads, cfg.head_dim, cfg.dtype, seed)
     return run_and_judge(kernel, q, k, v, reference(q, k, v, cfg.causal, softmax_scale), softmax_scale)
 

@@ -9,7 +9,7 @@ import pytest
 from flashgen.backward import _BWD, backward, pack_params
 from flashgen.compile import CompiledKernel, Resources, compile_kernel, parse_ptxas, target_for
 from flashgen.config import (
-    ARCHS, DTYPES, HEAD_DIMS, BwdConfig, ConfigError, KernelConfig, bwd_space, bwd_warp_grid, default_bwd_config,
+    ARCHS, HALF_DTYPES, HEAD_DIMS, BwdConfig, ConfigError, KernelConfig, bwd_space, bwd_warp_grid, default_bwd_config,
 )
 from flashgen.render import render
 from flashgen.tensors import Problem
@@ -52,10 +52,10 @@ def test_name_spells_every_field_and_is_hashable():
     assert BwdConfig.from_dict(d.to_dict()) == d
     with pytest.raises(ConfigError, match="unknown config fields"):
         BwdConfig.from_dict({**c.to_dict(), "num_stages": 2})
-    names = {x.name for hd in HEAD_DIMS for dt in DTYPES for ca in (0, 1) for det in (0, 1)
+    names = {x.name for hd in HEAD_DIMS for dt in HALF_DTYPES for ca in (0, 1) for det in (0, 1)
              for x in bwd_space(hd, dt, bool(ca), bool(det))}
     assert len(names) == sum(len(bwd_space(hd, dt, bool(ca), bool(det)))
-                             for hd in HEAD_DIMS for dt in DTYPES for ca in (0, 1) for det in (0, 1))
+                             for hd in HEAD_DIMS for dt in HALF_DTYPES for ca in (0, 1) for det in (0, 1))
 
 
 def test_derived_figures():
@@ -83,7 +83,7 @@ def test_unfit_reasons():
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_defaults_fit_every_arch_and_are_in_the_space(arch):
-    for hd, dt, causal, det in itertools.product(HEAD_DIMS, DTYPES, (False, True), (False, True)):
+    for hd, dt, causal, det in itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True), (False, True)):
         c = default_bwd_config(hd, dt, causal, arch, det)
         assert c.unfit_reason(arch) is None and c.deterministic == det
         assert c in bwd_space(hd, dt, causal, det)
@@ -142,7 +142,7 @@ def _check_no_spills(kernels):
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])
 def test_defaults_compile_without_spills(arch):
-    cfgs = [default_bwd_config(hd, dt, c, arch) for hd, dt, c in itertools.product(HEAD_DIMS, DTYPES, (False, True))]
+    cfgs = [default_bwd_config(hd, dt, c, arch) for hd, dt, c in itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True))]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         kernels = list(pool.map(lambda c: compile_kernel(c, target_for(arch, c.family)), cfgs))
     _check_no_spills(kernels)

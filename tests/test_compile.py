@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from flashgen.compile import CompileError, compile_kernel, parse_ptxas, target_for
-from flashgen.config import DTYPES, HEAD_DIMS, KernelConfig, default_config
+from flashgen.config import HALF_DTYPES, HEAD_DIMS, KernelConfig, default_config
 
 
 @pytest.fixture(autouse=True)
@@ -15,7 +15,7 @@ def fresh_cache(tmp_path_factory, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])
 def test_defaults_compile_without_spills(arch):
-    cfgs = [default_config(hd, dt, c, arch) for hd, dt, c in itertools.product(HEAD_DIMS, DTYPES, (False, True))]
+    cfgs = [default_config(hd, dt, c, arch) for hd, dt, c in itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True))]
     with ThreadPoolExecutor(max_workers=2) as pool:
         kernels = list(pool.map(lambda c: compile_kernel(c, target_for(arch, "sm80")), cfgs))
     for k in kernels:

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from flashgen.compile import compile_kernel, target_for
-from flashgen.config import DTYPES, HEAD_DIMS, BwdConfig, default_bwd_config, default_config
+from flashgen.config import HALF_DTYPES, HEAD_DIMS, BwdConfig, default_bwd_config, default_config
 from flashgen.verify import attention_grads as _grads, judge_backward  # the reference, shared with the tuner
 
 pytestmark = pytest.mark.gpu
@@ -47,7 +47,7 @@ def _others(head_dim: int, dtype: str, causal: bool, arch: str) -> list[BwdConfi
 def bwd_configs(arch: str) -> list[BwdConfig]:
     """Every backward configuration this suite compiles on `arch` (scripts/fill_kernel_cache.py)."""
     out = []
-    for hd, dt, causal in itertools.product(HEAD_DIMS, DTYPES, (False, True)):
+    for hd, dt, causal in itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True)):
         out.append(default_bwd_config(hd, dt, causal, arch))
         if dt == "bf16":
             out.append(default_bwd_config(hd, dt, causal, arch, deterministic=True))
@@ -57,7 +57,7 @@ def bwd_configs(arch: str) -> list[BwdConfig]:
 
 def forward_configs(arch: str) -> list:
     """The forward kernels (sm80 family defaults) that make out and lse."""
-    return [default_config(hd, dt, c, arch, "sm80") for hd, dt, c in itertools.product(HEAD_DIMS, DTYPES, (False, True))]
+    return [default_config(hd, dt, c, arch, "sm80") for hd, dt, c in itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True))]
 
 
 @pytest.fixture(scope="session")
@@ -107,7 +107,7 @@ def _check(fwd, bwd, q, k, v, dout, causal, scale=None) -> list[str]:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_matches_float64_reference(kernels, head_dim, dtype, causal, layout):
     heads, heads_k = LAYOUTS[layout]
