@@ -69,6 +69,11 @@ def causal_list(text: str) -> list[bool]:
     return {"yes": [True], "no": [False], "both": [False, True]}[text]
 
 
+def dtype_list(s: str) -> list[str]:
+    """--dtype: names as the config spells them; "fp8" is short for fp8_e4m3."""
+    return ["fp8_e4m3" if d == "fp8" else d for d in str_list(s)]
+
+
 def _check(name: str, values: list, allowed: tuple) -> None:
     bad = [v for v in values if v not in allowed]
     if bad or not values:
@@ -78,7 +83,8 @@ def _check(name: str, values: list, allowed: tuple) -> None:
 def add_problem_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default="sm80", help=f"template family, one of {', '.join(C.FAMILIES)} (default sm80)")
     p.add_argument("--head-dim", type=int_list, default=[64, 128], help="head dims, e.g. 64,128 (default 64,128)")
-    p.add_argument("--dtype", type=str_list, default=["bf16"], help="dtypes, e.g. bf16,fp16 (default bf16)")
+    p.add_argument("--dtype", type=dtype_list, default=["bf16"],
+                   help="dtypes, e.g. bf16,fp16, or fp8 (e4m3, --arch sm90; default bf16)")
     p.add_argument("--causal", choices=("yes", "no", "both"), default="both", help="masking (default both)")
 
 
@@ -237,6 +243,13 @@ def validate(args: argparse.Namespace) -> None:
     _check("arch", [args.arch], C.FAMILIES)
     _check("head-dim", args.head_dim, C.HEAD_DIMS)
     _check("dtype", args.dtype, C.DTYPES)
+    if set(args.dtype) & set(C.FP8_DTYPES):
+        if args.arch != "sm90":
+            raise CliError(f"--dtype fp8 is built in family sm90 (FP8 wgmma): use --arch sm90, not {args.arch}")
+        bad = [d for d in args.head_dim if d not in C.FP8_HEAD_DIMS]
+        if bad:
+            raise CliError(f"--head-dim {','.join(map(str, bad))}: FP8 has head dims "
+                           f"{','.join(map(str, C.FP8_HEAD_DIMS))}")
     if args.cmd in ("tune", "bench"):  # the problem grid: positive counts and lengths
         for name in ("trials", "heartbeat", "grace") * (args.cmd == "tune") + ("reps",) * (args.cmd == "bench") \
                 + ("batch_tokens", "heads_dim_total"):

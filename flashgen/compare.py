@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
 from .bench import flops
+from .config import FP8_DTYPES
 
 PEERS = ("flash", "cudnn", "efficient")  # SDPA backends: FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTENTION
 # FlashAttention-4 / cuDNN (SDPA) forward on the H200, bf16, measured in one run on 2026-11-30 (issue
@@ -120,19 +121,32 @@ class TorchRunner:
         import flashgen  # noqa: PLC0415
 
         from .bench import l2_rotation, median_ms, time_cuda  # noqa: PLC0415
+        from .fp8 import quantize  # noqa: PLC0415
         from .verify import random_qkv  # noqa: PLC0415
 
         b, n, h, d = point.batch, point.seqlen, point.heads, point.head_dim
-        sets = [random_qkv(b, n, n, h, h, d, point.dtype, seed=i) for i in range(l2_rotation(2 * 4 * b * n * h * d))]
+        fp8 = point.dtype in FP8_DTYPES
+        # FP8: flashgen reads e4m3 copies of bf16 inputs (per-tensor descale); the peers read the bf16 ones.
+        sets = [random_qkv(b, n, n, h, h, d, "bf16" if fp8 else point.dtype, seed=i)
+                for i in range(l2_rotation(2 * 4 * b * n * h * d))]
+        ours = [quantize(*s) for s in sets] if fp8 else [(*s, {}) for s in sets]
         sdpa_sets = [tuple(t.transpose(1, 2) for t in s) for s in sets]  # SDPA takes (b, h, n, d)
         kern = flashgen.load(d, point.dtype, point.causal, seqlen=n, arch=self.arch)
         row = Row(point, kernel=kern.name)
-        row.ms["flashgen"] = median_ms(time_cuda(lambda i: kern(*sets[i]), self.warmup, self.reps, len(sets)))
-        row.ms["api"] = back_to_back_ms(lambda i: flashgen.attention(*sets[i], causal=point.causal, arch=self.arch),
-                                        self.reps, len(sets))
+
+        def call(i: int) -> Any:
+            q, k, v, descale = ours[i]
+            return kern(q, k, v, **descale)
+
+        def api(i: int) -> Any:
+            q, k, v, descale = ours[i]
+            return flashgen.attention(q, k, v, causal=point.causal, arch=self.arch, **descale)
+
+        row.ms["flashgen"] = median_ms(time_cuda(call, self.warmup, self.reps, len(sets)))
+        row.ms["api"] = back_to_back_ms(api, self.reps, len(sets))
         # The same kernel back to back: api vs this is the host's share; this vs "flashgen" is what
         # sustained running (clocks under a steady power draw) costs the GPU itself.
-        row.ms["kernel_b2b"] = back_to_back_ms(lambda i: kern(*sets[i]), self.reps, len(sets))
+        row.ms["kernel_b2b"] = back_to_back_ms(call, self.reps, len(sets))
         backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                     "efficient": SDPBackend.EFFICIENT_ATTENTION}
         for p in peers:
@@ -144,7 +158,7 @@ class TorchRunner:
                     row.ms[f"{p}_b2b"] = back_to_back_ms(sdpa, self.reps, len(sets))
             except RuntimeError as e:  # the backend refuses this shape or dtype
                 row.ms[p], row.notes[p] = None, str(e).splitlines()[0][:200]
-        del sets, sdpa_sets
+        del sets, sdpa_sets, ours
         torch.cuda.empty_cache()
         return row
 
@@ -198,15 +212,19 @@ class TorchRunner:
 
         import flashgen  # noqa: PLC0415
 
+        from .fp8 import quantize  # noqa: PLC0415
         from .verify import random_qkv  # noqa: PLC0415
 
         b, n, h = HOST_SHAPE
-        q, k, v = random_qkv(b, n, n, h, h, head_dim, dtype, seed=0)
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        fp8 = dtype in FP8_DTYPES
+        q, k, v = random_qkv(b, n, n, h, h, head_dim, "bf16" if fp8 else dtype, seed=0)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA in bf16 for an FP8 grid
+        q8, k8, v8, descale = quantize(q, k, v) if fp8 else (q, k, v, {})
         kern = flashgen.load(head_dim, dtype, causal, seqlen=n, arch=self.arch)
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        return host_us_per_call({"attention": lambda: flashgen.attention(q, k, v, causal=causal, arch=self.arch),
-                                 "kernel": lambda: kern(q, k, v),
+        return host_us_per_call({"attention": lambda: flashgen.attention(q8, k8, v8, causal=causal, arch=self.arch,
+                                                                         **descale),
+                                 "kernel": lambda: kern(q8, k8, v8, **descale),
                                  "sdpa": lambda: sdpa(qt, kt, vt, is_causal=causal)})
 
 
@@ -266,11 +284,19 @@ def host_line(host: dict[str, float], dtype: str, head_dim: int) -> str:
 
 
 def matmul_ceiling(dtype: str, n: int = 8192, reps: int = 20) -> float:
-    """TFLOP/s of an n x n x n matrix product through torch on random data: the ceiling attention is held to."""
+    """TFLOP/s of an n x n x n matrix product through torch on random data: the ceiling attention is held to.
+    FP8: torch._scaled_mm, e4m3 in, bf16 out."""
     import torch  # noqa: PLC0415
 
     from .bench import median_ms, time_cuda  # noqa: PLC0415
 
+    if dtype in FP8_DTYPES:
+        a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+        one = torch.ones((), device="cuda")
+        ms = median_ms(time_cuda(lambda i: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), warmup=5,
+                                 reps=reps))
+        return 2 * n**3 / (ms * 1e-3) / 1e12
     tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     a, b = (torch.randn(n, n, device="cuda", dtype=tdt) for _ in range(2))
     ms = median_ms(time_cuda(lambda i: a @ b, warmup=5, reps=reps))
@@ -374,7 +400,8 @@ def write(rows: list[Row], peers: list[str], out_dir: Path, gpu: str, meta: dict
 
 
 def plot(rows: list[Row], peers: list[str], path: Path, title: str = "") -> None:
-    """TFLOP/s against seqlen: one panel per (head dim, causal), a line per kernel (solid bf16, dashed fp16)."""
+    """TFLOP/s against seqlen: one panel per (head dim, causal), a line per kernel (solid bf16, dashed fp16,
+    dotted FP8; an FP8 grid's SDPA peers run on the bf16 inputs)."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -386,6 +413,7 @@ def plot(rows: list[Row], peers: list[str], path: Path, title: str = "") -> None
     fig, axes = plt.subplots(len(masks), len(dims), figsize=(4.2 * len(dims), 3.4 * len(masks)), squeeze=False)
     colors = {"flashgen": "C3", "api": "C1", "flash": "C0", "cudnn": "C2", "efficient": "C7"}
     labels = {"flashgen": "flashgen kernel", "api": "flashgen attention()"}
+    styles = {"bf16": "-", "fp16": "--", "fp8_e4m3": ":"}
     for (i, causal), (j, d) in ((im, jd) for im in enumerate(masks) for jd in enumerate(dims)):
         ax = axes[i][j]
         for who in ("flashgen", "api", *peers):
@@ -393,7 +421,7 @@ def plot(rows: list[Row], peers: list[str], path: Path, title: str = "") -> None
                 pts = sorted((r.point.seqlen, r.tflops(who)) for r in rows
                              if (r.point.head_dim, r.point.causal, r.point.dtype) == (d, causal, dt) and r.tflops(who))
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", color=colors.get(who), linestyle="-" if dt == "bf16" else "--",
+                    ax.plot(*zip(*pts), marker="o", color=colors.get(who), linestyle=styles.get(dt, "-"),
                             label=f"{labels.get(who, 'sdpa-' + who)} {dt}")
         ax.set_xscale("log", base=2)
         ax.set_title(f"d={d} {'causal' if causal else 'non-causal'}")

@@ -102,6 +102,8 @@ def emulate(q8: Any, k8: Any, v8: Any, descale: dict[str, Any], causal: bool, so
         mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)
         s = s.masked_fill(mask, float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if not p.numel():
+        return torch.einsum("bhqk,bkhd->bqhd", p, v)
     p_scale = E4M3_MAX / p.amax().clamp_min(1e-30)
     p8 = (p * p_scale).to(torch.float8_e4m3fn).float() / p_scale
     return torch.einsum("bhqk,bkhd->bqhd", p8, v)
@@ -126,20 +128,19 @@ def descale_bytes(batch: int, heads_k: int, device: int, q_descale: Any = None, 
     for name, t in zip(DESCALE_NAMES, (q_descale, k_descale, v_descale)):
         if t is None:
             t = _ones(device)
-        elif not isinstance(t, torch.Tensor) or not t.is_cuda:
-            raise TypeError(f"{name} must be a float32 CUDA tensor, not {type(t).__name__}"
-                            + ("" if not isinstance(t, torch.Tensor) else f" on {t.device}"))
+        elif not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a float32 CUDA tensor, not {type(t).__name__}")
         if t.dtype != torch.float32:
             raise TypeError(f"{name} must be float32, not {t.dtype}")
+        shape = tuple(t.shape)
+        if shape not in ((1,), (), (batch, heads_k)):
+            raise ValueError(f"{name} must have shape (1,) or (batch, heads_k) = ({batch}, {heads_k}); got {shape}")
+        if not t.is_cuda:
+            raise ValueError(f"{name} is on {t.device}; it must be on q's device, cuda:{device}")
         if t.get_device() != device:
             raise ValueError(f"{name} is on cuda:{t.get_device()}, q on cuda:{device}")
-        shape = tuple(t.shape)
-        if shape in ((1,), ()):
-            fields += (t.data_ptr(), 0, 0)
-        elif shape == (batch, heads_k):
-            fields += (t.data_ptr(), t.stride(0), t.stride(1))
-        else:
-            raise ValueError(f"{name} must have shape (1,) or (batch, heads_k) = ({batch}, {heads_k}); got {shape}")
+        fields += (t.data_ptr(), 0, 0) if shape != (batch, heads_k) or batch * heads_k == 1 else \
+            (t.data_ptr(), t.stride(0), t.stride(1))
     return _DESCALE.pack(*fields)
 
 

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from flashgen.compile import CompileError, cache_entries, compile_kernel, target_for  # noqa: E402
-from flashgen.config import DTYPES, FAMILIES, HEAD_DIMS, BwdConfig, KernelConfig, default_config  # noqa: E402
+from flashgen.config import FP8_DTYPES, FP8_HEAD_DIMS, HALF_DTYPES, FAMILIES, HEAD_DIMS, BwdConfig, KernelConfig, default_config  # noqa: E402
 from flashgen.store import config_from_entry  # noqa: E402
 
 
@@ -32,8 +32,11 @@ def test_suite_configs(arch: str) -> set[KernelConfig | BwdConfig]:
     import test_gpu_api  # noqa: PLC0415
     import test_gpu_fwd  # noqa: PLC0415
 
-    out = {c for hd, dt, causal in itertools.product(HEAD_DIMS, DTYPES, (False, True))
+    import test_gpu_fp8  # noqa: PLC0415
+
+    out = {c for hd, dt, causal in itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True))
            for c in test_gpu_fwd.configs_for(hd, dt, causal, arch)}
+    out |= set(test_gpu_fp8.fp8_configs(arch))
     out |= set(test_gpu_api.family_configs(arch))
     import test_gpu_bwd  # noqa: PLC0415
 
@@ -56,8 +59,12 @@ def store_configs(arch: str) -> set[KernelConfig]:
 
 
 def default_configs(arch: str) -> set[KernelConfig]:
-    return {default_config(hd, dt, c, arch, fam) for hd, dt, c, fam in
-            itertools.product(HEAD_DIMS, DTYPES, (False, True), FAMILIES) if fam != "sm90" or arch == "sm90"}
+    out = {default_config(hd, dt, c, arch, fam) for hd, dt, c, fam in
+           itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True), FAMILIES) if fam != "sm90" or arch == "sm90"}
+    if arch == "sm90":
+        out |= {default_config(hd, dt, c, arch, "sm90")
+                for hd, dt, c in itertools.product(FP8_HEAD_DIMS, FP8_DTYPES, (False, True))}
+    return out
 
 
 def main() -> None:

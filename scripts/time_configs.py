@@ -22,7 +22,8 @@ from flashgen.compile import compile_kernel, target_for  # noqa: E402
 from flashgen.config import KernelConfig  # noqa: E402
 from flashgen.verify import verify  # noqa: E402
 
-_NAME = re.compile(r"fwd_(sm\d+)_d(\d+)_(fp16|bf16)_(full|causal)_bm(\d+)_bn(\d+)_w(\d+)_s(\d+)(?:_ov([01])_pp([01])(_ps)?)?$")
+_NAME = re.compile(r"fwd_(sm\d+)_d(\d+)_(fp16|bf16|fp8_e4m3)_(full|causal)_bm(\d+)_bn(\d+)_w(\d+)_s(\d+)"
+                   r"(?:_ov([01])_pp([01])(_ps)?)?(?:_o(bf16|fp16)(_bq)?)?$")
 
 
 def parse(name: str) -> KernelConfig:
@@ -30,9 +31,12 @@ def parse(name: str) -> KernelConfig:
     m = _NAME.match(name)
     if not m:
         raise SystemExit(f"not a forward kernel name: {name}")
-    fam, d, dt, mask, bm, bn, w, s, ov, pp, ps = m.groups()
-    return KernelConfig(int(d), dt, mask == "causal", int(bm), int(bn), int(w), int(s), fam,
-                        bool(int(ov or 0)), bool(int(pp or 0)), bool(ps))
+    fam, d, dt, mask, bm, bn, w, s, ov, pp, ps, out, bq = m.groups()
+    cfg = KernelConfig(int(d), dt, mask == "causal", int(bm), int(bn), int(w), int(s), fam,
+                       bool(int(ov or 0)), bool(int(pp or 0)), bool(ps), out_dtype=out or "", block_quant_p=bool(bq))
+    if cfg.name != name:
+        raise SystemExit(f"{name} reads back as {cfg.name}")
+    return cfg
 
 
 def main() -> None:

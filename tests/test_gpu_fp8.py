@@ -1,0 +1,122 @@
+"""FP8 (e4m3) forward of the sm90 family on the GPU, against a float64 reference from the dequantized
+inputs, with plain FP8 attention emulated in PyTorch as the bar (max error within 2x of it, RMS error
+no worse): every FP8 head dim, mask, odd and unequal lengths, MHA/GQA/MQA, descale factors per tensor
+and per KV head, the schedule knobs, block quantization of P, fp16 output, the public call."""
+from __future__ import annotations
+
+import itertools
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from flashgen.config import FP8_HEAD_DIMS, KernelConfig
+
+pytestmark = pytest.mark.gpu
+
+DT = "fp8_e4m3"
+PAIRS = [(1, 1), (17, 17), (113, 113), (1023, 1023), (1, 1023), (1023, 1), (113, 211), (211, 113), (2048, 2048),
+         (128, 1024)]
+LAYOUTS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
+# (block_m, block_n, num_warps, num_stages, overlap, pingpong, persistent, block_quant_p)
+TILES = [(128, 128, 12, 2), (128, 128, 12, 2, True), (128, 128, 12, 2, False, True), (128, 64, 12, 3, True, True),
+         (64, 128, 8, 2), (192, 64, 16, 2, True), (128, 128, 12, 2, True, False, True),
+         (128, 64, 12, 2, False, True, True), (128, 128, 12, 2, True, False, False, True)]
+
+
+def fp8_configs(arch: str = "sm90") -> list[KernelConfig]:
+    if arch != "sm90":
+        return []
+    out = []
+    for d, causal, tiles in itertools.product(FP8_HEAD_DIMS, (False, True), TILES):
+        c = KernelConfig(d, DT, causal, *tiles[:4], "sm90", *tiles[4:7], block_quant_p=bool(tiles[7:] and tiles[7]))
+        if c.unfit_reason(arch) is None:
+            out.append(c)
+    return out
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    import torch
+
+    from flashgen.compile import compile_kernel, target_for
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("FP8 wgmma needs an sm90 GPU")
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
+        compiled = list(pool.map(lambda c: compile_kernel(c, target_for("sm90", "sm90")), fp8_configs()))
+    out: dict = {}
+    for k in compiled:
+        out.setdefault((k.config.head_dim, k.config.causal), []).append(k)
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", FP8_HEAD_DIMS)
+def test_matches_float64_reference_within_plain_fp8(kernels, head_dim, causal, layout):
+    from flashgen.verify import random_fp8, reference_fp8, run_and_judge
+
+    heads, heads_k = LAYOUTS[layout]
+    failures = []
+    for i, (sq, sk) in enumerate(PAIRS):
+        batch = 2 if max(sq, sk) <= 1024 else 1
+        per_head = i % 2 == 1  # descale factors per (batch, KV head) on every other case
+        q, k, v, descale = random_fp8(batch, sq, sk, heads, heads_k, head_dim, per_head=per_head)
+        ref = reference_fp8(q, k, v, descale, causal)
+        for kern in kernels[(head_dim, causal)]:
+            r = run_and_judge(kern, q, k, v, ref, descale=descale)
+            if not r.ok:
+                failures.append(f"{kern.name} sq={sq} sk={sk} {layout} per_head={per_head}: {r.reason}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("outliers", [False, True], ids=["gaussian", "outliers"])
+def test_accuracy_bar_with_rotation_and_outliers(kernels, outliers):
+    """Incoherent processing (Hadamard rotation of q and k) keeps the same answer and the same bar."""
+    from flashgen.verify import random_fp8, reference_fp8, run_and_judge
+
+    failures = []
+    for d in FP8_HEAD_DIMS:
+        for rot in (False, True):
+            q, k, v, descale = random_fp8(2, 1000, 1000, 4, 2, d, outliers=outliers, hadamard_rotation=rot,
+                                          per_head=True)
+            ref = reference_fp8(q, k, v, descale, False)
+            for kern in kernels[(d, False)]:
+                r = run_and_judge(kern, q, k, v, ref, descale=descale)
+                if not r.ok:
+                    failures.append(f"{kern.name} rotation={rot}: {r.reason}")
+    assert not failures, "\n".join(failures)
+
+
+def test_public_call_descale_and_out_dtype(kernels):
+    """flashgen.attention on e4m3 inputs: descale factors scale exactly as dequantizing would; fp16 output
+    on request; bad descale factors are refused with a clear error."""
+    import torch
+
+    import flashgen
+    from flashgen.fp8 import quantize
+    from flashgen.verify import random_qkv, reference
+
+    q, k, v = random_qkv(2, 300, 500, 8, 2, 128, "bf16")
+    q8, k8, v8, descale = quantize(q, k, v, per_head=True)
+    out, lse = flashgen.attention(q8, k8, v8, causal=True, return_lse=True, **descale)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (2, 8, 300)
+    ref = reference(q, k, v, True)
+    assert (out.double() - ref.out).pow(2).mean().sqrt().item() < 0.05  # FP8 inputs against the bf16 answer
+    out16 = flashgen.attention(q8, k8, v8, causal=True, out_dtype="fp16", **descale)
+    assert out16.dtype == torch.float16
+    assert (out16.double() - out.double()).abs().max().item() < 1e-2
+    # per-tensor descale of 2 on v doubles the output
+    one = torch.ones(1, device="cuda")
+    o1 = flashgen.attention(q8, k8, v8, q_descale=one, k_descale=one, v_descale=one)
+    o2 = flashgen.attention(q8, k8, v8, q_descale=one, k_descale=one, v_descale=2 * one)
+    assert torch.equal(o2.float(), 2 * o1.float())
+    with pytest.raises(ValueError, match="shape"):
+        flashgen.attention(q8, k8, v8, q_descale=torch.ones(3, device="cuda"))
+    with pytest.raises(TypeError, match="float32"):
+        flashgen.attention(q8, k8, v8, q_descale=torch.ones(1, device="cuda", dtype=torch.float16))
+    with pytest.raises(ValueError, match="sm90"):
+        flashgen.attention(q8, k8, v8, arch="sm80")
+    with pytest.raises(ValueError, match="FP8"):
+        flashgen.attention(q, k, v, q_descale=one)
