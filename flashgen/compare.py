@@ -324,6 +324,8 @@ def _fmt(x: float | None, spec: str) -> str:
 def fa4_target(pt: Point) -> float | None:
     """FlashAttention-4's speed relative to cuDNN at this point on the H200 (None where not measured):
     the ratio flashgen / cuDNN has to reach."""
+    if pt.dtype in FP8_DTYPES:  # FA4's figures are 16-bit; FP8's goal is the share of the FP8 matmul
+        return None
     return FA4_OVER_CUDNN.get((pt.head_dim, pt.seqlen, pt.causal))
 
 
@@ -333,7 +335,7 @@ def table(rows: list[Row], peers: list[str], ceiling: dict[str, float] | None = 
     per dtype), its share of it."""
     b2b = [p for p in peers if any(r.ms.get(f"{p}_b2b") for r in rows)]  # sustained peer figures, where measured
     passes = any(r.point.pass_ != "fwd" for r in rows)  # a pass column only where a backward is in the table
-    head = f"{'pass ' if passes else ''}{'dtype':<5} {'d':>4} {'mask':<6} {'N':>6} {'flashgen':>9} {'api':>9} {'api/kern':>9} " + \
+    head = f"{'pass ' if passes else ''}{'dtype':<8} {'d':>4} {'mask':<6} {'N':>6} {'flashgen':>9} {'api':>9} {'api/kern':>9} " + \
         " ".join(f"{p:>9}" for p in peers) + " " + \
         " ".join(f"{'x ' + p:>9}" for p in peers) + (f" {'FA4 goal':>9}" if "cudnn" in peers else "") + \
         (f" {'% matmul':>9}" if ceiling else "") + \
@@ -341,7 +343,7 @@ def table(rows: list[Row], peers: list[str], ceiling: dict[str, float] | None = 
     lines = [head, "-" * len(head)]
     for r in rows:
         pt = r.point
-        lines.append(f"{pt.pass_ + ' ' if passes else ''}{pt.dtype:<5} {pt.head_dim:>4} {'causal' if pt.causal else 'full':<6} {pt.seqlen:>6} "
+        lines.append(f"{pt.pass_ + ' ' if passes else ''}{pt.dtype:<8} {pt.head_dim:>4} {'causal' if pt.causal else 'full':<6} {pt.seqlen:>6} "
                      f"{_fmt(r.tflops('flashgen'), '9.1f')} {_fmt(r.tflops('api'), '9.1f')} "
                      f"{_fmt(r.ratio('flashgen', who='api'), '9.2f')} " +
                      " ".join(_fmt(r.tflops(p), '9.1f') for p in peers) + " " +

@@ -124,23 +124,27 @@ def descale_bytes(batch: int, heads_k: int, device: int, q_descale: Any = None, 
     q's device of shape (1,) (per tensor) or (batch, heads_k) (per KV head); None means 1."""
     import torch  # noqa: PLC0415
 
-    fields: list[int] = []
-    for name, t in zip(DESCALE_NAMES, (q_descale, k_descale, v_descale)):
+    given = dict(zip(DESCALE_NAMES, (q_descale, k_descale, v_descale)))
+    for name, t in given.items():  # every factor given is checked before any default is made
         if t is None:
-            t = _ones(device)
-        elif not isinstance(t, torch.Tensor):
+            continue
+        if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a float32 CUDA tensor, not {type(t).__name__}")
         if t.dtype != torch.float32:
             raise TypeError(f"{name} must be float32, not {t.dtype}")
-        shape = tuple(t.shape)
-        if shape not in ((1,), (), (batch, heads_k)):
-            raise ValueError(f"{name} must have shape (1,) or (batch, heads_k) = ({batch}, {heads_k}); got {shape}")
+        if tuple(t.shape) not in ((1,), (), (batch, heads_k)):
+            raise ValueError(f"{name} must have shape (1,) or (batch, heads_k) = ({batch}, {heads_k}); "
+                             f"got {tuple(t.shape)}")
         if not t.is_cuda:
             raise ValueError(f"{name} is on {t.device}; it must be on q's device, cuda:{device}")
         if t.get_device() != device:
             raise ValueError(f"{name} is on cuda:{t.get_device()}, q on cuda:{device}")
-        fields += (t.data_ptr(), 0, 0) if shape != (batch, heads_k) or batch * heads_k == 1 else \
-            (t.data_ptr(), t.stride(0), t.stride(1))
+    fields: list[int] = []
+    for t in given.values():
+        if t is None:
+            t = _ones(device)
+        per_head = tuple(t.shape) == (batch, heads_k) and batch * heads_k > 1
+        fields += (t.data_ptr(), t.stride(0), t.stride(1)) if per_head else (t.data_ptr(), 0, 0)
     return _DESCALE.pack(*fields)
 
 

@@ -1,17 +1,22 @@
-"""Launch the kernel load() picks for one bench point (bf16) three times, for a profiler (ncu, nsys) to catch.
+"""Launch the kernel load() picks for one bench point three times, for a profiler (ncu, nsys) to catch.
 
-    python scripts/launch_bench_point.py FAMILY HEAD_DIM SEQLEN CAUSAL(0|1)   (batch*seqlen = 16384, heads*head_dim = 2048)
+    python scripts/launch_bench_point.py FAMILY HEAD_DIM SEQLEN CAUSAL(0|1) [DTYPE]   (batch*seqlen = 16384,
+    heads*head_dim = 2048; DTYPE bf16 (default), fp16 or fp8_e4m3: bf16 inputs quantized per tensor)
 """
 import sys
 
 import torch
 
 import flashgen
+from flashgen.fp8 import quantize
 from flashgen.verify import random_qkv
 
 arch, d, n, causal = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-q, k, v = random_qkv(16384 // n, n, n, 2048 // d, 2048 // d, d, "bf16")
-kern = flashgen.load(d, "bf16", causal, seqlen=n, arch=arch)
+dtype = sys.argv[5] if len(sys.argv) > 5 else "bf16"
+fp8 = dtype == "fp8_e4m3"
+q, k, v = random_qkv(16384 // n, n, n, 2048 // d, 2048 // d, d, "bf16" if fp8 else dtype)
+q, k, v, descale = quantize(q, k, v) if fp8 else (q, k, v, {})
+kern = flashgen.load(d, dtype, causal, seqlen=n, arch=arch)
 for _ in range(3):
-    kern(q, k, v)
+    kern(q, k, v, **descale)
 torch.cuda.synchronize()

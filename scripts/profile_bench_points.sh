@@ -1,6 +1,6 @@
 #!/bin/bash
 # ncu (clocks left alone) on bench points: what holds each kernel back. Default: where the 2026-11-30 H200 bench fell short.
-# Usage: bash scripts/profile_bench_points.sh ["FAMILY HEAD_DIM SEQLEN CAUSAL(0|1)" ...] > ncu.txt
+# Usage: bash scripts/profile_bench_points.sh ["FAMILY HEAD_DIM SEQLEN CAUSAL(0|1) [DTYPE]" ...] > ncu.txt
 POINTS=("$@")
 [ ${#POINTS[@]} -eq 0 ] && POINTS=("sm90 128 4096 0" "sm90 64 1024 0" "sm80 256 1024 1" "sm80 128 2048 0")
 for point in "${POINTS[@]}"; do
@@ -8,5 +8,5 @@ for point in "${POINTS[@]}"; do
   # shellcheck disable=SC2086  # the point splits into the launcher's four arguments
   timeout 120 ncu --clock-control none -k regex:fwd_ -s 2 -c 1 --section SpeedOfLight --section Occupancy \
      --section WarpStateStats --section ComputeWorkloadAnalysis python3 scripts/launch_bench_point.py $point 2>&1 \
-     | grep -E "fwd_|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued|Stall|stall|Pipe|pipe" | head -16
+     | grep -E "fwd_|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued|Stall|stall|Pipe|pipe" | head -24
 done

@@ -117,7 +117,7 @@ def test_caller_buffers_are_checked_like_inputs():
     kern = family_kernels(64, "bf16", False)[-1]
     q, k, v = random_qkv(2, 64, 64, 4, 4, 64, "bf16")
     lse = torch.empty(2, 4, 64, device="cuda")
-    with pytest.raises(TypeError, match="out must have q's dtype"):
+    with pytest.raises(TypeError, match="out must have the kernel's output dtype"):
         run(kern, q, k, v, out=torch.empty_like(q, dtype=torch.float16), lse=lse)
     with pytest.raises(ValueError, match="out needs a 16-byte aligned base"):
         flat = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)
