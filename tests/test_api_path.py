@@ -15,7 +15,7 @@ import flashgen.api as api
 import flashgen.driver as driver
 import flashgen.store as store
 from flashgen.store import config_from_entry
-from flashgen.config import KernelConfig
+from flashgen.config import FP8_DTYPES, ConfigError, KernelConfig
 from flashgen.launch import LOG2E, FwdParams, pack_params, scale_args
 from flashgen.tensors import Problem, View
 
@@ -54,6 +54,12 @@ def test_cached_resolve_equals_the_full_lookup_on_every_stored_problem(h200):
     assert problems
     for hd, dt, causal in sorted(problems):
         for family in (None, "sm80", "sm90"):
+            if dt in FP8_DTYPES and family == "sm80":  # Ampere's family has no FP8: both ways refuse
+                with pytest.raises(ConfigError, match="sm90"):
+                    flashgen.choose_config(hd, dt, causal, "sm90", family=family)
+                with pytest.raises(ConfigError, match="sm90"):
+                    r.kernel(0, hd, dt, causal, 1024, family)
+                continue
             for n in SEQLENS:
                 full = flashgen.choose_config(hd, dt, causal, "sm90", seqlen=n, family=family)
                 for _ in range(2):  # a miss, then a hit

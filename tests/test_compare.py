@@ -58,7 +58,7 @@ def test_cli_bench_simulated_writes_files(tmp_path):
     out = subprocess.run([sys.executable, "cli.py", "bench", "--simulate", "--head-dim", "64,128", "--seqlen", "1024",
                           "--causal", "no", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "x flash" in out.stdout and "api/kern" in out.stdout and "bf16    64 full     1024" in out.stdout
+    assert "x flash" in out.stdout and "api/kern" in out.stdout and "bf16       64 full     1024" in out.stdout
     assert "host us/call: attention() 20.0, Kernel() 12.0, SDPA 15.0 (bf16 d64" in out.stdout
     assert sorted(p.name for p in tmp_path.iterdir())[0].endswith("-sm80.csv")  # family in the name
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".csv", ".json", ".png"]

@@ -114,6 +114,32 @@ def test_exported_sm90_kernel_compiles_and_links_for_sm90a(tmp_path, persistent)
     link_app(out, SM90_MAIN.format(a=cfg.name), (cfg.name,), ("-gencode", "arch=compute_90a,code=sm_90a"))
 
 
+SM90_FP8_MAIN = """\
+#include "{a}.h"
+int main() {{
+    Sm90Fp8FwdParams p = {{}};  // descale pointers: device floats (per tensor: strides 0)
+    p.p.batch = 1; p.p.heads = 1; p.p.heads_k = 1; p.p.seqlen_q = 128; p.p.seqlen_k = 128;
+    static_assert(flashgen::{a}_launch::SWIZZLE_BYTES == flashgen::{a}_launch::SMEM_W, "one-byte elements");
+    static_assert(sizeof(Sm90Fp8FwdParams) == 640 && offsetof(Sm90Fp8FwdParams, q_descale) == 552, "host packing");
+    return (int)flashgen::{a}_launch::launch(p);
+}}
+"""
+
+
+@needs_nvcc
+def test_exported_fp8_kernel_compiles_and_links_for_sm90a(tmp_path):
+    cfg = KernelConfig(128, "fp8_e4m3", False, 128, 128, 12, 2, "sm90", False, False, True)
+    merge(store_path("NVIDIA H200", "sm90", tmp_path / "tuned"), "NVIDIA H200", "sm90", {
+        "k": {"config": cfg.to_dict(), "kernel": cfg.name, "median_ms": 1.0, "tflops": 1.0,
+              "problem": {"seqlen": 4096, "gqa_group": 1}}})
+    out = tmp_path / "out"
+    export("sm90", out, tmp_path / "tuned")
+    h = (out / f"{cfg.name}.h").read_text()
+    assert "struct Sm90Fp8FwdParams" in h and "CU_TENSOR_MAP_DATA_TYPE_UINT8" in h and 'OUT_DTYPE = "bf16"' in h
+    link_app(out, "#include <cstddef>\n" + SM90_FP8_MAIN.format(a=cfg.name), (cfg.name,),
+             ("-gencode", "arch=compute_90a,code=sm_90a"))
+
+
 BWD_MAIN = """\
 #include "{a}.h"
 #include "{b}.h"
