@@ -397,13 +397,14 @@ def write(rows: list[Row], peers: list[str], out_dir: Path, gpu: str, meta: dict
         w = csv.DictWriter(f, fieldnames=list(recs[0]) if recs else ["dtype"])
         w.writeheader()
         w.writerows(recs)
-    plot(rows, peers, paths["png"], title=f"{gpu}, {date}")
+    plot(rows, peers, paths["png"], title=f"{gpu}, {date}", ceiling=ceiling)
     return paths
 
 
-def plot(rows: list[Row], peers: list[str], path: Path, title: str = "") -> None:
+def plot(rows: list[Row], peers: list[str], path: Path, title: str = "", ceiling: dict[str, float] | None = None) -> None:
     """TFLOP/s against seqlen: one panel per (head dim, causal), a line per kernel (solid bf16, dashed fp16,
-    dotted FP8; an FP8 grid's SDPA peers run on the bf16 inputs)."""
+    dotted FP8). An FP8 point's SDPA peers ran in bf16 (its lines would repeat the bf16 ones: left out); with
+    the FP8 matmul `ceiling`, FP8's goal (75% of it non-causal, 65% causal) is a grey line."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -418,8 +419,13 @@ def plot(rows: list[Row], peers: list[str], path: Path, title: str = "") -> None
     styles = {"bf16": "-", "fp16": "--", "fp8_e4m3": ":"}
     for (i, causal), (j, d) in ((im, jd) for im in enumerate(masks) for jd in enumerate(dims)):
         ax = axes[i][j]
+        fp8_ceiling = next((c for dt, c in (ceiling or {}).items() if dt in FP8_DTYPES), None)
+        if fp8_ceiling and any(dt in FP8_DTYPES for dt in dtypes):
+            ax.axhline((0.65 if causal else 0.75) * fp8_ceiling, color="0.6", linestyle=":", label="FP8 goal")
         for who in ("flashgen", "api", *peers):
             for dt in dtypes:
+                if who in peers and dt in FP8_DTYPES:
+                    continue
                 pts = sorted((r.point.seqlen, r.tflops(who)) for r in rows
                              if (r.point.head_dim, r.point.causal, r.point.dtype) == (d, causal, dt) and r.tflops(who))
                 if pts:
