@@ -197,13 +197,18 @@ class CompileAhead:
     def _replace(self, pool: ProcessPoolExecutor | None) -> None:
         with self._lock:
             if pool is not None and pool is self._pool:
-                self.close()
+                self.close(kill=True)
 
-    def close(self) -> None:
-        """Stop the pool and kill what still runs in it; pending compiles are forgotten."""
+    def close(self, kill: bool = False) -> None:
+        """Stop the pool; pending compiles are forgotten. With nothing pending its idle processes exit by
+        themselves (a killed pool leaves its wake-up pipe to fail noisily at interpreter exit); with
+        compiles pending, or `kill` (a broken or hung pool), what still runs is killed."""
         with self._lock:
             if self._pool is not None:
-                _kill(self._pool)
+                if kill or any(not f.done() for f in self._futures.values()):
+                    _kill(self._pool)
+                else:
+                    self._pool.shutdown(wait=True)
             self._pool, self._futures = None, {}
 
 
