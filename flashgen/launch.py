@@ -215,7 +215,7 @@ def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
         lse_ptr = _lse_ptr(lse, qv, lse_shape)
     if prob.batch * prob.heads * prob.seqlen_q == 0:
         return out, lse, prob
-    cfg.grid(prob.batch, prob.heads, prob.seqlen_q, 1)  # refuses grids CUDA cannot launch, before any work
+    flat = cfg.grid(prob.batch, prob.heads, prob.seqlen_q, 1)  # refuses grids CUDA cannot launch, before any work
     if prob.seqlen_k == 0:  # no key at all: O = 0, LSE = +inf in both families, nothing to launch
         _fill_empty(out, lse)
         return out, lse, prob
@@ -229,7 +229,7 @@ def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
                 raise ValueError(f"{name} is not on the current context's device (cuda:{dev})")
         handle = 0 if stream is None else int(getattr(stream, "handle", stream))
         fn = driver.get_function(kernel.cubin, cfg.name, cfg.smem_bytes, kernel.digest, driver.context_id(ctx))
-    grid = _grid(cfg, prob.batch, prob.heads, prob.seqlen_q, dev)
+    grid = _grid(cfg, prob.batch, prob.heads, prob.seqlen_q, dev) if cfg.persistent else flat
     params = pack_params(qv, kv, vv, ov, lse_ptr, prob, scale, scale_log2)
     if cfg.family == "sm90":
         params = sm90_params(params, qv, kv, vv, prob, cfg, scales)
