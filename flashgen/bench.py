@@ -61,6 +61,7 @@ def time_kernel(kernel: CompiledKernel, batch: int, seqlen_q: int, seqlen_k: int
     """Median milliseconds of `kernel` on random inputs of this shape, inputs rotated past L2."""
     import torch  # noqa: PLC0415
 
+    from .tensors import torch_dtype  # noqa: PLC0415
     from .verify import random_fp8, random_qkv  # noqa: PLC0415
 
     cfg = kernel.config
@@ -73,8 +74,7 @@ def time_kernel(kernel: CompiledKernel, batch: int, seqlen_q: int, seqlen_k: int
     else:
         sets = [(*random_qkv(batch, seqlen_q, seqlen_k, heads, hk, cfg.head_dim, cfg.dtype, seed + i), None)
                 for i in range(l2_rotation(set_bytes))]
-    odt = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.output_dtype]
-    outs = [(torch.empty(q.shape, dtype=odt, device=q.device), torch.empty(batch, heads, seqlen_q, device=q.device))
+    outs = [(torch.empty(q.shape, dtype=torch_dtype(cfg.output_dtype), device=q.device), torch.empty(batch, heads, seqlen_q, device=q.device))
             for q, *_ in sets]
 
     def call(i: int) -> None:

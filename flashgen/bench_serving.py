@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from .bench import median_ms, time_cuda
 from .compare import back_to_back_ms, host_us_per_call
+from .tensors import torch_dtype
 
 DECODE_POINTS = [(1, 1024), (1, 8192), (1, 131072), (8, 32768), (32, 8192), (128, 4096)]  # (batch, cache length)
 DECODE_HEADS = (32, 8)
@@ -49,7 +50,7 @@ def decode_rows(head_dim: int = 128, dtype: str = "bf16", points: list[tuple[int
 
     from . import attention_with_kvcache  # noqa: PLC0415
 
-    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    tdt = torch_dtype(dtype)
     h, hk = DECODE_HEADS
     rows = []
     for batch, n in points or DECODE_POINTS:
@@ -113,7 +114,7 @@ def varlen_rows(head_dim: int = 128, dtype: str = "bf16", n_seqs: int = 64, lo: 
 
     import flashgen  # noqa: PLC0415
 
-    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    tdt = torch_dtype(dtype)
     h = 2048 // head_dim
     rng = random.Random(seed)
     lens = [int(math.exp(rng.uniform(math.log(lo), math.log(hi)))) for _ in range(n_seqs)]
@@ -149,7 +150,7 @@ def window_rows(head_dim: int = 128, dtype: str = "bf16", n: int = 16384, window
 
     import flashgen  # noqa: PLC0415
 
-    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    tdt = torch_dtype(dtype)
     h = 2048 // head_dim
     q, k, v = (torch.randn(n, h, head_dim, device="cuda", dtype=tdt) for _ in range(3))
     cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from .bench import flops
 from .config import FP8_DTYPES
+from .tensors import torch_dtype
 
 PEERS = ("flash", "cudnn", "efficient")  # SDPA backends: FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTENTION
 # FlashAttention-4 / cuDNN (SDPA) forward on the H200, bf16, measured in one run on 2026-11-30 (issue
@@ -177,7 +178,7 @@ class TorchRunner:
         from .verify import random_qkv  # noqa: PLC0415
 
         b, n, h, d = point.batch, point.seqlen, point.heads, point.head_dim
-        tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[point.dtype]
+        tdt = torch_dtype(point.dtype)
         kern = _backward_kernel(torch.cuda.current_device(), d, tdt, point.causal, n)
         fwd = flashgen.load(d, point.dtype, point.causal, seqlen=n, arch="sm80").compiled
         row = Row(point, kernel=kern.name)
@@ -297,7 +298,7 @@ def matmul_ceiling(dtype: str, n: int = 8192, reps: int = 20) -> float:
         ms = median_ms(time_cuda(lambda i: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), warmup=5,
                                  reps=reps))
         return 2 * n**3 / (ms * 1e-3) / 1e12
-    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    tdt = torch_dtype(dtype)
     a, b = (torch.randn(n, n, device="cuda", dtype=tdt) for _ in range(2))
     ms = median_ms(time_cuda(lambda i: a @ b, warmup=5, reps=reps))
     return 2 * n**3 / (ms * 1e-3) / 1e12

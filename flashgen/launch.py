@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 from . import driver
 from .compile import CompiledKernel
 from .config import KernelConfig
-from .tensors import Problem, View, align_elems, aligned, check_qkv, view
+from .tensors import Problem, View, align_elems, aligned, check_qkv, torch_dtype, view
 
 LOG2E = 1.4426950408889634
 _F32_MAX = 3.4028234663852886e38
@@ -82,17 +82,11 @@ def sm90_params(p: bytes | FwdParams, q: View, k: View, v: View, prob: Problem, 
     return (maps + bytes(p) + descale).ljust(_SM90_BYTES, b"\0")
 
 
-def _torch_dtype(dtype: str) -> Any:
-    import torch  # noqa: PLC0415
-
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-
-
 def _empty(like: View, shape: tuple[int, ...], dtype: str) -> Any:
     if like.kind == "torch":
         import torch  # noqa: PLC0415
 
-        return like.obj.new_empty(shape, dtype=_torch_dtype(dtype))
+        return like.obj.new_empty(shape, dtype=torch_dtype(dtype))
     import numpy as np  # noqa: PLC0415
     import pycuda.gpuarray as gpuarray  # noqa: PLC0415
 
@@ -175,17 +169,19 @@ def run(kernel: CompiledKernel, q: Any, k: Any, v: Any, softmax_scale: float | N
     return run_views(kernel, qv, kv, vv, check_qkv(qv, kv, vv), softmax_scale, stream, out, lse, descale)
 
 
-def descale_args(cfg: KernelConfig, prob: Problem, device: int, descale: dict[str, Any] | None) -> bytes:
-    """FP8: the packed descale factors (fp8.descale_bytes); a 16-bit kernel refuses any."""
-    if not cfg.fp8:
+def descale_args(batch_heads_k: tuple[int, int] | None, device: int, descale: dict[str, Any] | None,
+                 dtype: str) -> bytes:
+    """The packed descale factors (fp8.descale_bytes) of an FP8 kernel on (batch, heads_k) KV heads; a kernel
+    of another `dtype` (batch_heads_k None) refuses any."""
+    if batch_heads_k is None:
         if descale and any(t is not None for t in descale.values()):
-            raise ValueError(f"descale factors are for FP8 inputs; {cfg.name} takes {cfg.dtype}")
+            raise ValueError(f"descale factors are for FP8 inputs, not {dtype}")
         return b""
     if device < 0:
         raise TypeError("FP8 inputs must be torch tensors (float8_e4m3fn)")
     from .fp8 import descale_bytes  # noqa: PLC0415
 
-    return descale_bytes(prob.batch, prob.heads_k, device, **(descale or {}))
+    return descale_bytes(*batch_heads_k, device, **(descale or {}))
 
 
 def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Problem, softmax_scale: float | None = None,
@@ -196,7 +192,7 @@ def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
     if stream is not None and torch_in:
         raise TypeError(STREAM_FOR_TORCH)
     cfg = _checked_kernel(kernel, prob)
-    scales = descale_args(cfg, prob, qv.device, descale)
+    scales = descale_args((prob.batch, prob.heads_k) if cfg.fp8 else None, qv.device, descale, cfg.dtype)
     scale, scale_log2 = scale_args(softmax_scale, prob.head_dim)
     if not (aligned(qv) and aligned(kv) and aligned(vv)):
         qv, kv, vv = (_fix_alignment(t, n) for t, n in ((qv, "q"), (kv, "k"), (vv, "v")))
@@ -291,7 +287,7 @@ def make_plan(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
             tmaps = tmap_geometry(qv, kv, vv, prob, cfg)
     grid = _grid(cfg, b, h, sq, qv.device) if b * h * sq else (0, 1, 1)
     return Plan(qv.device, fn, cfg.threads, grid, (b, sq, h, d), (b, h, sq),
-                fields, tmaps, prob.dtype, cfg.row_bytes, {}, _torch_dtype(cfg.output_dtype) if cfg.fp8 else None,
+                fields, tmaps, prob.dtype, cfg.row_bytes, {}, torch_dtype(cfg.output_dtype) if cfg.fp8 else None,
                 (b, hk) if cfg.fp8 else None)
 
 
@@ -302,16 +298,8 @@ def launch_plan(plan: Plan, q: Any, k: Any, v: Any, want_lse: bool = True,
     qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
     if (qp | kp | vp) & 15:
         return None
-    if plan.batch_heads_k is not None:
-        from .fp8 import descale_bytes  # noqa: PLC0415
-
-        scales = descale_bytes(*plan.batch_heads_k, plan.device, **(descale or {}))
-        out = q.new_empty(plan.o_shape, dtype=plan.out_dtype)
-    else:
-        if descale and any(t is not None for t in descale.values()):
-            raise ValueError(f"descale factors are for FP8 inputs, not {plan.dtype}")
-        scales = b""
-        out = q.new_empty(plan.o_shape)
+    scales = descale_args(plan.batch_heads_k, plan.device, descale, plan.dtype)
+    out = q.new_empty(plan.o_shape) if plan.out_dtype is None else q.new_empty(plan.o_shape, dtype=plan.out_dtype)
     lse = q.new_empty(plan.lse_shape, dtype=_float32()) if want_lse else None
     if plan.fn is None:
         _fill_empty(out, lse)

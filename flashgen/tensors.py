@@ -12,6 +12,14 @@ from .config import HEAD_DIMS, elem_bytes
 _TORCH_DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float8_e4m3fn": "fp8_e4m3"}
 _CAI_DTYPES = {"<f2": "fp16", "float16": "fp16", "bfloat16": "bf16"}
 _torch_dtypes: dict[Any, str] = {}  # torch.dtype -> name, filled on first use (torch stays optional)
+_TORCH_NAMES = {name: t.split(".")[1] for t, name in _TORCH_DTYPES.items()} | {"fp32": "float32"}
+
+
+def torch_dtype(name: str) -> Any:
+    """The torch dtype of a flashgen dtype name ("fp16", "bf16", "fp8_e4m3", "fp32"); imports torch."""
+    import torch  # noqa: PLC0415
+
+    return getattr(torch, _TORCH_NAMES[name])
 
 
 class View(NamedTuple):  # a NamedTuple: made three times per call, where a frozen dataclass costs microseconds

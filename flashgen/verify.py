@@ -15,6 +15,7 @@ from typing import Any
 
 from .compile import CompiledKernel
 from .launch import run
+from .tensors import torch_dtype
 
 LSE_TOL = 1e-3
 # Hopper's FP8 tensor cores add a k-step's products with fewer bits than fp32 (DeepSeek-V3's report,
@@ -104,7 +105,7 @@ def random_qkv(batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: in
     """Fresh standard-normal q, k, v in flash_attn's layout (never zeros)."""
     import torch  # noqa: PLC0415
 
-    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    tdt = torch_dtype(dtype)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed if seed is not None else torch.seed() % 2**62)
 
@@ -226,8 +227,7 @@ def run_and_judge(kernel: CompiledKernel, q: Any, k: Any, v: Any, ref: Reference
                   softmax_scale: float | None = None, descale: dict[str, Any] | None = None) -> VerifyResult:
     import torch  # noqa: PLC0415
 
-    cfg = kernel.config
-    out, lse = poisoned_outputs(q, getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[cfg.output_dtype]))
+    out, lse = poisoned_outputs(q, torch_dtype(kernel.config.output_dtype))
     run(kernel, q, k, v, softmax_scale, out=out, lse=lse, descale=descale)
     torch.cuda.synchronize()
     return judge(out, lse, ref)
@@ -236,13 +236,10 @@ def run_and_judge(kernel: CompiledKernel, q: Any, k: Any, v: Any, ref: Reference
 def verify(kernel: CompiledKernel, batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: int | None = None,
            seed: int | None = None, softmax_scale: float | None = None) -> VerifyResult:
     """Run `kernel` once on fresh random inputs of this shape into NaN-poisoned outputs and judge it."""
-    import torch  # noqa: PLC0415
-
     cfg = kernel.config
     if cfg.fp8:
         q, k, v, descale = random_fp8(batch, seqlen_q, seqlen_k, heads, heads_k or heads, cfg.head_dim, seed)
-        out_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.output_dtype]
-        ref = reference_fp8(q, k, v, descale, cfg.causal, softmax_scale, out_dtype)
+        ref = reference_fp8(q, k, v, descale, cfg.causal, softmax_scale, torch_dtype(cfg.output_dtype))
         return run_and_judge(kernel, q, k, v, ref, softmax_scale, descale)
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k or heads, cfg.head_dim, cfg.dtype, seed)
     return run_and_judge(kernel, q, k, v, reference(q, k, v, cfg.causal, softmax_scale), softmax_scale)

@@ -35,6 +35,23 @@ def needs_gpu_tuner() -> list:
     return [pytest.mark.gpu, pytest.mark.skipif(reason is not None, reason=f"needs a GPU: {reason}")]
 
 
+def compile_sm90a_clean(cfgs: list) -> list:
+    """Compile sm90-family configurations for sm_90a (two at a time) and assert what every one must show in
+    ptxas's report: no spills, no serialized wgmma (C7513: registers an in-flight wgmma reads were
+    redefined), the shared memory its config says. Returns the compiled kernels."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    from flashgen.compile import compile_kernel  # noqa: PLC0415
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        kernels = list(pool.map(lambda c: compile_kernel(c, "sm_90a"), cfgs))
+    for k in kernels:
+        assert not k.resources.spills, f"{k.name} spills: {k.resources}"
+        assert "C7513" not in k.ptxas_log, f"{k.name}: {k.ptxas_log}"
+        assert k.resources.smem_bytes == k.config.smem_bytes <= 227 * 1024
+    return kernels
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     reason = gpu_missing_reason()
     if reason is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -99,16 +100,21 @@ int main() {{
 """
 
 
-@needs_nvcc
-@pytest.mark.parametrize("persistent", [False, True])
-def test_exported_sm90_kernel_compiles_and_links_for_sm90a(tmp_path, persistent):
-    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, False, persistent)
+def export_stored_sm90(tmp_path, cfg: KernelConfig) -> tuple[Path, str]:
+    """Export a store holding just `cfg` (tuned on an H200): the output directory and cfg's header."""
     merge(store_path("NVIDIA H200", "sm90", tmp_path / "tuned"), "NVIDIA H200", "sm90", {
         "k": {"config": cfg.to_dict(), "kernel": cfg.name, "median_ms": 1.0, "tflops": 1.0,
               "problem": {"seqlen": 4096, "gqa_group": 1}}})
     out = tmp_path / "out"
     export("sm90", out, tmp_path / "tuned")
-    h = (out / f"{cfg.name}.h").read_text()
+    return out, (out / f"{cfg.name}.h").read_text()
+
+
+@needs_nvcc
+@pytest.mark.parametrize("persistent", [False, True])
+def test_exported_sm90_kernel_compiles_and_links_for_sm90a(tmp_path, persistent):
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, False, persistent)
+    out, h = export_stored_sm90(tmp_path, cfg)
     assert "struct Sm90FwdParams" in h and "cuTensorMapEncodeTiled" in h and "code=sm_90a" in h
     assert ("cudaDevAttrMultiProcessorCount" in h) == persistent  # a persistent grid is one CTA per SM
     link_app(out, SM90_MAIN.format(a=cfg.name), (cfg.name,), ("-gencode", "arch=compute_90a,code=sm_90a"))
@@ -129,12 +135,7 @@ int main() {{
 @needs_nvcc
 def test_exported_fp8_kernel_compiles_and_links_for_sm90a(tmp_path):
     cfg = KernelConfig(128, "fp8_e4m3", False, 128, 128, 12, 2, "sm90", False, False, True)
-    merge(store_path("NVIDIA H200", "sm90", tmp_path / "tuned"), "NVIDIA H200", "sm90", {
-        "k": {"config": cfg.to_dict(), "kernel": cfg.name, "median_ms": 1.0, "tflops": 1.0,
-              "problem": {"seqlen": 4096, "gqa_group": 1}}})
-    out = tmp_path / "out"
-    export("sm90", out, tmp_path / "tuned")
-    h = (out / f"{cfg.name}.h").read_text()
+    out, h = export_stored_sm90(tmp_path, cfg)
     assert "struct Sm90Fp8FwdParams" in h and "CU_TENSOR_MAP_DATA_TYPE_UINT8" in h and 'OUT_DTYPE = "bf16"' in h
     link_app(out, "#include <cstddef>\n" + SM90_FP8_MAIN.format(a=cfg.name), (cfg.name,),
              ("-gencode", "arch=compute_90a,code=sm_90a"))

@@ -5,14 +5,15 @@ from __future__ import annotations
 import ctypes
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from flashgen.config import FP8_HEAD_DIMS, ConfigError, KernelConfig, default_config, space
-from flashgen.compile import compile_kernel, nvcc_path
+from flashgen.compile import nvcc_path
 from flashgen.launch import FwdParams
+
+from conftest import compile_sm90a_clean
 
 torch = pytest.importorskip("torch")
 DT = "fp8_e4m3"
@@ -59,12 +60,7 @@ def test_fp8_kernels_compile_for_sm90a_without_spills_or_serialized_wgmma(d):
     if d == 256:
         cfgs.append(KernelConfig(d, DT, False, 128, 128, 12, 2, "sm90", persistent=True))
     assert len(cfgs) >= 3
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        kernels = list(pool.map(lambda c: compile_kernel(c, "sm_90a"), cfgs))
-    for k in kernels:
-        assert not k.resources.spills, f"{k.name} spills: {k.resources}"
-        assert "C7513" not in k.ptxas_log, f"{k.name}: {k.ptxas_log}"
-        assert k.resources.smem_bytes == k.config.smem_bytes <= 227 * 1024
+    for k in compile_sm90a_clean(cfgs):
         assert f"wgmma.mma_async.sync.aligned.m64n{k.config.block_n}k32.f32.e4m3.e4m3" in k.source
 
 

@@ -51,42 +51,44 @@ def kernels():
     return out
 
 
+def failures(kernels: list, q, k, v, descale: dict, causal: bool, case: str) -> list[str]:
+    """One line per kernel that misses the FP8 bar on these inputs (reference from their dequantized values)."""
+    from flashgen.verify import reference_fp8, run_and_judge
+
+    ref = reference_fp8(q, k, v, descale, causal)
+    return [f"{kern.name} {case}: {r.reason}" for kern in kernels
+            if not (r := run_and_judge(kern, q, k, v, ref, descale=descale)).ok]
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", FP8_HEAD_DIMS)
 def test_matches_float64_reference_within_plain_fp8(kernels, head_dim, causal, layout):
-    from flashgen.verify import random_fp8, reference_fp8, run_and_judge
+    from flashgen.verify import random_fp8
 
     heads, heads_k = LAYOUTS[layout]
-    failures = []
+    missed = []
     for i, (sq, sk) in enumerate(PAIRS):
         batch = 2 if max(sq, sk) <= 1024 else 1
         per_head = i % 2 == 1  # descale factors per (batch, KV head) on every other case
         q, k, v, descale = random_fp8(batch, sq, sk, heads, heads_k, head_dim, per_head=per_head)
-        ref = reference_fp8(q, k, v, descale, causal)
-        for kern in kernels[(head_dim, causal)]:
-            r = run_and_judge(kern, q, k, v, ref, descale=descale)
-            if not r.ok:
-                failures.append(f"{kern.name} sq={sq} sk={sk} {layout} per_head={per_head}: {r.reason}")
-    assert not failures, "\n".join(failures)
+        missed += failures(kernels[(head_dim, causal)], q, k, v, descale, causal,
+                           f"sq={sq} sk={sk} {layout} per_head={per_head}")
+    assert not missed, "\n".join(missed)
 
 
 @pytest.mark.parametrize("outliers", [False, True], ids=["gaussian", "outliers"])
 def test_accuracy_bar_with_rotation_and_outliers(kernels, outliers):
     """Incoherent processing (Hadamard rotation of q and k) keeps the same answer and the same bar."""
-    from flashgen.verify import random_fp8, reference_fp8, run_and_judge
+    from flashgen.verify import random_fp8
 
-    failures = []
+    missed = []
     for d in FP8_HEAD_DIMS:
         for rot in (False, True):
             q, k, v, descale = random_fp8(2, 1000, 1000, 4, 2, d, outliers=outliers, hadamard_rotation=rot,
                                           per_head=True)
-            ref = reference_fp8(q, k, v, descale, False)
-            for kern in kernels[(d, False)]:
-                r = run_and_judge(kern, q, k, v, ref, descale=descale)
-                if not r.ok:
-                    failures.append(f"{kern.name} rotation={rot}: {r.reason}")
-    assert not failures, "\n".join(failures)
+            missed += failures(kernels[(d, False)], q, k, v, descale, False, f"rotation={rot}")
+    assert not missed, "\n".join(missed)
 
 
 def test_public_call_descale_and_out_dtype(kernels):
