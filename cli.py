@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--heads-dim-total", type=int, default=HEADS_DIM_TOTAL, help="heads = this // head_dim (default 2048)")
     t.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "both"), default="fwd",
                    help="tune the forward, the backward (its kernels timed alone, gradients verified against "
-                        "float64; family sm80's templates) or both (default fwd)")
+                        "float64; --arch sm90 tunes family sm90's backward where it has the head dim, else sm80's) "
+                        "or both (default fwd)")
     t.add_argument("--trials", type=int, default=None,
                    help=f"evaluated trials per problem, in total over reruns: a sampled search (default: every "
                         f"configuration when at most {EXHAUSTIVE_MAX} fit the GPU, else {DEFAULT_TRIALS} sampled)")
@@ -213,18 +214,22 @@ def passes(args: argparse.Namespace) -> list[str]:
     return ["fwd", "bwd"] if p == "both" else [p]
 
 
-def pass_family(args: argparse.Namespace, pass_: str) -> str:
-    """The template family a pass is tuned in: --arch for the forward; the backward has sm80's only."""
-    return args.arch if pass_ == "fwd" else "sm80"
+def pass_family(args: argparse.Namespace, pass_: str, head_dim: int) -> str:
+    """The template family a pass is tuned in: --arch for the forward; for the backward --arch where that
+    family has a backward for the head dim (sm90: C.SM90_BWD_HEAD_DIMS), else sm80."""
+    if pass_ == "fwd" or (args.arch == "sm90" and head_dim in C.SM90_BWD_HEAD_DIMS):
+        return args.arch
+    return "sm80"
 
 
 def restricted_space(args: argparse.Namespace, head_dim: int, dtype: str, causal: bool,
                      pass_: str = "fwd") -> list:
+    family = pass_family(args, pass_, head_dim)
     if pass_ == "bwd":
-        cfgs = C.bwd_space(head_dim, dtype, causal)
+        cfgs = C.bwd_space(head_dim, dtype, causal, family=family)
     else:
         cfgs = C.space(args.arch, head_dim, dtype, causal)
-    for field in ("block_m", "block_n", "num_warps") + ("num_stages",) * (pass_ == "fwd"):
+    for field in ("block_m", "block_n", "num_warps") + ("num_stages",) * (pass_ == "fwd" or family == "sm90"):
         keep = getattr(args, field)
         if keep is not None:
             cfgs = [c for c in cfgs if getattr(c, field) in keep]
@@ -270,6 +275,9 @@ def validate(args: argparse.Namespace) -> None:
     choices = {"fwd": (("block_m", dense_bm), ("block_n", C.FAMILY_BLOCK_NS[args.arch]),
                        ("num_warps", tuple(w for w in C.NUM_WARPS if w > 1)), ("num_stages", C.NUM_STAGES)),
                "bwd": (("block_m", C.BWD_BLOCK_MS), ("block_n", C.BWD_BLOCK_NS), ("num_warps", C.BWD_NUM_WARPS))}
+    if args.arch == "sm90":  # the backward's sm90 family: warps follow block_n (12: two consumer warpgroups)
+        choices["bwd"] = (("block_m", C.BWD_BLOCK_MS), ("block_n", C.BWD_BLOCK_NS),
+                          ("num_warps", tuple(sorted(set(C.BWD_NUM_WARPS) | {12}))), ("num_stages", C.SM90_BWD_STAGES))
     for p in passes(args):
         for field, allowed in choices[p]:
             if getattr(args, field) is not None:
@@ -284,7 +292,7 @@ def validate(args: argparse.Namespace) -> None:
             raise CliError(f"--gqa {g}: heads = max(1, {args.heads_dim_total} // {hd}) = {heads} is not a multiple of it")
     for hd, dt, ca, p in itertools.product(args.head_dim, args.dtype, causal_list(args.causal), passes(args)):
         if not restricted_space(args, hd, dt, ca, p):
-            raise CliError(f"the restricted {p} space of family {pass_family(args, p)} is empty for d{hd} {dt} "
+            raise CliError(f"the restricted {p} space of family {pass_family(args, p, hd)} is empty for d{hd} {dt} "
                            f"{'causal' if ca else 'full'}: loosen --block-m/--block-n/--num-warps/--num-stages/--overlap/--pingpong/--persistent")
 
 
@@ -416,7 +424,7 @@ def tune(args: argparse.Namespace) -> int:
         opts = SearchOptions(args.trials or DEFAULT_TRIALS, args.timeout, args.sampler, args.seed, exhaustive,
                              args.storage, ahead=ahead, heartbeat_s=args.heartbeat, grace_s=args.grace)
         models = list(dict.fromkeys((t.gpu_name, t.gpu_arch) for t in tuners))
-        jobs = [Job(TuneProblem(gpu, arch, pass_family(args, p), dt, hd, ca, sl, g, args.batch_tokens,
+        jobs = [Job(TuneProblem(gpu, arch, pass_family(args, p, hd), dt, hd, ca, sl, g, args.batch_tokens,
                                 args.heads_dim_total, p),
                     tuple(restricted_space(args, hd, dt, ca, p)))
                 for gpu, arch in models

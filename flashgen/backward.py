@@ -3,7 +3,10 @@
     kern = load_backward(128, "bf16", causal=True)
     dq, dk, dv = backward(kern, q, k, v, out, dout, lse)
 
-Three launches on torch's current stream (templates/sm80/bwd.cu.j2):
+Family sm90 (templates/sm90/bwd.cu.j2, FlashAttention-3's design) launches the same three roles
+with TMA maps of q, k, v, dout and buffers padded to whole Q tiles (LSE * log2 e, D, and the dQ
+accumulator in the main kernel's register order). Family sm80, on torch's current stream
+(templates/sm80/bwd.cu.j2):
 `{name}_pre` (D = rowsum(dO * O) in fp32; zero the fp32 dQ accumulator), `{name}` (one block per
 K/V tile: dK, dV in registers, dQ added to the accumulator by fp32 atomics), `{name}_convert`
 (accumulator to q's dtype). A deterministic config replaces the atomics and `_convert` by
@@ -27,6 +30,9 @@ from .tensors import Problem, aligned, check_qkv, view
 # struct BwdParams (templates/common/bwd_params.cuh.j2): 13 pointers, 24 strides, 5 ints, 2 floats.
 _BWD = struct.Struct("=13Q24q5i2f4x")
 assert _BWD.size == 328
+# struct Sm90BwdParams (templates/sm90/bwd.cu.j2): 4 tensor maps, BwdParams, lse2 pointer, seqlen_q_pad.
+_SM90_TAIL = struct.Struct("=Qi")
+_SM90_BWD_BYTES = 896
 
 
 def load_backward(head_dim: int, dtype: str, causal: bool, config: BwdConfig | None = None,
@@ -122,8 +128,11 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
         return dq, dk, dv
 
     f32 = dict(dtype=torch.float32, device=q.device)
-    delta = torch.empty((b, h, sq), **f32)
-    dq_accum = None if cfg.deterministic else torch.empty((b, sq, h, d), **f32)
+    sm90 = cfg.family == "sm90"
+    sq_pad = cfg.seqlen_q_pad(sq) if sm90 else sq
+    delta = torch.empty((b, h, sq_pad), **f32)
+    lse2 = torch.empty((b, h, sq_pad), **f32) if sm90 else None
+    dq_accum = None if cfg.deterministic else torch.empty((b, h, sq_pad, d) if sm90 else (b, sq, h, d), **f32)
     grouped = h != hk
     dk_accum = torch.empty((b, sk, h, d), **f32) if grouped else None
     dv_accum = torch.empty((b, sk, h, d), **f32) if grouped else None
@@ -134,6 +143,8 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
     ptrs = tuple(ptr(t) for t in (q, k, v, out, dout, lse, delta, dq_accum, dq, dk, dv, dk_accum, dv_accum))
     strides = tuple(s for t in (q, k, v, out, dout, dq, dk, dv) for s in t.stride()[:3])
     params = pack_params(ptrs, strides, prob, scale, scale_log2)
+    if sm90:
+        params = _sm90_params(params, cfg, prob, (q, k, v, dout), lse2.data_ptr(), sq_pad)
 
     dev = q.get_device()
     driver.use_device(dev)
@@ -147,9 +158,11 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
 
     launch("pre", cfg.rows_grid(b, h, sq), cfg.row_threads, 0)
     if dlse is not None:
-        delta.sub_(dlse)
+        delta[..., :sq].sub_(dlse)
     launch("main", cfg.grid(b, h, sk), cfg.threads, cfg.smem_bytes)
-    if cfg.deterministic:
+    if sm90:
+        launch("convert", cfg.convert_grid(b, h, sq), 256, 0)
+    elif cfg.deterministic:
         launch("dq", cfg.dq_grid(b, h, sq), cfg.threads, cfg.smem_bytes)
     else:
         launch("convert", cfg.rows_grid(b, h, sq), cfg.row_threads, 0)
@@ -157,6 +170,20 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
         dk.copy_(dk_accum.view(b, sk, hk, h // hk, d).sum(3))
         dv.copy_(dv_accum.view(b, sk, hk, h // hk, d).sum(3))
     return dq, dk, dv
+
+
+def _sm90_params(params: bytes, cfg: BwdConfig, prob: Problem, tensors: tuple, lse2_ptr: int, sq_pad: int) -> bytes:
+    """Bytes of `struct Sm90BwdParams`: TMA maps of q, k, v, dout (4-d over head_dim, seqlen, heads, batch;
+    boxes of SMEM_W x block_m rows for q and dout, block_n for k and v), BwdParams, lse2, seqlen_q_pad."""
+    smem_w = 64 if cfg.head_dim % 64 == 0 else 32
+    maps = []
+    for t, rows, n, heads in zip(tensors, (cfg.block_m, cfg.block_n, cfg.block_n, cfg.block_m),
+                                 (prob.seqlen_q, prob.seqlen_k, prob.seqlen_k, prob.seqlen_q),
+                                 (prob.heads, prob.heads_k, prob.heads_k, prob.heads)):
+        st = t.stride()
+        maps.append(driver.tensor_map(prob.dtype, t.data_ptr(), (prob.head_dim, n, heads, prob.batch),
+                                      (2 * st[1], 2 * st[2], 2 * st[0]), (smem_w, rows, 1, 1), 2 * smem_w))
+    return (b"".join(maps) + params + _SM90_TAIL.pack(lse2_ptr, sq_pad)).ljust(_SM90_BWD_BYTES, b"\0")
 
 
 __all__ = ["backward", "load_backward", "pack_params"]

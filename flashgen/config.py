@@ -380,6 +380,13 @@ BWD_ROW_WARPS = 8  # rows per block of the _pre and _convert kernels (one warp p
 # 64x64 w4) and some spill a little (d128 128x64 w8: 32-44 bytes; d256 32x32 w4: 4 bytes).
 # The defaults are checked against ptxas (tests/test_bwd_config.py).
 BWD_MAX_ACCUM_REGS = 144
+# sm90 family (FlashAttention-3's design): one producer warpgroup (TMA) plus one consumer warpgroup
+# per 64 keys of block_n; each consumer keeps its keys' dK and dV in registers and computes S^T and
+# dP^T (keys as wgmma's M), so P^T and dS^T feed dV and dK from registers. dQ goes by fp32 atomics.
+SM90_BWD_HEAD_DIMS = (64, 128)  # dK + dV of 64 keys: head_dim registers per consumer thread
+SM90_BWD_BLOCK_MS = (64, 128)
+SM90_BWD_BLOCK_NS = (64, 128)
+SM90_BWD_STAGES = (1, 2, 3)  # Q/dO tiles in flight
 
 
 def bwd_warp_grid(rows: int, cols: int, warps: int) -> tuple[int, int] | None:
@@ -406,16 +413,21 @@ class BwdConfig(_AsDict):
     num_warps: int
     deterministic: bool = False  # dQ by a separate kernel, no atomics: bit-identical run to run
     family: str = "sm80"
+    num_stages: int = 2  # sm90: Q/dO tiles in flight (sm80 loads one at a time: stays 2)
 
     def __post_init__(self) -> None:
-        _check_choice("family", self.family, ("sm80",))
-        _check_choice("head_dim", self.head_dim, HEAD_DIMS)
+        _check_choice("family", self.family, FAMILIES)
         _check_choice("dtype", self.dtype, HALF_DTYPES)
         _check_choice("causal", self.causal, (False, True))
+        _check_choice("deterministic", self.deterministic, (False, True))
+        if self.family == "sm90":
+            self._check_sm90()
+            return
+        _check_choice("num_stages", self.num_stages, (2,))
+        _check_choice("head_dim", self.head_dim, HEAD_DIMS)
         _check_choice("block_m", self.block_m, BWD_BLOCK_MS)
         _check_choice("block_n", self.block_n, BWD_BLOCK_NS)
         _check_choice("num_warps", self.num_warps, BWD_NUM_WARPS)
-        _check_choice("deterministic", self.deterministic, (False, True))
         for what, rows, cols in (("S = Q K^T", self.block_m, self.block_n), ("dK, dV", self.block_n, self.head_dim),
                                  ("dQ", self.block_m, self.head_dim)):
             if bwd_warp_grid(rows, cols, self.num_warps) is None:
@@ -423,11 +435,40 @@ class BwdConfig(_AsDict):
                     f"num_warps={self.num_warps} cannot tile the [{rows}, {cols}] {what} product in whole 16x16 "
                     f"pieces (block_m={self.block_m}, block_n={self.block_n}, head_dim={self.head_dim})")
 
+    def _check_sm90(self) -> None:
+        _check_choice("head_dim", self.head_dim, SM90_BWD_HEAD_DIMS)
+        _check_choice("block_m", self.block_m, SM90_BWD_BLOCK_MS)
+        _check_choice("block_n", self.block_n, SM90_BWD_BLOCK_NS)
+        _check_choice("num_stages", self.num_stages, SM90_BWD_STAGES)
+        if self.deterministic:
+            raise ConfigError("deterministic=True is built in family sm80 (the sm90 backward adds dQ by fp32 atomics)")
+        if self.num_warps != 4 * (1 + self.consumers):
+            raise ConfigError(f"num_warps={self.num_warps} must be {4 * (1 + self.consumers)} for block_n={self.block_n} "
+                              "in family sm90 (a producer warpgroup plus one consumer warpgroup per 64 keys)")
+        if self.dq_parts < 1 or (self.dq_parts > 1 and (self.head_dim // self.dq_parts) % 64):
+            raise ConfigError(
+                f"block_m={self.block_m} with block_n={self.block_n} cannot split dQ = dS K over {self.consumers} "
+                "consumer warpgroup(s): each takes 64 rows of block_m, or 64-column slices of head_dim")
+
+    @property
+    def consumers(self) -> int:
+        """sm90: consumer warpgroups, one per 64 keys of the K/V tile."""
+        return self.block_n // 64
+
+    @property
+    def dq_parts(self) -> int:
+        """sm90: column slices of dQ = dS K, one per consumer warpgroup and 64-row chunk of block_m
+        (0 if block_m has more 64-row chunks than there are consumer warpgroups)."""
+        return self.consumers // (self.block_m // 64)
+
     @property
     def name(self) -> str:
         mask = "causal" if self.causal else "full"
-        return (f"bwd_{self.family}_d{self.head_dim}_{self.dtype}_{mask}_bm{self.block_m}_bn{self.block_n}"
-                f"_w{self.num_warps}_det{int(self.deterministic)}")
+        name = (f"bwd_{self.family}_d{self.head_dim}_{self.dtype}_{mask}_bm{self.block_m}_bn{self.block_n}"
+                f"_w{self.num_warps}")
+        if self.family == "sm90":
+            return name + f"_s{self.num_stages}"
+        return name + f"_det{int(self.deterministic)}"
 
     @property
     def kernel_names(self) -> dict[str, str]:
@@ -447,14 +488,22 @@ class BwdConfig(_AsDict):
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory of the main kernel (the _dq kernel needs less and gets the same):
-        K, V [block_n, d]; Q, dO [block_m, d]; P, dS [block_m, block_n]; LSE and D [block_m] fp32."""
+        K, V [block_n, d]; Q, dO [block_m, d]; P, dS [block_m, block_n]; LSE and D [block_m] fp32.
+        sm90: K, V; num_stages of (Q, dO, LSE, D); two dS^T buffers; barriers; 1024 bytes of alignment."""
+        if self.family == "sm90":
+            kv = 2 * self.block_n * self.head_dim * ELEM_BYTES
+            stage = 2 * self.block_m * self.head_dim * ELEM_BYTES + 2 * self.block_m * 4
+            ds = 2 * self.block_m * self.block_n * ELEM_BYTES
+            return 1024 + kv + self.num_stages * stage + ds + 8 * (1 + 2 * self.num_stages)
         elems = 2 * self.block_n * self.head_dim + 2 * self.block_m * self.head_dim + 2 * self.block_m * self.block_n
         return elems * ELEM_BYTES + 2 * self.block_m * 4
 
     @property
     def accum_regs(self) -> int:
         """fp32 accumulator registers per thread: the main kernel's dK + dV + S + dP, or the _dq
-        kernel's S + dP + dQ, whichever is more."""
+        kernel's S + dP + dQ, whichever is more. sm90: per consumer thread, its keys' dK + dV and S^T + dP^T."""
+        if self.family == "sm90":
+            return self.head_dim + self.block_m
         kv = 2 * self.block_n * self.head_dim // self.threads
         s = 2 * self.block_m * self.block_n // self.threads
         dq = self.block_m * self.head_dim // self.threads if self.deterministic else 0
@@ -469,16 +518,34 @@ class BwdConfig(_AsDict):
         return _flat_grid(-(-seqlen_q // self.block_m), heads, batch, f"ceil(seqlen_q / {self.block_m})")
 
     def rows_grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
-        """_pre and _convert kernels: groups of BWD_ROW_WARPS query rows x heads x batch."""
-        return _flat_grid(-(-seqlen_q // BWD_ROW_WARPS), heads, batch, f"ceil(seqlen_q / {BWD_ROW_WARPS})")
+        """_pre and _convert kernels: groups of BWD_ROW_WARPS query rows x heads x batch (sm90: over
+        seqlen_q_pad rows, and _convert takes convert_grid)."""
+        rows = self.seqlen_q_pad(seqlen_q) if self.family == "sm90" else seqlen_q
+        return _flat_grid(-(-rows // BWD_ROW_WARPS), heads, batch, f"ceil(seqlen_q / {BWD_ROW_WARPS})")
+
+    def seqlen_q_pad(self, seqlen_q: int) -> int:
+        """sm90: the row count of the padded LSE, D and dQ-accumulator buffers (whole Q tiles)."""
+        return -(-seqlen_q // self.block_m) * self.block_m
+
+    def convert_grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
+        """sm90 _convert: one thread per 4 floats of the accumulator, 256 per block."""
+        return _flat_grid(self.seqlen_q_pad(seqlen_q) * self.head_dim // 1024, heads, batch, "seqlen_q * head_dim / 1024")
 
     def unfit_reason(self, arch: str) -> str | None:
         """Why this config cannot run on `arch`, or None if it fits."""
         lim = arch_limits(arch)
+        if self.family == "sm90" and lim.sm != 90:
+            return f"family sm90 (TMA, wgmma) runs on sm90 only, not {arch}"
         if self.threads > lim.max_threads:
             return f"{self.threads} threads per block > {lim.max_threads} on {arch}"
         if self.smem_bytes > lim.smem_per_block:
             return f"shared memory {self.smem_bytes} B > {lim.smem_per_block} B per block on {arch}"
+        if self.family == "sm90":
+            limit = SM90_REGS[self.consumers][1] - 40
+            if self.accum_regs > limit:
+                return (f"{self.accum_regs} accumulator registers per consumer thread (dK + dV + S^T + dP^T) > {limit} "
+                        f"(head_dim={self.head_dim}, block_m={self.block_m})")
+            return None
         if self.accum_regs > BWD_MAX_ACCUM_REGS:
             return (f"{self.accum_regs} accumulator registers per thread > {BWD_MAX_ACCUM_REGS} "
                     f"(tiles too large for {self.num_warps} warps at head_dim={self.head_dim})")
@@ -494,16 +561,20 @@ def _flat_grid(tiles: int, heads: int, batch: int, what: str) -> tuple[int, int,
     return (blocks, 1, 1)
 
 
-def bwd_space(head_dim: int, dtype: str, causal: bool, deterministic: bool = False) -> list[BwdConfig]:
-    """Every valid backward configuration for one problem (arch fit not checked: see unfit_reason)."""
+def bwd_space(head_dim: int, dtype: str, causal: bool, deterministic: bool = False,
+              family: str = "sm80") -> list[BwdConfig]:
+    """Every valid backward configuration of one family for one problem (arch fit not checked: see unfit_reason)."""
+    if family == "sm90":
+        grid = [(bm, bn, 4 * (1 + bn // 64), s) for bm in SM90_BWD_BLOCK_MS for bn in SM90_BWD_BLOCK_NS
+                for s in SM90_BWD_STAGES]
+    else:
+        grid = [(bm, bn, w, 2) for bm in BWD_BLOCK_MS for bn in BWD_BLOCK_NS for w in BWD_NUM_WARPS]
     out = []
-    for bm in BWD_BLOCK_MS:
-        for bn in BWD_BLOCK_NS:
-            for w in BWD_NUM_WARPS:
-                try:
-                    out.append(BwdConfig(head_dim, dtype, causal, bm, bn, w, deterministic))
-                except ConfigError:
-                    continue
+    for bm, bn, w, s in grid:
+        try:
+            out.append(BwdConfig(head_dim, dtype, causal, bm, bn, w, deterministic, family, s))
+        except ConfigError:
+            continue
     return out
 
 
@@ -520,13 +591,23 @@ _DEFAULT_BWD_TILES = {
 }
 
 
+# sm90: (block_m, block_n, num_warps, num_stages), FlashAttention-3's tile shapes for these head dims.
+_DEFAULT_BWD_TILES_SM90 = {64: [(128, 128, 12, 2)], 128: [(64, 128, 12, 2)]}
+
+
 def default_bwd_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm80",
-                       deterministic: bool = False) -> BwdConfig:
-    """The untuned backward configuration for a problem on `arch`."""
+                       deterministic: bool = False, family: str | None = None) -> BwdConfig:
+    """The untuned backward configuration for a problem on `arch`: family sm90 where it has one
+    (sm90, its head dims, not deterministic) unless `family` says otherwise, else sm80."""
     _check_choice("head_dim", head_dim, HEAD_DIMS)
+    if family is None:
+        family = "sm90" if (arch_limits(arch).sm == 90 and head_dim in SM90_BWD_HEAD_DIMS
+                            and not deterministic) else "sm80"
     reason = ""
-    for bm, bn, w in _DEFAULT_BWD_TILES[head_dim]:
-        cfg = BwdConfig(head_dim, dtype, causal, bm, bn, w, deterministic)
+    tiles = (_DEFAULT_BWD_TILES_SM90.get(head_dim, []) if family == "sm90"
+             else [(bm, bn, w, 2) for bm, bn, w in _DEFAULT_BWD_TILES[head_dim]])
+    for bm, bn, w, s in tiles:
+        cfg = BwdConfig(head_dim, dtype, causal, bm, bn, w, deterministic, family, s)
         reason = cfg.unfit_reason(arch)
         if reason is None:
             return cfg

@@ -36,7 +36,8 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_s
 def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           lse: torch.Tensor, dlse: Optional[torch.Tensor], causal: bool,
                           softmax_scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv), contiguous, like q, k, v: the sm80 family's backward kernels (flashgen.backward)."""
+    """(dq, dk, dv), contiguous, like q, k, v: the backward kernels of this GPU (flashgen.backward; sm90 family
+    on Hopper where it has the head dim, else sm80)."""
     from .backward import backward  # noqa: PLC0415
 
     kern = _backward_kernel(q.get_device(), q.shape[3], q.dtype, causal, q.shape[1])
@@ -89,10 +90,14 @@ def _store_stamp(gpu_name: str, arch: str) -> tuple | None:
 
 @functools.lru_cache(maxsize=64)
 def _tuned_backwards(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, stamp: tuple | None) -> dict:
-    """seqlen bucket -> tuned BwdConfig for this GPU and problem, as the store file with `stamp` holds them."""
+    """seqlen bucket -> tuned BwdConfig for this GPU and problem, as the store file with `stamp` holds them,
+    of the family the untuned default is in (sm90 where it has the head dim: a tuned sm80 backward there is
+    slower than sm90's default)."""
+    from .config import default_bwd_config  # noqa: PLC0415
     from .store import tuned_buckets  # noqa: PLC0415
 
-    return tuned_buckets(gpu_name, arch, head_dim, dtype, causal, pass_="bwd", family="sm80")
+    family = default_bwd_config(head_dim, dtype, causal, arch).family
+    return tuned_buckets(gpu_name, arch, head_dim, dtype, causal, pass_="bwd", family=family)
 
 
 @functools.lru_cache(maxsize=64)

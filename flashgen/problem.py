@@ -100,7 +100,7 @@ class TuneProblem:
 
     def default_config(self) -> KernelConfig | BwdConfig:
         if self.pass_ == "bwd":
-            return default_bwd_config(self.head_dim, self.dtype, self.causal, self.gpu_arch)
+            return default_bwd_config(self.head_dim, self.dtype, self.causal, self.gpu_arch, family=self.family)
         return default_config(self.head_dim, self.dtype, self.causal, self.gpu_arch, self.family)
 
     def to_dict(self) -> dict:

@@ -50,7 +50,8 @@ def render(cfg: KernelConfig | BwdConfig) -> str:
 def _render_bwd(cfg: BwdConfig) -> str:
     """The backward's kernels of `cfg` in one file (templates/{family}/bwd.cu.j2)."""
     elem_t, elem2_t, pack_fn, ptx_type = _TYPES[cfg.dtype]
+    producer_regs, consumer_regs = SM90_REGS[cfg.consumers] if cfg.family == "sm90" else (None, None)
     return template_env().get_template(f"{cfg.family}/bwd.cu.j2").render(
         cfg=cfg, version=__version__, elem_t=elem_t, elem2_t=elem2_t, pack_fn=pack_fn, ptx_type=ptx_type,
-        row_warps=BWD_ROW_WARPS,
+        row_warps=BWD_ROW_WARPS, producer_regs=producer_regs, consumer_regs=consumer_regs,
     )

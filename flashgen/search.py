@@ -38,7 +38,8 @@ from .studies import default_storage, make_storage as open_storage  # noqa: F401
 PARAMS = ("block_m", "block_n", "num_warps", "num_stages")  # Optuna's parameter names = KernelConfig fields
 BWD_PARAMS = ("block_m", "block_n", "num_warps")  # = BwdConfig's tuned fields (deterministic is a choice, not a knob)
 # Keyed by `params_key`: the family for a forward problem, "bwd_<family>" for a backward one.
-FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, "overlap", "pingpong", "persistent"), "bwd_sm80": BWD_PARAMS}
+FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, "overlap", "pingpong", "persistent"), "bwd_sm80": BWD_PARAMS,
+                 "bwd_sm90": (*BWD_PARAMS, "num_stages")}
 SAMPLERS = ("tpe", "random")
 RETRIED = ("error", "timeout")  # may pass on a second try (a busy or restarted GPU worker)
 POLL_S = 0.25  # how often a tuner waiting for another's trial reads the study
@@ -137,7 +138,7 @@ def config_of(problem: TuneProblem, params: Params) -> AnyConfig:
 def problem_space(problem: TuneProblem) -> list[AnyConfig]:
     """The whole space of a problem's pass (arch fit not checked)."""
     if problem.pass_ == "bwd":
-        return bwd_space(problem.head_dim, problem.dtype, problem.causal)  # type: ignore[return-value]
+        return bwd_space(problem.head_dim, problem.dtype, problem.causal, family=problem.family)  # type: ignore[return-value]
     return config_space(problem.family, problem.head_dim, problem.dtype, problem.causal)  # type: ignore[return-value]
 
 

@@ -9,7 +9,7 @@ import pytest
 from flashgen.backward import _BWD, backward, pack_params
 from flashgen.compile import CompiledKernel, Resources, compile_kernel, parse_ptxas, target_for
 from flashgen.config import (
-    ARCHS, HALF_DTYPES, HEAD_DIMS, BwdConfig, ConfigError, KernelConfig, bwd_space, bwd_warp_grid, default_bwd_config,
+    ARCHS, HALF_DTYPES, HEAD_DIMS, SM90_BWD_HEAD_DIMS, BwdConfig, ConfigError, KernelConfig, bwd_space, bwd_warp_grid, default_bwd_config,
 )
 from flashgen.render import render
 from flashgen.tensors import Problem
@@ -23,7 +23,7 @@ def fresh_cache(tmp_path_factory, monkeypatch):
 @pytest.mark.parametrize("field,value,allowed", [
     ("head_dim", 48, "32"), ("dtype", "fp32", "'fp16'"), ("block_m", 256, "32, 64, 128"),
     ("block_n", 16, "32, 64, 128"), ("num_warps", 16, "2, 4, 8"), ("deterministic", 1, "False, True"),
-    ("causal", "yes", "False, True"), ("family", "sm90", "'sm80'"),
+    ("causal", "yes", "False, True"), ("family", "sm100", "'sm80', 'sm90'"),
 ])
 def test_bad_field_names_field_and_allowed_values(field, value, allowed):
     kw = dict(head_dim=64, dtype="fp16", causal=False, block_m=64, block_n=64, num_warps=4)
@@ -51,7 +51,7 @@ def test_name_spells_every_field_and_is_hashable():
     assert len({c, d, BwdConfig(128, "bf16", True, 64, 64, 8)}) == 2
     assert BwdConfig.from_dict(d.to_dict()) == d
     with pytest.raises(ConfigError, match="unknown config fields"):
-        BwdConfig.from_dict({**c.to_dict(), "num_stages": 2})
+        BwdConfig.from_dict({**c.to_dict(), "overlap": True})
     names = {x.name for hd in HEAD_DIMS for dt in HALF_DTYPES for ca in (0, 1) for det in (0, 1)
              for x in bwd_space(hd, dt, bool(ca), bool(det))}
     assert len(names) == sum(len(bwd_space(hd, dt, bool(ca), bool(det)))
@@ -86,7 +86,46 @@ def test_defaults_fit_every_arch_and_are_in_the_space(arch):
     for hd, dt, causal, det in itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True), (False, True)):
         c = default_bwd_config(hd, dt, causal, arch, det)
         assert c.unfit_reason(arch) is None and c.deterministic == det
-        assert c in bwd_space(hd, dt, causal, det)
+        assert c in bwd_space(hd, dt, causal, det, family=c.family)
+        # Hopper takes family sm90 where it has the head dim (its FA3 design), sm80 elsewhere and for determinism
+        assert c.family == ("sm90" if arch == "sm90" and hd in SM90_BWD_HEAD_DIMS and not det else "sm80")
+
+
+def test_sm90_rules_name_fields_and_reasons():
+    c = BwdConfig(128, "bf16", True, 64, 128, 12, family="sm90", num_stages=2)
+    assert c.name == "bwd_sm90_d128_bf16_causal_bm64_bn128_w12_s2" and c.consumers == 2 and c.dq_parts == 2
+    assert c.kernel_names == {"pre": c.name + "_pre", "main": c.name, "convert": c.name + "_convert"}
+    assert BwdConfig.from_dict(c.to_dict()) == c and c.threads == 384
+    # K, V; two stages of Q, dO [64, 128] bf16 and LSE, D; two dS^T [128, 64]; 5 barriers; 1024 alignment
+    assert c.smem_bytes == 1024 + 2 * 128 * 128 * 2 + 2 * (2 * 64 * 128 * 2 + 2 * 64 * 4) + 2 * 128 * 64 * 2 + 8 * 5
+    assert c.accum_regs == 128 + 64 and c.unfit_reason("sm90") is None
+    assert "runs on sm90 only" in c.unfit_reason("sm80")
+    assert c.seqlen_q_pad(65) == 128 and c.convert_grid(2, 3, 65) == (128 * 128 // 1024 * 3 * 2, 1, 1)
+    assert c.rows_grid(2, 3, 65) == (16 * 3 * 2, 1, 1)  # 128 padded rows in groups of 8
+    with pytest.raises(ConfigError, match="num_warps=8 must be 12 for block_n=128"):
+        BwdConfig(128, "bf16", True, 64, 128, 8, family="sm90")
+    with pytest.raises(ConfigError, match="deterministic=True is built in family sm80"):
+        BwdConfig(128, "bf16", True, 64, 128, 12, True, family="sm90")
+    with pytest.raises(ConfigError, match="head_dim=256 is not allowed"):
+        BwdConfig(256, "bf16", True, 64, 64, 8, family="sm90")
+    with pytest.raises(ConfigError, match="cannot split dQ"):  # d64: two 32-column slices of dQ
+        BwdConfig(64, "bf16", True, 64, 128, 12, family="sm90")
+    with pytest.raises(ConfigError, match="cannot split dQ"):  # two 64-row chunks, one consumer
+        BwdConfig(64, "bf16", True, 128, 64, 8, family="sm90")
+    with pytest.raises(ConfigError, match="num_stages=3 is not allowed"):  # sm80 loads one Q tile at a time
+        BwdConfig(64, "bf16", True, 64, 64, 4, num_stages=3)
+    assert "accumulator registers" in BwdConfig(128, "bf16", True, 128, 128, 12, family="sm90", num_stages=1).unfit_reason("sm90")
+    space = bwd_space(128, "bf16", False, family="sm90")
+    assert {(x.block_m, x.block_n) for x in space if x.unfit_reason("sm90") is None} == {(64, 64), (64, 128)}
+    assert {x.num_stages for x in space} == {1, 2, 3}
+
+
+def test_sm90_params_match_the_struct_layout():
+    from flashgen.backward import _SM90_BWD_BYTES, _SM90_TAIL
+
+    src = render(BwdConfig(64, "bf16", False, 128, 128, 12, family="sm90"))
+    assert "static_assert(sizeof(Sm90BwdParams) == 896" in src and _SM90_BWD_BYTES == 896
+    assert 4 * 128 + _BWD.size + _SM90_TAIL.size <= _SM90_BWD_BYTES
 
 
 def test_render_dispatches_on_the_config_type():

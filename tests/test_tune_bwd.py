@@ -52,7 +52,7 @@ def test_simulated_backward_search_is_exhaustive_by_default(tmp_path):
     assert 0 < viable <= EXHAUSTIVE_MAX
     opts = SearchOptions(exhaustive=None, storage=f"sqlite:///{tmp_path / 's.db'}")
     assert search.exhaustive_for(p, opts)
-    backend = SimulatedBackend(failures={default_bwd_config(128, "bf16", True, "sm90").name: "verify_failed"})
+    backend = SimulatedBackend(failures={default_bwd_config(128, "bf16", True, "sm90", family="sm80").name: "verify_failed"})
     out = search.search(p, backend, opts)
     assert isinstance(out.best_config, BwdConfig) and out.best.ok
     assert out.trials == viable  # every fitting configuration evaluated, none twice
@@ -128,9 +128,11 @@ def test_ops_backward_kernel_uses_the_tuned_backward(tmp_path, monkeypatch):
     default = default_bwd_config(128, "bf16", True, "sm90")
     assert ops._backward_kernel(0, 128, torch.bfloat16, True, 1024) == default  # nothing tuned: the default
 
-    tuned = {1024: BwdConfig(128, "bf16", True, 64, 64, 8), 16384: BwdConfig(128, "bf16", True, 64, 32, 4)}
-    for s, cfg in tuned.items():
-        p = problem("bwd", seqlen=s)
+    tuned = {1024: BwdConfig(128, "bf16", True, 64, 64, 8, family="sm90", num_stages=1),
+             16384: BwdConfig(128, "bf16", True, 64, 128, 12, family="sm90", num_stages=3)}
+    slower = BwdConfig(128, "bf16", True, 64, 64, 8)  # a tuned sm80 backward: Hopper takes sm90's family here
+    for s, cfg in [*tuned.items(), (1024, slower)]:
+        p = TuneProblem(*GPU, cfg.family, "bf16", 128, True, s, pass_="bwd")
         e = {"problem": p.to_dict(), "kernel": cfg.name, "config": cfg.to_dict(), "median_ms": 1.0, "tflops": 1.0,
              "trials": 1}
         store.merge(store.store_path(*GPU), *GPU, {p.key: e})
