@@ -35,6 +35,16 @@ FA4_OVER_CUDNN = {
     (256, 1024, False): 1.04, (256, 1024, True): 1.02, (256, 4096, False): 1.09, (256, 4096, True): 1.16,
     (256, 16384, False): 1.13, (256, 16384, True): 1.20,
 }
+# FlashAttention-4's backward on the H200, bf16, TFLOP/s (2.5x the forward's FLOPs), measured 2026-11-30 (issue
+# "Backward kernels ... train with flashgen"); it cannot be installed on the GPU machine, so these stand beside
+# the same-run SDPA peers: flashgen's backward / this is the "x FA4" column of backward rows.
+FA4_BWD_TFLOPS = {
+    (64, 1024, False): 350, (64, 1024, True): 246, (64, 4096, False): 460, (64, 4096, True): 401,
+    (64, 16384, False): 499, (64, 16384, True): 491, (128, 1024, False): 389, (128, 1024, True): 272,
+    (128, 4096, False): 527, (128, 4096, True): 449, (128, 16384, False): 582, (128, 16384, True): 556,
+    (256, 1024, False): 269, (256, 1024, True): 204, (256, 4096, False): 349, (256, 4096, True): 309,
+    (256, 16384, False): 364, (256, 16384, True): 355,
+}
 HOST_SHAPE = (1, 128, 1)  # batch, seqlen, heads of the host-cost problem: microseconds of GPU work at most
 
 
@@ -330,6 +340,14 @@ def fa4_target(pt: Point) -> float | None:
     return FA4_OVER_CUDNN.get((pt.head_dim, pt.seqlen, pt.causal))
 
 
+def fa4_bwd_ratio(r: Row) -> float | None:
+    """A backward row's kernel TFLOP/s over FlashAttention-4's backward on the H200 (issue figures, bf16 only)."""
+    t, fa4 = r.tflops("flashgen"), FA4_BWD_TFLOPS.get((r.point.head_dim, r.point.seqlen, r.point.causal))
+    if r.point.pass_ != "bwd" or r.point.dtype != "bf16" or t is None or fa4 is None:
+        return None
+    return t / fa4
+
+
 def table(rows: list[Row], peers: list[str], ceiling: dict[str, float] | None = None) -> str:
     """TFLOP/s per kernel (flashgen's kernel alone, then through attention() back to back, and their
     ratio), flashgen's kernel's ratio to each peer and, given `ceiling` (TFLOP/s of a matrix product
@@ -339,7 +357,7 @@ def table(rows: list[Row], peers: list[str], ceiling: dict[str, float] | None = 
     head = f"{'pass ' if passes else ''}{'dtype':<8} {'d':>4} {'mask':<6} {'N':>6} {'flashgen':>9} {'api':>9} {'api/kern':>9} " + \
         " ".join(f"{p:>9}" for p in peers) + " " + \
         " ".join(f"{'x ' + p:>9}" for p in peers) + (f" {'FA4 goal':>9}" if "cudnn" in peers else "") + \
-        (f" {'% matmul':>9}" if ceiling else "") + \
+        (f" {'x FA4 bwd':>9}" if passes else "") + (f" {'% matmul':>9}" if ceiling else "") + \
         "".join(f" {p + ' b2b':>10} {'api x ' + p:>10}" for p in b2b)
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -350,6 +368,7 @@ def table(rows: list[Row], peers: list[str], ceiling: dict[str, float] | None = 
                      " ".join(_fmt(r.tflops(p), '9.1f') for p in peers) + " " +
                      " ".join(_fmt(r.ratio(p), '9.2f') for p in peers) +
                      (f" {_fmt(fa4_target(pt) if pt.pass_ == 'fwd' else None, '9.2f')}" if "cudnn" in peers else "") +
+                     (f" {_fmt(fa4_bwd_ratio(r), '9.2f')}" if passes else "") +
                      (f" {_fmt(_share(r, ceiling), '9.1f')}" if ceiling else "") +
                      "".join(f" {_fmt(r.tflops(p + '_b2b'), '10.1f')} {_fmt(r.ratio(p + '_b2b', who='api'), '10.2f')}"
                              for p in b2b))
@@ -368,6 +387,7 @@ def to_records(rows: list[Row], peers: list[str], ceiling: dict[str, float] | No
         if ceiling:
             rec["pct_matmul"] = _share(r, ceiling)
         rec["fa4_over_cudnn_target"] = fa4_target(r.point) if r.point.pass_ == "fwd" else None
+        rec["ratio_fa4_bwd"] = fa4_bwd_ratio(r)
         for who in ("flashgen", "api", "kernel_b2b", *peers, *(f"{p}_b2b" for p in peers)):
             rec[f"{who}_ms"] = r.ms.get(who)
             rec[f"{who}_tflops"] = r.tflops(who)

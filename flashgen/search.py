@@ -39,7 +39,7 @@ PARAMS = ("block_m", "block_n", "num_warps", "num_stages")  # Optuna's parameter
 BWD_PARAMS = ("block_m", "block_n", "num_warps")  # = BwdConfig's tuned fields (deterministic is a choice, not a knob)
 # Keyed by `params_key`: the family for a forward problem, "bwd_<family>" for a backward one.
 FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, "overlap", "pingpong", "persistent"), "bwd_sm80": BWD_PARAMS,
-                 "bwd_sm90": (*BWD_PARAMS, "num_stages")}
+                 "bwd_sm90": (*BWD_PARAMS, "num_stages", "stagger")}
 SAMPLERS = ("tpe", "random")
 RETRIED = ("error", "timeout")  # may pass on a second try (a busy or restarted GPU worker)
 POLL_S = 0.25  # how often a tuner waiting for another's trial reads the study

@@ -93,11 +93,12 @@ def test_defaults_fit_every_arch_and_are_in_the_space(arch):
 
 def test_sm90_rules_name_fields_and_reasons():
     c = BwdConfig(128, "bf16", True, 64, 128, 12, family="sm90", num_stages=2)
-    assert c.name == "bwd_sm90_d128_bf16_causal_bm64_bn128_w12_s2" and c.consumers == 2 and c.dq_parts == 2
+    assert c.name == "bwd_sm90_d128_bf16_causal_bm64_bn128_w12_s2_st0" and c.consumers == 2 and c.dq_parts == 2
+    assert BwdConfig(64, "bf16", True, 128, 128, 12, family="sm90", stagger=True).name.endswith("_s2_st1")
     assert c.kernel_names == {"pre": c.name + "_pre", "main": c.name, "convert": c.name + "_convert"}
     assert BwdConfig.from_dict(c.to_dict()) == c and c.threads == 384
-    # K, V; two stages of Q, dO [64, 128] bf16 and LSE, D; two dS^T [128, 64]; 5 barriers; 1024 alignment
-    assert c.smem_bytes == 1024 + 2 * 128 * 128 * 2 + 2 * (2 * 64 * 128 * 2 + 2 * 64 * 4) + 2 * 128 * 64 * 2 + 8 * 5
+    # K, V; two stages of Q, dO [64, 128] bf16 and LSE, D; two dS^T [128, 64]; 9 barriers; 1024 alignment
+    assert c.smem_bytes == 1024 + 2 * 128 * 128 * 2 + 2 * (2 * 64 * 128 * 2 + 2 * 64 * 4) + 2 * 128 * 64 * 2 + 8 * 9
     assert c.accum_regs == 128 + 64 and c.unfit_reason("sm90") is None
     assert "runs on sm90 only" in c.unfit_reason("sm80")
     assert c.seqlen_q_pad(65) == 128 and c.convert_grid(2, 3, 65) == (128 * 128 // 1024 * 3 * 2, 1, 1)
@@ -117,7 +118,9 @@ def test_sm90_rules_name_fields_and_reasons():
     assert "accumulator registers" in BwdConfig(128, "bf16", True, 128, 128, 12, family="sm90", num_stages=1).unfit_reason("sm90")
     space = bwd_space(128, "bf16", False, family="sm90")
     assert {(x.block_m, x.block_n) for x in space if x.unfit_reason("sm90") is None} == {(64, 64), (64, 128)}
-    assert {x.num_stages for x in space} == {1, 2, 3}
+    assert {x.num_stages for x in space} == {1, 2, 3} and {x.stagger for x in space} == {False, True}
+    with pytest.raises(ConfigError, match="stagger=True is not allowed"):  # an sm90 schedule
+        BwdConfig(64, "bf16", True, 64, 64, 4, stagger=True)
 
 
 def test_sm90_params_match_the_struct_layout():

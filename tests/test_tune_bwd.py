@@ -128,7 +128,7 @@ def test_ops_backward_kernel_uses_the_tuned_backward(tmp_path, monkeypatch):
     default = default_bwd_config(128, "bf16", True, "sm90")
     assert ops._backward_kernel(0, 128, torch.bfloat16, True, 1024) == default  # nothing tuned: the default
 
-    tuned = {1024: BwdConfig(128, "bf16", True, 64, 64, 8, family="sm90", num_stages=1),
+    tuned = {1024: BwdConfig(128, "bf16", True, 64, 64, 8, family="sm90", num_stages=1, stagger=True),
              16384: BwdConfig(128, "bf16", True, 64, 128, 12, family="sm90", num_stages=3)}
     slower = BwdConfig(128, "bf16", True, 64, 64, 8)  # a tuned sm80 backward: Hopper takes sm90's family here
     for s, cfg in [*tuned.items(), (1024, slower)]:
@@ -161,6 +161,9 @@ def test_cli_bench_pass_bwd_simulated_table_and_files(tmp_path, capsys):
     doc = json.loads(next(tmp_path.glob("*.json")).read_text())
     recs = {r["pass_"]: r for r in doc["results"]}
     assert recs["bwd"]["kernel"].startswith("simulated_bwd") and recs["bwd"]["fa4_over_cudnn_target"] is None
+    # backward rows stand beside FlashAttention-4's backward on the H200 (the issue's figures: d128 causal N=1024, 272)
+    assert "x FA4 bwd" in lines[0] and recs["fwd"]["ratio_fa4_bwd"] is None
+    assert recs["bwd"]["ratio_fa4_bwd"] == pytest.approx(recs["bwd"]["flashgen_tflops"] / 272)
     # a backward point counts 2.5x the forward's FLOPs (the simulated runner's times follow the FLOPs)
     assert recs["bwd"]["flash_ms"] == pytest.approx(2.5 * recs["fwd"]["flash_ms"])
     assert list(tmp_path.glob("*.csv")) and list(tmp_path.glob("*.png"))

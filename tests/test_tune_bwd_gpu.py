@@ -19,16 +19,19 @@ def backend():
     b.close()
 
 
-def small(backend, causal: bool, head_dim: int = 64) -> TuneProblem:
-    return TuneProblem(backend.gpu_name, backend.gpu_arch, "sm80", "bf16", head_dim, causal, 1024,
+def small(backend, causal: bool, head_dim: int = 64, family: str = "sm80") -> TuneProblem:
+    return TuneProblem(backend.gpu_name, backend.gpu_arch, family, "bf16", head_dim, causal, 1024,
                        batch_tokens=2048, heads_dim_total=512, pass_="bwd")
 
 
+@pytest.mark.parametrize("family", ["sm80", "sm90"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_bwd_trial_verifies_then_times(backend, causal):
+def test_bwd_trial_verifies_then_times(backend, causal, family):
     from flashgen.backend import tflops
 
-    p = small(backend, causal)
+    if family == "sm90" and backend.gpu_arch != "sm90":
+        pytest.skip(f"family sm90 needs a Hopper GPU, not {backend.gpu_arch}")
+    p = small(backend, causal, family=family)
     cfg = p.default_config()
     backend.prefetch([cfg], p)
     res = backend.evaluate(cfg, p)
@@ -57,7 +60,8 @@ def test_verify_backward_catches_a_mismatched_forward():
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm{major}{minor}"
-    bwd = compile_kernel(default_bwd_config(64, "bf16", True, arch), target_for(arch, "sm80"))
+    bwd_cfg = default_bwd_config(64, "bf16", True, arch)
+    bwd = compile_kernel(bwd_cfg, target_for(arch, bwd_cfg.family))
     good = compile_kernel(default_config(64, "bf16", True, arch, "sm80"), target_for(arch, "sm80"))
     wrong = compile_kernel(default_config(64, "bf16", False, arch, "sm80"), target_for(arch, "sm80"))
     assert verify_backward(bwd, good, 2, 257, 257, 4, 2).ok
