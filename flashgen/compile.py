@@ -144,7 +144,8 @@ _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 def parse_ptxas(log: str, kernel: str, smem_bytes: int) -> Resources:
     """Resources of `kernel` from `nvcc -Xptxas -v` output."""
     # ptxas prints a block per function: "Compiling entry function 'NAME'" ... "Used N registers".
-    start = log.find(f"'{kernel}'")
+    # (its name also appears in advisories such as C7512 before its own block)
+    start = log.find(f"entry function '{kernel}'")
     block = log[start:] if start >= 0 else log
     regs, spill = _REGS.search(block), _SPILL.search(block)
     if not regs or not spill:

@@ -383,10 +383,16 @@ BWD_MAX_ACCUM_REGS = 144
 # sm90 family (FlashAttention-3's design): one producer warpgroup (TMA) plus one consumer warpgroup
 # per 64 keys of block_n; each consumer keeps its keys' dK and dV in registers and computes S^T and
 # dP^T (keys as wgmma's M), so P^T and dS^T feed dV and dK from registers. dQ goes by fp32 atomics.
-SM90_BWD_HEAD_DIMS = (64, 128)  # dK + dV of 64 keys: head_dim registers per consumer thread
+# dK + dV of 64 keys take head_dim registers per consumer thread: at 256, two warpgroups share the keys (kv_split).
+SM90_BWD_HEAD_DIMS = (64, 128, 256)
 SM90_BWD_BLOCK_MS = (64, 128)
 SM90_BWD_BLOCK_NS = (64, 128)
 SM90_BWD_STAGES = (1, 2, 3)  # Q/dO tiles in flight
+
+
+def sm90_bwd_kv_split(head_dim: int) -> int:
+    """Consumer warpgroups of the sm90 backward that share 64 keys, each holding a slice of their dK and dV."""
+    return 2 if head_dim == 256 else 1
 
 
 def bwd_warp_grid(rows: int, cols: int, warps: int) -> tuple[int, int] | None:
@@ -445,18 +451,28 @@ class BwdConfig(_AsDict):
         _check_choice("stagger", self.stagger, (False, True))
         if self.deterministic:
             raise ConfigError("deterministic=True is built in family sm80 (the sm90 backward adds dQ by fp32 atomics)")
+        if self.consumers > 2:
+            raise ConfigError(f"block_n={self.block_n} at head_dim={self.head_dim} needs {self.consumers} consumer "
+                              "warpgroups; family sm90's backward has registers for two")
         if self.num_warps != 4 * (1 + self.consumers):
             raise ConfigError(f"num_warps={self.num_warps} must be {4 * (1 + self.consumers)} for block_n={self.block_n} "
-                              "in family sm90 (a producer warpgroup plus one consumer warpgroup per 64 keys)")
+                              "in family sm90 (a producer warpgroup plus one consumer warpgroup per 64 keys, "
+                              f"{self.kv_split} at head_dim={self.head_dim})")
         if self.dq_parts < 1 or (self.dq_parts > 1 and (self.head_dim // self.dq_parts) % 64):
             raise ConfigError(
                 f"block_m={self.block_m} with block_n={self.block_n} cannot split dQ = dS K over {self.consumers} "
                 "consumer warpgroup(s): each takes 64 rows of block_m, or 64-column slices of head_dim")
 
     @property
+    def kv_split(self) -> int:
+        """sm90: consumer warpgroups sharing one group of 64 keys, each with a slice of dK and dV's columns
+        (2 at head_dim 256, whose dK + dV would take 256 registers per thread)."""
+        return sm90_bwd_kv_split(self.head_dim)
+
+    @property
     def consumers(self) -> int:
-        """sm90: consumer warpgroups, one per 64 keys of the K/V tile."""
-        return self.block_n // 64
+        """sm90: consumer warpgroups, kv_split per 64 keys of the K/V tile."""
+        return self.block_n // 64 * self.kv_split
 
     @property
     def dq_parts(self) -> int:
@@ -507,7 +523,7 @@ class BwdConfig(_AsDict):
         """fp32 accumulator registers per thread: the main kernel's dK + dV + S + dP, or the _dq
         kernel's S + dP + dQ, whichever is more. sm90: per consumer thread, its keys' dK + dV and S^T + dP^T."""
         if self.family == "sm90":
-            return self.head_dim + self.block_m
+            return self.head_dim // self.kv_split + self.block_m
         kv = 2 * self.block_n * self.head_dim // self.threads
         s = 2 * self.block_m * self.block_n // self.threads
         dq = self.block_m * self.head_dim // self.threads if self.deterministic else 0
@@ -569,7 +585,7 @@ def bwd_space(head_dim: int, dtype: str, causal: bool, deterministic: bool = Fal
               family: str = "sm80") -> list[BwdConfig]:
     """Every valid backward configuration of one family for one problem (arch fit not checked: see unfit_reason)."""
     if family == "sm90":
-        grid = [(bm, bn, 4 * (1 + bn // 64), s, st) for bm in SM90_BWD_BLOCK_MS for bn in SM90_BWD_BLOCK_NS
+        grid = [(bm, bn, 4 * (1 + bn // 64 * sm90_bwd_kv_split(head_dim)), s, st) for bm in SM90_BWD_BLOCK_MS for bn in SM90_BWD_BLOCK_NS
                 for s in SM90_BWD_STAGES for st in (False, True)]
     else:
         grid = [(bm, bn, w, 2, False) for bm in BWD_BLOCK_MS for bn in BWD_BLOCK_NS for w in BWD_NUM_WARPS]
@@ -598,7 +614,7 @@ _DEFAULT_BWD_TILES = {
 # sm90: (block_m, block_n, num_warps, num_stages, stagger): FlashAttention-3's tile shapes for these head dims,
 # with what the H200 tune picked at most points (2026-12-01: staggered everywhere; d128 with 3 stages, as the
 # staggered consumers hold two Q tiles at once).
-_DEFAULT_BWD_TILES_SM90 = {64: [(128, 128, 12, 2, True)], 128: [(64, 128, 12, 3, True)]}
+_DEFAULT_BWD_TILES_SM90 = {64: [(128, 128, 12, 2, True)], 128: [(64, 128, 12, 3, True)], 256: [(64, 64, 12, 2, True)]}
 
 
 def default_bwd_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm80",

@@ -107,8 +107,15 @@ def test_sm90_rules_name_fields_and_reasons():
         BwdConfig(128, "bf16", True, 64, 128, 8, family="sm90")
     with pytest.raises(ConfigError, match="deterministic=True is built in family sm80"):
         BwdConfig(128, "bf16", True, 64, 128, 12, True, family="sm90")
-    with pytest.raises(ConfigError, match="head_dim=256 is not allowed"):
+    with pytest.raises(ConfigError, match="head_dim=32 is not allowed"):
+        BwdConfig(32, "bf16", True, 64, 64, 8, family="sm90")
+    # head_dim 256: two warpgroups share each 64 keys, each with 128 columns of dK and dV
+    wide = BwdConfig(256, "bf16", True, 64, 64, 12, family="sm90")
+    assert wide.kv_split == 2 and wide.consumers == 2 and wide.dq_parts == 2 and wide.accum_regs == 128 + 64
+    with pytest.raises(ConfigError, match="num_warps=8 must be 12 for block_n=64"):
         BwdConfig(256, "bf16", True, 64, 64, 8, family="sm90")
+    with pytest.raises(ConfigError, match="needs 4 consumer warpgroups"):
+        BwdConfig(256, "bf16", True, 64, 128, 20, family="sm90")
     with pytest.raises(ConfigError, match="cannot split dQ"):  # d64: two 32-column slices of dQ
         BwdConfig(64, "bf16", True, 64, 128, 12, family="sm90")
     with pytest.raises(ConfigError, match="cannot split dQ"):  # two 64-row chunks, one consumer
@@ -196,3 +203,20 @@ def test_deterministic_defaults_compile_without_spills():
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         kernels = list(pool.map(lambda c: compile_kernel(c, "sm_80"), cfgs))
     _check_no_spills(kernels)
+
+
+def test_sm90_kernels_compile_without_spills_or_serialized_wgmma():
+    """The sm90 backward's defaults (every head dim, dtype, mask) and each schedule knob at another tile:
+    no spills, and none of ptxas's wgmma advisories (C7512/C7513: wgmma serialized for registers; C7519:
+    a fence the compiler had to add)."""
+    import re
+
+    from conftest import compile_sm90a_clean
+
+    cfgs = [default_bwd_config(hd, dt, c, "sm90") for hd in SM90_BWD_HEAD_DIMS for dt in HALF_DTYPES for c in (False, True)]
+    cfgs += [BwdConfig(64, "bf16", True, 64, 64, 8, family="sm90", num_stages=1, stagger=True),
+             BwdConfig(128, "bf16", False, 64, 128, 12, family="sm90", num_stages=2, stagger=False),
+             BwdConfig(256, "fp16", True, 64, 64, 12, family="sm90", num_stages=1, stagger=False)]
+    assert {c.family for c in cfgs} == {"sm90"}
+    for k in compile_sm90a_clean(cfgs):
+        assert not re.search(r"C751[239]", k.ptxas_log), f"{k.name}: {k.ptxas_log}"

@@ -22,9 +22,9 @@ LAYOUTS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
 # Beside each default (bf16), tiles that take other warp grids: 2 warps with two 16-row m-tiles
 # each, 128-row Q tiles, and sm86's d256 tiles (32 x 32, 4 warps, 16-column S pieces).
 OTHER_TILES = [(64, 32, 2), (128, 64, 8), (32, 32, 4)]
-# sm90 family (Hopper, head dims 64 and 128): one consumer warpgroup, each ring depth, both schedules.
+# sm90 family (Hopper, head dims 64, 128, 256): one consumer warpgroup, each ring depth, both schedules.
 OTHER_SM90 = [(64, 64, 8, 1, True), (64, 64, 8, 2, False), (128, 128, 12, 1, False), (128, 128, 12, 3, True),
-              (64, 128, 12, 3, True), (64, 128, 12, 1, False)]
+              (64, 128, 12, 3, True), (64, 128, 12, 1, False), (64, 64, 12, 1, False)]  # the last: d256
 DET_PAIRS = [(17, 17), (113, 211), (211, 113), (1023, 1023)]
 
 
