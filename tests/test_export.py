@@ -190,6 +190,37 @@ def test_exported_backward_compiles_and_links_with_plain_nvcc(tmp_path):
     assert_plain_cpp(out / f"{a.name}.h")
 
 
+SM90_BWD_MAIN = """\
+#include "{a}.h"
+int main() {{
+    Sm90BwdParams p = {{}};
+    p.p.batch = 1; p.p.heads = 1; p.p.heads_k = 1; p.p.seqlen_q = 100; p.p.seqlen_k = 100;
+    static_assert(flashgen::{a}_launch::SWIZZLE_BYTES == 2 * flashgen::{a}_launch::SMEM_W, "TMA box");
+    return flashgen::{a}_launch::seqlen_q_pad(100) == 128 ? (int)flashgen::{a}_launch::launch(p) : 1;
+}}
+"""
+
+
+@needs_nvcc
+def test_exported_sm90_backward_documents_its_buffers_and_links(tmp_path):
+    from flashgen.config import BwdConfig
+    from flashgen.problem import TuneProblem
+
+    cfg = BwdConfig(64, "bf16", True, 128, 128, 12, family="sm90", num_stages=2, stagger=True)
+    gpu, arch = "NVIDIA H200", "sm90"
+    p = TuneProblem(gpu, arch, "sm90", "bf16", 64, True, 4096, pass_="bwd")
+    merge(store_path(gpu, arch, tmp_path / "tuned"), gpu, arch, {
+        p.key: {"config": cfg.to_dict(), "kernel": cfg.name, "median_ms": 1.0, "tflops": 1.0, "problem": p.to_dict()}})
+    out = tmp_path / "out"
+    export("sm90", out, tmp_path / "tuned")
+    h = (out / f"{cfg.name}.h").read_text()
+    assert "struct Sm90BwdParams" in h and "struct BwdParams" in h and "code=sm_90a" in h
+    for words in ("seqlen_q_pad", "lse2", "cuTensorMapEncodeTiled", f"SMEM_BYTES = {cfg.smem_bytes};",
+                  f"{cfg.name}_convert<<<"):
+        assert words in h, words
+    link_app(out, SM90_BWD_MAIN.format(a=cfg.name), (cfg.name,), ("-gencode", "arch=compute_90a,code=sm_90a"))
+
+
 # ---- Serving kernels (any of config.FEATURES): not tuned, exported by export_configs / cli.py export --features.
 
 SERVE_SETS = [dict(varlen=True, paged=True, split=True, pack_gqa=True),  # decode: a paged cache, GQA packed, split-KV
