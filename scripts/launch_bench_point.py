@@ -1,7 +1,8 @@
 """Launch the kernel load() picks for one bench point three times, for a profiler (ncu, nsys) to catch.
 
-    python scripts/launch_bench_point.py FAMILY HEAD_DIM SEQLEN CAUSAL(0|1) [DTYPE]   (batch*seqlen = 16384,
-    heads*head_dim = 2048; DTYPE bf16 (default), fp16 or fp8_e4m3: bf16 inputs quantized per tensor)
+    python scripts/launch_bench_point.py FAMILY HEAD_DIM SEQLEN CAUSAL(0|1) [DTYPE] [PASS]   (batch*seqlen = 16384,
+    heads*head_dim = 2048; DTYPE bf16 (default), fp16 or fp8_e4m3: bf16 inputs quantized per tensor; PASS fwd
+    (default) or bwd: the backward autograd would run, the GPU's tuned one, after one forward)
 """
 import sys
 
@@ -13,10 +14,20 @@ from flashgen.verify import random_qkv
 
 arch, d, n, causal = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 dtype = sys.argv[5] if len(sys.argv) > 5 else "bf16"
+pass_ = sys.argv[6] if len(sys.argv) > 6 else "fwd"
 fp8 = dtype == "fp8_e4m3"
 q, k, v = random_qkv(16384 // n, n, n, 2048 // d, 2048 // d, d, "bf16" if fp8 else dtype)
 q, k, v, descale = quantize(q, k, v) if fp8 else (q, k, v, {})
 kern = flashgen.load(d, dtype, causal, seqlen=n, arch=arch)
-for _ in range(3):
-    kern(q, k, v, **descale)
+if pass_ == "bwd":
+    from flashgen.backward import backward
+    from flashgen.ops import _backward_kernel
+
+    out, lse = kern(q, k, v, return_lse=True)
+    dout, bwd = torch.randn_like(q), _backward_kernel(q.get_device(), d, q.dtype, causal, n)
+    for _ in range(3):
+        backward(bwd, q, k, v, out, dout, lse)
+else:
+    for _ in range(3):
+        kern(q, k, v, **descale)
 torch.cuda.synchronize()
