@@ -508,13 +508,13 @@ class BwdConfig(_AsDict):
     def smem_bytes(self) -> int:
         """Dynamic shared memory of the main kernel (the _dq kernel needs less and gets the same):
         K, V [block_n, d]; Q, dO [block_m, d]; P, dS [block_m, block_n]; LSE and D [block_m] fp32.
-        sm90: K, V; num_stages of (Q, dO, LSE, D); two dS^T buffers; barriers (K/V, two per stage, two per
-        dS^T buffer); 1024 bytes of alignment."""
+        sm90: K, V; num_stages of (Q, dO, LSE, D); two dS^T buffers (kv_split: and two P^T buffers); barriers
+        (K/V, two per stage, two per dS^T and P^T buffer); 1024 bytes of alignment."""
         if self.family == "sm90":
             kv = 2 * self.block_n * self.head_dim * ELEM_BYTES
             stage = 2 * self.block_m * self.head_dim * ELEM_BYTES + 2 * self.block_m * 4
-            ds = 2 * self.block_m * self.block_n * ELEM_BYTES
-            return 1024 + kv + self.num_stages * stage + ds + 8 * (1 + 2 * self.num_stages + 4)
+            ds = 2 * self.block_m * self.block_n * ELEM_BYTES * (2 if self.kv_split > 1 else 1)  # (+ P^T buffers)
+            return 1024 + kv + self.num_stages * stage + ds + 8 * (1 + 2 * self.num_stages + (8 if self.kv_split > 1 else 4))
         elems = 2 * self.block_n * self.head_dim + 2 * self.block_m * self.head_dim + 2 * self.block_m * self.block_n
         return elems * ELEM_BYTES + 2 * self.block_m * 4
 

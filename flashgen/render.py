@@ -54,4 +54,5 @@ def _render_bwd(cfg: BwdConfig) -> str:
     return template_env().get_template(f"{cfg.family}/bwd.cu.j2").render(
         cfg=cfg, version=__version__, elem_t=elem_t, elem2_t=elem2_t, pack_fn=pack_fn, ptx_type=ptx_type,
         row_warps=BWD_ROW_WARPS, producer_regs=producer_regs, consumer_regs=consumer_regs,
+        unpack_fn={"fp16": "__half22float2", "bf16": "__bfloat1622float2"}[cfg.dtype],
     )
