@@ -390,14 +390,16 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     FP8 (Hopper): q, k, v in torch.float8_e4m3fn with fp32 descale factors q_descale, k_descale,
     v_descale of shape (1,) or (batch, heads_k) (None: 1; `flashgen.fp8.quantize` makes them);
     out in bf16, or out_dtype="fp16"; block_quant_p quantizes P with a scale per key tile.
-    Forward only, eager only (not through the operator)."""
+    Forward only; through the `flashgen::attention_fp8` operator when traced (torch.compile)."""
     descale = _descale(q_descale, k_descale, v_descale)
     if is_torch(q) and str(q.dtype) == "torch.float8_e4m3fn":
         if stream is not None:
             raise TypeError(STREAM_FOR_TORCH)
         if out_dtype not in (None, "bf16", "fp16"):
             raise ValueError(f"out_dtype={out_dtype!r}: FP8 attention writes bf16 or fp16")
-        out, lse = forward_fp8(q, k, v, causal, softmax_scale, arch, descale, out_dtype, block_quant_p, return_lse)
+        from . import ops  # noqa: PLC0415  (the FP8 operator: torch.compile traces it)
+
+        out, lse = ops.attention_fp8(q, k, v, causal, softmax_scale, arch, descale, out_dtype, block_quant_p, return_lse)
         return (out, lse) if return_lse else out
     if descale is not None or out_dtype is not None or block_quant_p:
         raise ValueError("q_descale, k_descale, v_descale, out_dtype and block_quant_p are for FP8 inputs "

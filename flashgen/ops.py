@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from .api import forward, forward_torch, refuse_grad
+from .api import forward, forward_fp8, forward_torch, refuse_grad
 from .config import HEAD_DIMS
 
 
@@ -30,6 +30,42 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_s
     check_shapes(q, k, v)
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgen::attention_fp8", mutates_args=(), device_types="cuda")
+def attention_fp8_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: Optional[torch.Tensor],
+                     k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor], causal: bool,
+                     softmax_scale: Optional[float], arch: Optional[str], out_dtype: Optional[str],
+                     block_quant_p: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 (out, lse): out (batch, seqlen_q, heads, head_dim) in out_dtype (bf16 unless "fp16"), contiguous; lse
+    (batch, heads, seqlen_q) fp32. Forward only (its inputs are quantized: there is no gradient to give)."""
+    descale = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    if q_descale is None and k_descale is None and v_descale is None:
+        descale = None
+    return forward_fp8(q, k, v, causal, softmax_scale, arch, descale, out_dtype, block_quant_p)
+
+
+@attention_fp8_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: Optional[torch.Tensor],
+      k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor], causal: bool,
+      softmax_scale: Optional[float], arch: Optional[str], out_dtype: Optional[str],
+      block_quant_p: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    check_shapes(q, k, v, (torch.float8_e4m3fn,))
+    b, sq, h, _ = q.shape
+    out = q.new_empty(q.shape, dtype=torch.float16 if out_dtype == "fp16" else torch.bfloat16)
+    return out, q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
+                  arch: Optional[str], descale: Optional[dict], out_dtype: Optional[str], block_quant_p: bool,
+                  want_lse: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`flashgen.attention` for float8_e4m3fn tensors: the operator when traced (torch.compile, fake and meta
+    tensors), its body when eager (lse None unless wanted)."""
+    if torch.compiler.is_compiling() or type(q) is not torch.Tensor:
+        d = descale or {}
+        return attention_fp8_op(q, k, v, d.get("q_descale"), d.get("k_descale"), d.get("v_descale"), causal,
+                                softmax_scale, arch, out_dtype, block_quant_p)
+    return forward_fp8(q, k, v, causal, softmax_scale, arch, descale, out_dtype, block_quant_p, want_lse)
 
 
 @torch.library.custom_op("flashgen::attention_backward", mutates_args=(), device_types="cuda")
@@ -123,13 +159,14 @@ def _backward(ctx: Any, dout: torch.Tensor, dlse: Optional[torch.Tensor]) -> tup
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 dtypes: tuple = (torch.float16, torch.bfloat16)) -> None:
     """What the operator can check from shapes and dtypes alone (the eager body checks the rest)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dims (batch, seqlen, heads, head_dim); got shape {tuple(t.shape)}")
-        if t.dtype not in (torch.float16, torch.bfloat16):
-            raise TypeError(f"{name} has dtype {t.dtype}; supported: torch.float16, torch.bfloat16")
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: {', '.join(map(str, dtypes))}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != v.shape:

@@ -132,3 +132,30 @@ def test_cli_refuses_fp8_outside_sm90():
     r = subprocess.run([sys.executable, str(root / "cli.py"), "bench", "--arch", "sm90", "--dtype", "fp8",
                         "--head-dim", "96", "--simulate"], capture_output=True, text=True)
     assert r.returncode != 0 and "FP8 has head dims 64,128,256" in r.stderr
+
+
+def test_fp8_goes_through_its_operator_when_traced():
+    """flashgen.attention on e4m3 fake or meta tensors runs flashgen::attention_fp8's fake implementation:
+    the output in bf16 (or out_dtype), lse fp32, and torch.compile(fullgraph=True) traces through it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import flashgen
+
+    f8 = torch.float8_e4m3fn
+    with FakeTensorMode():
+        q = torch.empty(2, 17, 8, 128, dtype=f8, device="cuda")
+        k = torch.empty(2, 300, 2, 128, dtype=f8, device="cuda")
+        one = torch.ones(1, device="cuda")
+        out, lse = flashgen.attention(q, k, k, causal=True, return_lse=True, q_descale=one, k_descale=one, v_descale=one)
+        assert out.shape == q.shape and out.dtype == torch.bfloat16 and lse.shape == (2, 8, 17)
+        assert flashgen.attention(q, k, k, out_dtype="fp16").dtype == torch.float16
+        with pytest.raises(TypeError, match="float8_e4m3fn"):  # one FP8 tensor among bf16 ones
+            flashgen.attention(q, k.to(torch.bfloat16), k)
+
+    def block(q, k, v, s):
+        return flashgen.attention(q, k, v, causal=True, q_descale=s, k_descale=s, v_descale=s).float().sum(-1)
+
+    q = torch.empty(2, 17, 4, 64, dtype=f8, device="meta")
+    k = torch.empty(2, 40, 2, 64, dtype=f8, device="meta")
+    out = torch.compile(block, fullgraph=True, backend="eager")(q, k, k, torch.ones(1, device="meta"))
+    assert out.shape == (2, 17, 4) and out.dtype == torch.float32
