@@ -383,8 +383,9 @@ BWD_MAX_ACCUM_REGS = 144
 # sm90 family (FlashAttention-3's design): one producer warpgroup (TMA) plus one consumer warpgroup
 # per 64 keys of block_n; each consumer keeps its keys' dK and dV in registers and computes S^T and
 # dP^T (keys as wgmma's M), so P^T and dS^T feed dV and dK from registers. dQ goes by fp32 atomics.
-# dK + dV of 64 keys take head_dim registers per consumer thread: at 256, two warpgroups share the keys (kv_split).
-SM90_BWD_HEAD_DIMS = (64, 128, 256)
+# dK + dV of 64 keys take head_dim registers per consumer thread: at 256, two warpgroups share the keys (kv_split);
+# at 96 only one consumer warpgroup fits (block_m 64, block_n 64: dQ cannot split 96 columns into 64-wide slices).
+SM90_BWD_HEAD_DIMS = (32, 64, 96, 128, 256)
 SM90_BWD_BLOCK_MS = (64, 128)
 SM90_BWD_BLOCK_NS = (64, 128)
 SM90_BWD_STAGES = (1, 2, 3)  # Q/dO tiles in flight
@@ -612,9 +613,11 @@ _DEFAULT_BWD_TILES = {
 
 
 # sm90: (block_m, block_n, num_warps, num_stages, stagger): FlashAttention-3's tile shapes for these head dims,
-# with what the H200 tune picked at most points (2026-12-01: staggered everywhere; d128 with 3 stages, as the
-# staggered consumers hold two Q tiles at once).
-_DEFAULT_BWD_TILES_SM90 = {64: [(128, 128, 12, 2, True)], 128: [(64, 128, 12, 3, True)], 256: [(64, 64, 12, 2, True)]}
+# with what the H200 tune picked at most points (2026-12-01: staggered at d64/d128, d128 with 3 stages as the
+# staggered consumers hold two Q tiles at once; not staggered at d256, whose two warpgroups hand P^T and dS^T
+# to each other every tile).
+_DEFAULT_BWD_TILES_SM90 = {32: [(128, 128, 12, 2, True)], 64: [(128, 128, 12, 2, True)], 96: [(64, 64, 8, 2, False)],
+                           128: [(64, 128, 12, 3, True)], 256: [(64, 64, 12, 2, False)]}
 
 
 def default_bwd_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm80",

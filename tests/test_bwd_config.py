@@ -107,8 +107,10 @@ def test_sm90_rules_name_fields_and_reasons():
         BwdConfig(128, "bf16", True, 64, 128, 8, family="sm90")
     with pytest.raises(ConfigError, match="deterministic=True is built in family sm80"):
         BwdConfig(128, "bf16", True, 64, 128, 12, True, family="sm90")
-    with pytest.raises(ConfigError, match="head_dim=32 is not allowed"):
-        BwdConfig(32, "bf16", True, 64, 64, 8, family="sm90")
+    with pytest.raises(ConfigError, match="head_dim=48 is not allowed"):
+        BwdConfig(48, "bf16", True, 64, 64, 8, family="sm90")
+    with pytest.raises(ConfigError, match="cannot split dQ"):  # d96: two 48-column slices
+        BwdConfig(96, "bf16", True, 64, 128, 12, family="sm90")
     # head_dim 256: two warpgroups share each 64 keys, each with 128 columns of dK and dV
     wide = BwdConfig(256, "bf16", True, 64, 64, 12, family="sm90")
     assert wide.kv_split == 2 and wide.consumers == 2 and wide.dq_parts == 2 and wide.accum_regs == 128 + 64
