@@ -37,8 +37,8 @@ _SM90_BWD_BYTES = 896
 
 def load_backward(head_dim: int, dtype: str, causal: bool, config: BwdConfig | None = None,
                   gpu_arch: str | None = None, deterministic: bool = False) -> CompiledKernel:
-    """The compiled backward for a problem: `config`, else the default for `gpu_arch` (default: the
-    current device's arch). There is no tuned store for the backward yet."""
+    """The compiled backward for a problem: `config`, else the family default for `gpu_arch` (default: the
+    current device's arch; sm90 family on Hopper). Autograd takes the tuned one (ops._backward_kernel)."""
     if gpu_arch is None:
         gpu_arch = driver.device_info().arch
     if config is None:
