@@ -89,10 +89,17 @@ def dequantize(t8: Any, descale: Any, heads_k: int) -> Any:
 def emulate(q8: Any, k8: Any, v8: Any, descale: dict[str, Any], causal: bool, softmax_scale: float | None = None) -> Any:
     """Plain FP8 attention in PyTorch, the bar the kernels are judged by: S and the softmax in fp32 from
     the dequantized inputs, P quantized to e4m3 with one per-tensor scale, P V in fp32 (V dequantized)."""
+    hk = k8.shape[2]
+    return emulate_dequantized(*(dequantize(t, descale[n], hk) for t, n in zip((q8, k8, v8), DESCALE_NAMES)),
+                               causal, softmax_scale)
+
+
+def emulate_dequantized(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None = None) -> Any:
+    """`emulate` on inputs already dequantized (flashgen.fp8.dequantize): what verify's reference shares."""
     import torch  # noqa: PLC0415
 
-    hk = k8.shape[2]
-    q, k, v = (dequantize(t, descale[n], hk).float() for t, n in zip((q8, k8, v8), DESCALE_NAMES))
+    q, k, v = q.float(), k.float(), v.float()
+    hk = k.shape[2]
     b, sq, h, d = q.shape
     sk, group = k.shape[1], h // hk
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
@@ -148,4 +155,4 @@ def descale_bytes(batch: int, heads_k: int, device: int, q_descale: Any = None, 
     return _DESCALE.pack(*fields)
 
 
-__all__ = ["E4M3_MAX", "dequantize", "descale_bytes", "emulate", "hadamard", "quantize"]
+__all__ = ["E4M3_MAX", "dequantize", "descale_bytes", "emulate", "emulate_dequantized", "hadamard", "quantize"]

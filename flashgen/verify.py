@@ -173,7 +173,7 @@ def reference_fp8(q8: Any, k8: Any, v8: Any, descale: dict[str, Any], causal: bo
     rounded to the kernel's output dtype (default bf16), as the kernel's output is."""
     import torch  # noqa: PLC0415
 
-    from .fp8 import DESCALE_NAMES, dequantize, emulate  # noqa: PLC0415
+    from .fp8 import DESCALE_NAMES, dequantize, emulate_dequantized  # noqa: PLC0415
 
     hk = k8.shape[2]
     q, k, v = (dequantize(t, descale[n], hk) for t, n in zip((q8, k8, v8), DESCALE_NAMES))
@@ -181,7 +181,7 @@ def reference_fp8(q8: Any, k8: Any, v8: Any, descale: dict[str, Any], causal: bo
     allow = FP8_SCORE_REL_TOL * _product_sizes(q, k, softmax_scale)
     if not ref.numel():
         return Reference(ref, ref_lse, 1e-5, 0.0, allow)
-    err = emulate(q8, k8, v8, descale, causal, softmax_scale).to(out_dtype or torch.bfloat16).double() - ref
+    err = emulate_dequantized(q, k, v, causal, softmax_scale).to(out_dtype or torch.bfloat16).double() - ref
     return Reference(ref, ref_lse, 2 * err.abs().max().item() + 1e-5, err.pow(2).mean().sqrt().item(), allow)
 
 
