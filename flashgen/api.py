@@ -374,7 +374,7 @@ def forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, a
 def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float | None = None,
               return_lse: bool = False, stream: Any = None, arch: str | None = None, *, q_descale: Any = None,
               k_descale: Any = None, v_descale: Any = None, out_dtype: str | None = None,
-              block_quant_p: bool = False) -> Any:
+              block_quant_p: bool = False, deterministic: bool = False) -> Any:
     """FlashAttention forward with flash_attn's conventions.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim) with
@@ -385,7 +385,8 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
 
     Torch tensors go through the `flashgen::attention` operator (torch.compile traces it, CUDA
     graphs capture it) and run on the current stream of their device; pycuda GPU arrays run in
-    the current context, on `stream`.
+    the current context, on `stream`. With autograd, deterministic=True makes the backward give the
+    same gradients bit for bit on every run (dQ per Q tile instead of fp32 atomics; slower).
 
     FP8 (Hopper): q, k, v in torch.float8_e4m3fn with fp32 descale factors q_descale, k_descale,
     v_descale of shape (1,) or (batch, heads_k) (None: 1; `flashgen.fp8.quantize` makes them);
@@ -409,7 +410,7 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
 
         if stream is not None:
             raise TypeError(STREAM_FOR_TORCH)
-        out, lse = ops.attention(q, k, v, causal, softmax_scale, arch, return_lse)
+        out, lse = ops.attention(q, k, v, causal, softmax_scale, arch, return_lse, deterministic)
     else:
         out, lse = forward(q, k, v, causal, softmax_scale, arch, stream)
     return (out, lse) if return_lse else out

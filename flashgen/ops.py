@@ -19,14 +19,15 @@ from .config import HEAD_DIMS
 
 @torch.library.custom_op("flashgen::attention", mutates_args=(), device_types="cuda")
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
-                 arch: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse): out (batch, seqlen_q, heads, head_dim) like q, contiguous; lse (batch, heads, seqlen_q) fp32."""
+                 arch: Optional[str], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse): out (batch, seqlen_q, heads, head_dim) like q, contiguous; lse (batch, heads, seqlen_q) fp32.
+    `deterministic` is for the backward (the same gradients bit for bit on every run); the forward is always."""
     return forward(q, k, v, causal, softmax_scale, arch)
 
 
 @attention_op.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
-      arch: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+      arch: Optional[str], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     check_shapes(q, k, v)
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
@@ -71,29 +72,34 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 @torch.library.custom_op("flashgen::attention_backward", mutates_args=(), device_types="cuda")
 def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           lse: torch.Tensor, dlse: Optional[torch.Tensor], causal: bool,
-                          softmax_scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          softmax_scale: Optional[float], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), contiguous, like q, k, v: the backward kernels of this GPU (flashgen.backward; sm90 family
-    on Hopper where it has the head dim, else sm80)."""
+    on Hopper, sm80 elsewhere and when deterministic: bit-identical gradients run to run, no atomics)."""
     from .backward import backward  # noqa: PLC0415
 
-    kern = _backward_kernel(q.get_device(), q.shape[3], q.dtype, causal, q.shape[1])
+    kern = _backward_kernel(q.get_device(), q.shape[3], q.dtype, causal, q.shape[1], deterministic)
     return backward(kern, q, k, v, out, dout.contiguous(), lse, softmax_scale, dlse=dlse)
 
 
 @attention_backward_op.register_fake
 def _(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-      dlse: Optional[torch.Tensor], causal: bool, softmax_scale: Optional[float]) -> tuple[torch.Tensor, ...]:
+      dlse: Optional[torch.Tensor], causal: bool, softmax_scale: Optional[float],
+      deterministic: bool) -> tuple[torch.Tensor, ...]:
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
-def _backward_kernel(device: int, head_dim: int, dtype: torch.dtype, causal: bool, seqlen: int | None = None) -> Any:
+def _backward_kernel(device: int, head_dim: int, dtype: torch.dtype, causal: bool, seqlen: int | None = None,
+                     deterministic: bool = False) -> Any:
     """The backward for these tensors' GPU: the tuned BwdConfig of the nearest stored seqlen bucket, else
-    the default. Cached: the store's buckets are read again only when its file changed (looked at most
-    every api.STORE_CHECK_S), kernels by configuration."""
+    the default (deterministic: the default deterministic config, dQ per Q tile without atomics). Cached: the
+    store's buckets are read again only when its file changed (looked at most every api.STORE_CHECK_S),
+    kernels by configuration."""
     from .api import nearest_bucket  # noqa: PLC0415
 
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     gpu_name, arch = _gpu(device)
+    if deterministic:
+        return _load_backward(head_dim, name, causal, None, arch, True)
     tuned = _tuned_backwards(gpu_name, arch, head_dim, name, causal, _store_stamp(gpu_name, arch))
     bucket = nearest_bucket(seqlen, tuple(sorted(tuned)))
     return _load_backward(head_dim, name, causal, tuned.get(bucket) if bucket is not None else None, arch)
@@ -137,23 +143,23 @@ def _tuned_backwards(gpu_name: str, arch: str, head_dim: int, dtype: str, causal
 
 
 @functools.lru_cache(maxsize=64)
-def _load_backward(head_dim: int, dtype: str, causal: bool, config: Any, arch: str) -> Any:
+def _load_backward(head_dim: int, dtype: str, causal: bool, config: Any, arch: str, deterministic: bool = False) -> Any:
     from .backward import load_backward  # noqa: PLC0415
 
-    return load_backward(head_dim, dtype, causal, config=config, gpu_arch=arch)
+    return load_backward(head_dim, dtype, causal, config=config, gpu_arch=arch, deterministic=deterministic)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, causal, softmax_scale, _ = inputs
+    q, k, v, causal, softmax_scale, _, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+    ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
 
 
 def _backward(ctx: Any, dout: torch.Tensor, dlse: Optional[torch.Tensor]) -> tuple:
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.softmax_scale)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.softmax_scale, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -180,13 +186,14 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
-              arch: Optional[str], want_lse: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+              arch: Optional[str], want_lse: bool = True,
+              deterministic: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """`flashgen.attention` for torch tensors: the operator when traced, its body when eager
     (where lse is None unless wanted: the kernel then neither allocates nor writes it)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         if softmax_scale is not None and not softmax_scale > 0:
             refuse_grad(q, k, v, f"the backward needs softmax_scale > 0, not {softmax_scale!r}")
-        return attention_op(q, k, v, causal, softmax_scale, arch)  # autograd: through the operator
+        return attention_op(q, k, v, causal, softmax_scale, arch, deterministic)  # autograd: through the operator
     if torch.compiler.is_compiling() or type(q) is not torch.Tensor:
-        return attention_op(q, k, v, causal, softmax_scale, arch)
+        return attention_op(q, k, v, causal, softmax_scale, arch, deterministic)
     return forward_torch(q, k, v, causal, softmax_scale, arch, want_lse)

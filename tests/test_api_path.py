@@ -137,6 +137,17 @@ def test_gradients_flow_through_the_operators():
     (out.float().sum() + lse.sum()).backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
     assert q.grad.dtype == q.dtype and v.grad.device == v.device
+    # deterministic=True reaches the backward operator (its fake here; on a GPU, ops._backward_kernel's choice)
+    from flashgen import ops
+
+    seen, real = [], ops.attention_backward_op
+    ops.attention_backward_op = lambda *a: (seen.append(a[-1]), real(*a))[1]
+    try:
+        flashgen.attention(q, k, v, causal=True, deterministic=True).float().sum().backward()
+        flashgen.attention(q, k, v, causal=True).float().sum().backward()
+    finally:
+        ops.attention_backward_op = real
+    assert seen == [True, False]
 
 
 def test_inputs_that_require_grad_are_refused_where_no_backward_applies():

@@ -120,7 +120,7 @@ def test_ops_backward_kernel_uses_the_tuned_backward(tmp_path, monkeypatch):
 
     def fake_load_backward(head_dim, dtype, causal, config=None, gpu_arch=None, deterministic=False):
         loads.append(config)
-        return config or default_bwd_config(head_dim, dtype, causal, gpu_arch)
+        return config or default_bwd_config(head_dim, dtype, causal, gpu_arch, deterministic)
 
     monkeypatch.setattr("flashgen.backward.load_backward", fake_load_backward)
     api.reload()
@@ -140,6 +140,8 @@ def test_ops_backward_kernel_uses_the_tuned_backward(tmp_path, monkeypatch):
     assert ops._backward_kernel(0, 128, torch.bfloat16, True, 900) == tuned[1024]
     assert ops._backward_kernel(0, 128, torch.bfloat16, True, 10000) == tuned[16384]
     assert ops._backward_kernel(0, 128, torch.bfloat16, False, 1024) == default_bwd_config(128, "bf16", False, "sm90")
+    det = ops._backward_kernel(0, 128, torch.bfloat16, True, 900, deterministic=True)  # never the tuned atomics one
+    assert det.deterministic and det.family == "sm80"
     n = len(loads)
     monkeypatch.setattr(store, "lookup", lambda *a, **k: pytest.fail("the store was read again"))
     monkeypatch.setattr(api, "STORE_CHECK_S", 3600.0)
