@@ -17,7 +17,7 @@ from flashgen.verify import attention_grads as _grads, judge_backward  # the ref
 
 pytestmark = pytest.mark.gpu
 
-PAIRS = [(1, 1), (17, 17), (113, 211), (211, 113), (128, 128), (1023, 1023), (17, 2048), (2048, 17)]
+PAIRS = [(1, 1), (17, 17), (113, 211), (211, 113), (128, 128), (1023, 1023), (1024, 1024), (17, 2048), (2048, 17)]
 LAYOUTS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
 # Beside each default (bf16), tiles that take other warp grids: 2 warps with two 16-row m-tiles
 # each, 128-row Q tiles, and sm86's d256 tiles (32 x 32, 4 warps, 16-column S pieces).
