@@ -23,8 +23,8 @@ from typing import Any
 
 from . import driver
 from .compile import CompiledKernel, compile_kernel, target_for
-from .config import BwdConfig, default_bwd_config
-from .launch import _current_stream, scale_args
+from .config import ELEM_BYTES, BwdConfig, default_bwd_config
+from .launch import _current_stream, scale_args, tmap_box
 from .tensors import Problem, aligned, check_qkv, view
 
 # struct BwdParams (templates/common/bwd_params.cuh.j2): 13 pointers, 24 strides, 5 ints, 2 floats.
@@ -175,14 +175,12 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
 def _sm90_params(params: bytes, cfg: BwdConfig, prob: Problem, tensors: tuple, lse2_ptr: int, sq_pad: int) -> bytes:
     """Bytes of `struct Sm90BwdParams`: TMA maps of q, k, v, dout (4-d over head_dim, seqlen, heads, batch;
     boxes of SMEM_W x block_m rows for q and dout, block_n for k and v), BwdParams, lse2, seqlen_q_pad."""
-    smem_w = 64 if cfg.head_dim % 64 == 0 else 32
     maps = []
     for t, rows, n, heads in zip(tensors, (cfg.block_m, cfg.block_n, cfg.block_n, cfg.block_m),
                                  (prob.seqlen_q, prob.seqlen_k, prob.seqlen_k, prob.seqlen_q),
                                  (prob.heads, prob.heads_k, prob.heads_k, prob.heads)):
-        st = t.stride()
-        maps.append(driver.tensor_map(prob.dtype, t.data_ptr(), (prob.head_dim, n, heads, prob.batch),
-                                      (2 * st[1], 2 * st[2], 2 * st[0]), (smem_w, rows, 1, 1), 2 * smem_w))
+        dims, strides, box = tmap_box(t.stride(), prob.head_dim, n, heads, prob.batch, ELEM_BYTES, cfg.smem_w, rows)
+        maps.append(driver.tensor_map(prob.dtype, t.data_ptr(), dims, strides, box, cfg.row_bytes))
     return (b"".join(maps) + params + _SM90_TAIL.pack(lse2_ptr, sq_pad)).ljust(_SM90_BWD_BYTES, b"\0")
 
 

@@ -476,6 +476,16 @@ class BwdConfig(_AsDict):
         return self.block_n // 64 * self.kv_split
 
     @property
+    def smem_w(self) -> int:
+        """sm90: elements per swizzled shared-memory row (128 or 64 bytes), the TMA boxes' inner size."""
+        return 64 if self.head_dim % 64 == 0 else 32
+
+    @property
+    def row_bytes(self) -> int:
+        """sm90: bytes of one swizzled shared-memory row: TMA's and wgmma's swizzle width."""
+        return self.smem_w * ELEM_BYTES
+
+    @property
     def dq_parts(self) -> int:
         """sm90: column slices of dQ = dS K, one per consumer warpgroup and 64-row chunk of block_m
         (0 if block_m has more 64-row chunks than there are consumer warpgroups)."""

@@ -393,13 +393,12 @@ def _params_source(cfg: KernelConfig) -> str:
 def bwd_header(cfg: BwdConfig, tuned_on: list[str], target: str) -> str:
     """The launch header of a backward's kernels (BwdParams, grids, threads, shared memory, `launch()`)."""
     if cfg.family == "sm90":
-        smem_w = 64 if cfg.head_dim % 64 == 0 else 32
         params = "\n".join(template_env().get_template(t).render()
                            for t in ("common/bwd_params.cuh.j2", "sm90/bwd_params.cuh.j2"))
         return _SM90_BWD_HEADER.format(name=cfg.name, version=__version__, tuned_on=", ".join(tuned_on) or "untuned",
                                        arch_flags=" ".join(arch_flags(target)), params=params, cfg=cfg,
-                                       causal=str(cfg.causal).lower(), row_warps=BWD_ROW_WARPS, smem_w=smem_w,
-                                       swizzle=2 * smem_w)
+                                       causal=str(cfg.causal).lower(), row_warps=BWD_ROW_WARPS, smem_w=cfg.smem_w,
+                                       swizzle=cfg.row_bytes)
     det = cfg.deterministic
     last = "dq" if det else "convert"
     if det:

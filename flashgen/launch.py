@@ -62,12 +62,17 @@ def pack_params(q: View, k: View, v: View, o: View, lse_ptr: int, prob: Problem,
                      prob.batch, prob.heads, prob.heads_k, prob.seqlen_q, prob.seqlen_k, scale, scale_log2)
 
 
+def tmap_box(strides: tuple[int, ...], head_dim: int, seqlen: int, heads: int, batch: int, elem_bytes: int,
+             smem_w: int, rows: int) -> tuple:
+    """(dims, byte strides, box) of one tensor map over a (batch, seqlen, heads, head_dim) tensor with element
+    `strides`: 4-d over (head_dim, seqlen, heads, batch), boxes of smem_w x `rows` rows."""
+    return ((head_dim, seqlen, heads, batch), (elem_bytes * strides[1], elem_bytes * strides[2], elem_bytes * strides[0]),
+            (smem_w, rows, 1, 1))
+
+
 def tmap_geometry(q: View, k: View, v: View, prob: Problem, cfg: KernelConfig) -> tuple:
-    """(dims, byte strides, box) of the q, k, v tensor maps: 4-d over (head_dim, seqlen, heads, batch),
-    boxes of SMEM_W x block_m (q) or block_n (k, v) rows."""
-    eb = cfg.elem_bytes
-    return tuple(((prob.head_dim, n, heads, prob.batch), (eb * t.strides[1], eb * t.strides[2], eb * t.strides[0]),
-                  (cfg.smem_w, rows, 1, 1))
+    """(dims, byte strides, box) of the q, k, v tensor maps: boxes of SMEM_W x block_m (q) or block_n (k, v) rows."""
+    return tuple(tmap_box(t.strides, prob.head_dim, n, heads, prob.batch, cfg.elem_bytes, cfg.smem_w, rows)
                  for t, n, heads, rows in ((q, prob.seqlen_q, prob.heads, cfg.block_m),
                                            (k, prob.seqlen_k, prob.heads_k, cfg.block_n),
                                            (v, prob.seqlen_k, prob.heads_k, cfg.block_n)))

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from .api import forward, forward_fp8, forward_torch, refuse_grad
+from .api import _descale, forward, forward_fp8, forward_torch, refuse_grad
 from .config import HEAD_DIMS
 
 
@@ -40,10 +40,8 @@ def attention_fp8_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descal
                      block_quant_p: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 (out, lse): out (batch, seqlen_q, heads, head_dim) in out_dtype (bf16 unless "fp16"), contiguous; lse
     (batch, heads, seqlen_q) fp32. Forward only (its inputs are quantized: there is no gradient to give)."""
-    descale = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
-    if q_descale is None and k_descale is None and v_descale is None:
-        descale = None
-    return forward_fp8(q, k, v, causal, softmax_scale, arch, descale, out_dtype, block_quant_p)
+    return forward_fp8(q, k, v, causal, softmax_scale, arch, _descale(q_descale, k_descale, v_descale), out_dtype,
+                       block_quant_p)
 
 
 @attention_fp8_op.register_fake

@@ -132,6 +132,28 @@ def test_sm90_rules_name_fields_and_reasons():
         BwdConfig(64, "bf16", True, 64, 64, 4, stagger=True)
 
 
+def test_sm90_params_tensor_maps(monkeypatch):
+    """The four TMA maps of the sm90 backward: 4-d over (head_dim, seqlen, heads, batch) with byte strides,
+    boxes of SMEM_W x block_m (q, dout) or block_n (k, v) rows, swizzled by the config's row bytes."""
+    torch = pytest.importorskip("torch")
+    from flashgen import backward as bwd
+
+    maps = []
+    monkeypatch.setattr(bwd.driver, "tensor_map", lambda *a: maps.append(a) or bytes(128))
+    cfg = BwdConfig(96, "bf16", True, 64, 64, 8, family="sm90")  # 64-byte rows: SMEM_W 32
+    q = torch.empty(2, 100, 6, 96, dtype=torch.bfloat16)
+    k = torch.empty(2, 300, 3, 96, dtype=torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)
+    prob = Problem(batch=2, seqlen_q=100, seqlen_k=300, heads=6, heads_k=3, head_dim=96, dtype="bf16")
+    raw = bwd._sm90_params(bytes(_BWD.size), cfg, prob, (q, k, k, q), 1234, 128)
+    assert len(raw) == 896 and struct.unpack_from("=Qi", raw, 512 + _BWD.size) == (1234, 128)
+    assert [m[2:] for m in maps] == [
+        ((96, 100, 6, 2), (2 * 6 * 96, 2 * 96, 2 * 100 * 6 * 96), (32, 64, 1, 1), 64),
+        ((96, 300, 3, 2), (2 * 96, 2 * 300 * 96, 2 * 300 * 3 * 96), (32, 64, 1, 1), 64),
+        ((96, 300, 3, 2), (2 * 96, 2 * 300 * 96, 2 * 300 * 3 * 96), (32, 64, 1, 1), 64),
+        ((96, 100, 6, 2), (2 * 6 * 96, 2 * 96, 2 * 100 * 6 * 96), (32, 64, 1, 1), 64)]
+    assert cfg.smem_w == 32 and cfg.row_bytes == 64 and BwdConfig(128, "bf16", True, 64, 128, 12, family="sm90").row_bytes == 128
+
+
 def test_sm90_params_match_the_struct_layout():
     from flashgen.backward import _SM90_BWD_BYTES, _SM90_TAIL
 
