@@ -371,10 +371,38 @@ def forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, a
     return out, lse
 
 
+def _attention_mods(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, return_lse: bool,
+                    stream: Any, arch: str | None, descale: Any, out_dtype: str | None, block_quant_p: bool,
+                    deterministic: bool, window_size: Any, softcap: float, alibi_slopes: Any) -> Any:
+    """`attention` with a window, softcap or ALiBi: the serving kernels (family sm80), torch tensors only."""
+    if not is_torch(q):
+        raise TypeError("window_size, softcap and alibi_slopes take torch tensors")
+    if stream is not None:
+        raise TypeError(STREAM_FOR_TORCH)
+    if descale is not None or out_dtype is not None or block_quant_p or str(q.dtype) == "torch.float8_e4m3fn":
+        raise ValueError("window_size, softcap and alibi_slopes are not built for FP8 inputs")
+    if arch not in (None, "sm80"):
+        raise ValueError(f"window_size, softcap and alibi_slopes are built in family sm80 (it runs on Hopper too), "
+                         f"not arch={arch!r}")
+    from . import serving  # noqa: PLC0415
+
+    mods = serving.check_dense(q, k, v, window_size, softcap, alibi_slopes, causal)
+    if serving._wants_grad(q, k, v) or serving.traced(q):
+        from . import ops  # noqa: PLC0415
+
+        serving._scale_for_grad(softmax_scale, q, k, v)
+        out, lse = ops.attention_mods_op(q, k, v, causal, softmax_scale, *mods.window, mods.softcap, mods.alibi,
+                                         deterministic)
+    else:
+        out, lse = serving.dense_mods_forward(q, k, v, causal, softmax_scale, mods, return_lse)
+    return (out, lse) if return_lse else out
+
+
 def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float | None = None,
               return_lse: bool = False, stream: Any = None, arch: str | None = None, *, q_descale: Any = None,
               k_descale: Any = None, v_descale: Any = None, out_dtype: str | None = None,
-              block_quant_p: bool = False, deterministic: bool = False) -> Any:
+              block_quant_p: bool = False, deterministic: bool = False, window_size: tuple[int, int] = (-1, -1),
+              softcap: float = 0.0, alibi_slopes: Any = None) -> Any:
     """FlashAttention forward with flash_attn's conventions.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim) with
@@ -388,11 +416,23 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     the current context, on `stream`. With autograd, deterministic=True makes the backward give the
     same gradients bit for bit on every run (dQ per Q tile instead of fp32 atomics; slower).
 
+    Score modifiers (torch tensors, as flash_attn): window_size=(left, right) keys i + shift - left ..
+    i + shift + right (-1: unbounded; with causal, right is the diagonal), softcap (scores = softcap *
+    tanh(scores / softcap), Gemma 2), alibi_slopes fp32 (heads,) or (batch, heads) (scores -= slope *
+    |i + shift - j|). They run in the sm80 family's kernels generated with exactly those features, forward
+    and backward (through the `flashgen::attention_mods` operator under autograd or torch.compile).
+
     FP8 (Hopper): q, k, v in torch.float8_e4m3fn with fp32 descale factors q_descale, k_descale,
     v_descale of shape (1,) or (batch, heads_k) (None: 1; `flashgen.fp8.quantize` makes them);
     out in bf16, or out_dtype="fp16"; block_quant_p quantizes P with a scale per key tile.
     Forward only; through the `flashgen::attention_fp8` operator when traced (torch.compile)."""
     descale = _descale(q_descale, k_descale, v_descale)
+    if window_size != (-1, -1) or softcap or alibi_slopes is not None:
+        from .serving import has_mods  # noqa: PLC0415
+
+        if has_mods(window_size, softcap, alibi_slopes, causal):
+            return _attention_mods(q, k, v, causal, softmax_scale, return_lse, stream, arch, descale, out_dtype,
+                                   block_quant_p, deterministic, window_size, softcap, alibi_slopes)
     if is_torch(q) and str(q.dtype) == "torch.float8_e4m3fn":
         if stream is not None:
             raise TypeError(STREAM_FOR_TORCH)

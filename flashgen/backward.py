@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import driver
 from .compile import CompiledKernel, compile_kernel, target_for
-from .config import ELEM_BYTES, BwdConfig, default_bwd_config
-from .launch import _current_stream, scale_args, tmap_box
+from .config import ELEM_BYTES, BwdConfig, default_bwd_config, mod_features
+from .launch import LOG2E, _current_stream, scale_args, tmap_box
 from .tensors import Problem, aligned, check_qkv, view
 
 # struct BwdParams (templates/common/bwd_params.cuh.j2): 13 pointers, 24 strides, 5 ints, 2 floats.
@@ -33,6 +33,29 @@ assert _BWD.size == 328
 # struct Sm90BwdParams (templates/sm90/bwd.cu.j2): 4 tensor maps, BwdParams, lse2 pointer, seqlen_q_pad.
 _SM90_TAIL = struct.Struct("=Qi")
 _SM90_BWD_BYTES = 896
+# struct BwdServeParams (templates/common/bwd_serve_params.cuh.j2): BwdParams, then cu_seqlens_q, cu_seqlens_k,
+# alibi_slopes, alibi_batch_stride, window_left, window_right, softcap_pre, num_seqs, max_seqlen_q, max_seqlen_k.
+_BWD_SERVE_TAIL = struct.Struct("=3Qq2if3i")
+assert _BWD.size + _BWD_SERVE_TAIL.size == 384
+
+
+class ServeArgs(NamedTuple):
+    """What a backward with serving features takes beyond q, k, v (BwdConfig.features must match).
+    Varlen: q, k, v, out, dout are the packed tensors as one batch, (1, total, heads, head_dim), lse
+    (1, heads, total_q), and the int32 offsets say where each sequence starts."""
+
+    cu_seqlens_q: Any = None
+    cu_seqlens_k: Any = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    window: tuple[int, int] = (-1, -1)  # (left, right), -1 unbounded; causal: right is the diagonal
+    softcap: float = 0.0
+    alibi_slopes: Any = None  # fp32 (heads,) or (num_seqs, heads)
+
+    def features(self, causal: bool) -> dict[str, bool]:
+        """The BwdConfig features these arguments need."""
+        return {"varlen": self.cu_seqlens_q is not None,
+                **mod_features(self.window, self.softcap, self.alibi_slopes is not None, causal)}
 
 
 def load_backward(head_dim: int, dtype: str, causal: bool, config: BwdConfig | None = None,
@@ -87,16 +110,21 @@ def _grad_buffer(given: Any, like: Any, name: str) -> Any:
 
 def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any, lse: Any,
              softmax_scale: float | None = None, dq: Any = None, dk: Any = None, dv: Any = None,
-             dlse: Any = None) -> tuple[Any, Any, Any]:
+             dlse: Any = None, serve: ServeArgs | None = None) -> tuple[Any, Any, Any]:
     """(dq, dk, dv) of attention(q, k, v) given the forward's `out` and `lse` and the output's
     gradient `dout`, all torch CUDA tensors in flash_attn's layout. `dq`, `dk`, `dv`, if given,
     are written in place. `dlse`, the gradient of lse (batch, heads, seqlen_q), if any: since
-    d lse_i / d S_ij = P_ij, it enters as D - dlse in dS = P (dP - D). Runs on torch's current stream."""
+    d lse_i / d S_ij = P_ij, it enters as D - dlse in dS = P (dP - D). `serve`: varlen offsets and
+    score modifiers, for a kernel generated with those features. Runs on torch's current stream."""
     import torch  # noqa: PLC0415
 
     cfg = kernel.config
     if not isinstance(cfg, BwdConfig):
         raise TypeError(f"kernel {cfg.name} is not a backward kernel (load it with load_backward)")
+    wanted = {f for f, on in (serve or ServeArgs()).features(cfg.causal).items() if on}
+    if wanted != set(cfg.features):
+        raise ValueError(f"kernel {cfg.name} has features {sorted(cfg.features) or 'none'}; these arguments need "
+                         f"{sorted(wanted) or 'none'}")
     if softmax_scale is not None and not float(softmax_scale) > 0:  # the forward's s <= 0 (|s| on -Q or Q = 0)
         raise NotImplementedError(f"the backward needs softmax_scale > 0, not {softmax_scale!r}")
     scale, scale_log2 = scale_args(softmax_scale, cfg.head_dim)
@@ -142,7 +170,11 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
 
     ptrs = tuple(ptr(t) for t in (q, k, v, out, dout, lse, delta, dq_accum, dq, dk, dv, dk_accum, dv_accum))
     strides = tuple(s for t in (q, k, v, out, dout, dq, dk, dv) for s in t.stride()[:3])
-    params = pack_params(ptrs, strides, prob, scale, scale_log2)
+    seqs, max_q, max_k = b, sq, sk  # the main and _dq kernels' grids
+    if serve is not None:
+        params, (seqs, max_q, max_k) = _serve_params(cfg, prob, ptrs, strides, softmax_scale, serve)
+    else:
+        params = pack_params(ptrs, strides, prob, scale, scale_log2)
     if sm90:
         params = _sm90_params(params, cfg, prob, (q, k, v, dout), lse2.data_ptr(), sq_pad)
 
@@ -159,17 +191,42 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
     launch("pre", cfg.rows_grid(b, h, sq), cfg.row_threads, 0)
     if dlse is not None:
         delta[..., :sq].sub_(dlse)
-    launch("main", cfg.grid(b, h, sk), cfg.threads, cfg.smem_bytes)
+    if seqs * max_k:
+        launch("main", cfg.grid(seqs, h, max_k), cfg.threads, cfg.smem_bytes)
     if sm90:
         launch("convert", cfg.convert_grid(b, h, sq), 256, 0)
     elif cfg.deterministic:
-        launch("dq", cfg.dq_grid(b, h, sq), cfg.threads, cfg.smem_bytes)
+        if seqs * max_q:
+            launch("dq", cfg.dq_grid(seqs, h, max_q), cfg.threads, cfg.smem_bytes)
     else:
         launch("convert", cfg.rows_grid(b, h, sq), cfg.row_threads, 0)
     if grouped:  # sum each group of query heads onto its k/v head, in fp32
         dk.copy_(dk_accum.view(b, sk, hk, h // hk, d).sum(3))
         dv.copy_(dv_accum.view(b, sk, hk, h // hk, d).sum(3))
     return dq, dk, dv
+
+
+def _serve_params(cfg: BwdConfig, prob: Problem, ptrs: tuple, strides: tuple, softmax_scale: float | None,
+                  serve: ServeArgs) -> tuple[bytes, tuple[int, int, int]]:
+    """Bytes of `struct BwdServeParams`, and the (sequences, longest q, longest k) the main and _dq
+    grids cover. Softcap: P is of softcap * tanh(S * scale / softcap), so the exponent's factor is
+    softcap * log2(e) while dQ and dK keep the factor scale."""
+    scale, scale_log2 = scale_args(softmax_scale, cfg.head_dim)
+    softcap_pre = 0.0
+    if serve.softcap:
+        scale_log2, softcap_pre = serve.softcap * LOG2E, scale / serve.softcap
+    if cfg.varlen:
+        seqs = serve.cu_seqlens_q.shape[0] - 1
+        grid = (seqs, serve.max_seqlen_q, serve.max_seqlen_k)
+    else:
+        seqs, grid = prob.batch, (prob.batch, prob.seqlen_q, prob.seqlen_k)
+    alibi = serve.alibi_slopes
+    tail = _BWD_SERVE_TAIL.pack(
+        0 if serve.cu_seqlens_q is None else serve.cu_seqlens_q.data_ptr(),
+        0 if serve.cu_seqlens_k is None else serve.cu_seqlens_k.data_ptr(),
+        0 if alibi is None else alibi.data_ptr(), 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
+        serve.window[0], serve.window[1], softcap_pre, seqs, grid[1], grid[2])
+    return pack_params(ptrs, strides, prob, scale, scale_log2) + tail, grid
 
 
 def _sm90_params(params: bytes, cfg: BwdConfig, prob: Problem, tensors: tuple, lse2_ptr: int, sq_pad: int) -> bytes:
@@ -184,4 +241,4 @@ def _sm90_params(params: bytes, cfg: BwdConfig, prob: Problem, tensors: tuple, l
     return (b"".join(maps) + params + _SM90_TAIL.pack(lse2_ptr, sq_pad)).ljust(_SM90_BWD_BYTES, b"\0")
 
 
-__all__ = ["backward", "load_backward", "pack_params"]
+__all__ = ["ServeArgs", "backward", "load_backward", "pack_params"]

@@ -33,6 +33,14 @@ COMBINE_WARPS = 4  # (row, head) pairs per block of the split-KV combine kernel 
 DENSE_MIN_BLOCK_M = 64
 # Serving features of a forward kernel (sm80 family): each a compile-time switch, off = not in the code.
 FEATURES = ("varlen", "paged", "split", "pack_gqa", "window", "softcap", "alibi")
+BWD_FEATURES = ("varlen", "window", "softcap", "alibi")  # the ones a training call uses: the backward has them
+
+
+def mod_features(window: tuple[int, int], softcap: float, alibi: bool, causal: bool) -> dict[str, bool]:
+    """The kernel features a call's score modifiers need: a window only where it bounds more than
+    causal does (causal is the window's right edge at the diagonal)."""
+    left, right = window
+    return {"window": left >= 0 or (right >= 0 and not causal), "softcap": softcap != 0.0, "alibi": alibi}
 _FEATURE_TAGS = {"varlen": "vl", "paged": "pg", "split": "sp", "pack_gqa": "pk", "window": "win", "softcap": "sc",
                  "alibi": "al"}
 # wgmma takes any N that is a multiple of 8 (16 here, for the P V k-steps); mma.sync tiles stay powers of two.
@@ -422,12 +430,22 @@ class BwdConfig(_AsDict):
     family: str = "sm80"
     num_stages: int = 2  # sm90: Q/dO tiles in flight (sm80 loads one at a time: stays 2)
     stagger: bool = False  # sm90: consumer warpgroups half a Q tile apart, each tile's dQ one iteration later
+    # The forward's serving features that have a backward (sm80 family; BWD_FEATURES):
+    varlen: bool = False  # packed sequences (cu_seqlens_q/_k), each with its own lengths and causal alignment
+    window: bool = False  # sliding window
+    softcap: bool = False  # scores = softcap * tanh(scores / softcap): dS gains the factor 1 - tanh^2
+    alibi: bool = False  # scores -= slope * |i + seqlen_k - seqlen_q - j|
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
         _check_choice("dtype", self.dtype, HALF_DTYPES)
         _check_choice("causal", self.causal, (False, True))
         _check_choice("deterministic", self.deterministic, (False, True))
+        for f in BWD_FEATURES:
+            _check_choice(f, getattr(self, f), (False, True))
+        if self.serving and self.family != "sm80":
+            raise ConfigError(f"the backward's serving features ({', '.join(self.features)}) are built in family sm80 "
+                              f"(it runs on Hopper too), not {self.family}")
         if self.family == "sm90":
             self._check_sm90()
             return
@@ -498,7 +516,17 @@ class BwdConfig(_AsDict):
                 f"_w{self.num_warps}")
         if self.family == "sm90":
             return name + f"_s{self.num_stages}_st{int(self.stagger)}"
-        return name + f"_det{int(self.deterministic)}"
+        return name + f"_det{int(self.deterministic)}" + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The serving features this backward was generated with, in BWD_FEATURES order."""
+        return tuple(f for f in BWD_FEATURES if getattr(self, f))
+
+    @property
+    def serving(self) -> bool:
+        """Takes BwdServeParams (templates/common/bwd_serve_params.cuh.j2) rather than BwdParams."""
+        return bool(self.features)
 
     @property
     def kernel_names(self) -> dict[str, str]:

@@ -163,6 +163,130 @@ def _backward(ctx: Any, dout: torch.Tensor, dlse: Optional[torch.Tensor]) -> tup
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+# -- training with serving features: varlen batches, and dense calls with window / softcap / ALiBi ------------
+
+@torch.library.custom_op("flashgen::attention_varlen", mutates_args=(), device_types="cuda")
+def attention_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                        softmax_scale: Optional[float], window_left: int, window_right: int, softcap: float,
+                        alibi_slopes: Optional[torch.Tensor], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of a packed batch (flashgen.attention_varlen, arguments checked there): out (total_q, heads,
+    head_dim) like q, lse (heads, total_q) fp32."""
+    from .serving import Mods, varlen_forward  # noqa: PLC0415
+
+    return varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                          Mods((window_left, window_right), softcap, alibi_slopes))
+
+
+@attention_varlen_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+      max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: Optional[float], window_left: int,
+      window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
+      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgen::attention_mods", mutates_args=(), device_types="cuda")
+def attention_mods_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
+                      window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
+                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of dense q, k, v with score modifiers (flashgen.attention with window_size, softcap or
+    alibi_slopes, checked there): out like q, lse (batch, heads, seqlen_q) fp32."""
+    from .serving import Mods, dense_mods_forward  # noqa: PLC0415
+
+    return dense_mods_forward(q, k, v, causal, softmax_scale, Mods((window_left, window_right), softcap, alibi_slopes))
+
+
+@attention_mods_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
+      window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
+      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    check_shapes(q, k, v)
+    b, sq, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgen::attention_serve_backward", mutates_args=(), device_types="cuda")
+def attention_serve_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
+                                cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+                                max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: Optional[float],
+                                window_left: int, window_right: int, softcap: float,
+                                alibi_slopes: Optional[torch.Tensor],
+                                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of flashgen::attention_varlen (3-d q, k, v and offsets) or flashgen::attention_mods (4-d,
+    offsets None): the sm80 family's backward generated with the call's features (it runs on Hopper too)."""
+    from .backward import ServeArgs, backward  # noqa: PLC0415
+
+    serve = ServeArgs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, (window_left, window_right), softcap,
+                      alibi_slopes)
+    features = tuple(sorted(f for f, on in serve.features(causal).items() if on))
+    kern = _serve_backward_kernel(q.get_device(), q.shape[-1], q.dtype, causal, features, deterministic)
+    packed = q.dim() == 3  # varlen: the packed tensors as one batch
+    lift = (lambda t: None if t is None else t.unsqueeze(0)) if packed else (lambda t: t)
+    grads = backward(kern, *(lift(t) for t in (q, k, v, out, dout.contiguous(), lse)), softmax_scale,
+                     dlse=lift(dlse), serve=serve)
+    return tuple(g.squeeze(0) for g in grads) if packed else grads
+
+
+@attention_serve_backward_op.register_fake
+def _(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+      dlse: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+      max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: Optional[float], window_left: int,
+      window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
+      deterministic: bool) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+@functools.lru_cache(maxsize=64)
+def _serve_backward_kernel(device: int, head_dim: int, dtype: torch.dtype, causal: bool, features: tuple[str, ...],
+                           deterministic: bool) -> Any:
+    """The sm80 family's default backward tiles for this GPU, generated with `features`."""
+    import dataclasses  # noqa: PLC0415
+
+    from .backward import load_backward  # noqa: PLC0415
+    from .config import default_bwd_config  # noqa: PLC0415
+
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    arch = _gpu(device)[1]
+    base = default_bwd_config(head_dim, name, causal, arch, deterministic, family="sm80")
+    return load_backward(head_dim, name, causal, dataclasses.replace(base, **dict.fromkeys(features, True)), arch)
+
+
+def _setup_varlen(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, alibi, deterministic = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, alibi)
+    ctx.args = (max_q, max_k, causal, scale, left, right, softcap, deterministic)
+
+
+def _backward_varlen(ctx: Any, dout: torch.Tensor, dlse: Optional[torch.Tensor]) -> tuple:
+    q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
+    max_q, max_k, causal, scale, left, right, softcap, deterministic = ctx.args
+    dq, dk, dv = attention_serve_backward_op(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, causal, scale,
+                                             left, right, softcap, alibi, deterministic)
+    return (dq, dk, dv) + (None,) * 11
+
+
+attention_varlen_op.register_autograd(_backward_varlen, setup_context=_setup_varlen)
+
+
+def _setup_mods(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, causal, scale, left, right, softcap, alibi, deterministic = inputs
+    ctx.save_for_backward(q, k, v, *output, alibi)
+    ctx.args = (causal, scale, left, right, softcap, deterministic)
+
+
+def _backward_mods(ctx: Any, dout: torch.Tensor, dlse: Optional[torch.Tensor]) -> tuple:
+    q, k, v, out, lse, alibi = ctx.saved_tensors
+    causal, scale, left, right, softcap, deterministic = ctx.args
+    dq, dk, dv = attention_serve_backward_op(dout, q, k, v, out, lse, dlse, None, None, 0, 0, causal, scale,
+                                             left, right, softcap, alibi, deterministic)
+    return (dq, dk, dv) + (None,) * 7
+
+
+attention_mods_op.register_autograd(_backward_mods, setup_context=_setup_mods)
+
+
 def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  dtypes: tuple = (torch.float16, torch.bfloat16)) -> None:
     """What the operator can check from shapes and dtypes alone (the eager body checks the rest)."""

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 from . import driver
 from .api import _compiled, refuse_grad
 from .compile import target_for
-from .config import _DEFAULT_TILES, ARCHS, COMBINE_WARPS, HEAD_DIMS, KernelConfig
+from .config import _DEFAULT_TILES, ARCHS, COMBINE_WARPS, HEAD_DIMS, KernelConfig, mod_features
 from .launch import LOG2E, _current_stream, scale_args
 from .tensors import _TORCH_DTYPES
 
@@ -104,14 +104,17 @@ def _dtype(t: Any, name: str) -> str:
 
 
 def _check_same(tensors: dict[str, Any], dtype: str, device: Any) -> None:
+    import torch  # noqa: PLC0415
+
     for name, t in tensors.items():
-        if not t.is_cuda or t.device != device:
+        if not (t.is_cuda or t.is_meta) or t.device != device:  # meta: shapes only, through the fake operators
             raise ValueError(f"{name} is on {t.device}; q is on {device}")
         if _dtype(t, name) != dtype:
             raise TypeError(f"{name} has dtype {t.dtype}; q has {dtype}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim")
-        if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
+        real = type(t) is torch.Tensor and not t.is_meta  # fake and meta tensors have no data pointer to check
+        if (real and t.data_ptr() % 16) or any(s % 8 for s in t.stride()[:-1]):
             raise ValueError(f"{name} needs a 16-byte aligned base and strides that are multiples of 8 elements")
 
 
@@ -228,21 +231,24 @@ def _want_split(num_splits: int, cfg_rows_tiles: int, n_blocks: int, cfg: Kernel
     return min(num_splits, MAX_SPLITS)
 
 
-NO_BACKWARD = "no backward yet for varlen and KV-cache attention"
+NO_BACKWARD = "no backward for KV-cache attention (an inference call)"
 
 
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
                      max_seqlen_k: int, causal: bool = False, softmax_scale: float | None = None,
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
-                     return_lse: bool = False, num_splits: int = 1, validate: bool = True) -> Any:
+                     return_lse: bool = False, num_splits: int = 1, validate: bool = True,
+                     deterministic: bool = False) -> Any:
     """Attention over a packed batch of sequences of different lengths (flash_attn_varlen_func).
 
     q: (total_q, heads, head_dim); k, v: (total_k, heads_k, head_dim); cu_seqlens_q/_k: int32
     (batch + 1,) offsets, from 0 to total; sequence b is q[cu_q[b]:cu_q[b+1]] against
     k[cu_k[b]:cu_k[b+1]], each with its own bottom-right causal alignment; empty sequences
     are allowed. Returns out like q, and with return_lse also lse (heads, total_q) fp32.
-    validate=False skips the checks that read the offsets back (one host sync per call): for
-    loops over trusted inputs; CUDA-graph capture skips them by itself."""
+    Differentiable (packed training): with autograd the call goes through the `flashgen::attention_varlen`
+    operator, whose backward has the same features (window, softcap, ALiBi); deterministic=True gives
+    bit-identical gradients run to run. validate=False skips the checks that read the offsets back (one
+    host sync per call): for loops over trusted inputs; CUDA-graph capture skips them by itself."""
     import torch  # noqa: PLC0415
 
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -267,9 +273,48 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
         _check_offsets(cu_seqlens_q, "cu_seqlens_q", total_q, max_seqlen_q)
         _check_offsets(cu_seqlens_k, "cu_seqlens_k", total_k, max_seqlen_k)
     mods = _mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device)
-    refuse_grad(q, k, v, NO_BACKWARD)
-    out = torch.empty_like(q) if q.is_contiguous() else q.new_empty(q.shape)
-    lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device) if return_lse else None
+    if _wants_grad(q, k, v) or traced(q):
+        from . import ops  # noqa: PLC0415  (the differentiable, traceable operator)
+
+        _scale_for_grad(softmax_scale, q, k, v)
+        out, lse = ops.attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                           softmax_scale, *mods.window, mods.softcap, mods.alibi, deterministic)
+    else:
+        out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                  softmax_scale, mods, return_lse, num_splits)
+    return (out, lse) if return_lse else out
+
+
+def traced(q: Any) -> bool:
+    """Whether the call goes through the operator for its fake implementation: torch.compile, fake or meta tensors."""
+    import torch  # noqa: PLC0415
+
+    return torch.compiler.is_compiling() or type(q) is not torch.Tensor or q.is_meta
+
+
+def _wants_grad(q: Any, k: Any, v: Any) -> bool:
+    import torch  # noqa: PLC0415
+
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def _scale_for_grad(softmax_scale: float | None, q: Any, k: Any, v: Any) -> None:
+    if softmax_scale is not None and not softmax_scale > 0:
+        refuse_grad(q, k, v, f"the backward needs softmax_scale > 0, not {softmax_scale!r}")
+
+
+def varlen_forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
+                   max_seqlen_k: int, causal: bool, softmax_scale: float | None, mods: Mods, want_lse: bool = True,
+                   num_splits: int = 1) -> tuple[Any, Any]:
+    """(out, lse or None) of checked varlen arguments: the body of `attention_varlen` and of its operator."""
+    import torch  # noqa: PLC0415
+
+    total_q, heads, d = q.shape
+    heads_k = k.shape[1]
+    batch = cu_seqlens_q.shape[0] - 1
+    dtype = _dtype(q, "q")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device) if want_lse else None
     if total_q and heads and batch:
         arch, sm_count = _arch_and_slots(q.get_device())
         features = dict(varlen=True, **_mod_features(mods, causal))
@@ -282,13 +327,64 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
                 seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, total_rows=total_q, cu_q=cu_seqlens_q,
                 cu_k=cu_seqlens_k, seqused_k=None, block_table=None, page_size=0, num_splits=splits, mods=mods,
                 softmax_scale=softmax_scale, lse_strides=(0, total_q), batch_strides=(0, 0, 0))
-    return (out, lse) if return_lse else out
+    elif lse is not None:
+        lse.fill_(math.inf)  # rows that see no key
+    return out, lse
+
+
+def has_mods(window_size: Any, softcap: float, alibi_slopes: Any, causal: bool) -> bool:
+    """Whether a dense call's score modifiers need the serving kernels (a window that bounds more than causal,
+    softcap, ALiBi); the plain kernels take it otherwise."""
+    try:
+        window = tuple(int(x) for x in window_size)
+    except (TypeError, ValueError):
+        return True  # _mods explains what is wrong
+    return len(window) != 2 or any(mod_features(window, float(softcap), alibi_slopes is not None, causal).values())
+
+
+def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, mods: Mods,
+                       want_lse: bool = True) -> tuple[Any, Any]:
+    """(out, lse or None) of dense (batch, seqlen, heads, head_dim) q, k, v with score modifiers (window,
+    softcap, ALiBi): the serving kernel without varlen; `flashgen.attention`'s body for such calls."""
+    import torch  # noqa: PLC0415
+
+    batch, seqlen_q, heads, d = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    dtype = _dtype(q, "q")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device) if want_lse else None
+    if batch * seqlen_q * heads == 0:
+        return out, lse
+    arch, _ = _arch_and_slots(q.get_device())
+    cfg = serve_config(d, dtype, causal, seqlen_q, arch, **_mod_features(mods, causal))
+    _launch(cfg, arch, q, k, v, out, lse, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            total_rows=batch * seqlen_q, cu_q=None, cu_k=None, seqused_k=None, block_table=None, page_size=0,
+            num_splits=1, mods=mods, softmax_scale=softmax_scale, lse_strides=(heads * seqlen_q, seqlen_q),
+            batch_strides=(q.stride(0), k.stride(0), v.stride(0)))
+    return out, lse
+
+
+def check_dense(q: Any, k: Any, v: Any, window_size: Any, softcap: float, alibi_slopes: Any,
+                causal: bool) -> Mods:
+    """`flashgen.attention`'s checks for a call with score modifiers; returns them."""
+    import torch  # noqa: PLC0415
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-d torch tensor (batch, seqlen, heads, head_dim); got "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    dtype = _dtype(q, "q")
+    _check_same({"q": q, "k": k, "v": v}, dtype, q.device)
+    batch, _, heads, d = q.shape
+    _check_heads(q, k, v, d, heads, k.shape[2])
+    if tuple(v.shape) != tuple(k.shape) or k.shape[0] != batch:
+        raise ValueError(f"k and v must have one shape (batch={batch}, seqlen_k, heads_k, head_dim={d}); got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    return _mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device)
 
 
 def _mod_features(mods: Mods, causal: bool) -> dict[str, bool]:
-    left, right = mods.window
-    return {"window": left >= 0 or (right >= 0 and not causal), "softcap": mods.softcap != 0.0,
-            "alibi": mods.alibi is not None}
+    return mod_features(mods.window, mods.softcap, mods.alibi is not None, causal)
 
 
 def _check_heads(q: Any, k: Any, v: Any, d: int, heads: int, heads_k: int) -> None:

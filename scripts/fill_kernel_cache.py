@@ -1,6 +1,6 @@
 """Compile, without a GPU, every kernel a GPU run will load, into FLASHGEN_CACHE_DIR.
 
-    FLASHGEN_CACHE_DIR=.kcache python scripts/fill_kernel_cache.py --arch sm90 [--tests] [--store] [--defaults] [--into DIR]
+    FLASHGEN_CACHE_DIR=.kcache python scripts/fill_kernel_cache.py --arch sm90 [--tests [SUITE ...]] [--store] [--defaults] [--into DIR]
 
 Carry the directory to the GPU machine and point FLASHGEN_CACHE_DIR at it there: device minutes
 then go to the GPU, not to nvcc. --tests: the GPU test suite's kernels; --store: every tuned
@@ -27,23 +27,31 @@ from flashgen.config import FP8_DTYPES, FP8_HEAD_DIMS, HALF_DTYPES, FAMILIES, HE
 from flashgen.store import config_from_entry  # noqa: E402
 
 
-def test_suite_configs(arch: str) -> set[KernelConfig | BwdConfig]:
+SUITES = ("fwd", "fp8", "api", "bwd", "serving")
+
+
+def test_suite_configs(arch: str, suites: tuple[str, ...] = SUITES) -> set[KernelConfig | BwdConfig]:
+    """The kernels the named GPU test modules load (fwd: test_gpu_fwd, bwd: test_gpu_bwd, ...)."""
     sys.path.insert(0, str(ROOT / "tests"))
-    import test_gpu_api  # noqa: PLC0415
-    import test_gpu_fwd  # noqa: PLC0415
-
-    import test_gpu_fp8  # noqa: PLC0415
-
-    out = {c for hd, dt, causal in itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True))
-           for c in test_gpu_fwd.configs_for(hd, dt, causal, arch)}
-    out |= set(test_gpu_fp8.fp8_configs(arch))
-    out |= set(test_gpu_api.family_configs(arch))
-    import test_gpu_bwd  # noqa: PLC0415
-
-    import test_gpu_serving  # noqa: PLC0415
-
-    return (out | set(test_gpu_bwd.bwd_configs(arch)) | set(test_gpu_bwd.forward_configs(arch))
-            | test_gpu_serving.serving_configs(arch))
+    out: set[KernelConfig | BwdConfig] = set()
+    if "fwd" in suites:
+        import test_gpu_fwd  # noqa: PLC0415
+        out |= {c for hd, dt, causal in itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True))
+                for c in test_gpu_fwd.configs_for(hd, dt, causal, arch)}
+    if "fp8" in suites:
+        import test_gpu_fp8  # noqa: PLC0415
+        out |= set(test_gpu_fp8.fp8_configs(arch))
+    if "api" in suites:
+        import test_gpu_api  # noqa: PLC0415
+        out |= set(test_gpu_api.family_configs(arch))
+    if "bwd" in suites:
+        import test_gpu_bwd  # noqa: PLC0415
+        out |= set(test_gpu_bwd.bwd_configs(arch)) | set(test_gpu_bwd.forward_configs(arch))
+    if "serving" in suites:
+        import test_gpu_serving  # noqa: PLC0415
+        import test_gpu_serving_bwd  # noqa: PLC0415
+        out |= test_gpu_serving.serving_configs(arch) | test_gpu_serving_bwd.serving_bwd_configs(arch)
+    return out
 
 
 def store_configs(arch: str) -> set[KernelConfig]:
@@ -70,18 +78,19 @@ def default_configs(arch: str) -> set[KernelConfig]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="sm90", help="the GPU the run will use, e.g. sm90")
-    ap.add_argument("--tests", action="store_true")
+    ap.add_argument("--tests", nargs="*", choices=SUITES, default=None,
+                    help="the GPU test suite's kernels: all, or only these modules' (e.g. --tests bwd api)")
     ap.add_argument("--store", action="store_true")
     ap.add_argument("--defaults", action="store_true")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--into", type=Path, default=None, help="copy these kernels' cache entries into this directory")
     args = ap.parse_args()
     cfgs: set[KernelConfig | BwdConfig] = set()
-    if args.tests:
-        cfgs |= test_suite_configs(args.arch)
+    if args.tests is not None:
+        cfgs |= test_suite_configs(args.arch, tuple(args.tests) or SUITES)
     if args.store:
         cfgs |= store_configs(args.arch)
-    if args.defaults or not (args.tests or args.store):
+    if args.defaults or not (args.tests is not None or args.store):
         cfgs |= default_configs(args.arch)
     failed = []
 
