@@ -181,10 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "both"), default="fwd",
                    help="time the forward, the backward (flashgen's backward kernels against SDPA's backward "
                         "per peer; 2.5x the forward's FLOPs) or both (default fwd)")
-    b.add_argument("--kind", choices=("dense", "decode", "varlen", "window", "serving"), default="dense",
+    b.add_argument("--kind", choices=("dense", "decode", "varlen", "window", "train", "serving"), default="dense",
                    help="dense: the grid above; decode: KV-cache decoding (contiguous and paged) against a copy of "
                         "the same bytes and SDPA; varlen: a packed causal batch against the dense kernels; window: a "
-                        "causal sliding window at N=16384; serving: the last three (default dense)")
+                        "causal sliding window at N=16384; train: the backward of those two against the dense backward; "
+                        "serving: the last four (default dense)")
     b.add_argument("--peers", type=str_list, default=["flash", "cudnn"],
                    help="SDPA backends to compare with: flash,cudnn,efficient (default flash,cudnn)")
     b.add_argument("--out", type=Path, default=None, help="write <gpu>-<date>.json/.csv/.png here")
@@ -675,7 +676,7 @@ def _bench_torch(hint: str) -> Any:
 
 
 def bench_serving(args: argparse.Namespace) -> int:
-    """`bench --kind decode|varlen|window|serving`: each serving path beside its same-run reference."""
+    """`bench --kind decode|varlen|window|train|serving`: each serving path beside its same-run reference."""
     import datetime
     import json
 
@@ -684,7 +685,7 @@ def bench_serving(args: argparse.Namespace) -> int:
 
     torch = _bench_torch("")
     gpu = torch.cuda.get_device_name()
-    kinds = ("decode", "varlen", "window") if args.kind == "serving" else (args.kind,)
+    kinds = ("decode", "varlen", "window", "train") if args.kind == "serving" else (args.kind,)
     dtype = args.dtype[0]
     result: dict = {"gpu": gpu, "date": str(datetime.date.today()), "flashgen": __version__, "torch": torch.__version__,
                     "dtype": dtype}
@@ -698,6 +699,8 @@ def bench_serving(args: argparse.Namespace) -> int:
         result["varlen"] = bs.varlen_rows(128, dtype)
     if "window" in kinds:
         result["window"] = bs.window_rows(128, dtype)
+    if "train" in kinds:
+        result["train"] = bs.train_rows(128, dtype)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         stem = args.out / f"{gpu.lower().replace(' ', '-')}-{datetime.date.today()}-{args.kind}"

@@ -171,7 +171,7 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
     ptrs = tuple(ptr(t) for t in (q, k, v, out, dout, lse, delta, dq_accum, dq, dk, dv, dk_accum, dv_accum))
     strides = tuple(s for t in (q, k, v, out, dout, dq, dk, dv) for s in t.stride()[:3])
     seqs, max_q, max_k = b, sq, sk  # the main and _dq kernels' grids
-    if serve is not None:
+    if cfg.serving:
         params, (seqs, max_q, max_k) = _serve_params(cfg, prob, ptrs, strides, softmax_scale, serve)
     else:
         params = pack_params(ptrs, strides, prob, scale, scale_log2)

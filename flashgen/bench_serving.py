@@ -1,6 +1,7 @@
-"""Bench of the serving paths on a GPU (`cli.py bench --kind decode|varlen|window`), each point beside
+"""Bench of the serving paths on a GPU (`cli.py bench --kind decode|varlen|window|train`), each point beside
 its same-run reference: decode reads K/V against a device-to-device copy of as many bytes and SDPA;
-varlen and window count useful FLOPs against flashgen's dense kernels at the same work.
+varlen and window count useful FLOPs against flashgen's dense kernels at the same work; train times
+the backward of a packed batch and of a window against the dense backward kernels.
 
 Figures per point: `kernel` (CUDA events with the GPU kept busy ahead of each call: device time),
 `b2b` (the public call back to back, host cost included) and, for decode, host microseconds per call.
@@ -108,16 +109,13 @@ def varlen_rows(head_dim: int = 128, dtype: str = "bf16", n_seqs: int = 64, lo: 
                 seed: int = 0, progress: Callable[[str], None] = print) -> list[dict]:
     """A packed causal batch of n_seqs lengths drawn log-uniformly from [lo, hi], against flashgen's dense
     causal kernels (each family) at the mean length with the same token count."""
-    import random
-
     import torch  # noqa: PLC0415
 
     import flashgen  # noqa: PLC0415
 
     tdt = torch_dtype(dtype)
     h = 2048 // head_dim
-    rng = random.Random(seed)
-    lens = [int(math.exp(rng.uniform(math.log(lo), math.log(hi)))) for _ in range(n_seqs)]
+    lens = _lengths(n_seqs, lo, hi, seed)
     total = sum(lens)
     cu = torch.tensor([0, *__import__("itertools").accumulate(lens)], dtype=torch.int32, device="cuda")
     q, k, v = (torch.randn(total, h, head_dim, device="cuda", dtype=tdt) for _ in range(3))
@@ -171,6 +169,83 @@ def window_rows(head_dim: int = 128, dtype: str = "bf16", n: int = 16384, window
     return [row]
 
 
+def _lengths(n_seqs: int, lo: int, hi: int, seed: int) -> list[int]:
+    import random  # noqa: PLC0415
+
+    rng = random.Random(seed)
+    return [int(math.exp(rng.uniform(math.log(lo), math.log(hi)))) for _ in range(n_seqs)]
+
+
+def train_rows(head_dim: int = 128, dtype: str = "bf16", n_seqs: int = 64, lo: int = 64, hi: int = 8192,
+               n: int = 16384, window: int = 1024, seed: int = 0,
+               progress: Callable[[str], None] = print) -> list[dict]:
+    """Backward kernels (device time; FLOPs 2.5x the forward's useful ones) of the varlen batch of varlen_rows
+    against the dense backward at its mean length (the sm80 family's, the same template, and the default
+    of this GPU), and of a causal window at N against the same kernel without the window; plus autograd
+    (forward + backward through the public call, back to back) for the varlen batch."""
+    import itertools  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    import flashgen  # noqa: PLC0415
+    from flashgen import ops  # noqa: PLC0415
+    from flashgen.backward import backward, load_backward  # noqa: PLC0415
+    from flashgen.config import default_bwd_config  # noqa: PLC0415
+
+    tdt = torch_dtype(dtype)
+    h = 2048 // head_dim
+    rows = []
+
+    def serve_bwd_ms(q, k, v, cu, mx, win):
+        out, lse = flashgen.attention_varlen(q, k, v, cu, cu, mx, mx, causal=True, window_size=win, return_lse=True)
+        dout = torch.randn_like(q)
+        return median_ms(time_cuda(lambda i: ops.attention_serve_backward_op(
+            dout, q, k, v, out, lse, None, cu, cu, mx, mx, True, None, win[0], win[1], 0.0, None, False),
+            warmup=3, reps=20))
+
+    def dense_bwd_ms(batch, length):
+        q, k, v = (torch.randn(batch, length, h, head_dim, device="cuda", dtype=tdt) for _ in range(3))
+        out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+        dout = torch.randn_like(q)
+        fams = {"sm80": load_backward(head_dim, dtype, True, default_bwd_config(head_dim, dtype, True, "sm80"))}
+        fams["default"] = ops._backward_kernel(q.get_device(), head_dim, tdt, True, length)
+        return {f"dense_{name}" if name == "sm80" else f"dense_{kern.config.family}": median_ms(time_cuda(
+            lambda i, kern=kern: backward(kern, q, k, v, out, dout, lse), warmup=3, reps=20)) for name, kern in fams.items()}
+
+    lens = _lengths(n_seqs, lo, hi, seed)
+    total, mean = sum(lens), sum(lens) // n_seqs
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(total, h, head_dim, device="cuda", dtype=tdt) for _ in range(3))
+    flops = 2.5 * sum(_causal_flops(x, x, head_dim, h) for x in lens)
+    ms = {"varlen": serve_bwd_ms(q, k, v, cu, max(lens), (-1, -1))}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    dout = torch.randn_like(q)
+
+    def step() -> None:
+        out = flashgen.attention_varlen(*leaves, cu, cu, max(lens), max(lens), causal=True, validate=False)
+        out.backward(dout)
+
+    ms["autograd_b2b"] = back_to_back_ms(lambda i: step(), calls=10)
+    batch = max(1, total // mean)
+    dense_flops = 2.5 * batch * _causal_flops(mean, mean, head_dim, h)
+    tf = {"varlen": flops / (ms["varlen"] * 1e-3) / 1e12,
+          "autograd_b2b (fwd+bwd)": 3.5 / 2.5 * flops / (ms["autograd_b2b"] * 1e-3) / 1e12}
+    tf |= {name: dense_flops / (t * 1e-3) / 1e12 for name, t in dense_bwd_ms(batch, mean).items()}
+    rows.append({"case": f"varlen {n_seqs} seqs {lo}-{hi} (mean {mean}) causal", "tflops": tf})
+    progress(f"backward, varlen {n_seqs} seqs ({lo}-{hi}, mean {mean}): " + ", ".join(f"{a} {b:.0f}" for a, b in tf.items()))
+
+    q, k, v = (torch.randn(n, h, head_dim, device="cuda", dtype=tdt) for _ in range(3))
+    cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    tf = {}
+    for name, win in (("window", (window, -1)), ("causal_varlen", (-1, -1))):
+        t = serve_bwd_ms(q, k, v, cu, n, win)
+        tf[name] = 2.5 * _causal_flops(n, n, head_dim, h, window if name == "window" else -1) / (t * 1e-3) / 1e12
+    tf |= {name: 2.5 * _causal_flops(n, n, head_dim, h) / (t * 1e-3) / 1e12 for name, t in dense_bwd_ms(1, n).items()}
+    rows.append({"case": f"window {window} causal at N={n}", "tflops": tf})
+    progress(f"backward, window {window} at N={n}: " + ", ".join(f"{a} {b:.0f}" for a, b in tf.items()))
+    return rows
+
+
 def decode_table(rows: list[dict]) -> str:
     head = ["batch", "cache", "page", "kernel us", "TB/s", "% copy", "b2b us", "b2b TB/s", "validated b2b us",
             "SDPA TB/s", "host us", "splits sweep us"]
@@ -208,4 +283,4 @@ def plot_decode(rows: list[dict], path: Any) -> None:
     fig.savefig(path, dpi=120)
 
 
-__all__ = ["decode_rows", "varlen_rows", "window_rows", "decode_table", "plot_decode", "copy_tb_s"]
+__all__ = ["decode_rows", "varlen_rows", "window_rows", "train_rows", "decode_table", "plot_decode", "copy_tb_s"]

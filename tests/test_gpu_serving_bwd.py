@@ -144,6 +144,20 @@ def test_dense_score_modifier_gradients(hd, causal, mod):
            window, softcap, slopes)
 
 
+def test_the_bar_catches_a_wrong_feature():
+    """The judge fails gradients computed with another mask or softcap than the reference's (the bar can fail)."""
+    q, k, v, cu_q, cu_k, mq, mk = _packed([(17, 17), (113, 211)], 4, 2, 64, torch.bfloat16, 11)
+    dout = torch.randn_like(q)
+    icu_q, icu_k = (torch.tensor(c, dtype=torch.int32, device="cuda") for c in (cu_q, cu_k))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flashgen.attention_varlen(*leaves, icu_q, icu_k, mq, mk, causal=True, softcap=5.0)
+    got = torch.autograd.grad((out * dout).sum(), leaves)
+    _judge(got, q, k, v, dout, cu_q, cu_k, True, 0.125, softcap=5.0)
+    for wrong in (dict(causal=False, softcap=5.0), dict(causal=True, softcap=0.0)):
+        with pytest.raises(AssertionError, match="max error"):
+            _judge(got, q, k, v, dout, cu_q, cu_k, scale=0.125, **wrong)
+
+
 def test_dense_modifiers_off_take_the_plain_kernels():
     """window_size=(-1, 0) with causal is causal itself: the tuned dense path, not the serving kernels."""
     from flashgen import serving
