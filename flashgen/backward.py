@@ -30,8 +30,9 @@ from .tensors import Problem, aligned, check_qkv, view
 # struct BwdParams (templates/common/bwd_params.cuh.j2): 13 pointers, 24 strides, 5 ints, 2 floats.
 _BWD = struct.Struct("=13Q24q5i2f4x")
 assert _BWD.size == 328
-# struct Sm90BwdParams (templates/sm90/bwd.cu.j2): 4 tensor maps, BwdParams, lse2 pointer, seqlen_q_pad.
-_SM90_TAIL = struct.Struct("=Qi")
+# struct Sm90BwdParams (templates/sm90/bwd_params.cuh.j2): 4 tensor maps, BwdParams, lse2 pointer, seqlen_q_pad,
+# then what varlen and window read.
+_SM90_TAIL = struct.Struct("=Qi4xQQ2i3i")  # lse2, seqlen_q_pad; cu_seqlens_q/_k, window, num_seqs, max_seqlen_q/_k
 _SM90_BWD_BYTES = 896
 # struct BwdServeParams (templates/common/bwd_serve_params.cuh.j2): BwdParams, then cu_seqlens_q, cu_seqlens_k,
 # alibi_slopes, alibi_batch_stride, window_left, window_right, softcap_pre, num_seqs, max_seqlen_q, max_seqlen_k.
@@ -158,6 +159,8 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
     f32 = dict(dtype=torch.float32, device=q.device)
     sm90 = cfg.family == "sm90"
     sq_pad = cfg.seqlen_q_pad(sq) if sm90 else sq
+    if sm90 and cfg.varlen:  # room for every sequence's whole Q tiles (bwd_params.cuh.j2: where each starts)
+        sq_pad = cfg.seqlen_q_pad(sq + (serve.cu_seqlens_q.shape[0] - 1) * cfg.block_m)
     delta = torch.empty((b, h, sq_pad), **f32)
     lse2 = torch.empty((b, h, sq_pad), **f32) if sm90 else None
     dq_accum = None if cfg.deterministic else torch.empty((b, h, sq_pad, d) if sm90 else (b, sq, h, d), **f32)
@@ -171,12 +174,15 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
     ptrs = tuple(ptr(t) for t in (q, k, v, out, dout, lse, delta, dq_accum, dq, dk, dv, dk_accum, dv_accum))
     strides = tuple(s for t in (q, k, v, out, dout, dq, dk, dv) for s in t.stride()[:3])
     seqs, max_q, max_k = b, sq, sk  # the main and _dq kernels' grids
-    if cfg.serving:
+    if cfg.serving and not sm90:
         params, (seqs, max_q, max_k) = _serve_params(cfg, prob, ptrs, strides, softmax_scale, serve)
     else:
         params = pack_params(ptrs, strides, prob, scale, scale_log2)
     if sm90:
-        params = _sm90_params(params, cfg, prob, (q, k, v, dout), lse2.data_ptr(), sq_pad)
+        if cfg.varlen:
+            seqs, max_q, max_k = serve.cu_seqlens_q.shape[0] - 1, serve.max_seqlen_q, serve.max_seqlen_k
+        params = _sm90_params(params, cfg, prob, (q, k, v, dout), lse2.data_ptr(), sq_pad,
+                              serve or ServeArgs(), (seqs, max_q, max_k))
 
     dev = q.get_device()
     driver.use_device(dev)
@@ -188,13 +194,17 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
         fn = driver.get_function(kernel.cubin, names[role], smem, f"{kernel.digest}:{names[role]}", ctx)
         fn.launch(grid, threads, params, stream)
 
-    launch("pre", cfg.rows_grid(b, h, sq), cfg.row_threads, 0)
+    rows_b, rows_q = (seqs, max_q) if sm90 and cfg.varlen else (b, sq)  # sm90 varlen: per sequence
+    launch("pre", cfg.rows_grid(rows_b, h, rows_q), cfg.row_threads, 0)
     if dlse is not None:
-        delta[..., :sq].sub_(dlse)
+        if sm90 and cfg.varlen:  # each sequence's rows start at its padded offset
+            delta[..., _padded_rows(serve.cu_seqlens_q, sq, cfg.block_m)].sub_(dlse)
+        else:
+            delta[..., :sq].sub_(dlse)
     if seqs * max_k:
         launch("main", cfg.grid(seqs, h, max_k), cfg.threads, cfg.smem_bytes)
     if sm90:
-        launch("convert", cfg.convert_grid(b, h, sq), 256, 0)
+        launch("convert", cfg.convert_grid(rows_b, h, rows_q), 256, 0)
     elif cfg.deterministic:
         if seqs * max_q:
             launch("dq", cfg.dq_grid(seqs, h, max_q), cfg.threads, cfg.smem_bytes)
@@ -204,6 +214,17 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
         dk.copy_(dk_accum.view(b, sk, hk, h // hk, d).sum(3))
         dv.copy_(dv_accum.view(b, sk, hk, h // hk, d).sum(3))
     return dq, dk, dv
+
+
+def _padded_rows(cu_seqlens_q: Any, total_q: int, block_m: int) -> Any:
+    """sm90 varlen: the padded row of each packed row (templates/sm90/bwd_params.cuh.j2's rule)."""
+    import torch  # noqa: PLC0415
+
+    lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    seq = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), lens.long(), output_size=total_q)
+    start = cu_seqlens_q[:-1].long()
+    pad_start = (start + torch.arange(start.shape[0], device=start.device) * block_m) // block_m * block_m
+    return torch.arange(total_q, device=lens.device) - start[seq] + pad_start[seq]
 
 
 def _serve_params(cfg: BwdConfig, prob: Problem, ptrs: tuple, strides: tuple, softmax_scale: float | None,
@@ -229,16 +250,20 @@ def _serve_params(cfg: BwdConfig, prob: Problem, ptrs: tuple, strides: tuple, so
     return pack_params(ptrs, strides, prob, scale, scale_log2) + tail, grid
 
 
-def _sm90_params(params: bytes, cfg: BwdConfig, prob: Problem, tensors: tuple, lse2_ptr: int, sq_pad: int) -> bytes:
+def _sm90_params(params: bytes, cfg: BwdConfig, prob: Problem, tensors: tuple, lse2_ptr: int, sq_pad: int,
+                 serve: ServeArgs, grid: tuple[int, int, int]) -> bytes:
     """Bytes of `struct Sm90BwdParams`: TMA maps of q, k, v, dout (4-d over head_dim, seqlen, heads, batch;
-    boxes of SMEM_W x block_m rows for q and dout, block_n for k and v), BwdParams, lse2, seqlen_q_pad."""
+    boxes of SMEM_W x block_m rows for q and dout, block_n for k and v), BwdParams, lse2, seqlen_q_pad, then
+    the varlen offsets, the window and the (sequences, longest q, longest k) the grids cover."""
     maps = []
     for t, rows, n, heads in zip(tensors, (cfg.block_m, cfg.block_n, cfg.block_n, cfg.block_m),
                                  (prob.seqlen_q, prob.seqlen_k, prob.seqlen_k, prob.seqlen_q),
                                  (prob.heads, prob.heads_k, prob.heads_k, prob.heads)):
         dims, strides, box = tmap_box(t.stride(), prob.head_dim, n, heads, prob.batch, ELEM_BYTES, cfg.smem_w, rows)
         maps.append(driver.tensor_map(prob.dtype, t.data_ptr(), dims, strides, box, cfg.row_bytes))
-    return (b"".join(maps) + params + _SM90_TAIL.pack(lse2_ptr, sq_pad)).ljust(_SM90_BWD_BYTES, b"\0")
+    cu_q, cu_k = (0 if t is None else t.data_ptr() for t in (serve.cu_seqlens_q, serve.cu_seqlens_k))
+    tail = _SM90_TAIL.pack(lse2_ptr, sq_pad, cu_q, cu_k, *serve.window, *grid)
+    return (b"".join(maps) + params + tail).ljust(_SM90_BWD_BYTES, b"\0")
 
 
 __all__ = ["ServeArgs", "backward", "load_backward", "pack_params"]

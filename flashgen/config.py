@@ -430,7 +430,7 @@ class BwdConfig(_AsDict):
     family: str = "sm80"
     num_stages: int = 2  # sm90: Q/dO tiles in flight (sm80 loads one at a time: stays 2)
     stagger: bool = False  # sm90: consumer warpgroups half a Q tile apart, each tile's dQ one iteration later
-    # The forward's serving features that have a backward (sm80 family; BWD_FEATURES):
+    # The forward's serving features that have a backward (BWD_FEATURES; sm90: varlen and window):
     varlen: bool = False  # packed sequences (cu_seqlens_q/_k), each with its own lengths and causal alignment
     window: bool = False  # sliding window
     softcap: bool = False  # scores = softcap * tanh(scores / softcap): dS gains the factor 1 - tanh^2
@@ -443,9 +443,9 @@ class BwdConfig(_AsDict):
         _check_choice("deterministic", self.deterministic, (False, True))
         for f in BWD_FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
-        if self.serving and self.family != "sm80":
-            raise ConfigError(f"the backward's serving features ({', '.join(self.features)}) are built in family sm80 "
-                              f"(it runs on Hopper too), not {self.family}")
+        if self.family == "sm90" and (self.softcap or self.alibi):
+            raise ConfigError("the backward with softcap or ALiBi is built in family sm80 (it runs on Hopper too); "
+                              "family sm90 has varlen and window")
         if self.family == "sm90":
             self._check_sm90()
             return
@@ -514,9 +514,8 @@ class BwdConfig(_AsDict):
         mask = "causal" if self.causal else "full"
         name = (f"bwd_{self.family}_d{self.head_dim}_{self.dtype}_{mask}_bm{self.block_m}_bn{self.block_n}"
                 f"_w{self.num_warps}")
-        if self.family == "sm90":
-            return name + f"_s{self.num_stages}_st{int(self.stagger)}"
-        return name + f"_det{int(self.deterministic)}" + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
+        name += f"_s{self.num_stages}_st{int(self.stagger)}" if self.family == "sm90" else f"_det{int(self.deterministic)}"
+        return name + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
 
     @property
     def features(self) -> tuple[str, ...]:

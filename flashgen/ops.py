@@ -215,13 +215,14 @@ def attention_serve_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
                                 alibi_slopes: Optional[torch.Tensor],
                                 deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of flashgen::attention_varlen (3-d q, k, v and offsets) or flashgen::attention_mods (4-d,
-    offsets None): the sm80 family's backward generated with the call's features (it runs on Hopper too)."""
+    offsets None): the backward generated with the call's features (_serve_backward_kernel chooses the family)."""
     from .backward import ServeArgs, backward  # noqa: PLC0415
 
     serve = ServeArgs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, (window_left, window_right), softcap,
                       alibi_slopes)
     features = tuple(sorted(f for f, on in serve.features(causal).items() if on))
-    kern = _serve_backward_kernel(q.get_device(), q.shape[-1], q.dtype, causal, features, deterministic)
+    kern = _serve_backward_kernel(q.get_device(), q.shape[-1], q.dtype, causal, features, deterministic,
+                                  max_seqlen_k if cu_seqlens_q is not None else k.shape[1])
     packed = q.dim() == 3  # varlen: the packed tensors as one batch
     lift = (lambda t: None if t is None else t.unsqueeze(0)) if packed else (lambda t: t)
     grads = backward(kern, *(lift(t) for t in (q, k, v, out, dout.contiguous(), lse)), softmax_scale,
@@ -238,19 +239,23 @@ def _(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
-@functools.lru_cache(maxsize=64)
 def _serve_backward_kernel(device: int, head_dim: int, dtype: torch.dtype, causal: bool, features: tuple[str, ...],
-                           deterministic: bool) -> Any:
-    """The sm80 family's default backward tiles for this GPU, generated with `features`."""
+                           deterministic: bool, seqlen: int) -> Any:
+    """The backward for a call with serving features: the dense backward autograd would take (tuned for the
+    nearest seqlen bucket; sm90 family on Hopper), generated with `features`; the sm80 family's default tiles
+    where the sm90 backward lacks a feature (softcap, ALiBi) or the call is deterministic."""
     import dataclasses  # noqa: PLC0415
 
-    from .backward import load_backward  # noqa: PLC0415
     from .config import default_bwd_config  # noqa: PLC0415
 
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     arch = _gpu(device)[1]
-    base = default_bwd_config(head_dim, name, causal, arch, deterministic, family="sm80")
-    return load_backward(head_dim, name, causal, dataclasses.replace(base, **dict.fromkeys(features, True)), arch)
+    if deterministic or "softcap" in features or "alibi" in features:
+        base = default_bwd_config(head_dim, name, causal, arch, deterministic, family="sm80")
+    else:
+        base = _backward_kernel(device, head_dim, dtype, causal, seqlen).config
+    return _load_backward(head_dim, name, causal, dataclasses.replace(base, **dict.fromkeys(features, True)), arch,
+                          deterministic)
 
 
 def _setup_varlen(ctx: Any, inputs: tuple, output: tuple) -> None:

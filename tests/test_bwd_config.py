@@ -144,8 +144,11 @@ def test_sm90_params_tensor_maps(monkeypatch):
     q = torch.empty(2, 100, 6, 96, dtype=torch.bfloat16)
     k = torch.empty(2, 300, 3, 96, dtype=torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)
     prob = Problem(batch=2, seqlen_q=100, seqlen_k=300, heads=6, heads_k=3, head_dim=96, dtype="bf16")
-    raw = bwd._sm90_params(bytes(_BWD.size), cfg, prob, (q, k, k, q), 1234, 128)
+    raw = bwd._sm90_params(bytes(_BWD.size), cfg, prob, (q, k, k, q), 1234, 128, bwd.ServeArgs(window=(5, 7)),
+                           (2, 100, 300))
     assert len(raw) == 896 and struct.unpack_from("=Qi", raw, 512 + _BWD.size) == (1234, 128)
+    # the varlen and window fields where templates/sm90/bwd_params.cuh.j2's static_asserts pin them
+    assert struct.unpack_from("=QQ2i3i", raw, 856) == (0, 0, 5, 7, 2, 100, 300)
     assert [m[2:] for m in maps] == [
         ((96, 100, 6, 2), (2 * 6 * 96, 2 * 96, 2 * 100 * 6 * 96), (32, 64, 1, 1), 64),
         ((96, 300, 3, 2), (2 * 96, 2 * 300 * 96, 2 * 300 * 3 * 96), (32, 64, 1, 1), 64),

@@ -167,28 +167,74 @@ def test_dense_modifiers_off_take_the_plain_kernels():
     assert serving.has_mods((-1, -1), 1.0, None, False)
 
 
+@pytest.mark.parametrize("family", ["sm80", "sm90"])
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("window", [(-1, -1), (40, 8)], ids=["nowin", "win"])
+def test_each_family_varlen_backward(family, hd, causal, window):
+    """The varlen (and window) backward of each family through flashgen.backward directly (autograd takes the
+    sm90 family on Hopper), against the same per-sequence float64 reference."""
+    from flashgen.backward import ServeArgs, backward, load_backward
+    from flashgen.config import default_bwd_config, mod_features
+
+    major = torch.cuda.get_device_capability()[0]
+    if family == "sm90" and major != 9:
+        pytest.skip("family sm90 runs on Hopper (sm90) only")
+    seqs = [(0, 5), (1, 1), (113, 211), (211, 113), (65, 64), (128, 300)]
+    q, k, v, cu_q, cu_k, mq, mk = _packed(seqs, 6, 2, hd, torch.bfloat16, 5)
+    icu_q, icu_k = (torch.tensor(c, dtype=torch.int32, device="cuda") for c in (cu_q, cu_k))
+    out, lse = flashgen.attention_varlen(q, k, v, icu_q, icu_k, mq, mk, causal=causal, window_size=window,
+                                         return_lse=True)
+    dout = torch.randn_like(q)
+    feats = {f: on for f, on in dict(varlen=True, **mod_features(window, 0.0, False, causal)).items() if on}
+    cfg = dataclasses.replace(default_bwd_config(hd, "bf16", causal, f"sm{major}{torch.cuda.get_device_capability()[1]}",
+                                                 family=family), **feats)
+    serve = ServeArgs(icu_q, icu_k, mq, mk, (window[0], 0 if causal else window[1]))
+    bufs = tuple(torch.full_like(t, float("nan")).unsqueeze(0) for t in (q, k, v))
+    got = backward(load_backward(hd, "bf16", causal, cfg), *(t.unsqueeze(0) for t in (q, k, v, out, dout)),
+                   lse.unsqueeze(0), None, *bufs, serve=serve)
+    torch.cuda.synchronize()
+    _judge([g.squeeze(0) for g in got], q, k, v, dout, cu_q, cu_k, causal, 1 / math.sqrt(hd), window)
+
+
 def serving_bwd_configs(arch: str) -> set:
-    """Every kernel this module loads on `arch` (scripts/fill_kernel_cache.py): the serving forwards and
-    the sm80 family's default backward tiles with each feature set used here."""
+    """Every kernel this module loads on `arch` (scripts/fill_kernel_cache.py): the serving forwards, the sm80
+    family's default backward tiles with each feature set used here, and on Hopper each sm90 backward autograd
+    may take (the default and every tuned one in the repository's store) with varlen and window."""
+    import json
+    from pathlib import Path
+
     from flashgen.config import HALF_DTYPES, HEAD_DIMS, default_bwd_config, mod_features
     from flashgen.serving import serve_config
+    from flashgen.store import config_from_entry
 
     out = set()
+    sm90 = []
+    if arch == "sm90":
+        sm90 = [default_bwd_config(hd, dt, c, arch) for hd, dt, c in itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True))]
+        for path in (Path(__file__).resolve().parent.parent / "tuned").glob("*.json"):
+            sm90 += [config_from_entry(e) for e in json.loads(path.read_text())["entries"].values()]
+        sm90 = [c for c in sm90 if getattr(c, "family", "") == "sm90" and hasattr(c, "deterministic")]
 
     def add(hd, dtype, causal, rows, det=False, varlen=True, window=(-1, -1), softcap=0.0, alibi=False):
         feats = dict(varlen=varlen, **mod_features(window, softcap, alibi, causal))
         feats = {f: on for f, on in feats.items() if on}
         out.add(serve_config(hd, dtype, causal, rows, arch, **feats))
-        base = default_bwd_config(hd, dtype, causal, arch, det, family="sm80")
-        out.add(dataclasses.replace(base, **feats))
+        out.add(dataclasses.replace(default_bwd_config(hd, dtype, causal, arch, det, family="sm80"), **feats))
+        if not (det or softcap or alibi):
+            out.update(dataclasses.replace(c, **feats) for c in sm90
+                       if (c.head_dim, c.dtype, c.causal) == (hd, dtype, causal))
 
     rows = max(a for a, _ in SEQS)
     for hd, dt, causal in itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True)):
         add(hd, dt, causal, rows)
     for hd, dt, causal, (window, softcap, alibi) in itertools.product((64, 128), HALF_DTYPES, (False, True),
-                                                                      MODS.values()):
+                                                                      [*MODS.values(), ((40, 8), 0.0, False)]):
         add(hd, dt, causal, 300, window=window, softcap=softcap, alibi=alibi)
     add(64, "bf16", True, rows, det=True, window=(32, -1))
+    add(64, "bf16", True, 113, softcap=5.0)
+    add(128, "bf16", True, 8192)  # the bench (cli.py bench --kind train)
+    add(128, "bf16", True, 16384, window=(1024, -1))
     for hd, causal, (window, softcap, alibi) in itertools.product((64, 128, 256), (False, True), MODS.values()):
         add(hd, "bf16", causal, 211, varlen=False, window=window, softcap=softcap, alibi=alibi)
     return out

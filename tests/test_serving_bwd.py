@@ -5,6 +5,7 @@ parameter bytes, the feature check before launch, and the autograd wiring throug
 from __future__ import annotations
 
 import dataclasses
+import re
 import struct
 
 import pytest
@@ -24,9 +25,25 @@ def test_features_name_the_backward_and_dense_names_stay():
     assert "BwdServeParams" not in render(dense)
 
 
-def test_serving_backward_is_sm80_family():
-    with pytest.raises(ConfigError, match="family sm80"):
-        BwdConfig(128, "bf16", False, 64, 128, 12, family="sm90", num_stages=2, varlen=True)
+def test_sm90_backward_has_varlen_and_window_only():
+    cfg = BwdConfig(128, "bf16", True, 64, 128, 12, family="sm90", num_stages=3, stagger=True, varlen=True, window=True)
+    assert cfg.name == "bwd_sm90_d128_bf16_causal_bm64_bn128_w12_s3_st1_vl_win"
+    for f in ("softcap", "alibi"):
+        with pytest.raises(ConfigError, match="family sm80"):
+            BwdConfig(128, "bf16", False, 64, 128, 12, family="sm90", num_stages=2, **{f: True})
+
+
+@pytest.mark.parametrize("features", [dict(varlen=True), dict(varlen=True, window=True), dict(window=True)],
+                         ids=["varlen", "varlen-window", "window"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sm90_serving_backward_compiles_without_spills(head_dim, features, tmp_path, monkeypatch):
+    """Each default sm90 backward with the features: no spill, none of ptxas's wgmma advisories (serialized wgmma)."""
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path))
+    cfg = dataclasses.replace(default_bwd_config(head_dim, "bf16", True, "sm90"), **features)
+    assert cfg.family == "sm90"
+    k = compile_kernel(cfg, "sm_90a")
+    assert not k.resources.spills, f"{cfg.name}: {k.resources}"
+    assert not re.search(r"C751[239]", k.ptxas_log), f"{cfg.name}: {k.ptxas_log}"
 
 
 def test_window_feature_only_where_it_bounds_more_than_causal():
