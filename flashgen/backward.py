@@ -198,7 +198,8 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
     launch("pre", cfg.rows_grid(rows_b, h, rows_q), cfg.row_threads, 0)
     if dlse is not None:
         if sm90 and cfg.varlen:  # each sequence's rows start at its padded offset
-            delta[..., _padded_rows(serve.cu_seqlens_q, sq, cfg.block_m)].sub_(dlse)
+            rows = _padded_rows(serve.cu_seqlens_q, sq, cfg.block_m)
+            delta[..., rows] = delta[..., rows] - dlse  # (advanced indexing reads a copy: assign back)
         else:
             delta[..., :sq].sub_(dlse)
     if seqs * max_k:
