@@ -33,6 +33,7 @@ COMBINE_WARPS = 4  # (row, head) pairs per block of the split-KV combine kernel 
 DENSE_MIN_BLOCK_M = 64
 # Serving features of a forward kernel (sm80 family): each a compile-time switch, off = not in the code.
 FEATURES = ("varlen", "paged", "split", "pack_gqa", "window", "softcap", "alibi")
+SM90_FEATURES = ("varlen", "window")  # the sm90 family's forward and backward have these
 BWD_FEATURES = ("varlen", "window", "softcap", "alibi")  # the ones a training call uses: the backward has them
 
 
@@ -125,7 +126,7 @@ class KernelConfig(_AsDict):
     overlap: bool = False  # sm90: issue the next S = QK^T alongside this tile's P V
     pingpong: bool = False  # sm90: the two consumer warpgroups take turns issuing GEMMs
     persistent: bool = False  # sm90: one CTA per SM loops over tiles (next Q and K/V load during this epilogue)
-    # Serving features (sm80 family; see FEATURES and templates/sm80/serve.cuh.j2):
+    # Serving features (sm80 family, see FEATURES and templates/sm80/serve.cuh.j2; sm90: SM90_FEATURES):
     varlen: bool = False  # per-sequence offsets (cu_seqlens) and key counts (seqused_k: KV cache lengths)
     paged: bool = False  # K/V pages through a block table
     split: bool = False  # split-KV: partial results per key range, merged by the _combine kernel
@@ -173,8 +174,11 @@ class KernelConfig(_AsDict):
         for f in FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
         if self.serving and self.family != "sm80":
-            raise ConfigError(f"serving features ({', '.join(self.features)}) are built in family sm80 (it runs on "
-                              f"Hopper too), not {self.family}")
+            if not set(self.features) <= set(SM90_FEATURES):
+                raise ConfigError(f"serving features ({', '.join(self.features)}) are built in family sm80 (it runs on "
+                                  f"Hopper too); family {self.family} has {' and '.join(SM90_FEATURES)}")
+            if self.persistent or self.fp8:
+                raise ConfigError("varlen and window are built in the sm90 family's non-persistent 16-bit kernels")
         if self.paged and not self.varlen:
             raise ConfigError("paged=True needs varlen=True (a paged cache has per-sequence lengths)")
         if self.pack_gqa and self.alibi:
@@ -210,7 +214,6 @@ class KernelConfig(_AsDict):
             name += f"_ov{int(self.overlap)}_pp{int(self.pingpong)}" + ("_ps" if self.persistent else "")
             if self.fp8:
                 name += f"_o{self.out_dtype}" + ("_bq" if self.block_quant_p else "")
-            return name
         return name + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
 
     @property

@@ -42,7 +42,7 @@ def render(cfg: KernelConfig | BwdConfig) -> str:
     producer_regs, consumer_regs = regs.get(cfg.consumers, (None, None)) if cfg.family == "sm90" else (None, None)
     return template.render(
         cfg=cfg, version=__version__, elem_t=elem_t, out_t=out_t, elem2_t=elem2_t, pack_fn=pack_fn, ptx_type=ptx_type,
-        params_t="Sm90Fp8FwdParams" if cfg.fp8 else "Sm90FwdParams",
+        params_t="Sm90Fp8FwdParams" if cfg.fp8 else ("Sm90ServeFwdParams" if cfg.serving else "Sm90FwdParams"),
         producer_regs=producer_regs, consumer_regs=consumer_regs, combine_warps=COMBINE_WARPS,
     )
 

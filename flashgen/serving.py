@@ -16,13 +16,17 @@ from typing import Any, NamedTuple
 from . import driver
 from .api import _compiled, refuse_grad
 from .compile import target_for
-from .config import _DEFAULT_TILES, ARCHS, COMBINE_WARPS, HEAD_DIMS, KernelConfig, mod_features
-from .launch import LOG2E, _current_stream, scale_args
+from .config import _DEFAULT_TILES, ARCHS, COMBINE_WARPS, ELEM_BYTES, HEAD_DIMS, SM90_FEATURES, KernelConfig, mod_features
+from .launch import _FWD, _SM90_BYTES, LOG2E, _current_stream, scale_args, tmap_box
 from .tensors import _TORCH_DTYPES
 
 # FwdParams ("=5Q12q5i2f4x", launch._FWD), then ServeParams' own fields (templates/common/serve_params.cuh.j2).
 _SERVE = struct.Struct("=5Q12q5i2f4x7Q4q5if")
 assert _SERVE.size == 280
+# Sm90ServeFwdParams (templates/sm90/params.cuh.j2) after FwdParams: cu_seqlens_q, cu_seqlens_k, window_left,
+# window_right, num_seqs, max_seqlen_q.
+_SM90_SERVE_TAIL = struct.Struct("=2Q4i")
+assert 3 * 128 + _FWD.size == 552 and 552 + _SM90_SERVE_TAIL.size <= _SM90_BYTES == 640
 MAX_SPLITS = 128
 # Decode tiles (at most 32 query rows per sequence, packed): (block_m, block_n, num_warps, num_stages)
 # by head dim. Two warps even for 16 rows: one warp alone holds the K/V copies of a tile and its
@@ -209,6 +213,62 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
         comb.launch((combine_blocks, 1, 1), 32 * COMBINE_WARPS, params, stream)
 
 
+def sm90_config(device: int, head_dim: int, dtype: str, causal: bool, rows: int, seqlen_k: int,
+                features: dict[str, bool]) -> KernelConfig | None:
+    """The sm90 family's kernel for a varlen or window call on Hopper: the dense kernel `flashgen.attention`
+    would take for seqlen_k (tuned, else the default), non-persistent, with the features; None where the sm80
+    family's serving kernel applies (not Hopper, other features, decode-sized row blocks)."""
+    import dataclasses  # noqa: PLC0415
+
+    from .api import _resolver  # noqa: PLC0415
+
+    wanted = tuple(f for f, on in features.items() if on)
+    if _arch_and_slots(device)[0] != "sm90" or not set(wanted) <= set(SM90_FEATURES) or rows <= DECODE_ROWS:
+        return None
+    base = _resolver.kernel(device, head_dim, dtype, causal, seqlen_k, "sm90").config
+    return _without_spills(dataclasses.replace(base, persistent=False, **dict.fromkeys(wanted, True)))
+
+
+@functools.lru_cache(maxsize=256)
+def _without_spills(cfg: KernelConfig) -> KernelConfig:
+    """`cfg`, or the family's default tiles with its features where the features' registers make `cfg`
+    spill or serialize its wgmmas (ptxas's report; some tuned tiles with large block_n)."""
+    import dataclasses  # noqa: PLC0415
+    import re  # noqa: PLC0415
+
+    from .config import default_config  # noqa: PLC0415
+
+    kern = _compiled(cfg, target_for("sm90", cfg.family))
+    if not kern.resources.spills and not re.search(r"C751[239]", kern.ptxas_log):
+        return cfg
+    base = default_config(cfg.head_dim, cfg.dtype, cfg.causal, "sm90", "sm90")
+    return dataclasses.replace(base, persistent=False, **dict.fromkeys(cfg.features, True))
+
+
+def _launch_sm90(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, num_seqs: int, max_seqlen_q: int,
+                 cu_q: Any, cu_k: Any, mods: Mods, softmax_scale: float | None) -> None:
+    """One sm90-family launch: q, k, v, out as (batch, rows, heads, d) views (varlen: the packed tensors as one
+    batch, cu_q / cu_k their offsets); lse (batch, heads, rows) or varlen's (heads, total_q), or None."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    dev = q.get_device()
+    driver.use_device(dev)
+    scale, scale_log2 = scale_args(softmax_scale, d)
+    fwd = _FWD.pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
+                    *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], b, h, hk, sq, sk, scale,
+                    scale_log2)
+    maps = b"".join(driver.tensor_map(cfg.dtype, t.data_ptr(), *tmap_box(t.stride(), d, n, heads, b, ELEM_BYTES,
+                                                                           cfg.smem_w, rows), cfg.row_bytes)
+                    for t, n, heads, rows in ((q, sq, h, cfg.block_m), (k, sk, hk, cfg.block_n), (v, sk, hk, cfg.block_n)))
+    tail = _SM90_SERVE_TAIL.pack(0 if cu_q is None else cu_q.data_ptr(), 0 if cu_k is None else cu_k.data_ptr(),
+                                 *mods.window, num_seqs, max_seqlen_q)
+    params = (maps + fwd + tail).ljust(_SM90_BYTES, b"\0")
+    blocks = -(-max_seqlen_q // cfg.block_m) * h * num_seqs
+    if blocks:
+        fn, _ = _functions(cfg, "sm90", driver.primary_context_id(dev))
+        fn.launch((blocks, 1, 1), cfg.threads, params, _current_stream(dev))
+
+
 @functools.lru_cache(maxsize=512)
 def _functions(cfg: KernelConfig, arch: str, ctx: int) -> tuple[driver.Function, driver.Function | None]:
     """The main kernel and (split-KV) the combine of `cfg`, loaded in context `ctx`."""
@@ -321,6 +381,12 @@ def varlen_forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
         cfg = serve_config(d, dtype, causal, max_seqlen_q, arch, **features)
         tiles = serve_grids(cfg, batch, heads, heads_k, max_seqlen_q, total_q, 1)[0]  # row blocks, one split
         splits = _want_split(num_splits, tiles, -(-max_seqlen_k // cfg.block_n), cfg, sm_count, arch)
+        cfg90 = sm90_config(q.get_device(), d, dtype, causal, max_seqlen_q, max_seqlen_k, features) if splits == 1 else None
+        if cfg90 is not None:
+            _launch_sm90(cfg90, *(t.unsqueeze(0) for t in (q, k, v, out)), lse, num_seqs=batch,
+                         max_seqlen_q=max_seqlen_q, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, mods=mods,
+                         softmax_scale=softmax_scale)
+            return out, lse
         if splits > 1:
             cfg = serve_config(d, dtype, causal, max_seqlen_q, arch, split=True, **features)
         _launch(cfg, arch, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse, batch=batch,
@@ -356,7 +422,13 @@ def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: floa
     if batch * seqlen_q * heads == 0:
         return out, lse
     arch, _ = _arch_and_slots(q.get_device())
-    cfg = serve_config(d, dtype, causal, seqlen_q, arch, **_mod_features(mods, causal))
+    features = _mod_features(mods, causal)
+    cfg90 = sm90_config(q.get_device(), d, dtype, causal, seqlen_q, seqlen_k, features)
+    if cfg90 is not None:
+        _launch_sm90(cfg90, q, k, v, out, lse, num_seqs=batch, max_seqlen_q=seqlen_q, cu_q=None, cu_k=None, mods=mods,
+                     softmax_scale=softmax_scale)
+        return out, lse
+    cfg = serve_config(d, dtype, causal, seqlen_q, arch, **features)
     _launch(cfg, arch, q, k, v, out, lse, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             total_rows=batch * seqlen_q, cu_q=None, cu_k=None, seqused_k=None, block_table=None, page_size=0,
             num_splits=1, mods=mods, softmax_scale=softmax_scale, lse_strides=(heads * seqlen_q, seqlen_q),

@@ -179,6 +179,18 @@ def test_kvcache_window_and_softcap():
     _kvcache_case(5, 4, 128, "bf16", "gqa", 0, True, 0, causal=True, window=(100, -1), softcap=25.0)
 
 
+@pytest.mark.parametrize("hd", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("window", [(-1, -1), (64, 16)], ids=["nowin", "win"])
+def test_sm80_family_varlen_where_hopper_takes_sm90(hd, causal, window, monkeypatch):
+    """On Hopper varlen and window calls take the sm90 family; the sm80 family's serving kernel, which other GPUs
+    take, is checked here too (sm90_config forced to decline)."""
+    from flashgen import serving
+
+    monkeypatch.setattr(serving, "sm90_config", lambda *a: None)
+    _varlen_case(VARLEN_SEQS, hd, "bf16", causal, "gqa", window=window)
+
+
 def test_bad_arguments_raise_before_launch():
     q = _rand(2, 1, 8, 128, dtype=torch.bfloat16)
     kc = _rand(2, 64, 2, 128, dtype=torch.bfloat16)
@@ -234,4 +246,25 @@ def serving_configs(arch: str) -> set:
             for layout, (h, hk) in LAYOUTS.items():
                 add(hd, dtype, False, h // hk if h > hk else 1, varlen=True, paged=True, pack_gqa=h > hk)
     add(128, "bf16", True, 16, varlen=True, pack_gqa=True, window=True, softcap=True)
-    return out
+    return out | sm90_serving_configs(arch)
+
+
+def sm90_serving_configs(arch: str) -> set:
+    """On Hopper, every sm90-family kernel a varlen or window call may take (flashgen.serving.sm90_config): each
+    dense sm90 kernel of the repository's store and each default, non-persistent, with varlen and window."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from flashgen.config import HEAD_DIMS, KernelConfig, default_config
+    from flashgen.store import config_from_entry
+
+    if arch != "sm90":
+        return set()
+    base = {default_config(hd, dt, c, arch, "sm90") for hd in HEAD_DIMS for dt in DT for c in (False, True)}
+    for path in (Path(__file__).resolve().parent.parent / "tuned").glob("*.json"):
+        base |= {config_from_entry(e) for e in json.loads(path.read_text())["entries"].values()}
+    base = {dataclasses.replace(c, persistent=False) for c in base
+            if isinstance(c, KernelConfig) and c.family == "sm90" and not c.fp8 and not c.serving}
+    feature_sets = ({"varlen": True}, {"varlen": True, "window": True}, {"window": True})
+    return {dataclasses.replace(c, **f) for c in base for f in feature_sets}

@@ -21,7 +21,11 @@ def test_features_name_the_kernel_and_dense_names_stay():
 
 def test_feature_rules():
     with pytest.raises(ConfigError, match="family sm80"):
-        KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", varlen=True)
+        KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", varlen=True, paged=True)
+    with pytest.raises(ConfigError, match="non-persistent 16-bit"):
+        KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", persistent=True, varlen=True)
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", varlen=True, window=True)
+    assert cfg.name == "fwd_sm90_d128_bf16_causal_bm128_bn128_w12_s2_ov0_pp0_vl_win"
     with pytest.raises(ConfigError, match="paged=True needs varlen"):
         KernelConfig(128, "bf16", False, 64, 64, 4, 2, paged=True)
     with pytest.raises(ConfigError, match="pack_gqa and alibi"):
@@ -64,6 +68,22 @@ def test_serving_kernels_compile_without_spills(target, features, tmp_path, monk
     assert ("_combine(" in src) == cfg.split
     res = compile_kernel(cfg, target).resources
     assert not res.spills, f"{cfg.name} spills on {target}: {res}"
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(overlap=True), dict(pingpong=True), dict(overlap=True, pingpong=True)],
+                         ids=["plain", "overlap", "pingpong", "both"])
+@pytest.mark.parametrize("features", [dict(varlen=True), dict(varlen=True, window=True), dict(window=True)],
+                         ids=["varlen", "varlen-window", "window"])
+def test_sm90_serving_forward_compiles_without_spills(knobs, features, tmp_path, monkeypatch):
+    """The sm90 family's varlen / window forward: each schedule compiles for sm_90a, no spill, no serialized wgmma;
+    its params struct is the host's (static_assert on offsets and size)."""
+    import re
+
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path))
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", **knobs, **features)
+    assert "(const __grid_constant__ Sm90ServeFwdParams p)" in render(cfg)
+    k = compile_kernel(cfg, "sm_90a")
+    assert not k.resources.spills and not re.search(r"C751[239]", k.ptxas_log), f"{cfg.name}: {k.resources}"
 
 
 def test_every_feature_renders_alone():
