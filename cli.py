@@ -94,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tune", help="search the tile space per problem on this GPU and store the fastest verified kernel")
     add_problem_args(t)
+    t.add_argument("--kind", choices=("dense", "decode"), default="dense",
+                   help="dense: the tile space per seqlen bucket (default); decode: KV-cache decoding (one query "
+                        "token): every decode tile x num_splits per --points and --pages, the fastest verified one "
+                        "stored and taken by attention_with_kvcache(num_splits=0)")
+    t.add_argument("--points", type=str_list, default=None,
+                   help="decode: batch x cache length points, e.g. 32x8192,1x131072 (default: the bench's six)")
+    t.add_argument("--pages", type=int_list, default=None, help="decode: page sizes, 0 = contiguous (default 0,16,256)")
+    t.add_argument("--heads", type=int_list, default=[32, 8], help="decode: query heads, KV heads (default 32,8)")
     t.add_argument("--seqlen", type=int_list, default=list(SEQLEN_BUCKETS), help="seqlen buckets (default 1024,4096,16384)")
     t.add_argument("--gqa", type=int_list, default=[1], help="GQA group sizes, heads // heads_k (default 1)")
     t.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS, help="batch = batch_tokens // seqlen (default 16384)")
@@ -406,6 +414,8 @@ def tune(args: argparse.Namespace) -> int:
     from flashgen.search import SearchOptions, exhaustive_for, viable_count
     from flashgen.store import make_entry, merge, store_path
 
+    if args.kind == "decode":
+        return tune_decode(args)
     if args.compile_only:
         return compile_only(args)
     if args.collect:
@@ -501,6 +511,55 @@ def store_row(key: str, out, action: str) -> list:
             speed, f"{out.trials}/{out.counts['pruned']}/{failed}", action]
 
 
+def tune_decode(args: argparse.Namespace) -> int:
+    """tune --kind decode: each (head dim, dtype, point, page size) measured in full, the winners merged into the store."""
+    from tqdm import tqdm
+
+    from flashgen import tune_decode as td
+    from flashgen.compile import compile_kernel
+    from flashgen.store import merge, store_path
+
+    points = [tuple(int(x) for x in p.lower().split("x")) for p in args.points] if args.points else list(td.DECODE_POINTS)
+    if any(len(p) != 2 or min(p) < 1 for p in points):
+        raise CliError(f"--points {','.join(args.points)}: expected BATCHxCACHE_LEN, e.g. 32x8192")
+    pages = args.pages if args.pages is not None else list(td.PAGE_SIZES)
+    if any(p < 0 or p % 16 for p in pages):
+        raise CliError(f"--pages {','.join(map(str, pages))}: 0 (contiguous) or multiples of 16")
+    if len(args.heads) != 2 or args.heads[0] % args.heads[1]:
+        raise CliError("--heads: query heads, KV heads (a multiple of them), e.g. 32,8")
+    if args.compile_only:  # the whole space, for a GPU run to load from FLASHGEN_CACHE_DIR
+        arch = args.gpu_arch or "sm90"
+        cfgs = {c for hd, dt in itertools.product(args.head_dim, args.dtype) for pg in (False, True)
+                for c, _ in td.space(hd, dt, arch, pg, max(n for _, n in points))}
+        for cfg in tqdm(sorted(cfgs, key=lambda c: c.name), desc="compile", unit="kernel"):
+            compile_kernel(cfg, f"sm_{arch[2:]}")
+        print(f"{len(cfgs)} decode kernels compiled for {arch}")
+        return 0
+    torch = _bench_torch(" (tune --kind decode times kernels)")
+    from flashgen.driver import device_info
+
+    info = device_info(torch.cuda.current_device())
+    problems = [td.DecodeProblem(hd, dt, args.heads[0], args.heads[1], b, n, pg, info.name, info.arch)
+                for hd, dt, (b, n), pg in itertools.product(args.head_dim, args.dtype, points, pages)
+                if not pg or n % pg == 0]
+    entries = {}
+    for p in tqdm(problems, desc="decode problems", unit="problem"):
+        e = td.tune_problem(p, progress=tqdm.write)
+        if e is not None:
+            entries[p.key] = e
+    path = store_path(info.name, info.arch, args.tuned_dir)
+    actions = merge(path, info.name, info.arch, entries, args.force) if entries else {}
+    rows = []
+    for key, e in entries.items():
+        d = e["default"]
+        rows.append([key, e["kernel"], e["num_splits"], f"{e['median_ms'] * 1e3:.1f}", f"{e['tb_s']:.2f}",
+                     f"{d['tb_s']:.2f}" if d.get("tb_s") else d["status"],
+                     f"{d['median_ms'] / e['median_ms']:.2f}x" if d.get("median_ms") else "-", actions[key]])
+    print(table(rows, ["problem", "kernel", "splits", "us", "TB/s", "untuned TB/s", "speedup", "store"]))
+    print(f"{len(entries)} of {len(problems)} problems stored in {path}")
+    return 0
+
+
 def collect(args: argparse.Namespace) -> int:
     """tune --collect: the winners of every study in the storage, merged into the tuned store per GPU model."""
     from flashgen import fleet
@@ -524,6 +583,9 @@ def entry_row(e: dict) -> list:
     """kernel, ms, TFLOP/s, default ms, speedup, date of a store entry."""
     d = e.get("default") or {}
     speed = f"{d['median_ms'] / e['median_ms']:.2f}x" if d.get("median_ms") else "-"
+    if e.get("num_splits"):  # a decode entry: its split count, and K/V read rate rather than TFLOP/s
+        return [f"{e.get('kernel', '?')} x{e['num_splits']}", f"{e['median_ms']:.4f}", f"{e.get('tb_s') or 0:.2f} TB/s",
+                f"{d['median_ms']:.4f}" if d.get("median_ms") else "-", speed, e.get("date", "?")]
     return [e.get("kernel", "?"), f"{e['median_ms']:.4f}", f"{e.get('tflops') or 0:.1f}",
             f"{d['median_ms']:.4f}" if d.get("median_ms") else "-", speed, e.get("date", "?")]
 

@@ -557,18 +557,36 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     pack = group > 1 and alibi_slopes is None
     rows = seqlen_q * (group if pack else 1)
     features = dict(varlen=True, paged=paged, pack_gqa=pack, **_mod_features(mods, causal))
-    cfg = serve_config(d, dtype, causal, rows, arch, **features)
-    n_blocks = -(-longest // cfg.block_n)
-    tiles = serve_grids(cfg, batch, heads, heads_k, seqlen_q, batch * seqlen_q, 1)[0]  # row blocks, one split
-    splits = _want_split(num_splits, tiles, n_blocks, cfg, sm_count, arch)
-    if splits > 1:
-        cfg = serve_config(d, dtype, causal, rows, arch, split=True, **features)
-    _launch(cfg, arch, q, k_cache, v_cache, out, lse, batch=batch, seqlen_q=seqlen_q,
+    tuned = None
+    if num_splits == 0 and seqlen_q == 1 and not any(_mod_features(mods, causal).values()):
+        from .tune_decode import tuned_decode  # noqa: PLC0415
+
+        tuned = tuned_decode(q.get_device(), d, dtype, heads, heads_k, batch, capacity, page_size)
+    if tuned is not None:  # the tile and split count measured fastest for the nearest decode problem
+        cfg, splits = tuned
+    else:
+        cfg = serve_config(d, dtype, causal, rows, arch, **features)
+        n_blocks = -(-longest // cfg.block_n)
+        tiles = serve_grids(cfg, batch, heads, heads_k, seqlen_q, batch * seqlen_q, 1)[0]  # row blocks, one split
+        splits = _want_split(num_splits, tiles, n_blocks, cfg, sm_count, arch)
+        if splits > 1:
+            cfg = serve_config(d, dtype, causal, rows, arch, split=True, **features)
+    kvcache_launch(cfg, splits, q, k_cache, v_cache, out, lse, seqused, block_table, mods, softmax_scale)
+    return (out, lse) if return_lse else out
+
+
+def kvcache_launch(cfg: KernelConfig, splits: int, q: Any, k_cache: Any, v_cache: Any, out: Any, lse: Any,
+                   seqused: Any, block_table: Any, mods: Mods = Mods(), softmax_scale: float | None = None) -> None:
+    """One KV-cache attention launch with a given kernel and split count (checked arguments; `seqused`: the keys
+    each sequence holds, int32 (batch,)): `attention_with_kvcache`'s and the decode tuner's (flashgen.tune_decode)."""
+    batch, seqlen_q, heads = q.shape[:3]
+    page_size = k_cache.shape[1] if block_table is not None else 0
+    capacity = block_table.shape[1] * page_size if block_table is not None else k_cache.shape[1]
+    _launch(cfg, _arch_and_slots(q.get_device())[0], q, k_cache, v_cache, out, lse, batch=batch, seqlen_q=seqlen_q,
             seqlen_k=capacity, total_rows=batch * seqlen_q, cu_q=None, cu_k=None, seqused_k=seqused,
             block_table=block_table, page_size=page_size, num_splits=splits, mods=mods, softmax_scale=softmax_scale,
             lse_strides=(heads * seqlen_q, seqlen_q),
             batch_strides=(q.stride(0), k_cache.stride(0), v_cache.stride(0)))
-    return (out, lse) if return_lse else out
 
 
 def _check_cache(cache_seqlens: Any, seqlen_new: int, capacity: int, block_table: Any, num_pages: int) -> int:

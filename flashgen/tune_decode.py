@@ -1,0 +1,238 @@
+"""Search and store for decode problems (KV-cache attention of one query token per sequence).
+
+The decode kernel (templates/sm80/serve.cuh.j2 with varlen, pack-GQA, and paged / split where used) has a
+small space: a tile (block_m, block_n, warps, stages) and the number of key ranges each row block is
+split into (split-KV). `tune_problem` measures all of it on one problem (head dim, dtype, heads, batch,
+cache length, page size): every candidate verified against float64 on the problem's own random inputs
+before it is timed (CUDA-event medians), and the fastest verified one becomes a store entry ("pass_":
+"decode"). `tuned_decode` is what `attention_with_kvcache(num_splits=0)` asks: the entry of the nearest
+stored problem, or None (then the rule of flashgen.serving chooses).
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import itertools
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from .__version__ import __version__
+from .config import ConfigError, KernelConfig
+
+SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
+DECODE_POINTS = ((1, 1024), (1, 8192), (1, 131072), (8, 32768), (32, 8192), (128, 4096))  # (batch, cache length)
+PAGE_SIZES = (0, 16, 256)  # 0: a contiguous cache
+
+
+@dataclass(frozen=True)
+class DecodeProblem:
+    """One decode problem on one GPU: q (batch, 1, heads, head_dim) against a full cache of cache_len keys."""
+
+    head_dim: int
+    dtype: str
+    heads: int
+    heads_k: int
+    batch: int
+    cache_len: int
+    page_size: int  # 0: contiguous (batch, cache_len, heads_k, head_dim)
+    gpu_name: str
+    gpu_arch: str
+
+    @property
+    def key(self) -> str:
+        return (f"decode_d{self.head_dim}_{self.dtype}_h{self.heads}k{self.heads_k}_b{self.batch}_n{self.cache_len}"
+                f"_p{self.page_size}")
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.batch * self.cache_len * self.heads_k * self.head_dim * 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "pass_": "decode"}
+
+
+def decode_tiles(head_dim: int, dtype: str, arch: str) -> list[tuple[int, int, int, int]]:
+    """(block_m, block_n, warps, stages) of the decode tiles that fit `arch` paged and not, split and not."""
+    out = []
+    for bm, w, bn, s in itertools.product((16, 32), (1, 2), (32, 64, 128), (2, 3, 4)):
+        try:
+            cfgs = [decode_config(head_dim, dtype, (bm, bn, w, s), pg, sp) for pg in (False, True) for sp in (False, True)]
+        except ConfigError:
+            continue
+        if all(c.unfit_reason(arch) is None for c in cfgs):
+            out.append((bm, bn, w, s))
+    return out
+
+
+def decode_config(head_dim: int, dtype: str, tile: tuple[int, int, int, int], paged: bool, split: bool) -> KernelConfig:
+    bm, bn, w, s = tile
+    return KernelConfig(head_dim, dtype, False, bm, bn, w, s, varlen=True, paged=paged, pack_gqa=True, split=split)
+
+
+def space(head_dim: int, dtype: str, arch: str, paged: bool, cache_len: int) -> list[tuple[KernelConfig, int]]:
+    """Every (kernel, num_splits) of a decode problem: each tile, unsplit and split 2..128 ways (no more
+    ways than the cache has key blocks)."""
+    out = []
+    for tile in decode_tiles(head_dim, dtype, arch):
+        blocks = -(-cache_len // tile[1])
+        out += [(decode_config(head_dim, dtype, tile, paged, s > 1), s) for s in SPLITS if s == 1 or s <= blocks]
+    return out
+
+
+def _reference(q: Any, k: Any, v: Any, dtype: Any) -> Any:
+    """Attention of q (batch, 1, heads, d) over the whole cache (batch, n, heads_k, d), in `dtype`, a few
+    sequences at a time (float64 K of a large cache would not fit at once)."""
+    import torch  # noqa: PLC0415
+
+    b, _, h, d = q.shape
+    group = h // k.shape[2]
+    per = max(1, (1 << 28) // max(1, k[0].numel() * 8))
+    outs = []
+    for i in range(0, b, per):
+        qi = q[i:i + per, 0].to(dtype)  # (b, h, d)
+        ki = k[i:i + per].to(dtype).repeat_interleave(group, dim=2)  # (b, n, h, d)
+        vi = v[i:i + per].to(dtype).repeat_interleave(group, dim=2)
+        s = torch.einsum("bhd,bnhd->bhn", qi, ki) / math.sqrt(d)
+        outs.append(torch.einsum("bhn,bnhd->bhd", torch.softmax(s, dim=-1), vi))
+    return torch.cat(outs)[:, None]
+
+
+def tune_problem(problem: DecodeProblem, candidates: list[tuple[KernelConfig, int]] | None = None,
+                 progress: Callable[[str], None] | None = None) -> dict[str, Any] | None:
+    """Measure every candidate (default: the whole space) of `problem` on this GPU; the store entry of the fastest
+    verified one (None if none verified). The untuned choice (attention_with_kvcache's rule) is measured beside it."""
+    import torch  # noqa: PLC0415
+
+    from . import attention_with_kvcache  # noqa: PLC0415
+    from .bench import median_ms, time_cuda  # noqa: PLC0415
+    from .bench_serving import _paged  # noqa: PLC0415
+    from .compile import nvcc_version  # noqa: PLC0415
+    from .serving import kvcache_launch  # noqa: PLC0415
+    from .tensors import torch_dtype  # noqa: PLC0415
+
+    p = problem
+    tdt = torch_dtype(p.dtype)
+    q = torch.randn(p.batch, 1, p.heads, p.head_dim, device="cuda", dtype=tdt)
+    kc, vc = (torch.randn(p.batch, p.cache_len, p.heads_k, p.head_dim, device="cuda", dtype=tdt) for _ in range(2))
+    ref = _reference(q, kc, vc, torch.float64)
+    bound = 2 * (_reference(q, kc, vc, tdt).double() - ref).abs().max().item() + 1e-5  # flash_attn's bar
+    k_arg, v_arg, table = kc, vc, None
+    if p.page_size:
+        k_arg, table = _paged(kc, p.page_size)
+        v_arg = torch.empty_like(k_arg)
+        v_arg[table.view(-1).long()] = vc.view(-1, p.page_size, p.heads_k, p.head_dim)
+    lens = torch.full((p.batch,), p.cache_len, dtype=torch.int32, device="cuda")
+    candidates = candidates if candidates is not None else space(p.head_dim, p.dtype, p.gpu_arch, bool(p.page_size),
+                                                                 p.cache_len)
+    out = torch.empty_like(q)
+
+    def measure(call: Callable[[], Any]) -> tuple[float | None, str]:
+        out.fill_(float("nan"))  # poisoned: an unwritten element fails
+        call()
+        torch.cuda.synchronize()
+        err = (out.double() - ref).abs().max().item()
+        if not err <= bound:  # NaN fails too
+            return None, f"max error {err:.3g} > {bound:.3g}"
+        return median_ms(time_cuda(lambda i: call(), warmup=2, reps=15)), "ok"
+
+    def untuned() -> None:  # the rule's choice, as a caller without a tuned entry gets it
+        out.copy_(attention_with_kvcache(q, k_arg, v_arg, cache_seqlens=lens, block_table=table, validate=False))
+
+    default_ms, default_status = measure(untuned)
+    results, failed = [], 0
+    for cfg, splits in candidates:
+        ms, status = measure(lambda: kvcache_launch(cfg, splits, q, k_arg, v_arg, out, None, lens, table))
+        if ms is None:
+            failed += 1
+            if progress:
+                progress(f"  {cfg.name} x{splits}: not verified ({status})")
+            continue
+        results.append((ms, cfg, splits))
+    if not results:
+        return None
+    ms, cfg, splits = min(results, key=lambda r: r[0])
+    tb_s = p.kv_bytes / (ms * 1e-3) / 1e12
+    if progress:
+        progress(f"{p.key}: {tb_s:.2f} TB/s ({ms * 1e3:.1f} us) {cfg.name} x{splits}; untuned "
+                 + (f"{p.kv_bytes / (default_ms * 1e-3) / 1e12:.2f} TB/s" if default_ms else default_status)
+                 + f"; {len(results)} verified, {failed} failed")
+    return {
+        "problem": p.to_dict(), "kernel": cfg.name, "config": cfg.to_dict(), "num_splits": splits,
+        "median_ms": ms, "tflops": None, "tb_s": tb_s, "trials": len(candidates),
+        "date": datetime.date.today().isoformat(), "flashgen": __version__, "nvcc": nvcc_version(),
+        "driver": _driver_version(),
+        "default": {"kernel": "rule (flashgen.serving)", "status": default_status, "median_ms": default_ms,
+                    "tb_s": p.kv_bytes / (default_ms * 1e-3) / 1e12 if default_ms else None},
+    }
+
+
+def _driver_version() -> str:
+    import ctypes  # noqa: PLC0415
+
+    from .driver import lib  # noqa: PLC0415
+
+    v = ctypes.c_int()
+    lib().cuDriverGetVersion(ctypes.byref(v))
+    return f"{v.value // 1000}.{v.value % 1000 // 10}"
+
+
+# -- lookup, for attention_with_kvcache ----------------------------------------------------
+
+def _distance(a: int, b: int) -> float:
+    return abs(math.log(max(a, 1)) - math.log(max(b, 1)))
+
+
+def nearest_entry(entries: list[dict[str, Any]], head_dim: int, dtype: str, heads: int, heads_k: int, batch: int,
+                  cache_len: int, page_size: int) -> dict[str, Any] | None:
+    """The decode entry for this call: same head dim, dtype and GQA group, contiguous or paged as the call; then the
+    nearest page size, then the nearest (cache length, batch) by ratio."""
+    cands = [e for e in entries if e.get("problem", {}).get("pass_") == "decode"]
+    cands = [e for e in cands if (e["problem"]["head_dim"], e["problem"]["dtype"]) == (head_dim, dtype)
+             and e["problem"]["heads"] // e["problem"]["heads_k"] == heads // heads_k
+             and bool(e["problem"]["page_size"]) == bool(page_size)]
+    if not cands:
+        return None
+    page = min({e["problem"]["page_size"] for e in cands}, key=lambda s: _distance(s, page_size) if page_size else 0)
+    cands = [e for e in cands if e["problem"]["page_size"] == page]
+    return min(cands, key=lambda e: (_distance(e["problem"]["cache_len"], cache_len) + _distance(e["problem"]["batch"], batch),
+                                     e["median_ms"]))
+
+
+def tuned_decode(device: int, head_dim: int, dtype: str, heads: int, heads_k: int, batch: int, cache_len: int,
+                 page_size: int) -> tuple[KernelConfig, int] | None:
+    """(kernel, num_splits) of the nearest tuned decode problem in this GPU's store, or None. Cached per call
+    shape; the store file is looked at again when it changed (at most every api.STORE_CHECK_S)."""
+    from .ops import _gpu, _store_stamp  # noqa: PLC0415
+
+    gpu_name, arch = _gpu(device)
+    return _tuned(gpu_name, arch, _store_stamp(gpu_name, arch), head_dim, dtype, heads, heads_k, batch, cache_len,
+                  page_size)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tuned(gpu_name: str, arch: str, stamp: tuple | None, head_dim: int, dtype: str, heads: int, heads_k: int,
+           batch: int, cache_len: int, page_size: int) -> tuple[KernelConfig, int] | None:
+    from .store import StoreError, _cached_read, _warn_once, store_path  # noqa: PLC0415
+
+    path = store_path(gpu_name, arch)
+    if stamp is None:
+        return None
+    try:
+        entries = list(_cached_read(path, gpu_name, arch)["entries"].values())
+    except StoreError as e:
+        _warn_once(str(e), f"{e}; decoding with the untuned rule until it is fixed")
+        return None
+    e = nearest_entry(entries, head_dim, dtype, heads, heads_k, batch, cache_len, page_size)
+    if e is None:
+        return None
+    cfg = KernelConfig.from_dict(e["config"])
+    if cfg.unfit_reason(arch) is not None:
+        return None
+    cfg = decode_config(head_dim, dtype, (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages), bool(page_size),
+                        e["num_splits"] > 1)
+    return cfg, int(e["num_splits"])
+
+
+__all__ = ["DECODE_POINTS", "DecodeProblem", "PAGE_SIZES", "decode_tiles", "nearest_entry", "space", "tune_problem",
+           "tuned_decode"]

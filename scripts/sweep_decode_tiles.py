@@ -1,0 +1,117 @@
+"""Sweep the decode kernel's tiles and num_splits on KV-cache decode problems (one query token, pack-GQA).
+
+    python scripts/sweep_decode_tiles.py --compile-only            # fill FLASHGEN_CACHE_DIR, no GPU
+    python scripts/sweep_decode_tiles.py [--points 32x8192,1x131072] [--pages 0,16,256] [--splits 1,2,4,8]
+
+flashgen.serving picks one decode tile per head dim and num_splits by a rule; this measures every tile
+(block_m, block_n, warps, stages) x splits on each (batch x cache length, page size) point, each checked
+against SDPA once, and prints per point the default's and the best's K/V read rate (CUDA-event medians).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from flashgen import serving  # noqa: E402
+from flashgen.compile import CompileError, compile_kernel  # noqa: E402
+from flashgen.config import ConfigError, KernelConfig  # noqa: E402
+
+HEADS = (32, 8)
+
+
+def tiles(head_dim: int, dtype: str, arch: str) -> list[tuple[int, int, int, int]]:
+    """(block_m, block_n, warps, stages) of decode tiles that fit `arch` (paged and split both)."""
+    out = []
+    for bm, w, bn, s in itertools.product((16, 32), (1, 2), (32, 64, 128), (2, 3, 4)):
+        try:
+            cfgs = [KernelConfig(head_dim, dtype, False, bm, bn, w, s, varlen=True, paged=pg, pack_gqa=True, split=sp)
+                    for pg in (False, True) for sp in (False, True)]
+        except ConfigError:
+            continue
+        if all(c.unfit_reason(arch) is None for c in cfgs):
+            out.append((bm, bn, w, s))
+    return out
+
+
+def config(head_dim: int, dtype: str, tile: tuple[int, int, int, int], paged: bool, split: bool) -> KernelConfig:
+    bm, bn, w, s = tile
+    return KernelConfig(head_dim, dtype, False, bm, bn, w, s, varlen=True, paged=paged, pack_gqa=True, split=split)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--arch", default="sm90")
+    ap.add_argument("--points", default="32x8192,8x32768,1x131072", help="batch x cache length, comma-separated")
+    ap.add_argument("--pages", default="0,16,256", help="page sizes (0: contiguous)")
+    ap.add_argument("--splits", default="1,2,4,8,16")
+    ap.add_argument("--compile-only", action="store_true")
+    args = ap.parse_args()
+    ts = tiles(args.head_dim, args.dtype, args.arch)
+    if args.compile_only:
+        for t, pg, sp in itertools.product(ts, (False, True), (False, True)):
+            try:
+                compile_kernel(config(args.head_dim, args.dtype, t, pg, sp), "sm_" + args.arch[2:])
+            except CompileError as e:
+                print("FAILED", t, pg, sp, str(e).splitlines()[0])
+        print(f"{len(ts)} tiles x paged x split compiled")
+        return
+    sweep(args, ts)
+
+
+def sweep(args: argparse.Namespace, ts: list) -> None:
+    import torch
+
+    from flashgen import attention_with_kvcache
+    from flashgen.bench import median_ms, time_cuda
+    from flashgen.bench_serving import _paged
+
+    h, hk = HEADS
+    d, tdt = args.head_dim, {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    real = serving.serve_config
+    for point in args.points.split(","):
+        batch, n = (int(x) for x in point.split("x"))
+        q = torch.randn(batch, 1, h, d, device="cuda", dtype=tdt)
+        kc, vc = (torch.randn(batch, n, hk, d, device="cuda", dtype=tdt) for _ in range(2))
+        lens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+        ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
+                                                               enable_gqa=True).transpose(1, 2)
+        kv_bytes = 2 * batch * n * hk * d * q.element_size()
+        for page in (int(x) for x in args.pages.split(",")):
+            k_arg, v_arg, table = kc, vc, None
+            if page:
+                k_arg, table = _paged(kc, page)
+                v_arg = torch.empty_like(k_arg)
+                v_arg[table.view(-1).long()] = vc.view(-1, page, hk, d)
+            results = []
+            default_ms = median_ms(time_cuda(lambda i: attention_with_kvcache(
+                q, k_arg, v_arg, cache_seqlens=lens, block_table=table, validate=False), warmup=3, reps=20))
+            for t in ts:
+                for splits in (int(x) for x in args.splits.split(",")):
+                    serving.serve_config = lambda *a, split=False, **f: config(d, args.dtype, t, bool(page), split)
+                    try:
+                        def call(i: int = 0) -> torch.Tensor:
+                            return attention_with_kvcache(q, k_arg, v_arg, cache_seqlens=lens, block_table=table,
+                                                          num_splits=splits, validate=False)
+                        err = (call().float() - ref.float()).abs().max().item()
+                        if not err < 2e-2:
+                            print(f"  {t} splits {splits}: WRONG (max error {err:.3g})")
+                            continue
+                        results.append((median_ms(time_cuda(call, warmup=2, reps=15)), t, splits))
+                    finally:
+                        serving.serve_config = real
+            results.sort()
+            tb = lambda ms: kv_bytes / (ms * 1e-3) / 1e12  # noqa: E731
+            best = results[0]
+            print(f"{batch} x {n} page {page or '-'}: default {tb(default_ms):.2f} TB/s ({default_ms * 1e3:.0f} us); "
+                  f"best {tb(best[0]):.2f} TB/s tile (bm, bn, w, s) {best[1]} splits {best[2]}; next: "
+                  + ", ".join(f"{r[1]}x{r[2]} {tb(r[0]):.2f}" for r in results[1:4]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
