@@ -32,6 +32,7 @@ def test_tuned_decode_entry_is_verified_stored_and_used(tmp_path, monkeypatch):
     path = store_path(info.name, info.arch)
     assert merge(path, info.name, info.arch, {p.key: e}) == {p.key: "added"}
     assert read_store(path, info.name, info.arch)["entries"][p.key]["num_splits"] == e["num_splits"]
+    ops._stamps.clear()  # the store changed just now (a running process sees it within api.STORE_CHECK_S)
 
     seen, real = [], serving.kvcache_launch
     monkeypatch.setattr(serving, "kvcache_launch", lambda cfg, splits, *a, **k: (seen.append((cfg, splits)),
