@@ -5,12 +5,14 @@
     python cli.py tune --arch sm80 --head-dim 64 --compile-only      # no GPU needed
     python cli.py tune --arch sm80 --gpus all --storage postgresql://tuner@db-host/flashgen  # on each host
     python cli.py tune --collect --storage postgresql://tuner@db-host/flashgen  # the fleet's winners -> tuned/
+    python cli.py tune --kind decode --head-dim 128 --points 32x8192,1x131072 --pages 0,16,256  # KV-cache decoding
     python cli.py dashboard --storage postgresql://tuner@db-host/flashgen
     python cli.py show
     python cli.py export --arch sm80 --out exported/
     python cli.py export --features varlen,paged,split,pack_gqa --head-dim 128 --causal no --out exported/
     python cli.py check --head-dim 64,128
     python cli.py bench --arch sm80 --head-dim 64,128,256 --dtype bf16,fp16 --out benchmarks/
+    python cli.py bench --kind serving --out benchmarks/       # decode, varlen, window, train
 """
 from __future__ import annotations
 

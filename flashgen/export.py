@@ -6,8 +6,9 @@ and `<name>.h` (its launch parameters: grid formula, block, dynamic shared memor
 A tuned backward (`bwd_...`) is exported the same way: its `.cu` holds its three kernels, its
 `.h` the `BwdParams` struct (sm90: `Sm90BwdParams`, with the tensor maps and padded buffers it needs),
 each kernel's grid, threads and shared memory, and a `launch()`.
-A serving kernel (a KernelConfig with any of config.FEATURES) is exported by `export_configs` (cli.py
-export --features; serving kernels are not tuned, so none comes from the store's tuner): its `.cu`
+A serving kernel (a KernelConfig with any of config.FEATURES) comes from the store where `tune --kind
+decode` put it (the manifest's "problems" give each tuned decode problem's num_splits), or from
+`export_configs` (cli.py export --features, the tiles flashgen.serving.serve_config picks): its `.cu`
 holds the kernel and, with split, its `_combine`; its `.h` the `ServeParams` struct, what each
 compiled-in feature needs in it, the grids of flashgen.serving.serve_grids in C++, and a `launch()`.
 """
@@ -477,8 +478,9 @@ def tuned_kernels(family: str, tuned_dir: Path | str | None = None,
         for key, e in sorted(doc["entries"].items()):
             cfg = config_from_entry(e)  # a tuned backward too
             if cfg.family == family:
-                out.setdefault(cfg, []).append({"key": key, "gpu": doc["gpu"], **{k: e.get(k) for k in
-                                                                                    ("median_ms", "tflops")}})
+                fields = ("median_ms", "tflops", "num_splits", "tb_s")  # decode entries: their split count
+                out.setdefault(cfg, []).append({"key": key, "gpu": doc["gpu"],
+                                                **{k: e.get(k) for k in fields if k in e}})
     return out
 
 

@@ -271,6 +271,23 @@ def test_a_serving_config_in_the_store_gets_the_serving_header(tmp_path):
     assert "struct ServeParams" in h and "NVIDIA H200 (sm90)" in h and "-arch=sm_90" in h
 
 
+def test_a_tuned_decode_entry_exports_with_its_split_count(tmp_path):
+    """tune --kind decode's entries: the kernel with the serving header, each tuned problem's num_splits in the manifest."""
+    import json
+
+    from flashgen.tune_decode import DecodeProblem, decode_config
+
+    cfg = decode_config(128, "bf16", (16, 32, 1, 2), True, True)
+    p = DecodeProblem(128, "bf16", 32, 8, 32, 8192, 16, "NVIDIA H200", "sm90")
+    merge(store_path("NVIDIA H200", "sm90", tmp_path / "tuned"), "NVIDIA H200", "sm90", {
+        p.key: {"config": cfg.to_dict(), "kernel": cfg.name, "median_ms": 0.26, "tflops": None, "tb_s": 4.0,
+                "num_splits": 8, "problem": p.to_dict()}})
+    export("sm80", tmp_path / "out", tmp_path / "tuned")
+    assert "struct ServeParams" in (tmp_path / "out" / f"{cfg.name}.h").read_text()
+    entry = json.loads((tmp_path / "out" / "manifest.json").read_text())["kernels"][0]
+    assert entry["kernel"] == cfg.name and entry["problems"][0]["num_splits"] == 8 and entry["problems"][0]["key"] == p.key
+
+
 SERVE_MAIN = """\
 #include "{a}.h"
 #include "{b}.h"
