@@ -12,7 +12,6 @@ import os
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 

@@ -17,7 +17,6 @@ expanded dK, dV), so dK and dV stay deterministic.
 """
 from __future__ import annotations
 
-import math
 import struct
 from typing import Any, NamedTuple
 

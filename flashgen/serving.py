@@ -122,6 +122,20 @@ def _check_same(tensors: dict[str, Any], dtype: str, device: Any) -> None:
             raise ValueError(f"{name} needs a 16-byte aligned base and strides that are multiples of 8 elements")
 
 
+def _checked_dtype(tensors: dict[str, Any], layout: str) -> str:
+    """The dtype of tensors that must be torch tensors of `layout`'s rank, on q's device, of one dtype."""
+    import torch  # noqa: PLC0415
+
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.dim() != layout.count(",") + 1:
+            raise ValueError(f"{name} must be a {layout.count(',') + 1}-d torch tensor {layout}; got "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    first = next(iter(tensors.values()))
+    dtype = _dtype(first, next(iter(tensors)))
+    _check_same(tensors, dtype, first.device)
+    return dtype
+
+
 def _int32(t: Any, name: str, shape: tuple[int, ...], device: Any) -> None:
     import torch  # noqa: PLC0415
 
@@ -311,12 +325,7 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     host sync per call): for loops over trusted inputs; CUDA-graph capture skips them by itself."""
     import torch  # noqa: PLC0415
 
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name} must be a 3-d torch tensor (total, heads, head_dim); got "
-                             f"{tuple(getattr(t, 'shape', ()))}")
-    dtype = _dtype(q, "q")
-    _check_same({"q": q, "k": k, "v": v}, dtype, q.device)
+    _checked_dtype({"q": q, "k": k, "v": v}, "(total, heads, head_dim)")
     total_q, heads, d = q.shape
     total_k, heads_k, _ = k.shape
     _check_heads(q, k, v, d, heads, heads_k)
@@ -415,7 +424,7 @@ def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: floa
     import torch  # noqa: PLC0415
 
     batch, seqlen_q, heads, d = q.shape
-    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    seqlen_k = k.shape[1]
     dtype = _dtype(q, "q")
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device) if want_lse else None
@@ -439,14 +448,7 @@ def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: floa
 def check_dense(q: Any, k: Any, v: Any, window_size: Any, softcap: float, alibi_slopes: Any,
                 causal: bool) -> Mods:
     """`flashgen.attention`'s checks for a call with score modifiers; returns them."""
-    import torch  # noqa: PLC0415
-
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-d torch tensor (batch, seqlen, heads, head_dim); got "
-                             f"{tuple(getattr(t, 'shape', ()))}")
-    dtype = _dtype(q, "q")
-    _check_same({"q": q, "k": k, "v": v}, dtype, q.device)
+    _checked_dtype({"q": q, "k": k, "v": v}, "(batch, seqlen, heads, head_dim)")
     batch, _, heads, d = q.shape
     _check_heads(q, k, v, d, heads, k.shape[2])
     if tuple(v.shape) != tuple(k.shape) or k.shape[0] != batch:
@@ -497,11 +499,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     inputs; CUDA-graph capture skips them by itself."""
     import torch  # noqa: PLC0415
 
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-d torch tensor; got {tuple(getattr(t, 'shape', ()))}")
-    dtype = _dtype(q, "q")
-    _check_same({"q": q, "k_cache": k_cache, "v_cache": v_cache}, dtype, q.device)
+    dtype = _checked_dtype({"q": q, "k_cache": k_cache, "v_cache": v_cache}, "(batch, rows, heads, head_dim)")
     batch, seqlen_q, heads, d = q.shape
     heads_k = k_cache.shape[2]
     _check_heads(q, k_cache, v_cache, d, heads, heads_k)

@@ -18,28 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashgen import serving  # noqa: E402
 from flashgen.compile import CompileError, compile_kernel  # noqa: E402
-from flashgen.config import ConfigError, KernelConfig  # noqa: E402
+from flashgen.tune_decode import decode_config as config, decode_tiles as tiles  # noqa: E402
 
 HEADS = (32, 8)
-
-
-def tiles(head_dim: int, dtype: str, arch: str) -> list[tuple[int, int, int, int]]:
-    """(block_m, block_n, warps, stages) of decode tiles that fit `arch` (paged and split both)."""
-    out = []
-    for bm, w, bn, s in itertools.product((16, 32), (1, 2), (32, 64, 128), (2, 3, 4)):
-        try:
-            cfgs = [KernelConfig(head_dim, dtype, False, bm, bn, w, s, varlen=True, paged=pg, pack_gqa=True, split=sp)
-                    for pg in (False, True) for sp in (False, True)]
-        except ConfigError:
-            continue
-        if all(c.unfit_reason(arch) is None for c in cfgs):
-            out.append((bm, bn, w, s))
-    return out
-
-
-def config(head_dim: int, dtype: str, tile: tuple[int, int, int, int], paged: bool, split: bool) -> KernelConfig:
-    bm, bn, w, s = tile
-    return KernelConfig(head_dim, dtype, False, bm, bn, w, s, varlen=True, paged=paged, pack_gqa=True, split=split)
 
 
 def main() -> None:

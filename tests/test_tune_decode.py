@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from flashgen import tune_decode as td
 from flashgen.store import FORMAT, lookup, read_store
 
