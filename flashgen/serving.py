@@ -189,7 +189,7 @@ def _scales(softmax_scale: float | None, head_dim: int, softcap: float) -> tuple
 def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse: Any, *, batch: int,
             seqlen_q: int, seqlen_k: int, total_rows: int, cu_q: Any, cu_k: Any, seqused_k: Any, block_table: Any,
             page_size: int, num_splits: int, mods: Mods, softmax_scale: float | None, lse_strides: tuple[int, int],
-            batch_strides: tuple[int, int, int]) -> None:
+            batch_strides: tuple[int, int, int]) -> "_Launch | None":
     """One serving launch (plus the combine when split). q/out rows: (.., rows, heads, d) views;
     k, v: (.., keys or page rows, heads_k, d). batch_strides: (q/o, k, v) batch (or page) strides."""
     import torch  # noqa: PLC0415
@@ -220,11 +220,33 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
         lse_strides[0], lse_strides[1], total_rows, page_size, num_splits, mods.window[0], mods.window[1], softcap_pre)
     blocks, combine_blocks = serve_grids(cfg, batch, heads, heads_k, seqlen_q, total_rows, num_splits)
     if blocks == 0:
-        return
+        return None
     fn, comb = _functions(cfg, arch, ctx)
     fn.launch((blocks, 1, 1), cfg.threads, params, stream)
     if comb is not None:
         comb.launch((combine_blocks, 1, 1), 32 * COMBINE_WARPS, params, stream)
+    fields = list(_SERVE.unpack(params))
+    for i in _POINTERS:
+        fields[i] = 0
+    accum = None if o_accum is None else (tuple(o_accum.shape), tuple(lse_accum.shape))
+    return _Launch(dev, fn, comb, blocks, combine_blocks, cfg.threads, tuple(fields), accum)
+
+
+# _SERVE's pointer fields: q k v o lse (0-4), then cu_q cu_k seqused block_table alibi o_accum lse_accum (24-30).
+_POINTERS = (0, 1, 2, 3, 4, 24, 25, 26, 27, 28, 29, 30)
+
+
+class _Launch(NamedTuple):
+    """A serving launch with its pointers zeroed: what a call with the same shapes, strides and choices repeats."""
+
+    device: int
+    fn: Any
+    comb: Any
+    blocks: int
+    combine_blocks: int
+    threads: int
+    fields: tuple  # _SERVE's fields, pointers 0
+    accum: tuple | None  # split-KV: shapes of o_accum and lse_accum
 
 
 def sm90_config(device: int, head_dim: int, dtype: str, causal: bool, rows: int, seqlen_k: int,
@@ -496,9 +518,17 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     flashgen choose. Returns out like q, and with return_lse also lse (batch, heads, seqlen_q) fp32.
     validate=False skips the checks that read cache_seqlens and block_table back (one host sync per
     call; out-of-range values then read or write outside the cache): for decode loops over trusted
-    inputs; CUDA-graph capture skips them by itself."""
+    inputs; CUDA-graph capture skips them by itself. A call that repeats an earlier one's shapes, strides and
+    options with validate=False (a decode loop) reuses its checks and choices (a plan): pointers, then launch."""
     import torch  # noqa: PLC0415
 
+    key = _plan_key(q, k_cache, v_cache, k, cache_seqlens, block_table, causal, softmax_scale, window_size, softcap,
+                    alibi_slopes, num_splits, return_lse, validate)
+    plan = _kv_plans.get(key) if key is not None else None
+    if plan is not None:
+        done = _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, return_lse)
+        if done is not None:
+            return done if return_lse else done[0]
     dtype = _checked_dtype({"q": q, "k_cache": k_cache, "v_cache": v_cache}, "(batch, rows, heads, head_dim)")
     batch, seqlen_q, heads, d = q.shape
     heads_k = k_cache.shape[2]
@@ -569,22 +599,93 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
         splits = _want_split(num_splits, tiles, n_blocks, cfg, sm_count, arch)
         if splits > 1:
             cfg = serve_config(d, dtype, causal, rows, arch, split=True, **features)
-    kvcache_launch(cfg, splits, q, k_cache, v_cache, out, lse, seqused, block_table, mods, softmax_scale)
+    launched = kvcache_launch(cfg, splits, q, k_cache, v_cache, out, lse, seqused, block_table, mods, softmax_scale)
+    if key is not None and launched is not None:
+        if len(_kv_plans) > 256:
+            _kv_plans.clear()
+        _kv_plans[key] = _KVPlan(launched, None if lse is None else tuple(lse.shape))
     return (out, lse) if return_lse else out
 
 
+class _KVPlan(NamedTuple):
+    launch: _Launch
+    lse_shape: tuple | None
+
+
+_kv_plans: dict[tuple, _KVPlan] = {}
+
+
+def _plan_key(q: Any, k_cache: Any, v_cache: Any, k: Any, cache_seqlens: Any, block_table: Any, causal: bool,
+              softmax_scale: float | None, window_size: Any, softcap: float, alibi_slopes: Any, num_splits: int,
+              return_lse: bool, validate: bool) -> tuple | None:
+    """What an attention_with_kvcache call's checks and choices depend on, for the calls a plan can repeat (plain
+    tensors, validate=False, no append, no ALiBi, no gradient wanted, cache_seqlens a tensor); None for the others.
+    With num_splits=0 the tuned store's stamp is part of it: a store change makes new plans."""
+    import torch  # noqa: PLC0415
+
+    if validate or k is not None or alibi_slopes is not None or not isinstance(cache_seqlens, torch.Tensor):
+        return None
+    if type(q) is not torch.Tensor or type(k_cache) is not torch.Tensor or type(v_cache) is not torch.Tensor:
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        return None
+    try:
+        window = (int(window_size[0]), int(window_size[1]))
+    except (TypeError, ValueError, IndexError):
+        return None
+    table = None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
+                                               block_table.device)
+    stamp = None
+    if num_splits == 0 and q.is_cuda:
+        from .ops import _gpu, _store_stamp  # noqa: PLC0415
+
+        stamp = _store_stamp(*_gpu(q.get_device()))
+    return (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
+            v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, cache_seqlens.shape, cache_seqlens.stride(),
+            cache_seqlens.dtype, cache_seqlens.device, table, bool(causal), softmax_scale, window, float(softcap),
+            num_splits, bool(return_lse), stamp)
+
+
+def _run_plan(plan: _KVPlan, q: Any, k_cache: Any, v_cache: Any, seqused: Any, block_table: Any,
+              return_lse: bool) -> tuple[Any, Any] | None:
+    """(out, lse) of a call by its plan; None where a base pointer is not 16-byte aligned (the full path says why)."""
+    import torch  # noqa: PLC0415
+
+    qp, kp, vp = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+    if (qp | kp | vp) & 15:
+        return None
+    run = plan.launch
+    out = q.new_empty(q.shape)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
+    fields = list(run.fields)
+    fields[0:5] = qp, kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr()
+    fields[26], fields[27] = seqused.data_ptr(), 0 if block_table is None else block_table.data_ptr()
+    if run.accum is not None:
+        o_accum = torch.empty(run.accum[0], dtype=torch.float32, device=q.device)
+        lse_accum = torch.empty(run.accum[1], dtype=torch.float32, device=q.device)
+        fields[29], fields[30] = o_accum.data_ptr(), lse_accum.data_ptr()
+    params = _SERVE.pack(*fields)
+    driver.use_device(run.device)
+    stream = _current_stream(run.device)
+    run.fn.launch((run.blocks, 1, 1), run.threads, params, stream)
+    if run.comb is not None:
+        run.comb.launch((run.combine_blocks, 1, 1), 32 * COMBINE_WARPS, params, stream)
+    return out, lse
+
+
 def kvcache_launch(cfg: KernelConfig, splits: int, q: Any, k_cache: Any, v_cache: Any, out: Any, lse: Any,
-                   seqused: Any, block_table: Any, mods: Mods = Mods(), softmax_scale: float | None = None) -> None:
+                   seqused: Any, block_table: Any, mods: Mods = Mods(),
+                   softmax_scale: float | None = None) -> "_Launch | None":
     """One KV-cache attention launch with a given kernel and split count (checked arguments; `seqused`: the keys
     each sequence holds, int32 (batch,)): `attention_with_kvcache`'s and the decode tuner's (flashgen.tune_decode)."""
     batch, seqlen_q, heads = q.shape[:3]
     page_size = k_cache.shape[1] if block_table is not None else 0
     capacity = block_table.shape[1] * page_size if block_table is not None else k_cache.shape[1]
-    _launch(cfg, _arch_and_slots(q.get_device())[0], q, k_cache, v_cache, out, lse, batch=batch, seqlen_q=seqlen_q,
-            seqlen_k=capacity, total_rows=batch * seqlen_q, cu_q=None, cu_k=None, seqused_k=seqused,
-            block_table=block_table, page_size=page_size, num_splits=splits, mods=mods, softmax_scale=softmax_scale,
-            lse_strides=(heads * seqlen_q, seqlen_q),
-            batch_strides=(q.stride(0), k_cache.stride(0), v_cache.stride(0)))
+    return _launch(cfg, _arch_and_slots(q.get_device())[0], q, k_cache, v_cache, out, lse, batch=batch, seqlen_q=seqlen_q,
+                   seqlen_k=capacity, total_rows=batch * seqlen_q, cu_q=None, cu_k=None, seqused_k=seqused,
+                   block_table=block_table, page_size=page_size, num_splits=splits, mods=mods,
+                   softmax_scale=softmax_scale, lse_strides=(heads * seqlen_q, seqlen_q),
+                   batch_strides=(q.stride(0), k_cache.stride(0), v_cache.stride(0)))
 
 
 def _check_cache(cache_seqlens: Any, seqlen_new: int, capacity: int, block_table: Any, num_pages: int) -> int:

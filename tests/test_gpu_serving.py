@@ -110,7 +110,7 @@ def test_score_modifiers(hd, dtype, causal, mod):
 
 
 def _kvcache_case(batch, seqlen_q, hd, dtype, layout, page_size, append, num_splits, causal=False, seed=0,
-                  window=(-1, -1), softcap=0.0):
+                  window=(-1, -1), softcap=0.0, validate=True):
     torch.manual_seed(seed)
     h, hk = LAYOUTS[layout]
     dt = DT[dtype]
@@ -139,7 +139,8 @@ def _kvcache_case(batch, seqlen_q, hd, dtype, layout, page_size, append, num_spl
     else:
         kc_arg, vc_arg = kc, vc
     out = attention_with_kvcache(q, kc_arg, vc_arg, kn, vn, cache_seqlens=lens, block_table=table, causal=causal,
-                                 window_size=window, softcap=softcap, num_splits=num_splits, return_lse=True)
+                                 window_size=window, softcap=softcap, num_splits=num_splits, return_lse=True,
+                                 validate=validate)
     out, lse = out
     torch.cuda.synchronize()
     got_k = kc_arg[table.long()].view(batch, cap, hk, hd) if page_size else kc_arg
@@ -166,6 +167,23 @@ def _kvcache_case(batch, seqlen_q, hd, dtype, layout, page_size, append, num_spl
 @pytest.mark.parametrize("splits", [1, 3, 0])
 def test_kvcache_matches_reference(hd, seqlen_q, page_size, append, splits):
     _kvcache_case(5, seqlen_q, hd, "bf16", "gqa", page_size, append, splits, causal=seqlen_q > 1)
+
+
+@pytest.mark.parametrize("page_size", [0, 16], ids=["contiguous", "page16"])
+@pytest.mark.parametrize("splits", [1, 3, 0])
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+def test_repeated_calls_take_the_plan_and_stay_right(page_size, splits, seqlen_q, monkeypatch):
+    """A decode loop (validate=False, same shapes, new data each step) runs every call after the first by its plan,
+    each checked against the reference."""
+    from flashgen import serving
+
+    ran, real = [], serving._run_plan
+    monkeypatch.setattr(serving, "_run_plan", lambda *a: ran.append(1) or real(*a))
+    serving._kv_plans.clear()
+    for seed in (0, 1, 2):
+        _kvcache_case(5, seqlen_q, 128, "bf16", "gqa", page_size, False, splits, causal=seqlen_q > 1, seed=seed,
+                      validate=False)
+    assert len(ran) == 2, "the second and third calls should take the plan"
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])

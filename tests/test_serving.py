@@ -114,3 +114,26 @@ def test_decode_tiles_fit_every_arch():
             assert cfg.unfit_reason(arch) is None and cfg.block_m == 32, (arch, d)
     assert serve_config(128, "bf16", False, 1, "sm90", varlen=True).num_stages == 3
     assert serve_config(128, "bf16", False, 1, "sm86", varlen=True).num_stages < 3
+
+
+def test_plan_keys_only_for_calls_a_plan_can_repeat():
+    """attention_with_kvcache's plan: keyed by shapes, strides and options; none with validation, an append,
+    ALiBi, a gradient wanted or an int cache_seqlens."""
+    torch = pytest.importorskip("torch")
+    from flashgen.serving import _plan_key
+
+    q = torch.empty(2, 1, 8, 64, dtype=torch.bfloat16)
+    kc = torch.empty(2, 128, 2, 64, dtype=torch.bfloat16)
+    lens = torch.zeros(2, dtype=torch.int32)
+    args = dict(block_table=None, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                alibi_slopes=None, num_splits=1, return_lse=False)
+    key = _plan_key(q, kc, kc, None, lens, validate=False, **args)
+    assert key is not None and key == _plan_key(q, kc, kc, None, lens.clone(), validate=False, **args)
+    assert key != _plan_key(q, kc.transpose(1, 2).contiguous().transpose(1, 2), kc, None, lens, validate=False, **args)
+    assert key != _plan_key(q, kc, kc, None, lens, validate=False, **{**args, "num_splits": 2})
+    assert _plan_key(q, kc, kc, None, lens, validate=True, **args) is None
+    assert _plan_key(q, kc, kc, kc[:, :1], lens, validate=False, **args) is None
+    assert _plan_key(q, kc, kc, None, 5, validate=False, **args) is None
+    assert _plan_key(q, kc, kc, None, lens, validate=False, **{**args, "alibi_slopes": torch.ones(8)}) is None
+    assert _plan_key(q.requires_grad_(), kc, kc, None, lens, validate=False, **args) is None
+
