@@ -373,7 +373,8 @@ def forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, a
 def _attention_mods(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, return_lse: bool,
                     stream: Any, arch: str | None, descale: Any, out_dtype: str | None, block_quant_p: bool,
                     deterministic: bool, window_size: Any, softcap: float, alibi_slopes: Any) -> Any:
-    """`attention` with a window, softcap or ALiBi: the serving kernels (family sm80), torch tensors only."""
+    """`attention` with a window, softcap or ALiBi: the serving kernels (flashgen.serving picks the family: sm90 for a
+    window on Hopper, sm80 otherwise), torch tensors only."""
     if not is_torch(q):
         raise TypeError("window_size, softcap and alibi_slopes take torch tensors")
     if stream is not None:
@@ -418,8 +419,9 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     Score modifiers (torch tensors, as flash_attn): window_size=(left, right) keys i + shift - left ..
     i + shift + right (-1: unbounded; with causal, right is the diagonal), softcap (scores = softcap *
     tanh(scores / softcap), Gemma 2), alibi_slopes fp32 (heads,) or (batch, heads) (scores -= slope *
-    |i + shift - j|). They run in the sm80 family's kernels generated with exactly those features, forward
-    and backward (through the `flashgen::attention_mods` operator under autograd or torch.compile).
+    |i + shift - j|). They run in kernels generated with exactly those features (a window on Hopper: the sm90
+    family; softcap and ALiBi: sm80's, which runs on Hopper too), forward and backward (through the
+    `flashgen::attention_mods` operator under autograd or torch.compile); arch stays None with them.
 
     FP8 (Hopper): q, k, v in torch.float8_e4m3fn with fp32 descale factors q_descale, k_descale,
     v_descale of shape (1,) or (batch, heads_k) (None: 1; `flashgen.fp8.quantize` makes them);

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 from . import driver
 from .compile import CompiledKernel, compile_kernel, target_for
 from .config import ELEM_BYTES, BwdConfig, default_bwd_config, mod_features
-from .launch import LOG2E, _current_stream, scale_args, tmap_box
+from .launch import _current_stream, scale_args, softcap_args, tmap_box
 from .tensors import Problem, aligned, check_qkv, view
 
 # struct BwdParams (templates/common/bwd_params.cuh.j2): 13 pointers, 24 strides, 5 ints, 2 floats.
@@ -157,9 +157,10 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
 
     f32 = dict(dtype=torch.float32, device=q.device)
     sm90 = cfg.family == "sm90"
-    sq_pad = cfg.seqlen_q_pad(sq) if sm90 else sq
-    if sm90 and cfg.varlen:  # room for every sequence's whole Q tiles (bwd_params.cuh.j2: where each starts)
-        sq_pad = cfg.seqlen_q_pad(sq + (serve.cu_seqlens_q.shape[0] - 1) * cfg.block_m)
+    span = _kernel_grid(cfg, prob, serve)  # the main and _dq kernels' (sequences, longest q, longest k)
+    seqs, max_q, max_k = span
+    packed90 = sm90 and cfg.varlen  # padded rows per sequence (bwd_params.cuh.j2: where each starts)
+    sq_pad = cfg.seqlen_q_pad(sq + seqs * cfg.block_m if packed90 else sq) if sm90 else sq
     delta = torch.empty((b, h, sq_pad), **f32)
     lse2 = torch.empty((b, h, sq_pad), **f32) if sm90 else None
     dq_accum = None if cfg.deterministic else torch.empty((b, h, sq_pad, d) if sm90 else (b, sq, h, d), **f32)
@@ -172,16 +173,12 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
 
     ptrs = tuple(ptr(t) for t in (q, k, v, out, dout, lse, delta, dq_accum, dq, dk, dv, dk_accum, dv_accum))
     strides = tuple(s for t in (q, k, v, out, dout, dq, dk, dv) for s in t.stride()[:3])
-    seqs, max_q, max_k = b, sq, sk  # the main and _dq kernels' grids
     if cfg.serving and not sm90:
-        params, (seqs, max_q, max_k) = _serve_params(cfg, prob, ptrs, strides, softmax_scale, serve)
+        params = _serve_params(cfg, prob, ptrs, strides, softmax_scale, serve, span)
     else:
         params = pack_params(ptrs, strides, prob, scale, scale_log2)
     if sm90:
-        if cfg.varlen:
-            seqs, max_q, max_k = serve.cu_seqlens_q.shape[0] - 1, serve.max_seqlen_q, serve.max_seqlen_k
-        params = _sm90_params(params, cfg, prob, (q, k, v, dout), lse2.data_ptr(), sq_pad,
-                              serve or ServeArgs(), (seqs, max_q, max_k))
+        params = _sm90_params(params, cfg, prob, (q, k, v, dout), lse2.data_ptr(), sq_pad, serve or ServeArgs(), span)
 
     dev = q.get_device()
     driver.use_device(dev)
@@ -193,10 +190,10 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
         fn = driver.get_function(kernel.cubin, names[role], smem, f"{kernel.digest}:{names[role]}", ctx)
         fn.launch(grid, threads, params, stream)
 
-    rows_b, rows_q = (seqs, max_q) if sm90 and cfg.varlen else (b, sq)  # sm90 varlen: per sequence
+    rows_b, rows_q = (seqs, max_q) if packed90 else (b, sq)  # sm90 varlen: per sequence
     launch("pre", cfg.rows_grid(rows_b, h, rows_q), cfg.row_threads, 0)
     if dlse is not None:
-        if sm90 and cfg.varlen:  # each sequence's rows start at its padded offset
+        if packed90:  # each sequence's rows start at its padded offset
             rows = _padded_rows(serve.cu_seqlens_q, sq, cfg.block_m)
             delta[..., rows] = delta[..., rows] - dlse  # (advanced indexing reads a copy: assign back)
         else:
@@ -227,27 +224,27 @@ def _padded_rows(cu_seqlens_q: Any, total_q: int, block_m: int) -> Any:
     return torch.arange(total_q, device=lens.device) - start[seq] + pad_start[seq]
 
 
-def _serve_params(cfg: BwdConfig, prob: Problem, ptrs: tuple, strides: tuple, softmax_scale: float | None,
-                  serve: ServeArgs) -> tuple[bytes, tuple[int, int, int]]:
-    """Bytes of `struct BwdServeParams`, and the (sequences, longest q, longest k) the main and _dq
-    grids cover. Softcap: P is of softcap * tanh(S * scale / softcap), so the exponent's factor is
-    softcap * log2(e) while dQ and dK keep the factor scale."""
-    scale, scale_log2 = scale_args(softmax_scale, cfg.head_dim)
-    softcap_pre = 0.0
-    if serve.softcap:
-        scale_log2, softcap_pre = serve.softcap * LOG2E, scale / serve.softcap
+def _kernel_grid(cfg: BwdConfig, prob: Problem, serve: ServeArgs | None) -> tuple[int, int, int]:
+    """(sequences, longest q, longest k) the main and _dq kernels' grids cover: varlen, per packed sequence over
+    the longest; else per batch entry."""
     if cfg.varlen:
-        seqs = serve.cu_seqlens_q.shape[0] - 1
-        grid = (seqs, serve.max_seqlen_q, serve.max_seqlen_k)
-    else:
-        seqs, grid = prob.batch, (prob.batch, prob.seqlen_q, prob.seqlen_k)
+        return serve.cu_seqlens_q.shape[0] - 1, serve.max_seqlen_q, serve.max_seqlen_k
+    return prob.batch, prob.seqlen_q, prob.seqlen_k
+
+
+def _serve_params(cfg: BwdConfig, prob: Problem, ptrs: tuple, strides: tuple, softmax_scale: float | None,
+                  serve: ServeArgs, grid: tuple[int, int, int]) -> bytes:
+    """Bytes of `struct BwdServeParams`; `grid`: the (sequences, longest q, longest k) the main and _dq grids
+    cover. Softcap: P is of softcap * tanh(S * scale / softcap), so the exponent's factor is softcap * log2(e)
+    while dQ and dK keep the factor scale (launch.softcap_args)."""
+    scale, scale_log2, softcap_pre = softcap_args(softmax_scale, cfg.head_dim, serve.softcap)
     alibi = serve.alibi_slopes
     tail = _BWD_SERVE_TAIL.pack(
         0 if serve.cu_seqlens_q is None else serve.cu_seqlens_q.data_ptr(),
         0 if serve.cu_seqlens_k is None else serve.cu_seqlens_k.data_ptr(),
         0 if alibi is None else alibi.data_ptr(), 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
-        serve.window[0], serve.window[1], softcap_pre, seqs, grid[1], grid[2])
-    return pack_params(ptrs, strides, prob, scale, scale_log2) + tail, grid
+        serve.window[0], serve.window[1], softcap_pre, *grid)
+    return pack_params(ptrs, strides, prob, scale, scale_log2) + tail
 
 
 def _sm90_params(params: bytes, cfg: BwdConfig, prob: Problem, tensors: tuple, lse2_ptr: int, sq_pad: int,

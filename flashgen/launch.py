@@ -54,6 +54,16 @@ def scale_args(softmax_scale: float | None, head_dim: int) -> tuple[float, float
     return s, log2
 
 
+def softcap_args(softmax_scale: float | None, head_dim: int, softcap: float) -> tuple[float, float, float]:
+    """(scale, scale_log2, softcap_pre) of a call with softcap (0: off, scale_args' pair and 0). With softcap the
+    kernels take t = tanh(S * softcap_pre), softcap_pre = scale / softcap, into exponents at softcap * log2(e)."""
+    scale, scale_log2 = scale_args(softmax_scale, head_dim)
+    if softcap == 0.0:
+        return scale, scale_log2, 0.0
+    s = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    return s, softcap * LOG2E, s / softcap
+
+
 def pack_params(q: View, k: View, v: View, o: View, lse_ptr: int, prob: Problem, scale: float, scale_log2: float) -> bytes:
     """The bytes of `struct FwdParams`."""
     qs, ks, vs, os_ = q.strides, k.strides, v.strides, o.strides

@@ -2,9 +2,10 @@
 
 `attention_varlen` and `attention_with_kvcache` follow flash_attn's functions of the same
 purpose. Each call checks its arguments before anything runs, picks a kernel generated with
-exactly the features the call uses (templates/sm80/serve.cuh.j2: a feature the call does not
-use is not in the code), packs `struct ServeParams` and launches on torch's current stream;
-split-KV calls add the `_combine` kernel of the same file.
+exactly the features the call uses (templates/sm80/serve.cuh.j2, or on Hopper for varlen and window
+the sm90 family's templates: a feature the call does not use is not in the code), packs its
+parameter struct and launches on torch's current stream; split-KV calls add the `_combine` kernel.
+A KV-cache call that repeats an earlier one's shapes (a decode loop) runs by that call's plan.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from . import driver
 from .api import _compiled, refuse_grad
 from .compile import target_for
 from .config import _DEFAULT_TILES, ARCHS, COMBINE_WARPS, ELEM_BYTES, HEAD_DIMS, SM90_FEATURES, KernelConfig, mod_features
-from .launch import _FWD, _SM90_BYTES, LOG2E, _current_stream, scale_args, tmap_box
+from .launch import _FWD, _SM90_BYTES, _current_stream, scale_args, softcap_args, tmap_box
 from .tensors import _TORCH_DTYPES
 
 # FwdParams ("=5Q12q5i2f4x", launch._FWD), then ServeParams' own fields (templates/common/serve_params.cuh.j2).
@@ -177,63 +178,69 @@ def _mods(window_size: Any, softcap: float, alibi_slopes: Any, causal: bool, bat
 # -- the launch ------------------------------------------------------------------------
 
 def _scales(softmax_scale: float | None, head_dim: int, softcap: float) -> tuple[float, float, float]:
-    """(softmax_scale field, scale_log2, softcap_pre). With softcap the kernel computes
-    tanh(S * scale / softcap) and runs the softmax at softcap * log2(e)."""
-    scale, scale_log2 = scale_args(softmax_scale, head_dim)
-    if softcap == 0.0:
-        return scale, scale_log2, 0.0
-    s = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    return 1.0, softcap * LOG2E, s / softcap
+    """(softmax_scale field, scale_log2, softcap_pre) of the forward: launch.softcap_args, with the field 1 under
+    softcap (the scale is inside softcap_pre)."""
+    scale, scale_log2, softcap_pre = softcap_args(softmax_scale, head_dim, softcap)
+    return (1.0 if softcap else scale), scale_log2, softcap_pre
 
 
 def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse: Any, *, batch: int,
             seqlen_q: int, seqlen_k: int, total_rows: int, cu_q: Any, cu_k: Any, seqused_k: Any, block_table: Any,
             page_size: int, num_splits: int, mods: Mods, softmax_scale: float | None, lse_strides: tuple[int, int],
             batch_strides: tuple[int, int, int]) -> "_Launch | None":
-    """One serving launch (plus the combine when split). q/out rows: (.., rows, heads, d) views;
-    k, v: (.., keys or page rows, heads_k, d). batch_strides: (q/o, k, v) batch (or page) strides."""
-    import torch  # noqa: PLC0415
-
+    """One serving launch (plus the combine when split); returns it with its pointers left out, for a plan to
+    repeat. q/out rows: (.., rows, heads, d) views; k, v: (.., keys or page rows, heads_k, d). batch_strides:
+    (q/o, k, v) batch (or page) strides."""
     heads, heads_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    dev = q.get_device()
-    driver.use_device(dev)
-    ctx, stream = driver.primary_context_id(dev), _current_stream(dev)
-    scale, scale_log2, softcap_pre = _scales(softmax_scale, d, mods.softcap)
-    o_accum = lse_accum = None
-    if cfg.split:
-        o_accum = torch.empty((num_splits, total_rows, heads, d), dtype=torch.float32, device=q.device)
-        lse_accum = torch.empty((num_splits, total_rows, heads), dtype=torch.float32, device=q.device)
-
-    def ptr(t: Any) -> int:
-        return 0 if t is None else t.data_ptr()
-
-    alibi = mods.alibi
-    qb, kb, vb = batch_strides
-    params = _SERVE.pack(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), ptr(lse),
-        qb, q.stride(-3), q.stride(-2), kb, k.stride(-3), k.stride(-2), vb, v.stride(-3), v.stride(-2),
-        0 if cu_q is not None else out.stride(0), out.stride(-3), out.stride(-2),
-        batch, heads, heads_k, seqlen_q, seqlen_k, scale, scale_log2,
-        ptr(cu_q), ptr(cu_k), ptr(seqused_k), ptr(block_table), ptr(alibi), ptr(o_accum), ptr(lse_accum),
-        0 if block_table is None else block_table.stride(0),
-        0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
-        lse_strides[0], lse_strides[1], total_rows, page_size, num_splits, mods.window[0], mods.window[1], softcap_pre)
     blocks, combine_blocks = serve_grids(cfg, batch, heads, heads_k, seqlen_q, total_rows, num_splits)
     if blocks == 0:
         return None
-    fn, comb = _functions(cfg, arch, ctx)
-    fn.launch((blocks, 1, 1), cfg.threads, params, stream)
-    if comb is not None:
-        comb.launch((combine_blocks, 1, 1), 32 * COMBINE_WARPS, params, stream)
-    fields = list(_SERVE.unpack(params))
-    for i in _POINTERS:
-        fields[i] = 0
-    accum = None if o_accum is None else (tuple(o_accum.shape), tuple(lse_accum.shape))
-    return _Launch(dev, fn, comb, blocks, combine_blocks, cfg.threads, tuple(fields), accum)
+    dev = q.get_device()
+    driver.use_device(dev)
+    fn, comb = _functions(cfg, arch, driver.primary_context_id(dev))
+    scale, scale_log2, softcap_pre = _scales(softmax_scale, d, mods.softcap)
+    alibi = mods.alibi
+    qb, kb, vb = batch_strides
+    fields = (  # ServeParams with its pointers 0 (_POINTERS): _fire fills them
+        0, 0, 0, 0, 0,
+        qb, q.stride(-3), q.stride(-2), kb, k.stride(-3), k.stride(-2), vb, v.stride(-3), v.stride(-2),
+        0 if cu_q is not None else out.stride(0), out.stride(-3), out.stride(-2),
+        batch, heads, heads_k, seqlen_q, seqlen_k, scale, scale_log2,
+        0, 0, 0, 0, 0, 0, 0,
+        0 if block_table is None else block_table.stride(0),
+        0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
+        lse_strides[0], lse_strides[1], total_rows, page_size, num_splits, mods.window[0], mods.window[1], softcap_pre)
+    accum = ((num_splits, total_rows, heads, d), (num_splits, total_rows, heads)) if cfg.split else None
+    run = _Launch(dev, fn, comb, blocks, combine_blocks, cfg.threads, fields, accum)
+    _fire(run, (q, k, v, out, lse, cu_q, cu_k, seqused_k, block_table, alibi))
+    return run
 
 
-# _SERVE's pointer fields: q k v o lse (0-4), then cu_q cu_k seqused block_table alibi o_accum lse_accum (24-30).
+# _SERVE's pointer fields: q k v o lse (0-4), then cu_q cu_k seqused block_table alibi (24-28), o_accum lse_accum (29-30).
 _POINTERS = (0, 1, 2, 3, 4, 24, 25, 26, 27, 28, 29, 30)
+
+
+def _fire(run: "_Launch", tensors: tuple) -> None:
+    """Launch `run` (and its combine) on the current stream with the pointers of `tensors` (q, k, v, out, lse,
+    cu_q, cu_k, seqused, block_table, alibi; None: 0) and, split, fresh fp32 accumulators."""
+    import torch  # noqa: PLC0415
+
+    ptrs = [0 if t is None else t.data_ptr() for t in tensors]
+    if run.accum is not None:  # freed after the launch: the caching allocator orders reuse on this stream
+        o_accum = torch.empty(run.accum[0], dtype=torch.float32, device=tensors[0].device)
+        lse_accum = torch.empty(run.accum[1], dtype=torch.float32, device=tensors[0].device)
+        ptrs += [o_accum.data_ptr(), lse_accum.data_ptr()]
+    else:
+        ptrs += [0, 0]
+    fields = list(run.fields)
+    for i, ptr in zip(_POINTERS, ptrs):
+        fields[i] = ptr
+    params = _SERVE.pack(*fields)
+    driver.use_device(run.device)
+    stream = _current_stream(run.device)
+    run.fn.launch((run.blocks, 1, 1), run.threads, params, stream)
+    if run.comb is not None:
+        run.comb.launch((run.combine_blocks, 1, 1), 32 * COMBINE_WARPS, params, stream)
 
 
 class _Launch(NamedTuple):
@@ -245,7 +252,7 @@ class _Launch(NamedTuple):
     blocks: int
     combine_blocks: int
     threads: int
-    fields: tuple  # _SERVE's fields, pointers 0
+    fields: tuple  # _SERVE's fields, pointers 0 (_POINTERS)
     accum: tuple | None  # split-KV: shapes of o_accum and lse_accum
 
 
@@ -522,8 +529,8 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     options with validate=False (a decode loop) reuses its checks and choices (a plan): pointers, then launch."""
     import torch  # noqa: PLC0415
 
-    key = _plan_key(q, k_cache, v_cache, k, cache_seqlens, block_table, causal, softmax_scale, window_size, softcap,
-                    alibi_slopes, num_splits, return_lse, validate)
+    key = _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size,
+                    softcap, alibi_slopes, num_splits, return_lse, validate)
     plan = _kv_plans.get(key) if key is not None else None
     if plan is not None:
         done = _run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, return_lse)
@@ -615,7 +622,7 @@ class _KVPlan(NamedTuple):
 _kv_plans: dict[tuple, _KVPlan] = {}
 
 
-def _plan_key(q: Any, k_cache: Any, v_cache: Any, k: Any, cache_seqlens: Any, block_table: Any, causal: bool,
+def _plan_key(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, causal: bool,
               softmax_scale: float | None, window_size: Any, softcap: float, alibi_slopes: Any, num_splits: int,
               return_lse: bool, validate: bool) -> tuple | None:
     """What an attention_with_kvcache call's checks and choices depend on, for the calls a plan can repeat (plain
@@ -623,7 +630,8 @@ def _plan_key(q: Any, k_cache: Any, v_cache: Any, k: Any, cache_seqlens: Any, bl
     With num_splits=0 the tuned store's stamp is part of it: a store change makes new plans."""
     import torch  # noqa: PLC0415
 
-    if validate or k is not None or alibi_slopes is not None or not isinstance(cache_seqlens, torch.Tensor):
+    if validate or k is not None or v is not None or alibi_slopes is not None or not isinstance(cache_seqlens,
+                                                                                               torch.Tensor):
         return None
     if type(q) is not torch.Tensor or type(k_cache) is not torch.Tensor or type(v_cache) is not torch.Tensor:
         return None
@@ -654,22 +662,9 @@ def _run_plan(plan: _KVPlan, q: Any, k_cache: Any, v_cache: Any, seqused: Any, b
     qp, kp, vp = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
     if (qp | kp | vp) & 15:
         return None
-    run = plan.launch
     out = q.new_empty(q.shape)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
-    fields = list(run.fields)
-    fields[0:5] = qp, kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr()
-    fields[26], fields[27] = seqused.data_ptr(), 0 if block_table is None else block_table.data_ptr()
-    if run.accum is not None:
-        o_accum = torch.empty(run.accum[0], dtype=torch.float32, device=q.device)
-        lse_accum = torch.empty(run.accum[1], dtype=torch.float32, device=q.device)
-        fields[29], fields[30] = o_accum.data_ptr(), lse_accum.data_ptr()
-    params = _SERVE.pack(*fields)
-    driver.use_device(run.device)
-    stream = _current_stream(run.device)
-    run.fn.launch((run.blocks, 1, 1), run.threads, params, stream)
-    if run.comb is not None:
-        run.comb.launch((run.combine_blocks, 1, 1), 32 * COMBINE_WARPS, params, stream)
+    _fire(plan.launch, (q, k_cache, v_cache, out, lse, None, None, seqused, block_table, None))
     return out, lse
 
 

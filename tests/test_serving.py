@@ -127,13 +127,54 @@ def test_plan_keys_only_for_calls_a_plan_can_repeat():
     lens = torch.zeros(2, dtype=torch.int32)
     args = dict(block_table=None, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                 alibi_slopes=None, num_splits=1, return_lse=False)
-    key = _plan_key(q, kc, kc, None, lens, validate=False, **args)
-    assert key is not None and key == _plan_key(q, kc, kc, None, lens.clone(), validate=False, **args)
-    assert key != _plan_key(q, kc.transpose(1, 2).contiguous().transpose(1, 2), kc, None, lens, validate=False, **args)
-    assert key != _plan_key(q, kc, kc, None, lens, validate=False, **{**args, "num_splits": 2})
-    assert _plan_key(q, kc, kc, None, lens, validate=True, **args) is None
-    assert _plan_key(q, kc, kc, kc[:, :1], lens, validate=False, **args) is None
-    assert _plan_key(q, kc, kc, None, 5, validate=False, **args) is None
-    assert _plan_key(q, kc, kc, None, lens, validate=False, **{**args, "alibi_slopes": torch.ones(8)}) is None
-    assert _plan_key(q.requires_grad_(), kc, kc, None, lens, validate=False, **args) is None
+    key = _plan_key(q, kc, kc, None, None, lens, validate=False, **args)
+    assert key is not None and key == _plan_key(q, kc, kc, None, None, lens.clone(), validate=False, **args)
+    assert key != _plan_key(q, kc.transpose(1, 2).contiguous().transpose(1, 2), kc, None, None, lens, validate=False,
+                            **args)
+    assert key != _plan_key(q, kc, kc, None, None, lens, validate=False, **{**args, "num_splits": 2})
+    assert _plan_key(q, kc, kc, None, None, lens, validate=True, **args) is None
+    assert _plan_key(q, kc, kc, kc[:, :1], kc[:, :1], lens, validate=False, **args) is None
+    assert _plan_key(q, kc, kc, None, kc[:, :1], lens, validate=False, **args) is None  # v alone: the full path refuses
+    assert _plan_key(q, kc, kc, None, None, 5, validate=False, **args) is None
+    assert _plan_key(q, kc, kc, None, None, lens, validate=False, **{**args, "alibi_slopes": torch.ones(8)}) is None
+    assert _plan_key(q.requires_grad_(), kc, kc, None, None, lens, validate=False, **args) is None
 
+
+
+def test_a_plan_launches_the_struct_the_full_path_packed(monkeypatch):
+    """_run_plan repeats kvcache_launch's ServeParams: every field but out, lse and the split buffers (fresh per
+    call) the same bytes, for split and unsplit, paged and contiguous launches (driver calls recorded, no GPU)."""
+    torch = pytest.importorskip("torch")
+    from flashgen import serving
+
+    launches = []
+
+    class Fn:
+        def __init__(self, role):
+            self.role = role
+
+        def launch(self, grid, threads, params, stream):
+            launches.append((self.role, grid, threads, serving._SERVE.unpack(params)))
+
+    monkeypatch.setattr(serving, "_functions", lambda cfg, arch, ctx: (Fn("main"), Fn("combine") if cfg.split else None))
+    monkeypatch.setattr(serving, "_arch_and_slots", lambda device: ("sm90", 132))
+    monkeypatch.setattr(serving.driver, "use_device", lambda device: None)
+    monkeypatch.setattr(serving.driver, "primary_context_id", lambda device: 1)
+    monkeypatch.setattr(serving, "_current_stream", lambda device: 7)
+    q = torch.randn(3, 1, 8, 128, dtype=torch.bfloat16)
+    lens = torch.tensor([5, 64, 200], dtype=torch.int32)
+    fresh = {3, 4, 29, 30}  # out, lse, o_accum, lse_accum
+    for paged, splits in ((False, 1), (False, 4), (True, 1), (True, 4)):
+        kc = torch.randn(12 if paged else 3, 16 if paged else 256, 2, 128, dtype=torch.bfloat16)
+        table = torch.arange(12, dtype=torch.int32).view(3, 4) if paged else None
+        cfg = serve_config(128, "bf16", False, 4, "sm90", varlen=True, paged=paged, pack_gqa=True, split=splits > 1)
+        launches.clear()
+        run = serving.kvcache_launch(cfg, splits, q, kc, kc, torch.empty_like(q), torch.empty(3, 8, 1), lens, table)
+        full = list(launches)
+        launches.clear()
+        serving._run_plan(serving._KVPlan(run, (3, 8, 1)), q, kc, kc, lens, table, True)
+        assert len(full) == len(launches) == (2 if splits > 1 else 1)
+        for (role_a, grid_a, thr_a, a), (role_b, grid_b, thr_b, b) in zip(full, launches):
+            assert (role_a, grid_a, thr_a) == (role_b, grid_b, thr_b)
+            assert [x for i, x in enumerate(a) if i not in fresh] == [x for i, x in enumerate(b) if i not in fresh]
+            assert all(b[i] != 0 for i in (3, 4)) and (splits == 1 or all(b[i] != 0 for i in (29, 30)))

@@ -67,7 +67,7 @@ def test_serving_backward_compiles(target, deterministic, features, tmp_path, mo
 
 def test_serve_params_bytes_follow_the_struct():
     torch = pytest.importorskip("torch")
-    from flashgen.backward import _BWD, ServeArgs, _serve_params
+    from flashgen.backward import _BWD, ServeArgs, _kernel_grid, _serve_params
     from flashgen.tensors import Problem
 
     cfg = BwdConfig(64, "bf16", True, 64, 64, 8, varlen=True, softcap=True, alibi=True)
@@ -76,7 +76,8 @@ def test_serve_params_bytes_follow_the_struct():
     slopes = torch.ones(2, 4)
     serve = ServeArgs(cu_q, cu_k, 7, 5, (-1, 0), 20.0, slopes)
     prob = Problem(1, 10, 9, 4, 2, 64, "bf16")
-    raw, grid = _serve_params(cfg, prob, (0,) * 13, (0,) * 24, None, serve)
+    grid = _kernel_grid(cfg, prob, serve)
+    raw = _serve_params(cfg, prob, (0,) * 13, (0,) * 24, None, serve, grid)
     assert len(raw) == 384 and grid == (2, 7, 5)
     tail = struct.unpack("=3Qq2if3i", raw[_BWD.size:])
     assert tail[:4] == (cu_q.data_ptr(), cu_k.data_ptr(), slopes.data_ptr(), 4)
