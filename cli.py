@@ -6,6 +6,7 @@
     python cli.py tune --arch sm80 --gpus all --storage postgresql://tuner@db-host/flashgen  # on each host
     python cli.py tune --collect --storage postgresql://tuner@db-host/flashgen  # the fleet's winners -> tuned/
     python cli.py tune --kind decode --head-dim 128 --points 32x8192,1x131072 --pages 0,16,256  # KV-cache decoding
+    python cli.py tune --kind varlen --head-dim 128 --causal yes   # packed batches and sliding windows
     python cli.py dashboard --storage postgresql://tuner@db-host/flashgen
     python cli.py show
     python cli.py export --arch sm80 --out exported/
@@ -96,10 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tune", help="search the tile space per problem on this GPU and store the fastest verified kernel")
     add_problem_args(t)
-    t.add_argument("--kind", choices=("dense", "decode"), default="dense",
+    t.add_argument("--kind", choices=("dense", "decode", "varlen"), default="dense",
                    help="dense: the tile space per seqlen bucket (default); decode: KV-cache decoding (one query "
                         "token): every decode tile x num_splits per --points and --pages, the fastest verified one "
-                        "stored and taken by attention_with_kvcache(num_splits=0)")
+                        "stored and taken by attention_with_kvcache(num_splits=0); varlen: a packed batch of mixed "
+                        "lengths and a sliding window at a long sequence, the whole serving forward space each, "
+                        "taken by attention_varlen and attention(window_size=...)")
     t.add_argument("--points", type=str_list, default=None,
                    help="decode: batch x cache length points, e.g. 32x8192,1x131072 (default: the bench's six)")
     t.add_argument("--pages", type=int_list, default=None, help="decode: page sizes, 0 = contiguous (default 0,16,256)")
@@ -418,6 +421,8 @@ def tune(args: argparse.Namespace) -> int:
 
     if args.kind == "decode":
         return tune_decode(args)
+    if args.kind == "varlen":
+        return tune_varlen(args)
     if args.compile_only:
         return compile_only(args)
     if args.collect:
@@ -559,6 +564,62 @@ def tune_decode(args: argparse.Namespace) -> int:
                      f"{d['median_ms'] / e['median_ms']:.2f}x" if d.get("median_ms") else "-", actions[key]])
     print(table(rows, ["problem", "kernel", "splits", "us", "TB/s", "untuned TB/s", "speedup", "store"]))
     print(f"{len(entries)} of {len(problems)} problems stored in {path}")
+    return 0
+
+
+def tune_varlen(args: argparse.Namespace) -> int:
+    """tune --kind varlen: each (head dim, dtype, mask, point of tune_varlen.VARLEN_POINTS) measured over the
+    family's whole fitting space, the winners merged into the store."""
+    from tqdm import tqdm
+
+    from flashgen import tune_varlen as tv
+    from flashgen.compile import target_for
+    from flashgen.store import merge, store_path
+
+    def problems(name: str, arch: str) -> list:
+        return [tv.VarlenProblem(hd, dt, ca, args.heads_dim_total // hd, args.heads_dim_total // hd, packed, seqs, lo,
+                                 hi, win, name, arch)
+                for hd, dt, ca, (packed, seqs, lo, hi, win) in itertools.product(
+                    args.head_dim, args.dtype, causal_list(args.causal), tv.VARLEN_POINTS)
+                if packed or ca]  # a window point is a causal sliding window
+
+    if any(dt == "fp8_e4m3" for dt in args.dtype):
+        raise CliError("tune --kind varlen: varlen and window are built for bf16 and fp16")
+    if args.compile_only:  # the whole space, for a GPU run to load from FLASHGEN_CACHE_DIR
+        from flashgen.worker import CompileAhead
+
+        arch = args.gpu_arch or "sm90"
+        cfgs = sorted({c for p in problems("-", arch) for c in tv.space(p)}, key=lambda c: c.name)
+        pool = CompileAhead(args.jobs, args.compile_timeout)
+        try:
+            for c in cfgs:
+                pool.submit(c, target_for(arch, c.family))
+            for c in tqdm(cfgs, desc="compile", unit="kernel"):
+                pool.get(c, target_for(arch, c.family))
+        finally:
+            pool.close()
+        print(f"{len(cfgs)} varlen / window kernels compiled for {arch}")
+        return 0
+    torch = _bench_torch(" (tune --kind varlen times kernels)")
+    from flashgen.driver import device_info
+
+    info = device_info(torch.cuda.current_device())
+    todo = problems(info.name, info.arch)
+    entries = {}
+    for p in tqdm(todo, desc="varlen problems", unit="problem"):
+        e = tv.tune_problem(p, progress=tqdm.write)
+        if e is not None:
+            entries[p.key] = e
+    path = store_path(info.name, info.arch, args.tuned_dir)
+    actions = merge(path, info.name, info.arch, entries, args.force) if entries else {}
+    rows = []
+    for key, e in entries.items():
+        d = e["default"]
+        rows.append([key, e["kernel"], f"{e['median_ms']:.3f}", f"{e['tflops']:.0f}",
+                     f"{d['tflops']:.0f}" if d.get("tflops") else d["status"],
+                     f"{d['median_ms'] / e['median_ms']:.2f}x" if d.get("median_ms") else "-", actions[key]])
+    print(table(rows, ["problem", "kernel", "ms", "TFLOP/s", "untuned TFLOP/s", "speedup", "store"]))
+    print(f"{len(entries)} of {len(todo)} problems stored in {path}")
     return 0
 
 

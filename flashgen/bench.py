@@ -51,6 +51,20 @@ def median_ms(times: list[float]) -> float:
     return statistics.median(times)
 
 
+def retime_best(results: list[tuple[float, Any]], timer: Callable[[Any], list[float]], top: int = 5,
+                rounds: int = 3, keep: tuple = ()) -> list[tuple[float, Any]]:
+    """The `top` fastest candidates of (ms, candidate), and those in `keep`, timed again in `rounds` interleaved
+    rounds (timer(candidate): a list of ms samples); (median over all rounds, candidate), fastest first. A
+    one-pass median of a few reps differs by a few percent between neighbours (clocks, other work), and the
+    winner of one pass is often that noise."""
+    best = list(dict.fromkeys([c for _, c in sorted(results, key=lambda r: r[0])[:top]] + list(keep)))
+    samples: dict[Any, list[float]] = {c: [] for c in best}
+    for _ in range(rounds):
+        for cand in best:
+            samples[cand] += timer(cand)
+    return sorted(((median_ms(samples[c]), c) for c in best), key=lambda r: r[0])
+
+
 def l2_rotation(bytes_per_set: int, l2_bytes: int = 60 * 2**20) -> int:
     """How many input sets to cycle through so that repeats do not time the L2 (at least 2x L2 touched)."""
     return max(1, -(-2 * l2_bytes // max(1, bytes_per_set)))

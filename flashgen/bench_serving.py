@@ -159,6 +159,11 @@ def window_rows(head_dim: int = 128, dtype: str = "bf16", n: int = 16384, window
                                  warmup=3, reps=20))
         out[name] = _causal_flops(n, n, head_dim, h, window if name == "window" else -1) / (ms * 1e-3) / 1e12
     qd, kd, vd = (t.unsqueeze(0) for t in (q, k, v))
+    # The same window through the dense call (attention(window_size=...)): no varlen, so on Hopper the
+    # persistent schedule and what `tune --kind varlen` stored for window problems.
+    ms = median_ms(time_cuda(lambda i: flashgen.attention(qd, kd, vd, causal=True, window_size=(window, 0)), warmup=3,
+                             reps=20))
+    out["window_dense"] = _causal_flops(n, n, head_dim, h, window) / (ms * 1e-3) / 1e12
     for fam in ("sm80", "sm90"):
         if fam == "sm90" and torch.cuda.get_device_capability() != (9, 0):
             continue

@@ -177,8 +177,11 @@ class KernelConfig(_AsDict):
             if not set(self.features) <= set(SM90_FEATURES):
                 raise ConfigError(f"serving features ({', '.join(self.features)}) are built in family sm80 (it runs on "
                                   f"Hopper too); family {self.family} has {' and '.join(SM90_FEATURES)}")
-            if self.persistent or self.fp8:
-                raise ConfigError("varlen and window are built in the sm90 family's non-persistent 16-bit kernels")
+            if self.fp8:
+                raise ConfigError("varlen and window are built in the sm90 family's 16-bit kernels")
+            if self.persistent and self.varlen:
+                raise ConfigError("varlen is built in the sm90 family's non-persistent kernels (a window alone may be "
+                                  "persistent)")
         if self.paged and not self.varlen:
             raise ConfigError("paged=True needs varlen=True (a paged cache has per-sequence lengths)")
         if self.pack_gqa and self.alibi:

@@ -7,7 +7,8 @@ A tuned backward (`bwd_...`) is exported the same way: its `.cu` holds its three
 `.h` the `BwdParams` struct (sm90: `Sm90BwdParams`, with the tensor maps and padded buffers it needs),
 each kernel's grid, threads and shared memory, and a `launch()`.
 A serving kernel (a KernelConfig with any of config.FEATURES) comes from the store where `tune --kind
-decode` put it (the manifest's "problems" give each tuned decode problem's num_splits), or from
+decode` or `tune --kind varlen` put it (the manifest's "problems" give each tuned decode problem's
+num_splits; an sm90-family varlen / window kernel gets the dense sm90 header with Sm90ServeFwdParams), or from
 `export_configs` (cli.py export --features, the tiles flashgen.serving.serve_config picks): its `.cu`
 holds the kernel and, with split, its `_combine`; its `.h` the `ServeParams` struct, what each
 compiled-in feature needs in it, the grids of flashgen.serving.serve_grids in C++, and a `launch()`.
@@ -386,6 +387,15 @@ _FP8_NOTE = """
 // (strides 0: one factor per tensor; a factor of 1 needs a device float holding 1)."""
 
 
+_SM90_SERVE_NOTE = """
+// Varlen / window (Sm90ServeFwdParams): varlen: q, k, v, o are the packed (total, heads, head_dim) tensors
+// described as one batch (p.p.batch 1, p.p.seqlen_q total_q, p.p.seqlen_k total_k; LSE (heads, total_q)),
+// cu_seqlens_q / cu_seqlens_k int32 (num_seqs + 1) offsets, max_seqlen_q the longest sequence's rows; without
+// varlen: cu_seqlens null, num_seqs = batch, max_seqlen_q = seqlen_q. window_left / window_right: query i sees
+// keys i + shift - left .. i + shift + right (shift = seqlen_k - seqlen_q of its sequence; -1: unbounded;
+// causal kernels take right as 0). The tensor maps cover the packed tensors (batch 1) when varlen."""
+
+
 def _params_source(cfg: KernelConfig) -> str:
     parts = ["common/params.cuh.j2"] + (["sm90/params.cuh.j2"] if cfg.family == "sm90" else [])
     return "\n".join(template_env().get_template(t).render(cfg=cfg) for t in parts)
@@ -427,21 +437,27 @@ def header(cfg: KernelConfig | BwdConfig, tuned_on: list[str], target: str) -> s
     """The launch header of one kernel; `tuned_on` names the GPUs, `target` the nvcc target in the hint."""
     if isinstance(cfg, BwdConfig):
         return bwd_header(cfg, tuned_on, target)
-    if cfg.serving:
-        return serve_header(cfg, tuned_on, target)
     sm90 = cfg.family == "sm90"
+    if cfg.serving and not sm90:
+        return serve_header(cfg, tuned_on, target)
     extra = ""
     if sm90:  # the TMA box geometry the caller's tensor maps must use
         extra = f"\nconstexpr int SMEM_W = {cfg.smem_w};\nconstexpr int SWIZZLE_BYTES = {cfg.row_bytes};"
         if cfg.fp8:
             extra += f'\nconstexpr const char* OUT_DTYPE = "{cfg.output_dtype}";'
-    params_type = ("Sm90Fp8FwdParams" if cfg.fp8 else "Sm90FwdParams") if sm90 else "FwdParams"
+        extra += "".join(f"\nconstexpr bool {f.upper()} = {str(getattr(cfg, f)).lower()};" for f in cfg.features)
+    params_type = ("Sm90Fp8FwdParams" if cfg.fp8 else "Sm90ServeFwdParams" if cfg.serving else "Sm90FwdParams") \
+        if sm90 else "FwdParams"
+    grid = _PERSISTENT_GRID if cfg.persistent else _FLAT_GRID
+    if cfg.serving:  # the grid runs over num_seqs sequences of up to max_seqlen_q rows (FwdParams: the packed tensors)
+        grid = {**grid, "grid_doc": _grid_text(cfg),
+                "grid_args": grid["grid_args"].replace("f.seqlen_q", "p.max_seqlen_q").replace("f.batch", "p.num_seqs")}
     return _HEADER.format(name=cfg.name, version=__version__, tuned_on=", ".join(tuned_on) or "untuned",
                           arch_flags=" ".join(arch_flags(target)), params=_params_source(cfg),
                           tile_consts=_tile_consts(cfg), params_type=params_type,
-                          params_note=(_SM90_NOTE + (_FP8_NOTE if cfg.fp8 else "")) if sm90 else "",
-                          fwd_params="p.p" if sm90 else "p", extra_consts=extra,
-                          **(_PERSISTENT_GRID if cfg.persistent else _FLAT_GRID))
+                          params_note=(_SM90_NOTE + (_FP8_NOTE if cfg.fp8 else "") + (_SM90_SERVE_NOTE if cfg.serving
+                                                                                        else "")) if sm90 else "",
+                          fwd_params="p.p" if sm90 else "p", extra_consts=extra, **grid)
 
 
 # The forward's grid, in the header's comment (grid_doc), as code (grid_fn) and at the launch.
@@ -487,6 +503,9 @@ def tuned_kernels(family: str, tuned_dir: Path | str | None = None,
 def _grid_text(cfg: KernelConfig | BwdConfig) -> str:
     if isinstance(cfg, BwdConfig):
         return f"(ceil(seqlen_k / {cfg.block_n}) * heads * batch, 1, 1)"  # the main kernel's
+    if cfg.serving and cfg.family == "sm90":
+        flat = f"ceil(max_seqlen_q / {cfg.block_m}) * heads * num_seqs"
+        return f"(min({flat}, SM count), 1, 1)" if cfg.persistent else f"({flat}, 1, 1)"
     if cfg.serving:
         return f"({_serve_grid_text(cfg)}, 1, 1)"
     return f"(ceil(seqlen_q / {cfg.block_m}) * heads * batch, 1, 1)"
@@ -502,6 +521,10 @@ def _write_kernel(cfg: KernelConfig | BwdConfig, out_dir: Path, tuned_on: list[s
              "smem_bytes": cfg.smem_bytes, "grid": _grid_text(cfg), "problems": uses}
     if isinstance(cfg, BwdConfig):
         entry["kernels"] = cfg.kernel_names
+    elif cfg.serving and cfg.family == "sm90":
+        from .launch import _SM90_BYTES  # noqa: PLC0415
+
+        entry.update(features=list(cfg.features), params="Sm90ServeFwdParams", params_bytes=_SM90_BYTES)
     elif cfg.serving:
         from .serving import _SERVE  # noqa: PLC0415
 

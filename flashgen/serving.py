@@ -257,19 +257,83 @@ class _Launch(NamedTuple):
 
 
 def sm90_config(device: int, head_dim: int, dtype: str, causal: bool, rows: int, seqlen_k: int,
-                features: dict[str, bool]) -> KernelConfig | None:
-    """The sm90 family's kernel for a varlen or window call on Hopper: the dense kernel `flashgen.attention`
-    would take for seqlen_k (tuned, else the default), non-persistent, with the features; None where the sm80
-    family's serving kernel applies (not Hopper, other features, decode-sized row blocks)."""
-    import dataclasses  # noqa: PLC0415
-
-    from .api import _resolver  # noqa: PLC0415
+                features: dict[str, bool], window_left: int = -1) -> KernelConfig | None:
+    """The sm90 family's kernel for a varlen or window call on Hopper: the tuned one of the nearest problem
+    `tune --kind varlen` stored with these features, else the dense kernel `flashgen.attention` would take for
+    seqlen_k (tuned, else the default) with the features (varlen: non-persistent; a window alone keeps the
+    persistent schedule, which short per-block key loops gain most from); None where the sm80 family's serving
+    kernel applies (not Hopper, other features, decode-sized row blocks)."""
+    from .tune_varlen import tuned_prefill  # noqa: PLC0415
 
     wanted = tuple(f for f, on in features.items() if on)
     if _arch_and_slots(device)[0] != "sm90" or not set(wanted) <= set(SM90_FEATURES) or rows <= DECODE_ROWS:
         return None
+    tuned = tuned_prefill(device, head_dim, dtype, causal, seqlen_k, features, window_left)
+    if tuned is not None and tuned.family == "sm90":
+        return tuned
+    return _sm90_rule(device, head_dim, dtype, causal, seqlen_k, wanted)
+
+
+def _sm90_rule(device: int, head_dim: int, dtype: str, causal: bool, seqlen_k: int,
+               wanted: tuple[str, ...]) -> KernelConfig:
+    """Untuned: the dense kernel for seqlen_k with the features `wanted`."""
+    import dataclasses  # noqa: PLC0415
+
+    from .api import _resolver  # noqa: PLC0415
+
     base = _resolver.kernel(device, head_dim, dtype, causal, seqlen_k, "sm90").config
-    return _without_spills(dataclasses.replace(base, persistent=False, **dict.fromkeys(wanted, True)))
+    persistent = base.persistent and "varlen" not in wanted
+    return _without_spills(dataclasses.replace(base, persistent=persistent, **dict.fromkeys(wanted, True)))
+
+
+def untuned_prefill_config(device: int, head_dim: int, dtype: str, causal: bool, max_seqlen_q: int,
+                           max_seqlen_k: int, features: dict[str, bool]) -> KernelConfig:
+    """What prefill_config takes where nothing is stored for the problem (tune --kind varlen measures it beside
+    its winner)."""
+    wanted = tuple(f for f, on in features.items() if on)
+    arch = _arch_and_slots(device)[0]
+    if arch == "sm90" and set(wanted) <= set(SM90_FEATURES) and max_seqlen_q > DECODE_ROWS:
+        return _sm90_rule(device, head_dim, dtype, causal, max_seqlen_k, wanted)
+    return serve_config(head_dim, dtype, causal, max_seqlen_q, arch, **features)
+
+
+def prefill_config(device: int, head_dim: int, dtype: str, causal: bool, max_seqlen_q: int, max_seqlen_k: int,
+                   features: dict[str, bool], window_left: int = -1) -> KernelConfig:
+    """The kernel of an unsplit varlen call or a dense call with score modifiers: sm90_config's on Hopper, else
+    the tuned sm80-family one of the nearest stored problem, else serve_config's tiles."""
+    cfg = sm90_config(device, head_dim, dtype, causal, max_seqlen_q, max_seqlen_k, features, window_left)
+    if cfg is None and max_seqlen_q > DECODE_ROWS:
+        from .tune_varlen import tuned_prefill  # noqa: PLC0415
+
+        cfg = tuned_prefill(device, head_dim, dtype, causal, max_seqlen_k, features, window_left)
+        cfg = cfg if cfg is not None and cfg.family == "sm80" else None
+    return cfg or serve_config(head_dim, dtype, causal, max_seqlen_q, _arch_and_slots(device)[0], **features)
+
+
+def launch_prefill(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, cu_q: Any, cu_k: Any,
+                   max_seqlen_q: int, max_seqlen_k: int, num_splits: int, mods: Mods,
+                   softmax_scale: float | None) -> None:
+    """One varlen or dense-with-modifiers launch of `cfg` (either family): q, k, v, out packed (total, heads, d)
+    with cu_q / cu_k (lse (heads, total_q)), or dense (batch, seqlen, heads, d) with cu_q None (lse (batch,
+    heads, seqlen_q)); lse may be None."""
+    if cu_q is not None:
+        batch, views = cu_q.shape[0] - 1, tuple(t.unsqueeze(0) for t in (q, k, v, out))
+    else:
+        batch, views = q.shape[0], (q, k, v, out)
+    if cfg.family == "sm90":
+        _launch_sm90(cfg, *views, lse, num_seqs=batch, max_seqlen_q=max_seqlen_q, cu_q=cu_q, cu_k=cu_k, mods=mods,
+                     softmax_scale=softmax_scale)
+        return
+    heads = q.shape[-2]
+    if cu_q is not None:
+        total = q.shape[0]
+        shape = dict(total_rows=total, lse_strides=(0, total), batch_strides=(0, 0, 0))
+    else:
+        shape = dict(total_rows=batch * max_seqlen_q, lse_strides=(heads * max_seqlen_q, max_seqlen_q),
+                     batch_strides=(q.stride(0), k.stride(0), v.stride(0)))
+    _launch(cfg, _arch_and_slots(q.get_device())[0], *views, lse, batch=batch, seqlen_q=max_seqlen_q,
+            seqlen_k=max_seqlen_k, cu_q=cu_q, cu_k=cu_k, seqused_k=None, block_table=None, page_size=0,
+            num_splits=num_splits, mods=mods, softmax_scale=softmax_scale, **shape)
 
 
 @functools.lru_cache(maxsize=256)
@@ -285,7 +349,7 @@ def _without_spills(cfg: KernelConfig) -> KernelConfig:
     if not kern.resources.spills and not re.search(r"C751[239]", kern.ptxas_log):
         return cfg
     base = default_config(cfg.head_dim, cfg.dtype, cfg.causal, "sm90", "sm90")
-    return dataclasses.replace(base, persistent=False, **dict.fromkeys(cfg.features, True))
+    return dataclasses.replace(base, persistent=base.persistent and not cfg.varlen, **dict.fromkeys(cfg.features, True))
 
 
 def _launch_sm90(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, num_seqs: int, max_seqlen_q: int,
@@ -306,10 +370,10 @@ def _launch_sm90(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, 
     tail = _SM90_SERVE_TAIL.pack(0 if cu_q is None else cu_q.data_ptr(), 0 if cu_k is None else cu_k.data_ptr(),
                                  *mods.window, num_seqs, max_seqlen_q)
     params = (maps + fwd + tail).ljust(_SM90_BYTES, b"\0")
-    blocks = -(-max_seqlen_q // cfg.block_m) * h * num_seqs
-    if blocks:
+    if max_seqlen_q * h * num_seqs:
+        grid = cfg.grid(num_seqs, h, max_seqlen_q, _arch_and_slots(dev)[1] if cfg.persistent else None)
         fn, _ = _functions(cfg, "sm90", driver.primary_context_id(dev))
-        fn.launch((blocks, 1, 1), cfg.threads, params, _current_stream(dev))
+        fn.launch(grid, cfg.threads, params, _current_stream(dev))
 
 
 @functools.lru_cache(maxsize=512)
@@ -419,18 +483,12 @@ def varlen_forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
         cfg = serve_config(d, dtype, causal, max_seqlen_q, arch, **features)
         tiles = serve_grids(cfg, batch, heads, heads_k, max_seqlen_q, total_q, 1)[0]  # row blocks, one split
         splits = _want_split(num_splits, tiles, -(-max_seqlen_k // cfg.block_n), cfg, sm_count, arch)
-        cfg90 = sm90_config(q.get_device(), d, dtype, causal, max_seqlen_q, max_seqlen_k, features) if splits == 1 else None
-        if cfg90 is not None:
-            _launch_sm90(cfg90, *(t.unsqueeze(0) for t in (q, k, v, out)), lse, num_seqs=batch,
-                         max_seqlen_q=max_seqlen_q, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, mods=mods,
-                         softmax_scale=softmax_scale)
-            return out, lse
         if splits > 1:
             cfg = serve_config(d, dtype, causal, max_seqlen_q, arch, split=True, **features)
-        _launch(cfg, arch, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse, batch=batch,
-                seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, total_rows=total_q, cu_q=cu_seqlens_q,
-                cu_k=cu_seqlens_k, seqused_k=None, block_table=None, page_size=0, num_splits=splits, mods=mods,
-                softmax_scale=softmax_scale, lse_strides=(0, total_q), batch_strides=(0, 0, 0))
+        else:
+            cfg = prefill_config(q.get_device(), d, dtype, causal, max_seqlen_q, max_seqlen_k, features, mods.window[0])
+        launch_prefill(cfg, q, k, v, out, lse, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                       max_seqlen_k=max_seqlen_k, num_splits=splits, mods=mods, softmax_scale=softmax_scale)
     elif lse is not None:
         lse.fill_(math.inf)  # rows that see no key
     return out, lse
@@ -459,18 +517,10 @@ def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: floa
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device) if want_lse else None
     if batch * seqlen_q * heads == 0:
         return out, lse
-    arch, _ = _arch_and_slots(q.get_device())
-    features = _mod_features(mods, causal)
-    cfg90 = sm90_config(q.get_device(), d, dtype, causal, seqlen_q, seqlen_k, features)
-    if cfg90 is not None:
-        _launch_sm90(cfg90, q, k, v, out, lse, num_seqs=batch, max_seqlen_q=seqlen_q, cu_q=None, cu_k=None, mods=mods,
-                     softmax_scale=softmax_scale)
-        return out, lse
-    cfg = serve_config(d, dtype, causal, seqlen_q, arch, **features)
-    _launch(cfg, arch, q, k, v, out, lse, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-            total_rows=batch * seqlen_q, cu_q=None, cu_k=None, seqused_k=None, block_table=None, page_size=0,
-            num_splits=1, mods=mods, softmax_scale=softmax_scale, lse_strides=(heads * seqlen_q, seqlen_q),
-            batch_strides=(q.stride(0), k.stride(0), v.stride(0)))
+    cfg = prefill_config(q.get_device(), d, dtype, causal, seqlen_q, seqlen_k, _mod_features(mods, causal),
+                         mods.window[0])
+    launch_prefill(cfg, q, k, v, out, lse, cu_q=None, cu_k=None, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
+                   num_splits=1, mods=mods, softmax_scale=softmax_scale)
     return out, lse
 
 

@@ -202,6 +202,20 @@ def _warn_once(what: str, message: str) -> None:
         warnings.warn(message, stacklevel=5)
 
 
+def pass_entries(gpu_name: str, arch: str, pass_: str) -> list[dict[str, Any]]:
+    """The entries of one pass ("decode", "varlen", ...) in this GPU's store; [] where there is no store, or it
+    is unreadable (warned once: the caller's untuned rule applies until it is fixed)."""
+    path = store_path(gpu_name, arch)
+    if not path.exists():
+        return []
+    try:
+        entries = _cached_read(path, gpu_name, arch)["entries"].values()
+    except StoreError as e:
+        _warn_once(str(e), f"{e}; using the untuned {pass_} rule until it is fixed")
+        return []
+    return [e for e in entries if entry_pass(e) == pass_]
+
+
 def _log_distance(a: int, b: int) -> float:
     return abs(math.log(a) - math.log(b))
 

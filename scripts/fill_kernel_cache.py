@@ -51,8 +51,9 @@ def test_suite_configs(arch: str, suites: tuple[str, ...] = SUITES) -> set[Kerne
         import test_gpu_serving  # noqa: PLC0415
         import test_gpu_serving_bwd  # noqa: PLC0415
         import test_gpu_tune_decode  # noqa: PLC0415
+        import test_gpu_tune_varlen  # noqa: PLC0415
         out |= (test_gpu_serving.serving_configs(arch) | test_gpu_serving_bwd.serving_bwd_configs(arch)
-                | test_gpu_tune_decode.tune_decode_configs(arch))
+                | test_gpu_tune_decode.tune_decode_configs(arch) | test_gpu_tune_varlen.tune_varlen_configs(arch))
     return out
 
 

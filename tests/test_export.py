@@ -120,6 +120,32 @@ def test_exported_sm90_kernel_compiles_and_links_for_sm90a(tmp_path, persistent)
     link_app(out, SM90_MAIN.format(a=cfg.name), (cfg.name,), ("-gencode", "arch=compute_90a,code=sm_90a"))
 
 
+SM90_SERVE_MAIN = """\
+#include "{a}.h"
+int main() {{
+    Sm90ServeFwdParams p = {{}};  // tensor maps left empty: this only builds and links
+    p.p.batch = 1; p.p.heads = 2; p.p.heads_k = 2; p.p.seqlen_q = 300; p.p.seqlen_k = 300;
+    p.num_seqs = 3; p.max_seqlen_q = 200; p.window_left = 64; p.window_right = -1;
+    static_assert(flashgen::{a}_launch::VARLEN && flashgen::{a}_launch::WINDOW, "features in the header");
+    if (flashgen::{a}_launch::grid_x(p.max_seqlen_q, p.p.heads, p.num_seqs) != 12) return 1;
+    return (int)flashgen::{a}_launch::launch(p);  // links against the kernel
+}}
+"""
+
+
+@needs_nvcc
+def test_exported_sm90_varlen_kernel_compiles_and_links_for_sm90a(tmp_path):
+    """A tune --kind varlen entry (sm90 family, varlen + window): the dense sm90 header with Sm90ServeFwdParams, a
+    grid over num_seqs sequences of max_seqlen_q rows."""
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, False, varlen=True, window=True)
+    out, h = export_stored_sm90(tmp_path, cfg)
+    assert "struct Sm90ServeFwdParams" in h and "cu_seqlens_q" in h and "grid_x(p.max_seqlen_q, f.heads, p.num_seqs)" in h
+    manifest = json.loads((out / "manifest.json").read_text())["kernels"][0]
+    assert manifest["params"] == "Sm90ServeFwdParams" and manifest["params_bytes"] == 640
+    assert manifest["grid"] == "(ceil(max_seqlen_q / 128) * heads * num_seqs, 1, 1)"
+    link_app(out, SM90_SERVE_MAIN.format(a=cfg.name), (cfg.name,), ("-gencode", "arch=compute_90a,code=sm_90a"))
+
+
 SM90_FP8_MAIN = """\
 #include "{a}.h"
 int main() {{

@@ -209,6 +209,55 @@ def test_sm80_family_varlen_where_hopper_takes_sm90(hd, causal, window, monkeypa
     _varlen_case(VARLEN_SEQS, hd, "bf16", causal, "gqa", window=window)
 
 
+def sm90_persistent_window_configs() -> list:
+    """Persistent sm90 kernels with a window (a window alone keeps the tuned persistent schedule): each head dim's
+    default tiles, with overlap, and with ping-pong (d128), causal and not."""
+    import dataclasses
+
+    from flashgen.config import default_config
+
+    out = []
+    for hd in (64, 128, 256):
+        for causal in (False, True):
+            base = dataclasses.replace(default_config(hd, "bf16", causal, "sm90", "sm90"), persistent=True, window=True)
+            out += [base, dataclasses.replace(base, overlap=True)]
+            if hd == 128:
+                out.append(dataclasses.replace(base, overlap=True, pingpong=True))
+    return out
+
+
+# (batch, seqlen_q, seqlen_k, window): odd and unequal lengths, one row, and 5 x 16 x 8 = 640 tiles (> 4 x 132 SMs).
+WINDOW_SHAPES = [(2, 113, 211, (64, 16)), (1, 1023, 1023, (100, -1)), (1, 17, 1000, (300, -1)), (1, 1, 300, (50, -1)),
+                 (5, 2048, 2048, (256, 0))]
+
+
+@pytest.mark.parametrize("cfg", sm90_persistent_window_configs(), ids=lambda c: c.name)
+def test_sm90_persistent_window(cfg):
+    from flashgen import serving
+
+    dt = DT[cfg.dtype]
+    for b, sq, sk, window in WINDOW_SHAPES:
+        torch.manual_seed(sq * 7 + sk)
+        q, k, v = _rand(b, sq, 8, cfg.head_dim, dtype=dt), _rand(b, sk, 2, cfg.head_dim, dtype=dt), _rand(
+            b, sk, 2, cfg.head_dim, dtype=dt)
+        mods = serving.check_dense(q, k, v, window, 0.0, None, cfg.causal)
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((b, 8, sq), float("nan"), device="cuda")
+        serving._launch_sm90(cfg, q, k, v, out, lse, num_seqs=b, max_seqlen_q=sq, cu_q=None, cu_k=None, mods=mods,
+                             softmax_scale=None)
+        torch.cuda.synchronize()
+        outs, refs, pts, lses, rlses = [], [], [], [], []
+        for i in range(b):
+            ref, rl = attention_mods_ref(q[i], k[i], v[i], cfg.causal, 1 / math.sqrt(cfg.head_dim), window)
+            pt, _ = attention_mods_ref(q[i], k[i], v[i], cfg.causal, 1 / math.sqrt(cfg.head_dim), window, dtype=dt)
+            outs.append(out[i])
+            refs.append(ref)
+            pts.append(pt)
+            lses.append(lse[i])
+            rlses.append(rl)
+        _check(outs, refs, pts, lses, rlses)
+
+
 def test_bad_arguments_raise_before_launch():
     q = _rand(2, 1, 8, 128, dtype=torch.bfloat16)
     kc = _rand(2, 64, 2, 128, dtype=torch.bfloat16)
@@ -269,7 +318,8 @@ def serving_configs(arch: str) -> set:
 
 def sm90_serving_configs(arch: str) -> set:
     """On Hopper, every sm90-family kernel a varlen or window call may take (flashgen.serving.sm90_config): each
-    dense sm90 kernel of the repository's store and each default, non-persistent, with varlen and window."""
+    dense sm90 kernel of the repository's store and each default with varlen (non-persistent) and window (as
+    stored and non-persistent), and the persistent window kernels tested here."""
     import dataclasses
     import json
     from pathlib import Path
@@ -282,7 +332,7 @@ def sm90_serving_configs(arch: str) -> set:
     base = {default_config(hd, dt, c, arch, "sm90") for hd in HEAD_DIMS for dt in DT for c in (False, True)}
     for path in (Path(__file__).resolve().parent.parent / "tuned").glob("*.json"):
         base |= {config_from_entry(e) for e in json.loads(path.read_text())["entries"].values()}
-    base = {dataclasses.replace(c, persistent=False) for c in base
-            if isinstance(c, KernelConfig) and c.family == "sm90" and not c.fp8 and not c.serving}
-    feature_sets = ({"varlen": True}, {"varlen": True, "window": True}, {"window": True})
-    return {dataclasses.replace(c, **f) for c in base for f in feature_sets}
+    base = {c for c in base if isinstance(c, KernelConfig) and c.family == "sm90" and not c.fp8 and not c.serving}
+    flat = {dataclasses.replace(c, persistent=False) for c in base}
+    varlen = {dataclasses.replace(c, **f) for c in flat for f in ({"varlen": True}, {"varlen": True, "window": True})}
+    return varlen | {dataclasses.replace(c, window=True) for c in base | flat} | set(sm90_persistent_window_configs())

@@ -22,8 +22,11 @@ def test_features_name_the_kernel_and_dense_names_stay():
 def test_feature_rules():
     with pytest.raises(ConfigError, match="family sm80"):
         KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", varlen=True, paged=True)
-    with pytest.raises(ConfigError, match="non-persistent 16-bit"):
+    with pytest.raises(ConfigError, match="non-persistent kernels"):
         KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", persistent=True, varlen=True)
+    assert KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", persistent=True, window=True).name.endswith("_ps_win")
+    with pytest.raises(ConfigError, match="16-bit kernels"):
+        KernelConfig(128, "fp8_e4m3", False, 128, 128, 12, 2, "sm90", window=True)
     cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", varlen=True, window=True)
     assert cfg.name == "fwd_sm90_d128_bf16_causal_bm128_bn128_w12_s2_ov0_pp0_vl_win"
     with pytest.raises(ConfigError, match="paged=True needs varlen"):
@@ -72,8 +75,9 @@ def test_serving_kernels_compile_without_spills(target, features, tmp_path, monk
 
 @pytest.mark.parametrize("knobs", [dict(), dict(overlap=True), dict(pingpong=True), dict(overlap=True, pingpong=True)],
                          ids=["plain", "overlap", "pingpong", "both"])
-@pytest.mark.parametrize("features", [dict(varlen=True), dict(varlen=True, window=True), dict(window=True)],
-                         ids=["varlen", "varlen-window", "window"])
+@pytest.mark.parametrize("features", [dict(varlen=True), dict(varlen=True, window=True), dict(window=True),
+                                      dict(window=True, persistent=True)],
+                         ids=["varlen", "varlen-window", "window", "persistent-window"])
 def test_sm90_serving_forward_compiles_without_spills(knobs, features, tmp_path, monkeypatch):
     """The sm90 family's varlen / window forward: each schedule compiles for sm_90a, no spill, no serialized wgmma;
     its params struct is the host's (static_assert on offsets and size)."""

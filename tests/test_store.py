@@ -210,11 +210,13 @@ def test_the_shipped_stores_are_keyed_by_their_problems():
     for f in files:
         doc = read_store(f)
         for k, e in doc["entries"].items():
-            if e["problem"].get("pass_") == "decode":  # tune --kind decode's entries
-                from flashgen.tune_decode import DecodeProblem
+            kinds = {"decode": "flashgen.tune_decode:DecodeProblem", "varlen": "flashgen.tune_varlen:VarlenProblem"}
+            if e["problem"].get("pass_") in kinds:  # tune --kind decode / varlen's entries
+                import importlib
 
+                mod, cls = kinds[e["problem"]["pass_"]].split(":")
                 fields = {n: v for n, v in e["problem"].items() if n != "pass_"}
-                assert k == DecodeProblem(**fields).key, f"{f.name}: {k}"
+                assert k == getattr(importlib.import_module(mod), cls)(**fields).key, f"{f.name}: {k}"
                 continue
             assert k == TuneProblem(**e["problem"]).key, f"{f.name}: {k}"
 

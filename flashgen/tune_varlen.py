@@ -1,0 +1,270 @@
+"""Search and store for packed (varlen) batches and sliding-window problems (`tune --kind varlen`).
+
+A varlen call and a dense call with a window run the serving forward (on Hopper the sm90 family with the
+varlen / window features compiled in, elsewhere the sm80 family's). Which tiles and schedule suit them is
+not the dense problem's answer: a packed batch is many short loops of different lengths, a window a short
+key loop per row block at any N. `tune_problem` measures the family's whole fitting space (every tile and,
+on sm90, overlap / ping-pong and, for a window alone, the persistent schedule; configurations whose
+features make them spill are left out) on one problem's own random inputs: each candidate verified against
+float64 built sequence by sequence with poisoned outputs before it is timed (CUDA-event medians), the
+fastest verified one stored ("pass_": "varlen"). `tuned_prefill` is what those calls ask: the kernel of
+the nearest stored problem with the same head dim, dtype, mask and features, or None (then the dense
+tuned tiles apply, see flashgen.serving.sm90_config).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from .__version__ import __version__
+from .config import ConfigError, KernelConfig, space as dense_space
+
+# (packed, num_seqs, min_len, max_len, window): the bench's packed causal batch (64 sequences, lengths
+# log-uniform in 64..8192) and its window point (one sequence of 16k, window 1024).
+VARLEN_POINTS = ((True, 64, 64, 8192, -1), (False, 1, 16384, 16384, 1024))
+SEED = 0  # the lengths' draw (bench_serving._lengths): the same batch every run
+
+
+@dataclass(frozen=True)
+class VarlenProblem:
+    """One problem on one GPU: a packed batch of num_seqs sequences with lengths log-uniform in
+    [min_len, max_len] (q and k the same lengths), or (packed False) a dense batch of num_seqs sequences of
+    max_len; window: the left window (-1: none; the right edge is the diagonal when causal, else unbounded)."""
+
+    head_dim: int
+    dtype: str
+    causal: bool
+    heads: int
+    heads_k: int
+    packed: bool
+    num_seqs: int
+    min_len: int
+    max_len: int
+    window: int
+    gpu_name: str
+    gpu_arch: str
+
+    @property
+    def key(self) -> str:
+        return (f"{'varlen' if self.packed else 'window'}_d{self.head_dim}_{self.dtype}_"
+                f"{'causal' if self.causal else 'full'}_h{self.heads}k{self.heads_k}_s{self.num_seqs}"
+                f"_n{self.min_len}-{self.max_len}_w{self.window}")
+
+    @property
+    def features(self) -> dict[str, bool]:
+        return {"varlen": self.packed, "window": self.window >= 0}
+
+    def lengths(self) -> list[int]:
+        if not self.packed:
+            return [self.max_len] * self.num_seqs
+        from .bench_serving import _lengths  # noqa: PLC0415
+
+        return _lengths(self.num_seqs, self.min_len, self.max_len, SEED)
+
+    def flops(self) -> float:
+        """Useful FLOPs: 4 d h per (query, key) pair the mask and window let through."""
+        right = 0 if self.causal else -1
+        return sum(4.0 * self.head_dim * self.heads * _pairs(n, n, self.window, right) for n in self.lengths())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "pass_": "varlen"}
+
+
+def _pairs(lq: int, lk: int, left: int, right: int) -> int:
+    """(query, key) pairs seen: row i sees keys i + shift - left .. i + shift + right (-1: unbounded)."""
+    shift, total = lk - lq, 0
+    for i in range(lq):
+        hi = min(lk, i + shift + right + 1) if right >= 0 else lk
+        lo = max(0, i + shift - left) if left >= 0 else 0
+        total += max(0, hi - lo)
+    return total
+
+
+def space(problem: VarlenProblem, compiled: Callable[[KernelConfig], Any] | None = None) -> list[KernelConfig]:
+    """Every configuration of the family a call on problem.gpu_arch takes (sm90 on Hopper, else sm80) with
+    the problem's features that fits the GPU; with `compiled` (cfg -> Kernel), those that spill registers or
+    serialize their wgmmas are left out (the features' extra live registers tip some wide tiles over)."""
+    import re  # noqa: PLC0415
+
+    p = problem
+    family = "sm90" if p.gpu_arch == "sm90" else "sm80"
+    out: dict[KernelConfig, None] = {}
+    for base in dense_space(family, p.head_dim, p.dtype, p.causal):
+        persistent = base.persistent and not p.packed  # varlen is built non-persistent
+        try:
+            cfg = dataclasses.replace(base, persistent=persistent, **{f: on for f, on in p.features.items() if on})
+        except ConfigError:
+            continue
+        if cfg.unfit_reason(p.gpu_arch) is None:
+            out[cfg] = None
+    cfgs = list(out)
+    if compiled is not None:
+        kept = []
+        for cfg in cfgs:
+            k = compiled(cfg)
+            if not k.resources.spills and not re.search(r"C751[239]", k.ptxas_log):
+                kept.append(cfg)
+        cfgs = kept
+    return cfgs
+
+
+def _reference(q: Any, k: Any, v: Any, cu: list[int], causal: bool, window: int, dtype: Any) -> list[Any]:
+    """Per sequence, its output (seqlen, heads, d) in `dtype`, a few heads at a time (a float64 score matrix of a
+    long sequence and all heads would not fit)."""
+    import torch  # noqa: PLC0415
+
+    from .verify import attention_mods_ref  # noqa: PLC0415
+
+    h, hk, d = q.shape[1], k.shape[1], q.shape[2]
+    group = h // hk
+    outs = []
+    for b in range(len(cu) - 1):
+        n = cu[b + 1] - cu[b]
+        per = max(1, min(hk, (1 << 30) // max(1, n * n * 8 * group)))  # KV heads per chunk
+        qs, ks, vs = (t[cu[b]:cu[b + 1]] for t in (q, k, v))
+        parts = [attention_mods_ref(qs[:, j * group:(j + per) * group], ks[:, j:j + per], vs[:, j:j + per], causal,
+                                    1 / math.sqrt(d), (window, -1), dtype=dtype)[0] for j in range(0, hk, per)]
+        outs.append(torch.cat(parts, dim=1))
+    return outs
+
+
+def tune_problem(problem: VarlenProblem, candidates: list[KernelConfig] | None = None,
+                 progress: Callable[[str], None] | None = None) -> dict[str, Any] | None:
+    """Measure every candidate (default: the whole fitting space, spilling ones left out) of `problem` on this GPU;
+    the store entry of the fastest verified one (None if none verified). The untuned choice (what the call takes
+    without a stored entry) is measured beside it."""
+    import itertools  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from .bench import median_ms, retime_best, time_cuda  # noqa: PLC0415
+    from .compile import nvcc_version, target_for  # noqa: PLC0415
+    from .serving import Mods, _compiled, launch_prefill, untuned_prefill_config  # noqa: PLC0415
+    from .tensors import torch_dtype  # noqa: PLC0415
+    from .tune_decode import _driver_version  # noqa: PLC0415
+
+    p = problem
+    tdt = torch_dtype(p.dtype)
+    lens = p.lengths()
+    cu = [0, *itertools.accumulate(lens)]
+    total = cu[-1]
+    q = torch.randn(total, p.heads, p.head_dim, device="cuda", dtype=tdt)
+    k, v = (torch.randn(total, p.heads_k, p.head_dim, device="cuda", dtype=tdt) for _ in range(2))
+    ref = torch.cat(_reference(q, k, v, cu, p.causal, p.window, torch.float64))
+    same = torch.cat(_reference(q, k, v, cu, p.causal, p.window, tdt)).double()
+    bound = 2 * (same - ref).abs().max().item() + 1e-5  # flash_attn's bar: twice PyTorch's own error in the dtype
+    del same
+    out = torch.empty_like(q)
+    mods = Mods(window=(p.window, -1))
+    if p.packed:
+        cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+        views, cus = (q, k, v, out), dict(cu_q=cu_t, cu_k=cu_t)
+    else:
+        views = tuple(t.view(p.num_seqs, p.max_len, *t.shape[1:]) for t in (q, k, v, out))
+        cus = dict(cu_q=None, cu_k=None)
+    n_max = max(lens)
+    dev = q.get_device()
+    if candidates is None:
+        candidates = space(p, lambda c: _compiled(c, target_for(p.gpu_arch, c.family)))
+
+    def timer(cfg: KernelConfig) -> list[float]:
+        return time_cuda(lambda i: launch_prefill(cfg, *views, None, **cus, max_seqlen_q=n_max, max_seqlen_k=n_max,
+                                                  num_splits=1, mods=mods, softmax_scale=None), warmup=3, reps=20)
+
+    def measure(cfg: KernelConfig) -> tuple[float | None, str]:
+        out.fill_(float("nan"))  # poisoned: an unwritten element fails
+        launch_prefill(cfg, *views, None, **cus, max_seqlen_q=n_max, max_seqlen_k=n_max, num_splits=1, mods=mods,
+                       softmax_scale=None)
+        torch.cuda.synchronize()
+        err = (out.double() - ref).abs().max().item()
+        if not err <= bound:  # NaN fails too
+            return None, f"max error {err:.3g} > {bound:.3g}"
+        return median_ms(timer(cfg)), "ok"
+
+    default = untuned_prefill_config(dev, p.head_dim, p.dtype, p.causal, n_max, n_max, p.features)
+    default_ms, default_status = measure(default)
+    results, failed = [], 0
+    for cfg in candidates:
+        ms, status = measure(cfg)
+        if ms is None:
+            failed += 1
+            if progress:
+                progress(f"  {cfg.name}: not verified ({status})")
+            continue
+        results.append((ms, cfg))
+    if not results:
+        return None
+    # The leaders and the untuned choice timed again side by side: the stored winner must beat noise.
+    final = retime_best(results, timer, keep=(default,) if default_ms else ())
+    ms, cfg = final[0]
+    default_ms = next((m for m, c in final if c == default), default_ms)
+    flops = p.flops()
+    tflops = flops / (ms * 1e-3) / 1e12
+    if progress:
+        progress(f"{p.key}: {tflops:.0f} TFLOP/s useful ({ms:.3f} ms) {cfg.name}; untuned {default.name} "
+                 + (f"{flops / (default_ms * 1e-3) / 1e12:.0f}" if default_ms else default_status)
+                 + f"; {len(results)} verified, {failed} failed")
+    return {
+        "problem": p.to_dict(), "kernel": cfg.name, "config": cfg.to_dict(), "median_ms": ms, "tflops": tflops,
+        "trials": len(candidates), "date": datetime.date.today().isoformat(), "flashgen": __version__,
+        "nvcc": nvcc_version(), "driver": _driver_version(),
+        "default": {"kernel": default.name, "status": default_status, "median_ms": default_ms,
+                    "tflops": flops / (default_ms * 1e-3) / 1e12 if default_ms else None},
+    }
+
+
+# -- lookup, for attention_varlen and attention(window_size=...) --------------------------------
+
+def _distance(a: int, b: int) -> float:
+    return abs(math.log(max(a, 1)) - math.log(max(b, 1)))
+
+
+def nearest_entry(entries: list[dict[str, Any]], head_dim: int, dtype: str, causal: bool, features: dict[str, bool],
+                  seqlen_k: int, window_left: int) -> dict[str, Any] | None:
+    """The entry for a call: same head dim, dtype, mask and features (varlen or not, window or not; others: none);
+    then the nearest window and the nearest longest sequence (a packed problem's max_len) by ratio."""
+    wanted = {f for f, on in features.items() if on}
+    if not wanted <= {"varlen", "window"}:
+        return None
+    cands = [e for e in entries if e.get("problem", {}).get("pass_") == "varlen"]
+    cands = [e for e in cands if (e["problem"]["head_dim"], e["problem"]["dtype"], e["problem"]["causal"],
+                                  e["problem"]["packed"], e["problem"]["window"] >= 0)
+             == (head_dim, dtype, causal, "varlen" in wanted, "window" in wanted)]
+    if not cands:
+        return None
+    return min(cands, key=lambda e: (_distance(e["problem"]["window"] + 1, window_left + 1)
+                                     + _distance(e["problem"]["max_len"], seqlen_k), e["median_ms"]))
+
+
+def tuned_prefill(device: int, head_dim: int, dtype: str, causal: bool, seqlen_k: int, features: dict[str, bool],
+                  window_left: int = -1) -> KernelConfig | None:
+    """The kernel of the nearest tuned varlen / window problem in this GPU's store, with the call's features, or
+    None. Cached per call shape; the store file is looked at again when it changed (at most every
+    api.STORE_CHECK_S)."""
+    from .ops import _gpu, _store_stamp  # noqa: PLC0415
+
+    gpu_name, arch = _gpu(device)
+    key = tuple(sorted(f for f, on in features.items() if on))
+    return _tuned(gpu_name, arch, _store_stamp(gpu_name, arch), head_dim, dtype, causal, seqlen_k, key, window_left)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tuned(gpu_name: str, arch: str, stamp: tuple | None, head_dim: int, dtype: str, causal: bool, seqlen_k: int,
+           features: tuple[str, ...], window_left: int) -> KernelConfig | None:
+    from .store import pass_entries  # noqa: PLC0415
+
+    if stamp is None:
+        return None
+    e = nearest_entry(pass_entries(gpu_name, arch, "varlen"), head_dim, dtype, causal, dict.fromkeys(features, True),
+                      seqlen_k, window_left)
+    if e is None:
+        return None
+    cfg = KernelConfig.from_dict(e["config"])
+    return cfg if cfg.unfit_reason(arch) is None else None
+
+
+__all__ = ["VARLEN_POINTS", "VarlenProblem", "nearest_entry", "space", "tune_problem", "tuned_prefill"]

@@ -1,0 +1,113 @@
+"""Varlen / window tuning on the GPU: a few candidates measured on a packed GQA problem and on a dense window
+problem (each verified against float64 first; a candidate with the wrong mask must fail and never win), the
+winner stored, and attention_varlen / attention(window_size=...) then launching exactly it, correctly."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+from flashgen import serving, tune_varlen as tv  # noqa: E402
+from flashgen.config import KernelConfig  # noqa: E402
+
+
+def packed_candidates(causal: bool = True) -> list[KernelConfig]:
+    return [KernelConfig(128, "bf16", causal, 128, 128, 12, 2, "sm90", varlen=True),
+            KernelConfig(128, "bf16", causal, 128, 64, 12, 2, "sm90", True, True, varlen=True),
+            KernelConfig(128, "bf16", causal, 192, 128, 16, 2, "sm90", varlen=True)]
+
+
+def window_candidates() -> list[KernelConfig]:
+    return [KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, True, True, window=True),
+            KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", window=True),
+            KernelConfig(128, "bf16", True, 128, 64, 12, 2, "sm90", False, False, True, window=True)]
+
+
+def wrong_mask() -> KernelConfig:
+    """A non-causal kernel offered for a causal problem: it must fail verification."""
+    return packed_candidates(causal=False)[0]
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    from flashgen import ops
+
+    monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
+    ops._stamps.clear()
+    tv._tuned.cache_clear()
+    yield tmp_path
+    ops._stamps.clear()
+    tv._tuned.cache_clear()
+
+
+def _store_and_spy(p: tv.VarlenProblem, e: dict, monkeypatch) -> list:
+    from flashgen import ops
+    from flashgen.store import merge, store_path
+
+    assert merge(store_path(p.gpu_name, p.gpu_arch), p.gpu_name, p.gpu_arch, {p.key: e}) == {p.key: "added"}
+    ops._stamps.clear()  # the store changed just now (a running process sees it within api.STORE_CHECK_S)
+    seen, real = [], serving.launch_prefill
+    monkeypatch.setattr(serving, "launch_prefill", lambda cfg, *a, **k: (seen.append(cfg), real(cfg, *a, **k))[1])
+    return seen
+
+
+def _check(out, q, k, v, cu, causal, window):
+    ref = torch.cat(tv._reference(q, k, v, cu, causal, window, torch.float64))
+    same = torch.cat(tv._reference(q, k, v, cu, causal, window, torch.bfloat16)).double()
+    bound = 2 * (same - ref).abs().max().item() + 1e-5
+    err = (out.reshape(ref.shape).double() - ref).abs().max().item()
+    assert err <= bound, f"max error {err:.3g} > {bound:.3g}"
+
+
+def test_tuned_varlen_entry_is_verified_stored_and_used(store, monkeypatch):
+    from flashgen import attention_varlen
+    from flashgen.driver import device_info
+
+    info = device_info(torch.cuda.current_device())
+    p = tv.VarlenProblem(128, "bf16", True, 8, 2, True, 12, 1, 700, -1, info.name, info.arch)
+    failed = []
+    e = tv.tune_problem(p, [wrong_mask(), *packed_candidates()], progress=failed.append)
+    assert e is not None and e["trials"] == 4 and e["default"]["status"] == "ok" and e["tflops"] > 0
+    assert e["kernel"] in {c.name for c in packed_candidates()}
+    assert any(wrong_mask().name in line and "not verified" in line for line in failed)
+    seen = _store_and_spy(p, e, monkeypatch)
+
+    torch.manual_seed(3)
+    lens = [5, 1, 700, 0, 333, 64]
+    cu = [0, *itertools.accumulate(lens)]
+    cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    q = torch.randn(cu[-1], 8, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(cu[-1], 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = attention_varlen(q, k, v, cu_t, cu_t, max(lens), max(lens), causal=True)
+    assert seen[-1].name == e["kernel"]
+    _check(out, q, k, v, cu, True, -1)
+
+
+def test_tuned_window_entry_is_verified_stored_and_used(store, monkeypatch):
+    import flashgen
+    from flashgen.driver import device_info
+
+    info = device_info(torch.cuda.current_device())
+    p = tv.VarlenProblem(128, "bf16", True, 8, 2, False, 2, 1023, 1023, 100, info.name, info.arch)
+    e = tv.tune_problem(p, window_candidates())
+    assert e is not None and e["kernel"] in {c.name for c in window_candidates()}
+    seen = _store_and_spy(p, e, monkeypatch)
+
+    torch.manual_seed(4)
+    q = torch.randn(3, 1500, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(3, 1500, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = flashgen.attention(q, k, v, causal=True, window_size=(120, 0))
+    assert seen[-1].name == e["kernel"]
+    cu = [0, 1500, 3000, 4500]
+    _check(out, *(t.reshape(-1, *t.shape[2:]) for t in (q, k, v)), cu, True, 120)
+    assert math.isfinite(e["median_ms"])
+
+
+def tune_varlen_configs(arch: str) -> set:
+    """The kernels this module loads (scripts/fill_kernel_cache.py), beside the untuned rule's (test_gpu_serving)."""
+    return {*packed_candidates(), *window_candidates(), wrong_mask()} if arch == "sm90" else set()
