@@ -830,9 +830,10 @@ def bench_serving(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         stem = args.out / f"{gpu.lower().replace(' ', '-')}-{datetime.date.today()}-{args.kind}"
         stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        if "decode" in result:
-            bs.plot_decode(result["decode"], stem.with_suffix(".png"))
-        print(f"wrote {stem}.json" + (f", {stem}.png" if "decode" in result else ""))
+        plotted = any(k in result for k in ("decode", "varlen", "window"))
+        if plotted:
+            bs.plot_serving(result, stem.with_suffix(".png"))
+        print(f"wrote {stem}.json" + (f", {stem}.png" if plotted else ""))
     return 0
 
 

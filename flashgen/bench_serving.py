@@ -264,13 +264,27 @@ def decode_table(rows: list[dict]) -> str:
     return "\n".join("  ".join(str(c).ljust(w[i]) for i, c in enumerate(x)).rstrip() for x in lines)
 
 
-def plot_decode(rows: list[dict], path: Any) -> None:
+def plot_serving(result: dict, path: Any) -> None:
+    """One figure of what `bench --kind ...` measured: decode read rates (beside SDPA and the copy rate) and the
+    varlen / window TFLOP/s (beside the dense kernels they are judged against, with the 90% goal)."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    panels = [k for k in ("decode", "prefill") if k in result or (k == "prefill" and ("varlen" in result
+                                                                                      or "window" in result))]
+    fig, axes = plt.subplots(1, len(panels), figsize=(9 * len(panels), 4.5), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        if panel == "decode":
+            _decode_panel(ax, result["decode"])
+        else:
+            _prefill_panel(ax, result.get("varlen", []), result.get("window", []))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _decode_panel(ax: Any, rows: list[dict]) -> None:
     labels = sorted({(r["batch"], r["cache"]) for r in rows})
     x = range(len(labels))
     for i, page in enumerate(PAGE_SIZES):
@@ -282,10 +296,31 @@ def plot_decode(rows: list[dict], path: Any) -> None:
     ax.axhline(cp, color="k", ls="--", lw=1, label=f"copy {cp:.2f} TB/s")
     ax.set_xticks([j + 0.3 for j in x], [f"b{b} x {n // 1024}k" for b, n in labels])
     ax.set_ylabel("K/V read, TB/s (device time)")
-    ax.set_title("decode, 32/8 heads, d128, bf16, seqlen_q 1")
+    ax.set_title("decode, 32/8 heads, d128, seqlen_q 1")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
-__all__ = ["decode_rows", "varlen_rows", "window_rows", "train_rows", "decode_table", "plot_decode", "copy_tb_s"]
+def _prefill_panel(ax: Any, varlen: list[dict], window: list[dict]) -> None:
+    bars: list[tuple[str, float, str]] = []  # (label, TFLOP/s, colour)
+    for r in varlen:
+        bars += [(f"varlen {r['n_seqs']} seqs", r["tflops"], "C0"), ("varlen b2b", r["b2b_tflops"], "C0")]
+        bars += [(f"dense {f} @ mean {r['mean']}", t, "C7") for f, t in r["dense_tflops"].items()]
+    for r in window:
+        t = r["tflops"]
+        bars += [(f"window {r['window']} (dense call)", t.get("window_dense", 0), "C1"),
+                 (f"window {r['window']} (varlen call)", t["window"], "C1")]
+        bars += [(f"{k.replace('_', ' ')} N={r['n']}", v, "C7") for k, v in t.items() if k.startswith("dense")]
+    ax.bar(range(len(bars)), [b[1] for b in bars], color=[b[2] for b in bars])
+    for r in window:
+        if "dense_sm90" in r["tflops"]:
+            ax.axhline(0.9 * r["tflops"]["dense_sm90"], color="C1", ls="--", lw=1, label="goal: 90% of dense causal")
+    for r in varlen:
+        if "sm90" in r["dense_tflops"]:
+            ax.axhline(0.9 * r["dense_tflops"]["sm90"], color="C0", ls=":", lw=1, label="goal: 90% of dense at the mean")
+    ax.set_xticks(range(len(bars)), [b[0] for b in bars], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("TFLOP/s, useful FLOPs")
+    ax.set_title("packed batch and sliding window, causal, d128 (kernel device time; b2b: public call)")
+    ax.legend(fontsize=8)
+
+
+__all__ = ["decode_rows", "varlen_rows", "window_rows", "train_rows", "decode_table", "plot_serving", "copy_tb_s"]
