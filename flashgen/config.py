@@ -138,6 +138,8 @@ class KernelConfig(_AsDict):
     # scale per row and key tile (its own max) instead of the running max's.
     out_dtype: str = ""
     block_quant_p: bool = False
+    # sm90 persistent with overlap: a finished tile's O is written while the next tile's first S = QK^T runs.
+    overlap_epilogue: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
@@ -171,6 +173,10 @@ class KernelConfig(_AsDict):
         _check_choice("overlap", self.overlap, (False, True))
         _check_choice("pingpong", self.pingpong, (False, True))
         _check_choice("persistent", self.persistent, (False, True))
+        _check_choice("overlap_epilogue", self.overlap_epilogue, (False, True))
+        if self.overlap_epilogue and (not (self.persistent and self.overlap) or self.fp8):
+            raise ConfigError("overlap_epilogue needs persistent=True and overlap=True (the next tile's first QK^T "
+                              "runs beside the epilogue) and 16-bit inputs")
         for f in FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
         if self.serving and self.family != "sm80":
@@ -215,6 +221,7 @@ class KernelConfig(_AsDict):
         )
         if self.family == "sm90":
             name += f"_ov{int(self.overlap)}_pp{int(self.pingpong)}" + ("_ps" if self.persistent else "")
+            name += "_oe" if self.overlap_epilogue else ""
             if self.fp8:
                 name += f"_o{self.out_dtype}" + ("_bq" if self.block_quant_p else "")
         return name + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
@@ -337,10 +344,12 @@ def space(family: str, head_dim: int, dtype: str, causal: bool) -> list[KernelCo
                     for ov, pp, ps in ([(False, False, False)] if family == "sm80" else
                                        [(ov, pp, ps) for ov, pp in ((False, False), (True, False), (False, True),
                                                                     (True, True)) for ps in (False, True)]):
-                        try:
-                            out.append(KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family, ov, pp, ps))
-                        except ConfigError:
-                            continue
+                        for oe in (False, True) if ov and ps and dtype not in FP8_DTYPES else (False,):
+                            try:
+                                out.append(KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family, ov, pp, ps,
+                                                        overlap_epilogue=oe))
+                            except ConfigError:
+                                continue
     return out
 
 

@@ -38,7 +38,8 @@ from .studies import default_storage, make_storage as open_storage  # noqa: F401
 PARAMS = ("block_m", "block_n", "num_warps", "num_stages")  # Optuna's parameter names = KernelConfig fields
 BWD_PARAMS = ("block_m", "block_n", "num_warps")  # = BwdConfig's tuned fields (deterministic is a choice, not a knob)
 # Keyed by `params_key`: the family for a forward problem, "bwd_<family>" for a backward one.
-FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, "overlap", "pingpong", "persistent"), "bwd_sm80": BWD_PARAMS,
+FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, "overlap", "pingpong", "persistent", "overlap_epilogue"),
+                 "bwd_sm80": BWD_PARAMS,
                  "bwd_sm90": (*BWD_PARAMS, "num_stages", "stagger")}
 SAMPLERS = ("tpe", "random")
 RETRIED = ("error", "timeout")  # may pass on a second try (a busy or restarted GPU worker)
@@ -172,8 +173,12 @@ def result_of(t: FrozenTrial) -> TrialResult:
     return TrialResult(a["status"], a.get("ms"), a.get("tflops"), a.get("reason", ""), a.get("info", {}))
 
 
+# Knobs added after studies may have been stored: a finished trial without one ran with its default.
+LATE_KNOBS = {"overlap_epilogue": False}
+
+
 def _params(t: FrozenTrial, family: str) -> Params:
-    return tuple(t.params[p] for p in FAMILY_PARAMS[family])
+    return tuple(t.params[p] if p in t.params or p not in LATE_KNOBS else LATE_KNOBS[p] for p in FAMILY_PARAMS[family])
 
 
 def _params_or_none(t: FrozenTrial, family: str) -> Params | None:

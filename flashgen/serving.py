@@ -282,8 +282,9 @@ def _sm90_rule(device: int, head_dim: int, dtype: str, causal: bool, seqlen_k: i
     from .api import _resolver  # noqa: PLC0415
 
     base = _resolver.kernel(device, head_dim, dtype, causal, seqlen_k, "sm90").config
-    persistent = base.persistent and "varlen" not in wanted
-    return _without_spills(dataclasses.replace(base, persistent=persistent, **dict.fromkeys(wanted, True)))
+    if "varlen" in wanted:  # built non-persistent (so without the persistent-only epilogue overlap)
+        base = dataclasses.replace(base, persistent=False, overlap_epilogue=False)
+    return _without_spills(dataclasses.replace(base, **dict.fromkeys(wanted, True)))
 
 
 def untuned_prefill_config(device: int, head_dim: int, dtype: str, causal: bool, max_seqlen_q: int,
@@ -349,7 +350,9 @@ def _without_spills(cfg: KernelConfig) -> KernelConfig:
     if not kern.resources.spills and not re.search(r"C751[239]", kern.ptxas_log):
         return cfg
     base = default_config(cfg.head_dim, cfg.dtype, cfg.causal, "sm90", "sm90")
-    return dataclasses.replace(base, persistent=base.persistent and not cfg.varlen, **dict.fromkeys(cfg.features, True))
+    if cfg.varlen:
+        base = dataclasses.replace(base, persistent=False, overlap_epilogue=False)
+    return dataclasses.replace(base, **dict.fromkeys(cfg.features, True))
 
 
 def _launch_sm90(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, num_seqs: int, max_seqlen_q: int,

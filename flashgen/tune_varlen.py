@@ -94,9 +94,10 @@ def space(problem: VarlenProblem, compiled: Callable[[KernelConfig], Any] | None
     family = "sm90" if p.gpu_arch == "sm90" else "sm80"
     out: dict[KernelConfig, None] = {}
     for base in dense_space(family, p.head_dim, p.dtype, p.causal):
-        persistent = base.persistent and not p.packed  # varlen is built non-persistent
+        if p.packed and base.persistent:  # varlen is built non-persistent: its flat twin is in the space too
+            continue
         try:
-            cfg = dataclasses.replace(base, persistent=persistent, **{f: on for f, on in p.features.items() if on})
+            cfg = dataclasses.replace(base, **{f: on for f, on in p.features.items() if on})
         except ConfigError:
             continue
         if cfg.unfit_reason(p.gpu_arch) is None:
@@ -200,7 +201,8 @@ def tune_problem(problem: VarlenProblem, candidates: list[KernelConfig] | None =
         return None
     # The leaders and the untuned choice timed again side by side: the stored winner must beat noise.
     final = retime_best(results, timer, keep=(default,) if default_ms else ())
-    ms, cfg = final[0]
+    verified = {c for _, c in results}
+    ms, cfg = next((m, c) for m, c in final if c in verified)  # the untuned choice, timed beside, wins only as a candidate
     default_ms = next((m for m, c in final if c == default), default_ms)
     flops = p.flops()
     tflops = flops / (ms * 1e-3) / 1e12

@@ -23,7 +23,7 @@ from flashgen.config import KernelConfig  # noqa: E402
 from flashgen.verify import verify  # noqa: E402
 
 _NAME = re.compile(r"fwd_(sm\d+)_d(\d+)_(fp16|bf16|fp8_e4m3)_(full|causal)_bm(\d+)_bn(\d+)_w(\d+)_s(\d+)"
-                   r"(?:_ov([01])_pp([01])(_ps)?)?(?:_o(bf16|fp16)(_bq)?)?$")
+                   r"(?:_ov([01])_pp([01])(_ps)?(_oe)?)?(?:_o(bf16|fp16)(_bq)?)?$")
 
 
 def parse(name: str) -> KernelConfig:
@@ -31,9 +31,10 @@ def parse(name: str) -> KernelConfig:
     m = _NAME.match(name)
     if not m:
         raise SystemExit(f"not a forward kernel name: {name}")
-    fam, d, dt, mask, bm, bn, w, s, ov, pp, ps, out, bq = m.groups()
+    fam, d, dt, mask, bm, bn, w, s, ov, pp, ps, oe, out, bq = m.groups()
     cfg = KernelConfig(int(d), dt, mask == "causal", int(bm), int(bn), int(w), int(s), fam,
-                       bool(int(ov or 0)), bool(int(pp or 0)), bool(ps), out_dtype=out or "", block_quant_p=bool(bq))
+                       bool(int(ov or 0)), bool(int(pp or 0)), bool(ps), out_dtype=out or "", block_quant_p=bool(bq),
+                       overlap_epilogue=bool(oe))
     if cfg.name != name:
         raise SystemExit(f"{name} reads back as {cfg.name}")
     return cfg

@@ -75,6 +75,37 @@ def test_sm90_family_compiles_for_sm90a_without_spills_or_serialized_wgmma(overl
     compile_sm90a_clean(cfgs)
 
 
+@pytest.mark.parametrize("pingpong", [False, True])
+def test_sm90_overlap_epilogue_compiles_without_spills_or_serialized_wgmma(pingpong):
+    """The epilogue written while the next tile's first QK^T runs (d64/d128; d256 spills with it and is left to
+    the tuner): ptxas keeps the wgmmas asynchronous; the renders without the knob are unchanged."""
+    from flashgen.render import render
+
+    cfgs = [KernelConfig(hd, dt, causal, 128, 128, 12, 2, "sm90", True, pingpong, True, overlap_epilogue=True)
+            for hd in (64, 128) for dt, causal in (("bf16", True), ("fp16", False))]
+    compile_sm90a_clean(cfgs)
+    plain = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, pingpong, True)
+    assert "flush" in render(cfgs[2]) and "flush" not in render(plain)
+
+
+def test_overlap_epilogue_rules_and_space():
+    from flashgen.config import ConfigError, space
+
+    with pytest.raises(ConfigError, match="persistent=True and overlap=True"):
+        KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", False, False, True, overlap_epilogue=True)
+    with pytest.raises(ConfigError, match="persistent=True and overlap=True"):
+        KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, False, False, overlap_epilogue=True)
+    with pytest.raises(ConfigError, match="16-bit"):
+        KernelConfig(128, "fp8_e4m3", True, 128, 128, 12, 2, "sm90", True, False, True, overlap_epilogue=True)
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, True, True, overlap_epilogue=True)
+    assert cfg.name.endswith("_ov1_pp1_ps_oe") and KernelConfig.from_dict(cfg.to_dict()) == cfg
+    sp = space("sm90", 128, "bf16", True)
+    oe = [c for c in sp if c.overlap_epilogue]
+    assert oe and {c.name.removesuffix("_oe") for c in oe} == {c.name for c in sp
+                                                              if c.persistent and c.overlap and not c.overlap_epilogue}
+    assert not any(c.overlap_epilogue for c in space("sm90", 128, "fp8_e4m3", False))
+
+
 def test_a_hung_nvcc_times_out(tmp_path, monkeypatch):
     import time
 

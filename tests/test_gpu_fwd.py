@@ -28,7 +28,10 @@ OTHER_TILES = {
              # persistent: plain, with overlap, ping-pong, both, one and three consumer warpgroups
              (128, 128, 12, 2, False, False, True), (128, 64, 12, 2, True, False, True),
              (128, 128, 12, 2, False, True, True), (128, 96, 12, 3, True, True, True),
-             (64, 64, 8, 2, False, False, True), (192, 64, 16, 2, True, False, True)],
+             (64, 64, 8, 2, False, False, True), (192, 64, 16, 2, True, False, True),
+             # persistent with overlap_epilogue: O written while the next tile's first QK^T runs
+             (128, 64, 12, 2, True, False, True, True), (128, 96, 12, 3, True, True, True, True),
+             (192, 64, 16, 2, True, False, True, True)],
 }
 
 
@@ -47,7 +50,7 @@ def configs_for(head_dim: int, dtype: str, causal: bool, arch: str) -> list[Kern
             continue  # the Hopper family runs only on sm90
         cfgs.append(default_config(head_dim, dtype, causal, arch, family))
         for tiles in OTHER_TILES[family]:
-            c = KernelConfig(head_dim, dtype, causal, *tiles[:4], family, *tiles[4:])
+            c = KernelConfig(head_dim, dtype, causal, *tiles[:4], family, *tiles[4:7], overlap_epilogue=tiles[7:] == (True,))
             if c.unfit_reason(arch) is None and c not in cfgs:
                 cfgs.append(c)
     return cfgs

@@ -333,6 +333,6 @@ def sm90_serving_configs(arch: str) -> set:
     for path in (Path(__file__).resolve().parent.parent / "tuned").glob("*.json"):
         base |= {config_from_entry(e) for e in json.loads(path.read_text())["entries"].values()}
     base = {c for c in base if isinstance(c, KernelConfig) and c.family == "sm90" and not c.fp8 and not c.serving}
-    flat = {dataclasses.replace(c, persistent=False) for c in base}
+    flat = {dataclasses.replace(c, persistent=False, overlap_epilogue=False) for c in base}
     varlen = {dataclasses.replace(c, **f) for c in flat for f in ({"varlen": True}, {"varlen": True, "window": True})}
     return varlen | {dataclasses.replace(c, window=True) for c in base | flat} | set(sm90_persistent_window_configs())
