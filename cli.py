@@ -519,13 +519,29 @@ def store_row(key: str, out, action: str) -> list:
             speed, f"{out.trials}/{out.counts['pruned']}/{failed}", action]
 
 
+def tune_and_store(problems: list, tune_problem: Any, desc: str, info: Any,
+                   args: argparse.Namespace) -> tuple[dict, dict, Path]:
+    """Each serving problem measured in full (tune_problem(p, progress=...) -> entry or None), one progress bar;
+    the winners merged into this GPU's store. Returns (entries, merge actions, store path)."""
+    from tqdm import tqdm
+
+    from flashgen.store import merge, store_path
+
+    entries = {}
+    for p in tqdm(problems, desc=desc, unit="problem"):
+        e = tune_problem(p, progress=tqdm.write)
+        if e is not None:
+            entries[p.key] = e
+    path = store_path(info.name, info.arch, args.tuned_dir)
+    return entries, merge(path, info.name, info.arch, entries, args.force) if entries else {}, path
+
+
 def tune_decode(args: argparse.Namespace) -> int:
     """tune --kind decode: each (head dim, dtype, point, page size) measured in full, the winners merged into the store."""
     from tqdm import tqdm
 
     from flashgen import tune_decode as td
     from flashgen.compile import compile_kernel
-    from flashgen.store import merge, store_path
 
     points = [tuple(int(x) for x in p.lower().split("x")) for p in args.points] if args.points else list(td.DECODE_POINTS)
     if any(len(p) != 2 or min(p) < 1 for p in points):
@@ -550,13 +566,7 @@ def tune_decode(args: argparse.Namespace) -> int:
     problems = [td.DecodeProblem(hd, dt, args.heads[0], args.heads[1], b, n, pg, info.name, info.arch)
                 for hd, dt, (b, n), pg in itertools.product(args.head_dim, args.dtype, points, pages)
                 if not pg or n % pg == 0]
-    entries = {}
-    for p in tqdm(problems, desc="decode problems", unit="problem"):
-        e = td.tune_problem(p, progress=tqdm.write)
-        if e is not None:
-            entries[p.key] = e
-    path = store_path(info.name, info.arch, args.tuned_dir)
-    actions = merge(path, info.name, info.arch, entries, args.force) if entries else {}
+    entries, actions, path = tune_and_store(problems, td.tune_problem, "decode problems", info, args)
     rows = []
     for key, e in entries.items():
         d = e["default"]
@@ -575,7 +585,6 @@ def tune_varlen(args: argparse.Namespace) -> int:
 
     from flashgen import tune_varlen as tv
     from flashgen.compile import target_for
-    from flashgen.store import merge, store_path
 
     def problems(name: str, arch: str) -> list:
         return [tv.VarlenProblem(hd, dt, ca, args.heads_dim_total // hd, args.heads_dim_total // hd, packed, seqs, lo,
@@ -606,13 +615,7 @@ def tune_varlen(args: argparse.Namespace) -> int:
 
     info = device_info(torch.cuda.current_device())
     todo = problems(info.name, info.arch)
-    entries = {}
-    for p in tqdm(todo, desc="varlen problems", unit="problem"):
-        e = tv.tune_problem(p, progress=tqdm.write)
-        if e is not None:
-            entries[p.key] = e
-    path = store_path(info.name, info.arch, args.tuned_dir)
-    actions = merge(path, info.name, info.arch, entries, args.force) if entries else {}
+    entries, actions, path = tune_and_store(todo, tv.tune_problem, "varlen problems", info, args)
     rows = []
     for key, e in entries.items():
         d = e["default"]

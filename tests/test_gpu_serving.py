@@ -42,6 +42,21 @@ def _check(outs: list, refs: list, pts: list, lses: list | None = None, ref_lses
             assert lerr <= LSE_TOL, f"LSE error {lerr:.3g}"
 
 
+def _check_sequences(seqs, causal, scale, dt, window=(-1, -1), softcap=0.0, slopes=None) -> None:
+    """_check over sequences given as (q, k, v, out, lse) (q (seqlen_q, heads, d), lse (heads, seqlen_q)): each
+    against attention_mods_ref in float64, the bound from the same math in dt."""
+    outs, refs, pts, lses, rlses = [], [], [], [], []
+    for q, k, v, out, lse in seqs:
+        ref, rl = attention_mods_ref(q, k, v, causal, scale, window, softcap, slopes)
+        pt, _ = attention_mods_ref(q, k, v, causal, scale, window, softcap, slopes, dtype=dt)
+        outs.append(out)
+        refs.append(ref)
+        pts.append(pt)
+        lses.append(lse)
+        rlses.append(rl)
+    _check(outs, refs, pts, lses, rlses)
+
+
 def _rand(*shape, dtype):
     return torch.randn(*shape, device="cuda", dtype=dtype)
 
@@ -60,17 +75,9 @@ def _varlen_case(seqs, hd, dtype, causal, layout, num_splits=1, window=(-1, -1),
     out, lse = attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, window_size=window,
                                 softcap=softcap, alibi_slopes=slopes, return_lse=True, num_splits=num_splits)
     torch.cuda.synchronize()
-    outs, refs, pts, lses, rlses = [], [], [], [], []
-    for b in range(len(seqs)):
-        qs, ks, vs = q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
-        ref, rl = attention_mods_ref(qs, ks, vs, causal, scale, window, softcap, slopes)
-        pt, _ = attention_mods_ref(qs, ks, vs, causal, scale, window, softcap, slopes, dtype=dt)
-        outs.append(out[cu_q[b]:cu_q[b + 1]])
-        refs.append(ref)
-        pts.append(pt)
-        lses.append(lse[:, cu_q[b]:cu_q[b + 1]])
-        rlses.append(rl)
-    _check(outs, refs, pts, lses, rlses)
+    _check_sequences([(q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]], out[cu_q[b]:cu_q[b + 1]],
+                       lse[:, cu_q[b]:cu_q[b + 1]]) for b in range(len(seqs))], causal, scale, dt, window, softcap,
+                     slopes)
 
 
 def itertools_accumulate(xs):
@@ -146,18 +153,9 @@ def _kvcache_case(batch, seqlen_q, hd, dtype, layout, page_size, append, num_spl
     got_k = kc_arg[table.long()].view(batch, cap, hk, hd) if page_size else kc_arg
     got_v = vc_arg[table.long()].view(batch, cap, hk, hd) if page_size else vc_arg
     assert torch.equal(got_k, expect_k) and torch.equal(got_v, expect_v), "the cache after the append differs"
-    scale = 1 / math.sqrt(hd)
-    outs, refs, pts, lses, rl = [], [], [], [], []
-    for b in range(batch):
-        n = int(lens[b]) + new
-        ref, rlse = attention_mods_ref(q[b], expect_k[b, :n], expect_v[b, :n], causal, scale, window, softcap)
-        pt, _ = attention_mods_ref(q[b], expect_k[b, :n], expect_v[b, :n], causal, scale, window, softcap, dtype=dt)
-        outs.append(out[b])
-        refs.append(ref)
-        pts.append(pt)
-        lses.append(lse[b])
-        rl.append(rlse)
-    _check(outs, refs, pts, lses, rl)
+    ends = [int(lens[b]) + new for b in range(batch)]
+    _check_sequences([(q[b], expect_k[b, :ends[b]], expect_v[b, :ends[b]], out[b], lse[b]) for b in range(batch)],
+                     causal, 1 / math.sqrt(hd), dt, window, softcap)
 
 
 @pytest.mark.parametrize("hd", [64, 128, 256])
@@ -246,16 +244,8 @@ def test_sm90_persistent_window(cfg):
         serving._launch_sm90(cfg, q, k, v, out, lse, num_seqs=b, max_seqlen_q=sq, cu_q=None, cu_k=None, mods=mods,
                              softmax_scale=None)
         torch.cuda.synchronize()
-        outs, refs, pts, lses, rlses = [], [], [], [], []
-        for i in range(b):
-            ref, rl = attention_mods_ref(q[i], k[i], v[i], cfg.causal, 1 / math.sqrt(cfg.head_dim), window)
-            pt, _ = attention_mods_ref(q[i], k[i], v[i], cfg.causal, 1 / math.sqrt(cfg.head_dim), window, dtype=dt)
-            outs.append(out[i])
-            refs.append(ref)
-            pts.append(pt)
-            lses.append(lse[i])
-            rlses.append(rl)
-        _check(outs, refs, pts, lses, rlses)
+        _check_sequences([(q[i], k[i], v[i], out[i], lse[i]) for i in range(b)], cfg.causal,
+                         1 / math.sqrt(cfg.head_dim), dt, window)
 
 
 def test_bad_arguments_raise_before_launch():
