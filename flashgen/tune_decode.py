@@ -80,22 +80,15 @@ def space(head_dim: int, dtype: str, arch: str, paged: bool, cache_len: int) -> 
     return out
 
 
-def _reference(q: Any, k: Any, v: Any, dtype: Any) -> Any:
-    """Attention of q (batch, 1, heads, d) over the whole cache (batch, n, heads_k, d), in `dtype`, a few
-    sequences at a time (float64 K of a large cache would not fit at once)."""
-    import torch  # noqa: PLC0415
+def reference(q: Any, k: Any, v: Any, dtype: Any) -> Any:
+    """Attention of q (batch, 1, heads, d) over the whole cache (batch, n, heads_k, d), in `dtype`: (batch, 1, heads,
+    d), sequence by sequence (verify.packed_ref)."""
+    from .verify import packed_ref  # noqa: PLC0415
 
-    b, _, h, d = q.shape
-    group = h // k.shape[2]
-    per = max(1, (1 << 28) // max(1, k[0].numel() * 8))
-    outs = []
-    for i in range(0, b, per):
-        qi = q[i:i + per, 0].to(dtype)  # (b, h, d)
-        ki = k[i:i + per].to(dtype).repeat_interleave(group, dim=2)  # (b, n, h, d)
-        vi = v[i:i + per].to(dtype).repeat_interleave(group, dim=2)
-        s = torch.einsum("bhd,bnhd->bhn", qi, ki) / math.sqrt(d)
-        outs.append(torch.einsum("bhn,bnhd->bhd", torch.softmax(s, dim=-1), vi))
-    return torch.cat(outs)[:, None]
+    b, n = k.shape[:2]
+    out = packed_ref(q.reshape(b, *q.shape[2:]), k.reshape(b * n, *k.shape[2:]), v.reshape(b * n, *v.shape[2:]),
+                     list(range(b + 1)), [i * n for i in range(b + 1)], False, dtype=dtype)
+    return out[:, None]
 
 
 def tune_problem(problem: DecodeProblem, candidates: list[tuple[KernelConfig, int]] | None = None,
@@ -115,8 +108,8 @@ def tune_problem(problem: DecodeProblem, candidates: list[tuple[KernelConfig, in
     tdt = torch_dtype(p.dtype)
     q = torch.randn(p.batch, 1, p.heads, p.head_dim, device="cuda", dtype=tdt)
     kc, vc = (torch.randn(p.batch, p.cache_len, p.heads_k, p.head_dim, device="cuda", dtype=tdt) for _ in range(2))
-    ref = _reference(q, kc, vc, torch.float64)
-    bound = 2 * (_reference(q, kc, vc, tdt).double() - ref).abs().max().item() + 1e-5  # flash_attn's bar
+    ref = reference(q, kc, vc, torch.float64)
+    bound = 2 * (reference(q, kc, vc, tdt).double() - ref).abs().max().item() + 1e-5  # flash_attn's bar
     k_arg, v_arg, table = kc, vc, None
     if p.page_size:
         k_arg, table = _paged(kc, p.page_size)

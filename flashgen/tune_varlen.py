@@ -113,26 +113,6 @@ def space(problem: VarlenProblem, compiled: Callable[[KernelConfig], Any] | None
     return cfgs
 
 
-def _reference(q: Any, k: Any, v: Any, cu: list[int], causal: bool, window: int, dtype: Any) -> list[Any]:
-    """Per sequence, its output (seqlen, heads, d) in `dtype`, a few heads at a time (a float64 score matrix of a
-    long sequence and all heads would not fit)."""
-    import torch  # noqa: PLC0415
-
-    from .verify import attention_mods_ref  # noqa: PLC0415
-
-    h, hk, d = q.shape[1], k.shape[1], q.shape[2]
-    group = h // hk
-    outs = []
-    for b in range(len(cu) - 1):
-        n = cu[b + 1] - cu[b]
-        per = max(1, min(hk, (1 << 30) // max(1, n * n * 8 * group)))  # KV heads per chunk
-        qs, ks, vs = (t[cu[b]:cu[b + 1]] for t in (q, k, v))
-        parts = [attention_mods_ref(qs[:, j * group:(j + per) * group], ks[:, j:j + per], vs[:, j:j + per], causal,
-                                    1 / math.sqrt(d), (window, -1), dtype=dtype)[0] for j in range(0, hk, per)]
-        outs.append(torch.cat(parts, dim=1))
-    return outs
-
-
 def tune_problem(problem: VarlenProblem, candidates: list[KernelConfig] | None = None,
                  progress: Callable[[str], None] | None = None) -> dict[str, Any] | None:
     """Measure every candidate (default: the whole fitting space, spilling ones left out) of `problem` on this GPU;
@@ -147,6 +127,7 @@ def tune_problem(problem: VarlenProblem, candidates: list[KernelConfig] | None =
     from .serving import Mods, _compiled, launch_prefill, untuned_prefill_config  # noqa: PLC0415
     from .tensors import torch_dtype  # noqa: PLC0415
     from .tune_decode import _driver_version  # noqa: PLC0415
+    from .verify import packed_ref  # noqa: PLC0415
 
     p = problem
     tdt = torch_dtype(p.dtype)
@@ -155,8 +136,8 @@ def tune_problem(problem: VarlenProblem, candidates: list[KernelConfig] | None =
     total = cu[-1]
     q = torch.randn(total, p.heads, p.head_dim, device="cuda", dtype=tdt)
     k, v = (torch.randn(total, p.heads_k, p.head_dim, device="cuda", dtype=tdt) for _ in range(2))
-    ref = torch.cat(_reference(q, k, v, cu, p.causal, p.window, torch.float64))
-    same = torch.cat(_reference(q, k, v, cu, p.causal, p.window, tdt)).double()
+    ref = packed_ref(q, k, v, cu, cu, p.causal, p.window, torch.float64)
+    same = packed_ref(q, k, v, cu, cu, p.causal, p.window, tdt).double()
     bound = 2 * (same - ref).abs().max().item() + 1e-5  # flash_attn's bar: twice PyTorch's own error in the dtype
     del same
     out = torch.empty_like(q)

@@ -363,3 +363,24 @@ def attention_mods_ref(q: Any, k: Any, v: Any, causal: bool, scale: float, windo
     p = torch.exp(s.double() - lse[..., None]).nan_to_num(0.0).to(vf.dtype)
     out = (p @ vf).transpose(0, 1)
     return out, lse.nan_to_num(nan=math.inf, neginf=math.inf)
+
+
+def packed_ref(q: Any, k: Any, v: Any, cu_q: list[int], cu_k: list[int], causal: bool, window_left: int = -1,
+               dtype: Any = None, budget_bytes: int = 1 << 30) -> Any:
+    """Outputs of packed sequences (q (total_q, heads, d), k, v (total_k, heads_k, d); sequence b is rows
+    cu_q[b]..cu_q[b+1] against keys cu_k[b]..cu_k[b+1]), computed in `dtype` (float64: the reference) by
+    attention_mods_ref, a few KV heads at a time so that a long sequence's float64 scores fit (budget_bytes per
+    chunk); returns (total_q, heads, d). Scale 1/sqrt(d); window (window_left, right unbounded or causal)."""
+    import torch  # noqa: PLC0415
+
+    h, hk, d = q.shape[1], k.shape[1], q.shape[2]
+    group = h // hk
+    outs = []
+    for b in range(len(cu_q) - 1):
+        nq, nk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        per = max(1, min(hk, budget_bytes // max(1, (nq * nk + nk * d) * 8 * group)))  # KV heads per chunk
+        qs, ks, vs = q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
+        outs.append(torch.cat([attention_mods_ref(qs[:, j * group:(j + per) * group], ks[:, j:j + per],
+                                                  vs[:, j:j + per], causal, 1 / math.sqrt(d), (window_left, -1),
+                                                  dtype=dtype)[0] for j in range(0, hk, per)], dim=1))
+    return torch.cat(outs)

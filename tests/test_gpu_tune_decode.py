@@ -46,8 +46,8 @@ def test_tuned_decode_entry_is_verified_stored_and_used(tmp_path, monkeypatch):
     out = attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=2048, block_table=table)
     cfg, splits = seen[-1]
     assert (cfg.name, splits) == (e["kernel"], e["num_splits"])
-    ref = td._reference(q, kc, vc, torch.float64)
-    bound = 2 * (td._reference(q, kc, vc, torch.bfloat16).double() - ref).abs().max().item() + 1e-5
+    ref = td.reference(q, kc, vc, torch.float64)
+    bound = 2 * (td.reference(q, kc, vc, torch.bfloat16).double() - ref).abs().max().item() + 1e-5
     assert (out.double() - ref).abs().max().item() <= bound
 
 

@@ -166,7 +166,7 @@ def test_tune_problem_picks_its_winner_among_the_candidates(monkeypatch):
         cat=lambda xs, dim=0: FakeTensor(), float64="f64", int32="i32", bfloat16="bf16",
         cuda=types.SimpleNamespace(synchronize=lambda: None))
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
-    monkeypatch.setattr(tv, "_reference", lambda *a: [FakeTensor()])
+    monkeypatch.setattr("flashgen.verify.packed_ref", lambda *a, **k: FakeTensor())
     monkeypatch.setattr(serving, "launch_prefill", lambda cfg, *a, **k: current.append(cfg))
     monkeypatch.setattr(serving, "untuned_prefill_config", lambda *a: default)
     monkeypatch.setattr(bench, "time_cuda", lambda fn, **k: (fn(0), [speed[current[-1]]] * 3)[1])

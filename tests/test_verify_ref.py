@@ -98,3 +98,23 @@ def test_verify_shape_bounds_the_reference_work():
     assert (sq, sk) == (16384, 16384) and h % hk == 0 and h // hk == 4
     assert b * h * sq * sk <= VERIFY_REF_SCORES < p.batch * p.heads * sq * sk
     assert p.shape() == (1, 16384, 16384, 32, 8)
+
+
+@pytest.mark.parametrize("causal,window", [(True, -1), (False, -1), (True, 5)])
+def test_packed_reference_is_attention_mods_ref_per_sequence(causal, window):
+    """verify.packed_ref (the tuners' reference): sequence by sequence, in KV-head chunks when the budget is small,
+    the same as attention_mods_ref on each sequence whole; unequal q/k lengths and an empty sequence."""
+    import math
+
+    from flashgen.verify import attention_mods_ref, packed_ref
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    cu_q, cu_k = [0, 3, 3, 20, 21], [0, 5, 5, 22, 31]
+    q = torch.randn(21, 8, 32, dtype=torch.float64)
+    k, v = torch.randn(31, 4, 32, dtype=torch.float64), torch.randn(31, 4, 32, dtype=torch.float64)
+    whole = torch.cat([attention_mods_ref(q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]],
+                                          causal, 1 / math.sqrt(32), (window, -1))[0] for b in range(4)])
+    for budget in (1 << 30, 1):  # one chunk; one KV head per chunk
+        got = packed_ref(q, k, v, cu_q, cu_k, causal, window, torch.float64, budget_bytes=budget)
+        assert got.shape == (21, 8, 32) and torch.equal(got, whole)
