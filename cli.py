@@ -6,7 +6,7 @@
     python cli.py tune --arch sm80 --gpus all --storage postgresql://tuner@db-host/flashgen  # on each host
     python cli.py tune --collect --storage postgresql://tuner@db-host/flashgen  # the fleet's winners -> tuned/
     python cli.py tune --kind decode --head-dim 128 --points 32x8192,1x131072 --pages 0,16,256  # KV-cache decoding
-    python cli.py tune --kind varlen --head-dim 128 --causal yes   # packed batches and sliding windows
+    python cli.py tune --kind varlen --head-dim 128 --points 64x64-8192,w1024@16384   # packed batches, windows
     python cli.py dashboard --storage postgresql://tuner@db-host/flashgen
     python cli.py show
     python cli.py export --arch sm80 --out exported/
@@ -104,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "lengths and a sliding window at a long sequence, the whole serving forward space each, "
                         "taken by attention_varlen and attention(window_size=...)")
     t.add_argument("--points", type=str_list, default=None,
-                   help="decode: batch x cache length points, e.g. 32x8192,1x131072 (default: the bench's six)")
+                   help="decode: batch x cache length points, e.g. 32x8192,1x131072 (default: the bench's six); "
+                        "varlen: packed batches SEQSxMIN-MAX (lengths log-uniform in [MIN, MAX]) and causal windows "
+                        "wWINDOW@N, e.g. 64x64-8192,w1024@16384 (the default)")
     t.add_argument("--pages", type=int_list, default=None, help="decode: page sizes, 0 = contiguous (default 0,16,256)")
     t.add_argument("--heads", type=int_list, default=[32, 8], help="decode: query heads, KV heads (default 32,8)")
     t.add_argument("--seqlen", type=int_list, default=list(SEQLEN_BUCKETS), help="seqlen buckets (default 1024,4096,16384)")
@@ -586,11 +588,16 @@ def tune_varlen(args: argparse.Namespace) -> int:
     from flashgen import tune_varlen as tv
     from flashgen.compile import target_for
 
+    try:
+        points = [tv.parse_point(p) for p in args.points] if args.points else list(tv.VARLEN_POINTS)
+    except ValueError as e:
+        raise CliError(f"--points: {e}") from None
+
     def problems(name: str, arch: str) -> list:
         return [tv.VarlenProblem(hd, dt, ca, args.heads_dim_total // hd, args.heads_dim_total // hd, packed, seqs, lo,
                                  hi, win, name, arch)
                 for hd, dt, ca, (packed, seqs, lo, hi, win) in itertools.product(
-                    args.head_dim, args.dtype, causal_list(args.causal), tv.VARLEN_POINTS)
+                    args.head_dim, args.dtype, causal_list(args.causal), points)
                 if packed or ca]  # a window point is a causal sliding window
 
     if any(dt == "fp8_e4m3" for dt in args.dtype):

@@ -29,6 +29,25 @@ VARLEN_POINTS = ((True, 64, 64, 8192, -1), (False, 1, 16384, 16384, 1024))
 SEED = 0  # the lengths' draw (bench_serving._lengths): the same batch every run
 
 
+def parse_point(text: str) -> tuple[bool, int, int, int, int]:
+    """A point of VARLEN_POINTS from the command line: "SEQSxMIN-MAX" (a packed batch, e.g. 64x64-8192) or
+    "wWINDOW@N" (a causal window of WINDOW keys at one sequence of N, e.g. w1024@16384)."""
+    import re  # noqa: PLC0415
+
+    packed = re.fullmatch(r"(\d+)x(\d+)-(\d+)", text.strip().lower())
+    window = re.fullmatch(r"w(\d+)@(\d+)", text.strip().lower())
+    if packed:
+        seqs, lo, hi = map(int, packed.groups())
+        if seqs >= 1 and 1 <= lo <= hi:
+            return True, seqs, lo, hi, -1
+    elif window:
+        win, n = map(int, window.groups())
+        if n >= 1:
+            return False, 1, n, n, win
+    raise ValueError(f"varlen point {text!r}: expected SEQSxMIN-MAX (e.g. 64x64-8192, 1 <= MIN <= MAX) or "
+                     f"wWINDOW@N (e.g. w1024@16384)")
+
+
 @dataclass(frozen=True)
 class VarlenProblem:
     """One problem on one GPU: a packed batch of num_seqs sequences with lengths log-uniform in
@@ -250,4 +269,4 @@ def _tuned(gpu_name: str, arch: str, stamp: tuple | None, head_dim: int, dtype: 
     return cfg if cfg.unfit_reason(arch) is None else None
 
 
-__all__ = ["VARLEN_POINTS", "VarlenProblem", "nearest_entry", "space", "tune_problem", "tuned_prefill"]
+__all__ = ["VARLEN_POINTS", "VarlenProblem", "nearest_entry", "parse_point", "space", "tune_problem", "tuned_prefill"]

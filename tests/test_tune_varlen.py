@@ -176,3 +176,25 @@ def test_tune_problem_picks_its_winner_among_the_candidates(monkeypatch):
     e = tv.tune_problem(p, cand)
     assert e["kernel"] == cand[1].name and e["median_ms"] == 1.5
     assert e["default"]["kernel"] == default.name and e["default"]["median_ms"] == 1.0
+
+
+def test_points_from_the_command_line():
+    assert tv.parse_point("64x64-8192") == tv.VARLEN_POINTS[0]
+    assert tv.parse_point("w1024@16384") == tv.VARLEN_POINTS[1]
+    assert tv.parse_point(" 8X100-100 ") == (True, 8, 100, 100, -1)
+    for bad in ("64x100-10", "0x1-2", "w1024", "1024@16384", "64x64"):
+        with pytest.raises(ValueError, match="SEQSxMIN-MAX"):
+            tv.parse_point(bad)
+
+
+def test_cli_compiles_the_spaces_of_the_points_it_is_given(monkeypatch, capsys):
+    import cli
+
+    seen = []
+    monkeypatch.setattr(tv, "space", lambda p, compiled=None: seen.append(p) or [])
+    assert cli.main(["tune", "--kind", "varlen", "--arch", "sm90", "--head-dim", "64", "--causal", "both",
+                     "--points", "16x32-512,w256@4096", "--compile-only", "--gpu-arch", "sm90"]) == 0
+    assert {(p.packed, p.num_seqs, p.min_len, p.max_len, p.window, p.causal) for p in seen} == {
+        (True, 16, 32, 512, -1, False), (True, 16, 32, 512, -1, True), (False, 1, 4096, 4096, 256, True)}
+    assert cli.main(["tune", "--kind", "varlen", "--arch", "sm90", "--points", "16x512-32", "--compile-only"]) == 2
+    assert "--points" in capsys.readouterr().err
