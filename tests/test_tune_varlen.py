@@ -198,3 +198,27 @@ def test_cli_compiles_the_spaces_of_the_points_it_is_given(monkeypatch, capsys):
         (True, 16, 32, 512, -1, False), (True, 16, 32, 512, -1, True), (False, 1, 4096, 4096, 256, True)}
     assert cli.main(["tune", "--kind", "varlen", "--arch", "sm90", "--points", "16x512-32", "--compile-only"]) == 2
     assert "--points" in capsys.readouterr().err
+
+
+def test_prefill_config_takes_a_stored_sm80_kernel_off_hopper(tmp_path, monkeypatch):
+    """On a GPU without the sm90 family the varlen call takes the tuned sm80-family kernel of the nearest stored
+    problem, else serve_config's tiles; decode-sized calls never take it."""
+    from flashgen import ops, serving
+    from flashgen.store import merge, store_path
+
+    a100 = ("NVIDIA A100-SXM4-80GB", "sm80")
+    monkeypatch.setattr(serving, "_arch_and_slots", lambda device: ("sm80", 108))
+    monkeypatch.setattr(ops, "_gpu", lambda device: a100)
+    monkeypatch.setattr(ops, "_stamps", {})
+    monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
+    tv._tuned.cache_clear()
+    rule = serving.serve_config(128, "bf16", True, 4096, "sm80", varlen=True)
+    assert serving.prefill_config(0, 128, "bf16", True, 4096, 4096, {"varlen": True}) == rule
+    tuned = KernelConfig(128, "bf16", True, 64, 64, 4, 3, varlen=True)
+    p = tv.VarlenProblem(128, "bf16", True, 16, 16, True, 64, 64, 8192, -1, *a100)
+    merge(store_path(*a100, tmp_path), *a100, {p.key: entry(p, tuned)})
+    ops._stamps.clear()
+    tv._tuned.cache_clear()
+    assert serving.prefill_config(0, 128, "bf16", True, 4096, 4096, {"varlen": True}) == tuned
+    assert serving.prefill_config(0, 128, "bf16", True, 16, 4096, {"varlen": True}).block_m <= 32  # decode rows
+    tv._tuned.cache_clear()
