@@ -538,12 +538,30 @@ def tune_and_store(problems: list, tune_problem: Any, desc: str, info: Any,
     return entries, merge(path, info.name, info.arch, entries, args.force) if entries else {}, path
 
 
-def tune_decode(args: argparse.Namespace) -> int:
-    """tune --kind decode: each (head dim, dtype, point, page size) measured in full, the winners merged into the store."""
+def compile_all(cfgs: list, arch: str, args: argparse.Namespace, what: str) -> int:
+    """--compile-only of a serving kind: every configuration compiled for `arch` on --jobs processes, one progress
+    bar, for a GPU run to load from FLASHGEN_CACHE_DIR."""
     from tqdm import tqdm
 
+    from flashgen.compile import target_for
+    from flashgen.worker import CompileAhead
+
+    cfgs = sorted(set(cfgs), key=lambda c: c.name)
+    pool = CompileAhead(args.jobs, args.compile_timeout)
+    try:
+        for c in cfgs:
+            pool.submit(c, target_for(arch, c.family))
+        for c in tqdm(cfgs, desc="compile", unit="kernel"):
+            pool.get(c, target_for(arch, c.family))
+    finally:
+        pool.close()
+    print(f"{len(cfgs)} {what} kernels compiled for {arch}")
+    return 0
+
+
+def tune_decode(args: argparse.Namespace) -> int:
+    """tune --kind decode: each (head dim, dtype, point, page size) measured in full, the winners merged into the store."""
     from flashgen import tune_decode as td
-    from flashgen.compile import compile_kernel
 
     points = [tuple(int(x) for x in p.lower().split("x")) for p in args.points] if args.points else list(td.DECODE_POINTS)
     if any(len(p) != 2 or min(p) < 1 for p in points):
@@ -555,12 +573,8 @@ def tune_decode(args: argparse.Namespace) -> int:
         raise CliError("--heads: query heads, KV heads (a multiple of them), e.g. 32,8")
     if args.compile_only:  # the whole space, for a GPU run to load from FLASHGEN_CACHE_DIR
         arch = args.gpu_arch or "sm90"
-        cfgs = {c for hd, dt in itertools.product(args.head_dim, args.dtype) for pg in (False, True)
-                for c, _ in td.space(hd, dt, arch, pg, max(n for _, n in points))}
-        for cfg in tqdm(sorted(cfgs, key=lambda c: c.name), desc="compile", unit="kernel"):
-            compile_kernel(cfg, f"sm_{arch[2:]}")
-        print(f"{len(cfgs)} decode kernels compiled for {arch}")
-        return 0
+        return compile_all([c for hd, dt in itertools.product(args.head_dim, args.dtype) for pg in (False, True)
+                            for c, _ in td.space(hd, dt, arch, pg, max(n for _, n in points))], arch, args, "decode")
     torch = _bench_torch(" (tune --kind decode times kernels)")
     from flashgen.driver import device_info
 
@@ -583,10 +597,7 @@ def tune_decode(args: argparse.Namespace) -> int:
 def tune_varlen(args: argparse.Namespace) -> int:
     """tune --kind varlen: each (head dim, dtype, mask, point of tune_varlen.VARLEN_POINTS) measured over the
     family's whole fitting space, the winners merged into the store."""
-    from tqdm import tqdm
-
     from flashgen import tune_varlen as tv
-    from flashgen.compile import target_for
 
     try:
         points = [tv.parse_point(p) for p in args.points] if args.points else list(tv.VARLEN_POINTS)
@@ -603,20 +614,8 @@ def tune_varlen(args: argparse.Namespace) -> int:
     if any(dt == "fp8_e4m3" for dt in args.dtype):
         raise CliError("tune --kind varlen: varlen and window are built for bf16 and fp16")
     if args.compile_only:  # the whole space, for a GPU run to load from FLASHGEN_CACHE_DIR
-        from flashgen.worker import CompileAhead
-
         arch = args.gpu_arch or "sm90"
-        cfgs = sorted({c for p in problems("-", arch) for c in tv.space(p)}, key=lambda c: c.name)
-        pool = CompileAhead(args.jobs, args.compile_timeout)
-        try:
-            for c in cfgs:
-                pool.submit(c, target_for(arch, c.family))
-            for c in tqdm(cfgs, desc="compile", unit="kernel"):
-                pool.get(c, target_for(arch, c.family))
-        finally:
-            pool.close()
-        print(f"{len(cfgs)} varlen / window kernels compiled for {arch}")
-        return 0
+        return compile_all([c for p in problems("-", arch) for c in tv.space(p)], arch, args, "varlen / window")
     torch = _bench_torch(" (tune --kind varlen times kernels)")
     from flashgen.driver import device_info
 

@@ -7,7 +7,6 @@ changes (checked at most once a second) or after `reload()`.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import sys
 import threading
@@ -155,10 +154,6 @@ def load(head_dim: int, dtype: str = "bf16", causal: bool = False, config: Kerne
 
 # -- the per-call path: resolve once, then a dict lookup ---------------------------------
 
-def _log_distance(a: int, b: int) -> float:
-    return abs(math.log(a) - math.log(b))
-
-
 def nearest_bucket(seqlen: int | None, buckets: tuple[int, ...]) -> int | None:
     """The stored seqlen bucket store.lookup picks for `seqlen` (nearest by ratio, the larger on a tie;
     the largest for None)."""
@@ -166,7 +161,9 @@ def nearest_bucket(seqlen: int | None, buckets: tuple[int, ...]) -> int | None:
         return None
     if seqlen is None:
         return max(buckets)
-    return min(buckets, key=lambda s: (_log_distance(max(s, 1), max(seqlen, 1)), -s))
+    from .store import log_distance  # noqa: PLC0415
+
+    return min(buckets, key=lambda s: (log_distance(s, seqlen), -s))
 
 
 class Resolver:

@@ -94,15 +94,20 @@ def decode_rows(head_dim: int = 128, dtype: str = "bf16", points: list[tuple[int
     return rows
 
 
+def seen_pairs(lq: int, lk: int, left: int, right: int) -> int:
+    """(query, key) pairs seen when row i sees keys i + shift - left .. i + shift + right (shift = lk - lq,
+    bottom-right aligned; -1: unbounded): causal is right = 0."""
+    shift, total = lk - lq, 0
+    for i in range(lq):
+        hi = min(lk, i + shift + right + 1) if right >= 0 else lk
+        lo = max(0, i + shift - left) if left >= 0 else 0
+        total += max(0, hi - lo)
+    return total
+
+
 def _causal_flops(lq: int, lk: int, d: int, h: int, window: int = -1) -> float:
     """4 * d * h * (query, key) pairs seen under a bottom-right causal mask (and a left window)."""
-    pairs = 0
-    shift = lk - lq
-    for i in range(lq):
-        hi = min(lk, i + shift + 1)
-        lo = max(0, i + shift - window) if window >= 0 else 0
-        pairs += max(0, hi - lo)
-    return 4.0 * d * h * pairs
+    return 4.0 * d * h * seen_pairs(lq, lk, window, 0)
 
 
 def varlen_rows(head_dim: int = 128, dtype: str = "bf16", n_seqs: int = 64, lo: int = 64, hi: int = 8192,
@@ -142,8 +147,9 @@ def varlen_rows(head_dim: int = 128, dtype: str = "bf16", n_seqs: int = 64, lo: 
 
 def window_rows(head_dim: int = 128, dtype: str = "bf16", n: int = 16384, window: int = 1024,
                 progress: Callable[[str], None] = print) -> list[dict]:
-    """Causal sliding window at one long sequence: useful TFLOP/s against the same serving kernel without
-    the window and flashgen's dense causal kernels, all at N."""
+    """Causal sliding window at one long sequence: useful TFLOP/s through attention_varlen and through the dense
+    call (attention(window_size=...)), against the same serving kernel without the window and flashgen's dense
+    causal kernels, all at N."""
     import torch  # noqa: PLC0415
 
     import flashgen  # noqa: PLC0415

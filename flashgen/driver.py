@@ -209,5 +209,12 @@ def tensor_map(dtype: str, ptr: int, dims: tuple[int, ...], strides_bytes: tuple
     return bytes(out)
 
 
+def version() -> str:
+    """The CUDA driver's version, e.g. "13.0" (what a tuning result was measured under)."""
+    v = ctypes.c_int()
+    check(lib().cuDriverGetVersion(ctypes.byref(v)), "cuDriverGetVersion")
+    return f"{v.value // 1000}.{v.value % 1000 // 10}"
+
+
 def synchronize() -> None:
     check(lib().cuCtxSynchronize(), "cuCtxSynchronize")

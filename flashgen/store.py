@@ -216,8 +216,9 @@ def pass_entries(gpu_name: str, arch: str, pass_: str) -> list[dict[str, Any]]:
     return [e for e in entries if entry_pass(e) == pass_]
 
 
-def _log_distance(a: int, b: int) -> float:
-    return abs(math.log(a) - math.log(b))
+def log_distance(a: int, b: int) -> float:
+    """How far apart two sizes are by ratio (sizes below 1 count as 1): the nearest stored problem's measure."""
+    return abs(math.log(max(a, 1)) - math.log(max(b, 1)))
 
 
 def matches(cfg: KernelConfig | BwdConfig, head_dim: int, dtype: str, causal: bool, family: str | None) -> bool:
@@ -252,7 +253,7 @@ def lookup(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, se
     if not cands:
         return None
     target = seqlen or max(c[0] for c in cands)
-    bucket = min({c[0] for c in cands}, key=lambda s: (_log_distance(max(s, 1), max(target, 1)), -s))
+    bucket = min({c[0] for c in cands}, key=lambda s: (log_distance(s, target), -s))
     cands = [c for c in cands if c[0] == bucket]
     group = min({c[1] for c in cands}, key=lambda g: (g != 1, g))
     cands = [c for c in cands if c[1] == group]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import functools
 import itertools
-import math
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -101,8 +100,10 @@ def tune_problem(problem: DecodeProblem, candidates: list[tuple[KernelConfig, in
     from .bench import median_ms, retime_best, time_cuda  # noqa: PLC0415
     from .bench_serving import _paged  # noqa: PLC0415
     from .compile import nvcc_version  # noqa: PLC0415
+    from .driver import version as driver_version  # noqa: PLC0415
     from .serving import kvcache_launch  # noqa: PLC0415
     from .tensors import torch_dtype  # noqa: PLC0415
+    from .verify import poisoned_error  # noqa: PLC0415
 
     p = problem
     tdt = torch_dtype(p.dtype)
@@ -121,11 +122,8 @@ def tune_problem(problem: DecodeProblem, candidates: list[tuple[KernelConfig, in
     out = torch.empty_like(q)
 
     def measure(call: Callable[[], Any]) -> tuple[float | None, str]:
-        out.fill_(float("nan"))  # poisoned: an unwritten element fails
-        call()
-        torch.cuda.synchronize()
-        err = (out.double() - ref).abs().max().item()
-        if not err <= bound:  # NaN fails too
+        err = poisoned_error(out, ref, call)
+        if not err <= bound:  # NaN (an unwritten element) fails too
             return None, f"max error {err:.3g} > {bound:.3g}"
         return median_ms(time_cuda(lambda i: call(), warmup=2, reps=15)), "ok"
 
@@ -156,27 +154,13 @@ def tune_problem(problem: DecodeProblem, candidates: list[tuple[KernelConfig, in
         "problem": p.to_dict(), "kernel": cfg.name, "config": cfg.to_dict(), "num_splits": splits,
         "median_ms": ms, "tflops": None, "tb_s": tb_s, "trials": len(candidates),
         "date": datetime.date.today().isoformat(), "flashgen": __version__, "nvcc": nvcc_version(),
-        "driver": _driver_version(),
+        "driver": driver_version(),
         "default": {"kernel": "rule (flashgen.serving)", "status": default_status, "median_ms": default_ms,
                     "tb_s": p.kv_bytes / (default_ms * 1e-3) / 1e12 if default_ms else None},
     }
 
 
-def _driver_version() -> str:
-    import ctypes  # noqa: PLC0415
-
-    from .driver import lib  # noqa: PLC0415
-
-    v = ctypes.c_int()
-    lib().cuDriverGetVersion(ctypes.byref(v))
-    return f"{v.value // 1000}.{v.value % 1000 // 10}"
-
-
 # -- lookup, for attention_with_kvcache ----------------------------------------------------
-
-def _distance(a: int, b: int) -> float:
-    return abs(math.log(max(a, 1)) - math.log(max(b, 1)))
-
 
 def nearest_entry(entries: list[dict[str, Any]], head_dim: int, dtype: str, heads: int, heads_k: int, batch: int,
                   cache_len: int, page_size: int) -> dict[str, Any] | None:
@@ -188,10 +172,12 @@ def nearest_entry(entries: list[dict[str, Any]], head_dim: int, dtype: str, head
              and bool(e["problem"]["page_size"]) == bool(page_size)]
     if not cands:
         return None
-    page = min({e["problem"]["page_size"] for e in cands}, key=lambda s: _distance(s, page_size) if page_size else 0)
+    from .store import log_distance  # noqa: PLC0415
+
+    page = min({e["problem"]["page_size"] for e in cands}, key=lambda s: log_distance(s, page_size) if page_size else 0)
     cands = [e for e in cands if e["problem"]["page_size"] == page]
-    return min(cands, key=lambda e: (_distance(e["problem"]["cache_len"], cache_len) + _distance(e["problem"]["batch"], batch),
-                                     e["median_ms"]))
+    return min(cands, key=lambda e: (log_distance(e["problem"]["cache_len"], cache_len)
+                                     + log_distance(e["problem"]["batch"], batch), e["median_ms"]))
 
 
 def tuned_decode(device: int, head_dim: int, dtype: str, heads: int, heads_k: int, batch: int, cache_len: int,

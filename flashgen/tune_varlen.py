@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import math
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -86,21 +85,13 @@ class VarlenProblem:
 
     def flops(self) -> float:
         """Useful FLOPs: 4 d h per (query, key) pair the mask and window let through."""
+        from .bench_serving import seen_pairs  # noqa: PLC0415
+
         right = 0 if self.causal else -1
-        return sum(4.0 * self.head_dim * self.heads * _pairs(n, n, self.window, right) for n in self.lengths())
+        return sum(4.0 * self.head_dim * self.heads * seen_pairs(n, n, self.window, right) for n in self.lengths())
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "pass_": "varlen"}
-
-
-def _pairs(lq: int, lk: int, left: int, right: int) -> int:
-    """(query, key) pairs seen: row i sees keys i + shift - left .. i + shift + right (-1: unbounded)."""
-    shift, total = lk - lq, 0
-    for i in range(lq):
-        hi = min(lk, i + shift + right + 1) if right >= 0 else lk
-        lo = max(0, i + shift - left) if left >= 0 else 0
-        total += max(0, hi - lo)
-    return total
 
 
 def space(problem: VarlenProblem, compiled: Callable[[KernelConfig], Any] | None = None) -> list[KernelConfig]:
@@ -145,8 +136,8 @@ def tune_problem(problem: VarlenProblem, candidates: list[KernelConfig] | None =
     from .compile import nvcc_version, target_for  # noqa: PLC0415
     from .serving import Mods, _compiled, launch_prefill, untuned_prefill_config  # noqa: PLC0415
     from .tensors import torch_dtype  # noqa: PLC0415
-    from .tune_decode import _driver_version  # noqa: PLC0415
-    from .verify import packed_ref  # noqa: PLC0415
+    from .driver import version as driver_version  # noqa: PLC0415
+    from .verify import packed_ref, poisoned_error  # noqa: PLC0415
 
     p = problem
     tdt = torch_dtype(p.dtype)
@@ -172,17 +163,16 @@ def tune_problem(problem: VarlenProblem, candidates: list[KernelConfig] | None =
     if candidates is None:
         candidates = space(p, lambda c: _compiled(c, target_for(p.gpu_arch, c.family)))
 
-    def timer(cfg: KernelConfig) -> list[float]:
-        return time_cuda(lambda i: launch_prefill(cfg, *views, None, **cus, max_seqlen_q=n_max, max_seqlen_k=n_max,
-                                                  num_splits=1, mods=mods, softmax_scale=None), warmup=3, reps=20)
-
-    def measure(cfg: KernelConfig) -> tuple[float | None, str]:
-        out.fill_(float("nan"))  # poisoned: an unwritten element fails
+    def launch(cfg: KernelConfig) -> None:
         launch_prefill(cfg, *views, None, **cus, max_seqlen_q=n_max, max_seqlen_k=n_max, num_splits=1, mods=mods,
                        softmax_scale=None)
-        torch.cuda.synchronize()
-        err = (out.double() - ref).abs().max().item()
-        if not err <= bound:  # NaN fails too
+
+    def timer(cfg: KernelConfig) -> list[float]:
+        return time_cuda(lambda i: launch(cfg), warmup=3, reps=20)
+
+    def measure(cfg: KernelConfig) -> tuple[float | None, str]:
+        err = poisoned_error(out, ref, lambda: launch(cfg))
+        if not err <= bound:  # NaN (an unwritten element) fails too
             return None, f"max error {err:.3g} > {bound:.3g}"
         return median_ms(timer(cfg)), "ok"
 
@@ -213,17 +203,13 @@ def tune_problem(problem: VarlenProblem, candidates: list[KernelConfig] | None =
     return {
         "problem": p.to_dict(), "kernel": cfg.name, "config": cfg.to_dict(), "median_ms": ms, "tflops": tflops,
         "trials": len(candidates), "date": datetime.date.today().isoformat(), "flashgen": __version__,
-        "nvcc": nvcc_version(), "driver": _driver_version(),
+        "nvcc": nvcc_version(), "driver": driver_version(),
         "default": {"kernel": default.name, "status": default_status, "median_ms": default_ms,
                     "tflops": flops / (default_ms * 1e-3) / 1e12 if default_ms else None},
     }
 
 
 # -- lookup, for attention_varlen and attention(window_size=...) --------------------------------
-
-def _distance(a: int, b: int) -> float:
-    return abs(math.log(max(a, 1)) - math.log(max(b, 1)))
-
 
 def nearest_entry(entries: list[dict[str, Any]], head_dim: int, dtype: str, causal: bool, features: dict[str, bool],
                   seqlen_k: int, window_left: int) -> dict[str, Any] | None:
@@ -238,8 +224,10 @@ def nearest_entry(entries: list[dict[str, Any]], head_dim: int, dtype: str, caus
              == (head_dim, dtype, causal, "varlen" in wanted, "window" in wanted)]
     if not cands:
         return None
-    return min(cands, key=lambda e: (_distance(e["problem"]["window"] + 1, window_left + 1)
-                                     + _distance(e["problem"]["max_len"], seqlen_k), e["median_ms"]))
+    from .store import log_distance  # noqa: PLC0415
+
+    return min(cands, key=lambda e: (log_distance(e["problem"]["window"] + 1, window_left + 1)
+                                     + log_distance(e["problem"]["max_len"], seqlen_k), e["median_ms"]))
 
 
 def tuned_prefill(device: int, head_dim: int, dtype: str, causal: bool, seqlen_k: int, features: dict[str, bool],

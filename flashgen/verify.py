@@ -214,6 +214,18 @@ def judge(out: Any, lse: Any, ref: Reference) -> VerifyResult:
     return VerifyResult(True, max_err, bound, lse_err, "", rms)
 
 
+def poisoned_error(out: Any, ref: Any, run: Any) -> float:
+    """Max |out - ref| after `run()` writes `out`, which holds NaN before it: an element left unwritten makes
+    the result NaN (which no bound accepts)."""
+    import torch  # noqa: PLC0415
+
+    out.fill_(float("nan"))
+    run()
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    return (out.double() - ref).abs().max().item()
+
+
 def poisoned_outputs(q: Any, dtype: Any = None) -> tuple[Any, Any]:
     """NaN-filled out (q's dtype, or `dtype`) and lse buffers for q's problem: any element the kernel skips shows up."""
     import torch  # noqa: PLC0415

@@ -314,19 +314,14 @@ class GpuBackend:
 
 def gpu_hello() -> dict[str, Any]:
     """The worker's GPU: name, arch, driver version. Imports torch now so that trials do not pay for it."""
-    import ctypes  # noqa: PLC0415
-
     import torch  # noqa: PLC0415
 
-    from .driver import device_info, lib  # noqa: PLC0415
+    from .driver import device_info, version  # noqa: PLC0415
 
     if not torch.cuda.is_available():
         raise NoGpuError("torch sees no CUDA device")
     dev = device_info()
-    v = ctypes.c_int()
-    lib().cuDriverGetVersion(ctypes.byref(v))
-    return {"name": dev.name, "arch": dev.arch, "sm_count": dev.sm_count,
-            "driver": f"{v.value // 1000}.{v.value % 1000 // 10}"}
+    return {"name": dev.name, "arch": dev.arch, "sm_count": dev.sm_count, "driver": version()}
 
 
 def gpu_list() -> list[dict[str, Any]]:

@@ -30,12 +30,14 @@ def test_problem_key_lengths_and_dict():
 
 
 def test_flops_count_pairs_under_mask_and_window():
-    assert tv._pairs(4, 4, -1, 0) == 10  # causal: 1 + 2 + 3 + 4
-    assert tv._pairs(4, 4, -1, -1) == 16
-    assert tv._pairs(4, 4, 1, 0) == 7  # causal, one key back: 1 + 2 + 2 + 2
-    assert tv._pairs(2, 5, -1, 0) == 9  # bottom-right: rows see 4 and 5 keys
+    from flashgen.bench_serving import seen_pairs
+
+    assert seen_pairs(4, 4, -1, 0) == 10  # causal: 1 + 2 + 3 + 4
+    assert seen_pairs(4, 4, -1, -1) == 16
+    assert seen_pairs(4, 4, 1, 0) == 7  # causal, one key back: 1 + 2 + 2 + 2
+    assert seen_pairs(2, 5, -1, 0) == 9  # bottom-right: rows see 4 and 5 keys
     p = problem(packed=False, seqs=2, lo=100, hi=100, window=10)
-    assert p.flops() == 2 * 4.0 * 128 * 16 * tv._pairs(100, 100, 10, 0)
+    assert p.flops() == 2 * 4.0 * 128 * 16 * seen_pairs(100, 100, 10, 0)
     from flashgen.bench_serving import _causal_flops
 
     q = problem()
@@ -170,7 +172,7 @@ def test_tune_problem_picks_its_winner_among_the_candidates(monkeypatch):
     monkeypatch.setattr(serving, "launch_prefill", lambda cfg, *a, **k: current.append(cfg))
     monkeypatch.setattr(serving, "untuned_prefill_config", lambda *a: default)
     monkeypatch.setattr(bench, "time_cuda", lambda fn, **k: (fn(0), [speed[current[-1]]] * 3)[1])
-    monkeypatch.setattr("flashgen.tune_decode._driver_version", lambda: "13.0")
+    monkeypatch.setattr("flashgen.driver.version", lambda: "13.0")
     monkeypatch.setattr("flashgen.compile.nvcc_version", lambda: "13.0")
     p = tv.VarlenProblem(128, "bf16", True, 8, 2, True, 4, 16, 64, -1, "NVIDIA H200", "sm90")
     e = tv.tune_problem(p, cand)

@@ -118,3 +118,17 @@ def test_packed_reference_is_attention_mods_ref_per_sequence(causal, window):
     for budget in (1 << 30, 1):  # one chunk; one KV head per chunk
         got = packed_ref(q, k, v, cu_q, cu_k, causal, window, torch.float64, budget_bytes=budget)
         assert got.shape == (21, 8, 32) and torch.equal(got, whole)
+
+
+def test_poisoned_error_sees_unwritten_elements():
+    """The serving tuners' check: the output is NaN before the run, so a run that skips elements is NaN, which
+    no bound accepts; a full write gives the real error."""
+    import math
+
+    from flashgen.verify import poisoned_error
+
+    torch = pytest.importorskip("torch")
+    ref = torch.randn(4, 8, dtype=torch.float64)
+    out = torch.zeros(4, 8, dtype=torch.bfloat16)
+    assert poisoned_error(out, ref, lambda: out.copy_(ref)) <= 1e-2
+    assert math.isnan(poisoned_error(out, ref, lambda: out[:3].copy_(ref[:3])))
