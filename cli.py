@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                            ("num-stages", C.NUM_STAGES)):
         t.add_argument(f"--{field}", type=int_list, default=None, help=f"restrict {field.replace('-', '_')} to these "
                        f"of {','.join(map(str, choices))}")
-    for knob in ("overlap", "pingpong", "persistent", "overlap-epilogue"):  # sm90's schedule knobs
+    for knob in ("overlap", "pingpong", "persistent", "overlap-epilogue", "mma-rowsum"):  # sm90's schedule knobs
         t.add_argument(f"--{knob}", choices=("yes", "no"), default=None,
                        help=f"sm90: restrict {knob.replace('-', '_')} to on or off (default: both)")
     t.add_argument("--max-configs", type=int, default=None, help="keep only the first N configurations of the space")
@@ -249,7 +249,7 @@ def restricted_space(args: argparse.Namespace, head_dim: int, dtype: str, causal
         keep = getattr(args, field)
         if keep is not None:
             cfgs = [c for c in cfgs if getattr(c, field) in keep]
-    for knob in ("overlap", "pingpong", "persistent", "overlap_epilogue") if pass_ == "fwd" else ():
+    for knob in ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum") if pass_ == "fwd" else ():
         if getattr(args, knob) is not None:
             cfgs = [c for c in cfgs if getattr(c, knob) == (getattr(args, knob) == "yes")]
     return cfgs[: args.max_configs] if args.max_configs else cfgs
@@ -310,7 +310,7 @@ def validate(args: argparse.Namespace) -> None:
         if not restricted_space(args, hd, dt, ca, p):
             raise CliError(f"the restricted {p} space of family {pass_family(args, p, hd)} is empty for d{hd} {dt} "
                            f"{'causal' if ca else 'full'}: loosen --block-m/--block-n/--num-warps/--num-stages/--overlap/--pingpong/--persistent/"
-                           "--overlap-epilogue")
+                           "--overlap-epilogue/--mma-rowsum")
 
 
 def compile_only(args: argparse.Namespace) -> int:

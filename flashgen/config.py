@@ -140,6 +140,9 @@ class KernelConfig(_AsDict):
     block_quant_p: bool = False
     # sm90 persistent with overlap: a finished tile's O is written while the next tile's first S = QK^T runs.
     overlap_epilogue: bool = False
+    # FP8: P's row sums by a wgmma against a tile of ones beside each P V k-step, instead of an FADD per
+    # probability (the sums of P as quantized, one per tile, added in fp32).
+    mma_rowsum: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
@@ -177,6 +180,9 @@ class KernelConfig(_AsDict):
         if self.overlap_epilogue and (not (self.persistent and self.overlap) or self.fp8):
             raise ConfigError("overlap_epilogue needs persistent=True and overlap=True (the next tile's first QK^T "
                               "runs beside the epilogue) and 16-bit inputs")
+        _check_choice("mma_rowsum", self.mma_rowsum, (False, True))
+        if self.mma_rowsum and not self.fp8:
+            raise ConfigError("mma_rowsum is an FP8 knob (the 16-bit P V has no spare k-step layout for it)")
         for f in FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
         if self.serving and self.family != "sm80":
@@ -223,7 +229,7 @@ class KernelConfig(_AsDict):
             name += f"_ov{int(self.overlap)}_pp{int(self.pingpong)}" + ("_ps" if self.persistent else "")
             name += "_oe" if self.overlap_epilogue else ""
             if self.fp8:
-                name += f"_o{self.out_dtype}" + ("_bq" if self.block_quant_p else "")
+                name += f"_o{self.out_dtype}" + ("_bq" if self.block_quant_p else "") + ("_rs" if self.mma_rowsum else "")
         return name + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
 
     @property
@@ -284,9 +290,10 @@ class KernelConfig(_AsDict):
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the Q tile plus `num_stages` K and V tiles (sm90: plus its
-        mbarriers and 1024 bytes to align the swizzled tiles). FP8 adds a ring of transposed V tiles and its two barriers per stage."""
+        mbarriers and 1024 bytes to align the swizzled tiles). FP8 adds a ring of transposed V tiles and its two barriers per
+        stage, and with mma_rowsum 8 x block_n bytes of e4m3 ones (the B operand that sums P's rows)."""
         q = self.block_m * self.head_dim
-        kv = (3 if self.fp8 else 2) * self.num_stages * self.block_n * self.head_dim
+        kv = (3 if self.fp8 else 2) * self.num_stages * self.block_n * self.head_dim + 8 * self.block_n * self.mma_rowsum
         bars = 1 + self.persistent + (6 if self.fp8 else 4) * self.num_stages
         extra = 8 * bars + 1024 if self.family == "sm90" else 0
         return (q + kv) * self.elem_bytes + extra
@@ -344,10 +351,11 @@ def space(family: str, head_dim: int, dtype: str, causal: bool) -> list[KernelCo
                     for ov, pp, ps in ([(False, False, False)] if family == "sm80" else
                                        [(ov, pp, ps) for ov, pp in ((False, False), (True, False), (False, True),
                                                                     (True, True)) for ps in (False, True)]):
-                        for oe in (False, True) if ov and ps and dtype not in FP8_DTYPES else (False,):
+                        for oe, rs in ([(False, False), (False, True)] if dtype in FP8_DTYPES else
+                                       [(False, False), (True, False)] if ov and ps else [(False, False)]):
                             try:
                                 out.append(KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family, ov, pp, ps,
-                                                        overlap_epilogue=oe))
+                                                        overlap_epilogue=oe, mma_rowsum=rs))
                             except ConfigError:
                                 continue
     return out

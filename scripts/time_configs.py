@@ -2,6 +2,7 @@
 
     python scripts/time_configs.py --seqlen 1024,4096 fwd_sm90_d128_bf16_full_bm128_bn128_w12_s2_ov1_pp0 ...
     python scripts/time_configs.py fwd_sm90_d64_bf16_full_bm128_bn128_w12_s2_ov0_pp0_ps@1024,16384 ...
+    python scripts/time_configs.py store:sm90_d128_bf16_full_s4096_g1_bt16384_hdt2048@4096 ...   (a tuned entry's kernel)
 
 For before/after checks of a template change on chosen configurations: batch = 16384 // seqlen,
 heads = 2048 // head_dim (as in `cli.py bench`), CUDA-event medians after warm-up, inputs
@@ -20,21 +21,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flashgen.bench import flops, time_kernel  # noqa: E402
 from flashgen.compile import compile_kernel, target_for  # noqa: E402
 from flashgen.config import KernelConfig  # noqa: E402
+from flashgen.store import config_from_entry  # noqa: E402
 from flashgen.verify import verify  # noqa: E402
 
 _NAME = re.compile(r"fwd_(sm\d+)_d(\d+)_(fp16|bf16|fp8_e4m3)_(full|causal)_bm(\d+)_bn(\d+)_w(\d+)_s(\d+)"
-                   r"(?:_ov([01])_pp([01])(_ps)?(_oe)?)?(?:_o(bf16|fp16)(_bq)?)?$")
+                   r"(?:_ov([01])_pp([01])(_ps)?(_oe)?)?(?:_o(bf16|fp16)(_bq)?(_rs)?)?$")
 
 
 def parse(name: str) -> KernelConfig:
-    """The KernelConfig a kernel name spells (KernelConfig.name, read back)."""
+    """The KernelConfig a kernel name spells (KernelConfig.name, read back), or store:KEY's (tuned/*.json)."""
+    if name.startswith("store:"):
+        import json  # noqa: PLC0415
+
+        key = name[len("store:"):]
+        for path in sorted((Path(__file__).resolve().parent.parent / "tuned").glob("*.json")):
+            entries = json.loads(path.read_text())["entries"]
+            if key in entries:
+                return config_from_entry(entries[key])
+        raise SystemExit(f"no tuned entry {key}")
     m = _NAME.match(name)
     if not m:
         raise SystemExit(f"not a forward kernel name: {name}")
-    fam, d, dt, mask, bm, bn, w, s, ov, pp, ps, oe, out, bq = m.groups()
+    fam, d, dt, mask, bm, bn, w, s, ov, pp, ps, oe, out, bq, rs = m.groups()
     cfg = KernelConfig(int(d), dt, mask == "causal", int(bm), int(bn), int(w), int(s), fam,
                        bool(int(ov or 0)), bool(int(pp or 0)), bool(ps), out_dtype=out or "", block_quant_p=bool(bq),
-                       overlap_epilogue=bool(oe))
+                       overlap_epilogue=bool(oe), mma_rowsum=bool(rs))
     if cfg.name != name:
         raise SystemExit(f"{name} reads back as {cfg.name}")
     return cfg
@@ -59,7 +70,8 @@ def main() -> None:
                 continue
             ms = time_kernel(kern, b, n, n, h, reps=args.reps)
             tf = flops(b, h, n, n, cfg.head_dim, cfg.causal) / (ms * 1e-3) / 1e12
-            print(f"{name} N={n}: {ms:.3f} ms {tf:.1f} TFLOP/s (max err {vr.max_err:.2e})", flush=True)
+            print(f"{name} N={n} {cfg.name if name != cfg.name else ''}: {ms:.3f} ms {tf:.1f} TFLOP/s "
+                  f"(max err {vr.max_err:.2e})", flush=True)
 
 
 if __name__ == "__main__":

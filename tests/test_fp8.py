@@ -3,6 +3,7 @@ the quantizer and the plain-FP8 emulation."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from flashgen.config import FP8_HEAD_DIMS, ConfigError, KernelConfig, default_config, space
 from flashgen.compile import nvcc_path
 from flashgen.launch import FwdParams
+from flashgen.render import render
 
 from conftest import compile_sm90a_clean
 
@@ -62,6 +64,37 @@ def test_fp8_kernels_compile_for_sm90a_without_spills_or_serialized_wgmma(d):
     assert len(cfgs) >= 3
     for k in compile_sm90a_clean(cfgs):
         assert f"wgmma.mma_async.sync.aligned.m64n{k.config.block_n}k32.f32.e4m3.e4m3" in k.source
+
+
+def test_mma_rowsum_is_an_fp8_knob_with_its_own_name_space_and_shared_memory():
+    base = KernelConfig(128, DT, False, 128, 256, 12, 2, "sm90", persistent=True)
+    rs = KernelConfig(128, DT, False, 128, 256, 12, 2, "sm90", persistent=True, mma_rowsum=True)
+    assert rs.name == base.name + "_rs" and rs.smem_bytes == base.smem_bytes + 8 * 256  # the ones tile
+    with pytest.raises(ConfigError, match="FP8 knob"):
+        KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", mma_rowsum=True)
+    for causal in (False, True):  # the FP8 space has every tile both ways; 16-bit spaces never have it
+        sp = space("sm90", 128, DT, causal)
+        on = {dataclasses.replace(c, mma_rowsum=False) for c in sp if c.mma_rowsum}
+        assert on == {c for c in sp if not c.mma_rowsum}
+        assert not any(c.mma_rowsum for c in space("sm90", 128, "bf16", causal))
+    # a store entry (or Optuna trial) from before the knob reads as off: the kernel it measured
+    old = base.to_dict()
+    old.pop("mma_rowsum")
+    assert KernelConfig.from_dict(old) == base
+
+
+@pytest.mark.parametrize("d", FP8_HEAD_DIMS)
+def test_mma_rowsum_kernels_compile_clean_and_sum_on_the_tensor_cores(d):
+    bn = 256 if d < 256 else 128  # the tiles the tune stores with it
+    cfgs = [KernelConfig(d, DT, causal, 128, bn, 12, 2, "sm90", persistent=True, mma_rowsum=True) for causal in (False, True)]
+    cfgs += [KernelConfig(d, DT, False, 128, 128 if d < 256 else 64, 12, 2, "sm90", True, False, True, mma_rowsum=True,
+                          block_quant_p=True)]
+    cfgs = [c for c in cfgs if not (d == 128 and c.causal)]  # d128 causal bn256 keeps l in local memory: tuned away
+    for k in compile_sm90a_clean(cfgs):
+        assert "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3" in k.source
+        assert "l += pv[nt][2 * h] + pv[nt][2 * h + 1]" not in k.source  # no FADD row sum left
+    plain = KernelConfig(d, DT, False, 128, bn, 12, 2, "sm90", persistent=True)
+    assert "m64n8k32" not in render(plain) and "l += pv[nt][2 * h] + pv[nt][2 * h + 1]" in render(plain)
 
 
 def test_sm90_fp8_params_layout_matches_the_host_packing(tmp_path):

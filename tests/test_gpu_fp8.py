@@ -18,10 +18,14 @@ DT = "fp8_e4m3"
 PAIRS = [(1, 1), (17, 17), (113, 113), (1023, 1023), (1, 1023), (1023, 1), (113, 211), (211, 113), (2048, 2048),
          (128, 1024)]
 LAYOUTS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
-# (block_m, block_n, num_warps, num_stages, overlap, pingpong, persistent, block_quant_p)
+# (block_m, block_n, num_warps, num_stages, overlap, pingpong, persistent, block_quant_p, mma_rowsum)
 TILES = [(128, 128, 12, 2), (128, 128, 12, 2, True), (128, 128, 12, 2, False, True), (128, 64, 12, 3, True, True),
          (64, 128, 8, 2), (192, 64, 16, 2, True), (128, 128, 12, 2, True, False, True),
-         (128, 64, 12, 2, False, True, True), (128, 128, 12, 2, True, False, False, True)]
+         (128, 64, 12, 2, False, True, True), (128, 128, 12, 2, True, False, False, True),
+         # P's row sums on the tensor cores: each schedule, 64- and 128-key column blocks of the ones, with block_quant_p
+         (128, 256, 12, 2, False, False, True, False, True), (128, 192, 12, 2, True, False, True, False, True),
+         (128, 128, 12, 2, False, True, False, False, True), (128, 64, 12, 3, True, True, False, False, True),
+         (64, 128, 8, 2, False, False, False, False, True), (128, 128, 12, 2, True, False, True, True, True)]
 
 
 def fp8_configs(arch: str = "sm90") -> list[KernelConfig]:
@@ -29,7 +33,8 @@ def fp8_configs(arch: str = "sm90") -> list[KernelConfig]:
         return []
     out = []
     for d, causal, tiles in itertools.product(FP8_HEAD_DIMS, (False, True), TILES):
-        c = KernelConfig(d, DT, causal, *tiles[:4], "sm90", *tiles[4:7], block_quant_p=bool(tiles[7:] and tiles[7]))
+        c = KernelConfig(d, DT, causal, *tiles[:4], "sm90", *tiles[4:7], block_quant_p=bool(tiles[7:] and tiles[7]),
+                         mma_rowsum=bool(tiles[8:] and tiles[8]))
         if c.unfit_reason(arch) is None:
             out.append(c)
     return out
