@@ -25,7 +25,9 @@ TILES = [(128, 128, 12, 2), (128, 128, 12, 2, True), (128, 128, 12, 2, False, Tr
          # P's row sums on the tensor cores: each schedule, 64- and 128-key column blocks of the ones, with block_quant_p
          (128, 256, 12, 2, False, False, True, False, True), (128, 192, 12, 2, True, False, True, False, True),
          (128, 128, 12, 2, False, True, False, False, True), (128, 64, 12, 3, True, True, False, False, True),
-         (64, 128, 8, 2, False, False, False, False, True), (128, 128, 12, 2, True, False, True, True, True)]
+         (64, 128, 8, 2, False, False, False, False, True), (128, 128, 12, 2, True, False, True, True, True),
+         # three consumer warpgroups, as the d64 tune stores them
+         (192, 128, 16, 2, False, False, True, False, True), (192, 128, 16, 2, False, False, True)]
 
 
 def fp8_configs(arch: str = "sm90") -> list[KernelConfig]:
