@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def ncu(*args: str) -> str:
-    run = subprocess.run(["ncu", *args], capture_output=True, text=True)
+    run = subprocess.run(["ncu", *args], capture_output=True, text=True, check=False)
     if run.returncode != 0:
         sys.exit(f"ncu {' '.join(args[:3])} ... failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
     return run.stdout

@@ -1,0 +1,57 @@
+"""The measurement scripts' host-side logic, without a GPU: kernel names read back, stall profiles summarized."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashgen.config import KernelConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import profile_stalls  # noqa: E402
+import time_configs  # noqa: E402
+
+
+@pytest.mark.parametrize("cfg", [
+    KernelConfig(128, "bf16", True, 128, 176, 12, 2, "sm90", True, False, True, overlap_epilogue=True),
+    KernelConfig(128, "fp8_e4m3", False, 128, 256, 12, 2, "sm90", persistent=True, mma_rowsum=True),
+    KernelConfig(64, "fp8_e4m3", True, 192, 128, 16, 2, "sm90", persistent=True, block_quant_p=True, mma_rowsum=True,
+                 out_dtype="fp16"),
+    KernelConfig(256, "fp16", False, 128, 64, 8, 2),
+])
+def test_a_kernel_name_reads_back_as_its_configuration(cfg):
+    assert time_configs.parse(cfg.name) == cfg
+
+
+def test_store_names_read_the_tuned_entry():
+    path = Path(__file__).resolve().parent.parent / "tuned" / "nvidia-h200-sm90.json"
+    key, entry = next((k, e) for k, e in json.loads(path.read_text())["entries"].items() if "fp8" in k)
+    assert time_configs.parse(f"store:{key}").to_dict() == KernelConfig.from_dict(entry["config"]).to_dict()
+    with pytest.raises(SystemExit, match="no tuned entry"):
+        time_configs.parse("store:no_such_problem")
+
+
+CSV = '''"Kernel Name","fwd_x",
+"Address","Source","Warp Stall Sampling (All Samples)","stall_barrier","stall_wait"
+"0x10","      S2R R0, SR_TID.X","5","0","5"
+"0x20","      USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe8","0","0","0"
+"0x30","      QGMMA.64x256x32.F32.E4M3.E4M3 R24, gdesc[UR28], RZ, !UPT","10","0","10"
+"0x40","      WARPGROUP.DEPBAR.LE gsb0, 0x0","40","40","0"
+"0x50","      MUFU.EX2 R50, R50","30","0","30"
+"0x60","      SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR9+0x34050], R4","5","0","5"
+"0x70","  @!P0  BRA 0x7f","15","0","15"
+"0x80","      USETMAXREG.DEALLOC.CTAPOOL 0x28","0","0","0"
+"0x90","      LDSM.16.MT88.4 R8, [R8]","100","0","100"
+'''
+
+
+def test_stall_summary_splits_the_consumer_warpgroups_samples_by_what_they_wait_on(capsys):
+    profile_stalls.summarize(CSV, "synthetic", top=3)
+    out = capsys.readouterr().out
+    # consumer region: from setmaxnreg.inc to the producer's setmaxnreg.dec, 100 of the 205 samples
+    assert "consumer warps' samples (49% of all)" in out
+    assert "gemm wait 40.0%" in out and "MUFU 30.0%" in out and "mbarrier wait 20.0%" in out and "gemm issue 10.0%" in out
+    assert "LDSM" in out.splitlines()[2]  # the most sampled instruction first (the producer's)
