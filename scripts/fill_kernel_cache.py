@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from flashgen.compile import CompileError, cache_entries, compile_kernel, target_for  # noqa: E402
 from flashgen.config import FP8_DTYPES, FP8_HEAD_DIMS, HALF_DTYPES, FAMILIES, HEAD_DIMS, BwdConfig, KernelConfig, default_config  # noqa: E402
-from flashgen.store import config_from_entry  # noqa: E402
+from flashgen.store import config_from_entry, read_store  # noqa: E402
 
 
 SUITES = ("fwd", "fp8", "api", "bwd", "serving")
@@ -58,11 +58,9 @@ def test_suite_configs(arch: str, suites: tuple[str, ...] = SUITES) -> set[Kerne
 
 
 def store_configs(arch: str) -> set[KernelConfig]:
-    import json  # noqa: PLC0415
-
     out = set()
     for path in (ROOT / "tuned").glob("*.json"):
-        for e in json.loads(path.read_text())["entries"].values():
+        for e in read_store(path)["entries"].values():
             cfg = config_from_entry(e)
             if cfg.unfit_reason(arch) is None:
                 out.add(cfg)

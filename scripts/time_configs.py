@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flashgen.bench import flops, time_kernel  # noqa: E402
 from flashgen.compile import compile_kernel, target_for  # noqa: E402
 from flashgen.config import KernelConfig  # noqa: E402
-from flashgen.store import config_from_entry  # noqa: E402
+from flashgen.store import config_from_entry, read_store  # noqa: E402
 from flashgen.verify import verify  # noqa: E402
 
 _NAME = re.compile(r"fwd_(sm\d+)_d(\d+)_(fp16|bf16|fp8_e4m3)_(full|causal)_bm(\d+)_bn(\d+)_w(\d+)_s(\d+)"
@@ -31,13 +31,11 @@ _NAME = re.compile(r"fwd_(sm\d+)_d(\d+)_(fp16|bf16|fp8_e4m3)_(full|causal)_bm(\d
 def parse(name: str) -> KernelConfig:
     """The KernelConfig a kernel name spells (KernelConfig.name, read back), or store:KEY's (tuned/*.json)."""
     if name.startswith("store:"):
-        import json  # noqa: PLC0415
-
         key = name[len("store:"):]
         for path in sorted((Path(__file__).resolve().parent.parent / "tuned").glob("*.json")):
-            entries = json.loads(path.read_text())["entries"]
-            if key in entries:
-                return config_from_entry(entries[key])
+            entry = read_store(path)["entries"].get(key)
+            if entry is not None:
+                return config_from_entry(entry)
         raise SystemExit(f"no tuned entry {key}")
     m = _NAME.match(name)
     if not m:

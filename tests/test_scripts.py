@@ -1,13 +1,13 @@
 """The measurement scripts' host-side logic, without a GPU: kernel names read back, stall profiles summarized."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
 from flashgen.config import KernelConfig
+from flashgen.store import read_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
@@ -28,7 +28,7 @@ def test_a_kernel_name_reads_back_as_its_configuration(cfg):
 
 def test_store_names_read_the_tuned_entry():
     path = Path(__file__).resolve().parent.parent / "tuned" / "nvidia-h200-sm90.json"
-    key, entry = next((k, e) for k, e in json.loads(path.read_text())["entries"].items() if "fp8" in k)
+    key, entry = next((k, e) for k, e in read_store(path)["entries"].items() if "fp8" in k)
     assert time_configs.parse(f"store:{key}").to_dict() == KernelConfig.from_dict(entry["config"]).to_dict()
     with pytest.raises(SystemExit, match="no tuned entry"):
         time_configs.parse("store:no_such_problem")
