@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import re
@@ -145,9 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
                            ("num-stages", C.NUM_STAGES)):
         t.add_argument(f"--{field}", type=int_list, default=None, help=f"restrict {field.replace('-', '_')} to these "
                        f"of {','.join(map(str, choices))}")
-    for knob in ("overlap", "pingpong", "persistent", "overlap-epilogue", "mma-rowsum"):  # sm90's schedule knobs
+    for knob in ("overlap", "pingpong", "persistent", "overlap-epilogue", "mma-rowsum", "lazy-rescale"):  # sm90's knobs
         t.add_argument(f"--{knob}", choices=("yes", "no"), default=None,
                        help=f"sm90: restrict {knob.replace('-', '_')} to on or off (default: both)")
+    t.add_argument("--around-store", type=str_list, default=None, metavar="FIELD,...",
+                   help="forward: each problem's space is its stored configuration with only these fields free (e.g. "
+                        "lazy_rescale after a new knob: a re-tune of the stored tile, not of the whole space); "
+                        "problems without a stored entry keep the whole space")
     t.add_argument("--max-configs", type=int, default=None, help="keep only the first N configurations of the space")
     t.add_argument("--jobs", type=int, default=None, help="compile processes (default: all cores)")
     t.add_argument("--deadline", type=duration, default=120.0, help="a trial hanging longer is killed (default 120s)")
@@ -249,10 +254,22 @@ def restricted_space(args: argparse.Namespace, head_dim: int, dtype: str, causal
         keep = getattr(args, field)
         if keep is not None:
             cfgs = [c for c in cfgs if getattr(c, field) in keep]
-    for knob in ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum") if pass_ == "fwd" else ():
+    for knob in ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum", "lazy_rescale") \
+            if pass_ == "fwd" else ():
         if getattr(args, knob) is not None:
             cfgs = [c for c in cfgs if getattr(c, knob) == (getattr(args, knob) == "yes")]
     return cfgs[: args.max_configs] if args.max_configs else cfgs
+
+
+def around_store(args: argparse.Namespace, problem: Any, space: list) -> tuple:
+    """--around-store: the configurations of `space` equal to the problem's stored one but in the free fields."""
+    if not args.around_store or problem.pass_ != "fwd":
+        return tuple(space)
+    from flashgen.store import config_from_entry, read_store, store_path
+    entry = read_store(store_path(problem.gpu_name, problem.gpu_arch, args.tuned_dir))["entries"].get(problem.key)
+    if entry is None:
+        return tuple(space)
+    return tuple(C.around(config_from_entry(entry), space, args.around_store))
 
 
 def check_family(family: str, gpu_name: str, gpu_arch: str) -> None:
@@ -281,6 +298,10 @@ def validate(args: argparse.Namespace) -> None:
             raise CliError(f"--seqlen values must be positive, got {bad}")
     if args.cmd != "tune":
         return
+    if args.around_store:
+        args.around_store = [f.replace("-", "_") for f in args.around_store]
+        fields = {f.name for f in dataclasses.fields(C.KernelConfig)}
+        _check("around-store", args.around_store, tuple(sorted(fields)))
     if args.grace <= args.heartbeat:
         raise CliError(f"--grace {args.grace} must be longer than --heartbeat {args.heartbeat}")
     if args.simulate and args.gpus == "all":
@@ -310,7 +331,7 @@ def validate(args: argparse.Namespace) -> None:
         if not restricted_space(args, hd, dt, ca, p):
             raise CliError(f"the restricted {p} space of family {pass_family(args, p, hd)} is empty for d{hd} {dt} "
                            f"{'causal' if ca else 'full'}: loosen --block-m/--block-n/--num-warps/--num-stages/--overlap/--pingpong/--persistent/"
-                           "--overlap-epilogue/--mma-rowsum")
+                           "--overlap-epilogue/--mma-rowsum/--lazy-rescale")
 
 
 def compile_only(args: argparse.Namespace) -> int:
@@ -445,12 +466,12 @@ def tune(args: argparse.Namespace) -> int:
         opts = SearchOptions(args.trials or DEFAULT_TRIALS, args.timeout, args.sampler, args.seed, exhaustive,
                              args.storage, ahead=ahead, heartbeat_s=args.heartbeat, grace_s=args.grace)
         models = list(dict.fromkeys((t.gpu_name, t.gpu_arch) for t in tuners))
-        jobs = [Job(TuneProblem(gpu, arch, pass_family(args, p, hd), dt, hd, ca, sl, g, args.batch_tokens,
-                                args.heads_dim_total, p),
-                    tuple(restricted_space(args, hd, dt, ca, p)))
+        jobs = [Job(prob, around_store(args, prob, restricted_space(args, hd, dt, ca, p)))
                 for gpu, arch in models
                 for p, hd, dt, ca, sl, g in itertools.product(passes(args), args.head_dim, args.dtype,
-                                                              causal_list(args.causal), args.seqlen, args.gqa)]
+                                                              causal_list(args.causal), args.seqlen, args.gqa)
+                for prob in [TuneProblem(gpu, arch, pass_family(args, p, hd), dt, hd, ca, sl, g, args.batch_tokens,
+                                         args.heads_dim_total, p)]]
         modes = {j: exhaustive_for(j.problem, opts, list(j.space)) for j in jobs}
         for j in jobs:
             n = viable_count(j.problem, list(j.space))

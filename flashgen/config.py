@@ -143,6 +143,10 @@ class KernelConfig(_AsDict):
     # FP8: P's row sums by a wgmma against a tile of ones beside each P V k-step, instead of an FADD per
     # probability (the sums of P as quantized, one per tile, added in fp32).
     mma_rowsum: bool = False
+    # sm90 16-bit, overlapped schedule: FlashAttention-4's lazy rescaling (a warp keeps its rows' max while none
+    # grows by more than a slack, and skips O's rescale then). Not for FP8: measured, it raised the RMS error past
+    # plain FP8's (docs/perf-notes.md, item 22).
+    lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
@@ -183,6 +187,10 @@ class KernelConfig(_AsDict):
         _check_choice("mma_rowsum", self.mma_rowsum, (False, True))
         if self.mma_rowsum and not self.fp8:
             raise ConfigError("mma_rowsum is an FP8 knob (the 16-bit P V has no spare k-step layout for it)")
+        _check_choice("lazy_rescale", self.lazy_rescale, (False, True))
+        if self.lazy_rescale and (self.family != "sm90" or self.fp8 or not self.overlap):
+            raise ConfigError("lazy_rescale is an sm90 knob for 16-bit inputs with overlap=True (the overlapped "
+                              "schedule's softmax; FP8 P loses accuracy with a stale max)")
         for f in FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
         if self.serving and self.family != "sm80":
@@ -230,6 +238,7 @@ class KernelConfig(_AsDict):
             name += "_oe" if self.overlap_epilogue else ""
             if self.fp8:
                 name += f"_o{self.out_dtype}" + ("_bq" if self.block_quant_p else "") + ("_rs" if self.mma_rowsum else "")
+            name += "_lz" if self.lazy_rescale else ""
         return name + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
 
     @property
@@ -353,12 +362,20 @@ def space(family: str, head_dim: int, dtype: str, causal: bool) -> list[KernelCo
                                                                     (True, True)) for ps in (False, True)]):
                         for oe, rs in ([(False, False), (False, True)] if dtype in FP8_DTYPES else
                                        [(False, False), (True, False)] if ov and ps else [(False, False)]):
-                            try:
-                                out.append(KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family, ov, pp, ps,
-                                                        overlap_epilogue=oe, mma_rowsum=rs))
-                            except ConfigError:
-                                continue
+                            for lz in (False, True) if family == "sm90" and ov and dtype not in FP8_DTYPES else (False,):
+                                try:
+                                    out.append(KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family, ov, pp, ps,
+                                                            overlap_epilogue=oe, mma_rowsum=rs, lazy_rescale=lz))
+                                except ConfigError:
+                                    continue
     return out
+
+
+def around(cfg: KernelConfig, cfgs: list[KernelConfig], free: list[str]) -> list[KernelConfig]:
+    """The configurations of `cfgs` equal to `cfg` but in the `free` fields (a re-tune of a stored tile over a
+    new knob: `tune --around-store`)."""
+    fixed = [f.name for f in fields(cfg) if f.name not in free]
+    return [c for c in cfgs if all(getattr(c, f) == getattr(cfg, f) for f in fixed)]
 
 
 # Sound starting points before any tuning, best first; the first that fits the arch

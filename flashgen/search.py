@@ -38,7 +38,8 @@ from .studies import default_storage, make_storage as open_storage  # noqa: F401
 PARAMS = ("block_m", "block_n", "num_warps", "num_stages")  # Optuna's parameter names = KernelConfig fields
 BWD_PARAMS = ("block_m", "block_n", "num_warps")  # = BwdConfig's tuned fields (deterministic is a choice, not a knob)
 # Keyed by `params_key`: the family for a forward problem, "bwd_<family>" for a backward one.
-FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, "overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum"),
+FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, "overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum",
+                                          "lazy_rescale"),
                  "bwd_sm80": BWD_PARAMS,
                  "bwd_sm90": (*BWD_PARAMS, "num_stages", "stagger")}
 SAMPLERS = ("tpe", "random")
@@ -174,7 +175,7 @@ def result_of(t: FrozenTrial) -> TrialResult:
 
 
 # Knobs added after studies may have been stored: a finished trial without one ran with its default.
-LATE_KNOBS = {"overlap_epilogue": False, "mma_rowsum": False}
+LATE_KNOBS = {"overlap_epilogue": False, "mma_rowsum": False, "lazy_rescale": False}
 
 
 def _params(t: FrozenTrial, family: str) -> Params:

@@ -1,10 +1,12 @@
 """Compile, without a GPU, every kernel a GPU run will load, into FLASHGEN_CACHE_DIR.
 
-    FLASHGEN_CACHE_DIR=.kcache python scripts/fill_kernel_cache.py --arch sm90 [--tests [SUITE ...]] [--store] [--defaults] [--into DIR]
+    FLASHGEN_CACHE_DIR=.kcache python scripts/fill_kernel_cache.py --arch sm90 [--tests [SUITE ...]] [--store]
+        [--around-store FIELD ...] [--defaults] [--into DIR]
 
 Carry the directory to the GPU machine and point FLASHGEN_CACHE_DIR at it there: device minutes
 then go to the GPU, not to nvcc. --tests: the GPU test suite's kernels; --store: every tuned
-kernel; --defaults: each family's default for every head dim, dtype and mask. --into DIR: also copy
+kernel; --around-store FIELD ...: what `tune --around-store` tries (each stored forward kernel with only
+these fields free); --defaults: each family's default for every head dim, dtype and mask. --into DIR: also copy
 just these kernels' entries into DIR (a cache that has grown past what one run may carry).
 """
 from __future__ import annotations
@@ -23,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from flashgen.compile import CompileError, cache_entries, compile_kernel, target_for  # noqa: E402
-from flashgen.config import FP8_DTYPES, FP8_HEAD_DIMS, HALF_DTYPES, FAMILIES, HEAD_DIMS, BwdConfig, KernelConfig, default_config  # noqa: E402
+from flashgen.config import (FP8_DTYPES, FP8_HEAD_DIMS, HALF_DTYPES, FAMILIES, HEAD_DIMS, BwdConfig, KernelConfig,  # noqa: E402
+                             around, default_config, space)
 from flashgen.store import config_from_entry, read_store  # noqa: E402
 
 
@@ -67,6 +70,15 @@ def store_configs(arch: str) -> set[KernelConfig]:
     return out
 
 
+def around_store_configs(arch: str, free: list[str]) -> set[KernelConfig]:
+    out = set()
+    for cfg in store_configs(arch):
+        if isinstance(cfg, KernelConfig) and not cfg.serving:
+            out |= {c for c in around(cfg, space(cfg.family, cfg.head_dim, cfg.dtype, cfg.causal), free)
+                    if c.unfit_reason(arch) is None}
+    return out
+
+
 def default_configs(arch: str) -> set[KernelConfig]:
     out = {default_config(hd, dt, c, arch, fam) for hd, dt, c, fam in
            itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True), FAMILIES) if fam != "sm90" or arch == "sm90"}
@@ -82,6 +94,7 @@ def main() -> None:
     ap.add_argument("--tests", nargs="*", choices=SUITES, default=None,
                     help="the GPU test suite's kernels: all, or only these modules' (e.g. --tests bwd api)")
     ap.add_argument("--store", action="store_true")
+    ap.add_argument("--around-store", nargs="+", default=None, metavar="FIELD")
     ap.add_argument("--defaults", action="store_true")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--into", type=Path, default=None, help="copy these kernels' cache entries into this directory")
@@ -91,7 +104,9 @@ def main() -> None:
         cfgs |= test_suite_configs(args.arch, tuple(args.tests) or SUITES)
     if args.store:
         cfgs |= store_configs(args.arch)
-    if args.defaults or not (args.tests is not None or args.store):
+    if args.around_store:
+        cfgs |= around_store_configs(args.arch, [f.replace("-", "_") for f in args.around_store])
+    if args.defaults or not (args.tests is not None or args.store or args.around_store):
         cfgs |= default_configs(args.arch)
     failed = []
 

@@ -52,6 +52,16 @@ def compile_sm90a_clean(cfgs: list) -> list:
     return kernels
 
 
+def ramped_keys(k, grow: bool):
+    """k scaled along the keys by 1 to 6. grow: the first keys scaled most; the sm90 kernels read the key tiles last
+    to first, so a row's max then rises tile after tile, by more than any lazy-rescale slack. Else the last keys."""
+    import torch
+
+    ramp = torch.linspace(6.0, 1.0, k.shape[1], device=k.device) if grow else torch.linspace(1.0, 6.0, k.shape[1],
+                                                                                                device=k.device)
+    return (k.float() * ramp[None, :, None, None]).to(k.dtype)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     reason = gpu_missing_reason()
     if reason is None:

@@ -136,6 +136,24 @@ def test_simulated_tune_show_export_and_rerun(tmp_path, capsys):
     assert {p.stem for p in (tmp_path / "x").glob("*.cu")} == kernels
 
 
+def test_around_store_retunes_only_the_free_fields_of_the_stored_configuration(tmp_path, capsys):
+    common = ["tune", "--arch", "sm90", "--head-dim", "128", "--causal", "no", "--seqlen", "4096", "--overlap", "yes",
+              "--simulate", "--tuned-dir", str(tmp_path / "tuned")]
+    assert cli.main(common + ["--trials", "4", "--lazy-rescale", "no", "--storage", f"sqlite:///{tmp_path / 'a.db'}"]) == 0
+    doc = json.loads((tmp_path / "tuned" / "simulated-gpu-sm90.json").read_text())
+    (key, entry), = doc["entries"].items()
+    assert not entry["config"]["lazy_rescale"]
+    capsys.readouterr()
+    assert cli.main(common + ["--around-store", "lazy-rescale", "--force", "--storage", f"sqlite:///{tmp_path / 'b.db'}"]) == 0
+    out = capsys.readouterr().out
+    assert "exhaustive: all 2 fitting configurations" in out  # the stored tile with the knob off and on
+    new = json.loads((tmp_path / "tuned" / "simulated-gpu-sm90.json").read_text())["entries"][key]["config"]
+    assert {k: v for k, v in new.items() if k != "lazy_rescale"} == {k: v for k, v in entry["config"].items()
+                                                                      if k != "lazy_rescale"}
+    assert cli.main(common + ["--around-store", "tile"]) == 2
+    assert "--around-store tile" in capsys.readouterr().err
+
+
 def test_show_names_a_corrupt_store(tmp_path, capsys):
     (tmp_path / "x-sm90.json").write_text("{")
     assert cli.main(["show", "--tuned-dir", str(tmp_path)]) == 2

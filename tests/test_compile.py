@@ -1,4 +1,5 @@
 """nvcc compiles the family for sm_80 and sm_90 (no GPU needed) and the defaults do not spill."""
+import dataclasses
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 
@@ -101,9 +102,49 @@ def test_overlap_epilogue_rules_and_space():
     assert cfg.name.endswith("_ov1_pp1_ps_oe") and KernelConfig.from_dict(cfg.to_dict()) == cfg
     sp = space("sm90", 128, "bf16", True)
     oe = [c for c in sp if c.overlap_epilogue]
-    assert oe and {c.name.removesuffix("_oe") for c in oe} == {c.name for c in sp
-                                                              if c.persistent and c.overlap and not c.overlap_epilogue}
+    assert oe and {dataclasses.replace(c, overlap_epilogue=False) for c in oe} == {
+        c for c in sp if c.persistent and c.overlap and not c.overlap_epilogue}
     assert not any(c.overlap_epilogue for c in space("sm90", 128, "fp8_e4m3", False))
+
+
+def test_sm90_lazy_rescale_compiles_without_spills_or_serialized_wgmma():
+    """Lazy rescaling in the overlapped schedule (with and without ping-pong, persistent, overlap_epilogue; the
+    defaults' tiles): ptxas keeps the wgmmas asynchronous and spill-free; the O rescale sits behind the warp's
+    vote, and renders without the knob have neither."""
+    from flashgen.render import render
+
+    cfgs = [KernelConfig(hd, dt, causal, 128, 128 if hd < 256 else 64, 12, 2, "sm90", True, pp, ps, overlap_epilogue=oe,
+                         lazy_rescale=True)
+            for hd in (64, 128, 256) for (dt, causal), (pp, ps, oe) in zip(
+                (("bf16", True), ("fp16", False), ("bf16", False)), ((False, False, False), (True, True, False),
+                                                                     (False, True, hd < 256)))]
+    for k in compile_sm90a_clean(cfgs):
+        assert "__all_sync" in k.source and "if (moved)" in k.source
+    for c in cfgs:
+        off = render(dataclasses.replace(c, lazy_rescale=False))
+        assert "MAX_SLACK" not in off and "__all_sync" not in off
+
+
+def test_lazy_rescale_rules_name_and_space():
+    from flashgen.config import ConfigError, space
+
+    with pytest.raises(ConfigError, match="overlap=True"):  # only the overlapped schedule's softmax has it
+        KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", False, True, True, lazy_rescale=True)
+    with pytest.raises(ConfigError, match="FP8"):  # measured: FP8's P lost accuracy with a stale max
+        KernelConfig(128, "fp8_e4m3", False, 128, 128, 12, 2, "sm90", True, lazy_rescale=True)
+    with pytest.raises(ConfigError, match="sm90"):
+        KernelConfig(128, "bf16", False, 128, 64, 8, 2, "sm80", lazy_rescale=True)
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, True, True, overlap_epilogue=True,
+                       lazy_rescale=True)
+    assert cfg.name.endswith("_oe_lz") and KernelConfig.from_dict(cfg.to_dict()) == cfg
+    old = dataclasses.replace(cfg, lazy_rescale=False)  # a store entry or trial from before the knob reads as off
+    d = old.to_dict()
+    d.pop("lazy_rescale")
+    assert KernelConfig.from_dict(d) == old and cfg.name == old.name + "_lz"
+    sp = space("sm90", 128, "bf16", True)  # every overlapped tile comes both ways
+    on = {dataclasses.replace(c, lazy_rescale=False) for c in sp if c.lazy_rescale}
+    assert on == {c for c in sp if c.overlap and not c.lazy_rescale}
+    assert not any(c.lazy_rescale for c in space("sm90", 128, "fp8_e4m3", True) + space("sm80", 128, "bf16", True))
 
 
 def test_a_hung_nvcc_times_out(tmp_path, monkeypatch):

@@ -154,3 +154,19 @@ def test_torch_compile_and_cuda_graph_run_the_fp8_kernel():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize("grow", [True, False], ids=["growing-max", "falling-max"])
+def test_lazy_rescale_when_the_row_max_moves(kernels, grow):
+    """Keys scaled from 1 to 6 along the sequence: the row max moves from tile to tile (rising in the kernel's
+    order when grow), so O and l are rescaled often; every kernel stays within the FP8 bar."""
+    from flashgen.fp8 import quantize
+    from flashgen.verify import random_qkv
+    from conftest import ramped_keys
+
+    missed = []
+    for d, causal, (sq, sk) in itertools.product(FP8_HEAD_DIMS, (False, True), ((1023, 1023), (113, 2048))):
+        q, k, v = random_qkv(2, sq, sk, 4, 2, d, "bf16")
+        q, k, v, descale = quantize(q, ramped_keys(k, grow), v, per_head=True)
+        missed += failures(kernels[(d, causal)], q, k, v, descale, causal, f"sq={sq} sk={sk}")
+    assert not missed, "\n".join(missed)

@@ -31,7 +31,10 @@ OTHER_TILES = {
              (64, 64, 8, 2, False, False, True), (192, 64, 16, 2, True, False, True),
              # persistent with overlap_epilogue: O written while the next tile's first QK^T runs
              (128, 64, 12, 2, True, False, True, True), (128, 96, 12, 3, True, True, True, True),
-             (192, 64, 16, 2, True, False, True, True)],
+             (192, 64, 16, 2, True, False, True, True),
+             # lazy rescaling (overlap schedule): plain, ping-pong + persistent, with overlap_epilogue, three warpgroups
+             (128, 128, 12, 2, True, False, False, False, True), (128, 64, 12, 2, True, True, True, False, True),
+             (128, 96, 12, 3, True, True, True, True, True), (192, 64, 16, 2, True, False, False, False, True)],
 }
 
 
@@ -50,7 +53,8 @@ def configs_for(head_dim: int, dtype: str, causal: bool, arch: str) -> list[Kern
             continue  # the Hopper family runs only on sm90
         cfgs.append(default_config(head_dim, dtype, causal, arch, family))
         for tiles in OTHER_TILES[family]:
-            c = KernelConfig(head_dim, dtype, causal, *tiles[:4], family, *tiles[4:7], overlap_epilogue=tiles[7:] == (True,))
+            c = KernelConfig(head_dim, dtype, causal, *tiles[:4], family, *tiles[4:7],
+                             overlap_epilogue=tiles[7:8] == (True,), lazy_rescale=tiles[8:9] == (True,))
             if c.unfit_reason(arch) is None and c not in cfgs:
                 cfgs.append(c)
     return cfgs
@@ -119,6 +123,31 @@ def test_persistent_kernels_across_many_tiles(kernels, case):
             r = run_and_judge(kern, q, k, v, ref, scale)
             if not r.ok:
                 failures.append(f"{kern.name} ({tiles} tiles on {sms} SMs): {r.reason}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("grow", [True, False], ids=["growing-max", "falling-max"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_lazy_rescale_when_the_row_max_moves(kernels, dtype, grow):
+    """Lazy rescaling keeps a stale max while it is within the slack and rescales when it is not: scores whose max
+    rises across the key tiles in the kernel's order must give the reference answer, as must falling ones."""
+    from conftest import ramped_keys
+    from flashgen.verify import random_qkv, reference, run_and_judge
+
+    failures = []
+    for d, causal, (sq, sk) in itertools.product((64, 128, 256), (False, True), ((1023, 1023), (113, 2048))):
+        lazy = [k_ for k_ in kernels[(d, dtype, causal)] if k_.config.lazy_rescale]
+        if _arch() != "sm90" or not lazy:
+            continue
+        q, k, v = random_qkv(2, sq, sk, 4, 2, d, dtype)
+        k = ramped_keys(k, grow)
+        ref = reference(q, k, v, causal)
+        for kern in lazy + [k_ for k_ in kernels[(d, dtype, causal)] if k_.config.overlap and not k_.config.lazy_rescale]:
+            r = run_and_judge(kern, q, k, v, ref)
+            if not r.ok:
+                failures.append(f"{kern.name} sq={sq} sk={sk}: {r.reason}")
+    if _arch() != "sm90":
+        pytest.skip("lazy rescaling is an sm90-family knob")
     assert not failures, "\n".join(failures)
 
 
