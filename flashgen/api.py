@@ -341,7 +341,8 @@ def forward_fp8(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | Non
     if hit is None:
         qv, _, _, prob = _checked(q, k, v, softmax_scale, arch)
         kern = r.kernel(qv.device, prob.head_dim, prob.dtype, causal, prob.seqlen_k, "sm90")
-        want = dataclasses.replace(kern.config, out_dtype=out_dtype or "bf16", block_quant_p=block_quant_p)
+        want = dataclasses.replace(kern.config, out_dtype=out_dtype or "bf16", block_quant_p=block_quant_p,
+                                   lazy_rescale=kern.config.lazy_rescale and not block_quant_p)  # a per-tile max moves
         if want != kern.config:
             kern = load(want.head_dim, want.dtype, causal, config=want, device=qv.device)
         hit = (kern, kern.plan(q, k, v, softmax_scale))

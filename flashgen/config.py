@@ -143,9 +143,9 @@ class KernelConfig(_AsDict):
     # FP8: P's row sums by a wgmma against a tile of ones beside each P V k-step, instead of an FADD per
     # probability (the sums of P as quantized, one per tile, added in fp32).
     mma_rowsum: bool = False
-    # sm90 16-bit, overlapped schedule: FlashAttention-4's lazy rescaling (a warp keeps its rows' max while none
-    # grows by more than a slack, and skips O's rescale then). Not for FP8: measured, it raised the RMS error past
-    # plain FP8's (docs/perf-notes.md, item 22).
+    # sm90: FlashAttention-4's lazy rescaling, O's rescale skipped by a warp whose rows' max stays put: 16-bit in
+    # the overlapped schedule (the max kept while none grows by more than 2^8), FP8 in every schedule (only when
+    # no row's max grew: a stale max costs FP8's P accuracy, docs/perf-notes.md item 22).
     lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
@@ -188,9 +188,10 @@ class KernelConfig(_AsDict):
         if self.mma_rowsum and not self.fp8:
             raise ConfigError("mma_rowsum is an FP8 knob (the 16-bit P V has no spare k-step layout for it)")
         _check_choice("lazy_rescale", self.lazy_rescale, (False, True))
-        if self.lazy_rescale and (self.family != "sm90" or self.fp8 or not self.overlap):
-            raise ConfigError("lazy_rescale is an sm90 knob for 16-bit inputs with overlap=True (the overlapped "
-                              "schedule's softmax; FP8 P loses accuracy with a stale max)")
+        if self.lazy_rescale and (self.family != "sm90" or self.block_quant_p or not (self.fp8 or self.overlap)):
+            raise ConfigError("lazy_rescale is an sm90 knob for FP8 (not with block_quant_p, whose P takes each "
+                              "tile's own max) and for 16-bit inputs with overlap=True (the overlapped schedule's "
+                              "softmax)")
         for f in FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
         if self.serving and self.family != "sm80":
@@ -362,7 +363,7 @@ def space(family: str, head_dim: int, dtype: str, causal: bool) -> list[KernelCo
                                                                     (True, True)) for ps in (False, True)]):
                         for oe, rs in ([(False, False), (False, True)] if dtype in FP8_DTYPES else
                                        [(False, False), (True, False)] if ov and ps else [(False, False)]):
-                            for lz in (False, True) if family == "sm90" and ov and dtype not in FP8_DTYPES else (False,):
+                            for lz in (False, True) if family == "sm90" and (ov or dtype in FP8_DTYPES) else (False,):
                                 try:
                                     out.append(KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family, ov, pp, ps,
                                                             overlap_epilogue=oe, mma_rowsum=rs, lazy_rescale=lz))

@@ -108,9 +108,10 @@ def test_overlap_epilogue_rules_and_space():
 
 
 def test_sm90_lazy_rescale_compiles_without_spills_or_serialized_wgmma():
-    """Lazy rescaling in the overlapped schedule (with and without ping-pong, persistent, overlap_epilogue; the
-    defaults' tiles): ptxas keeps the wgmmas asynchronous and spill-free; the O rescale sits behind the warp's
-    vote, and renders without the knob have neither."""
+    """Lazy rescaling, 16-bit in the overlapped schedule (with and without ping-pong, persistent, overlap_epilogue)
+    and FP8 in both schedules (with and without the row sums on the tensor cores), at the defaults' tiles: ptxas
+    keeps the wgmmas asynchronous and spill-free; the O rescale sits behind the warp's vote, and renders without
+    the knob have neither."""
     from flashgen.render import render
 
     cfgs = [KernelConfig(hd, dt, causal, 128, 128 if hd < 256 else 64, 12, 2, "sm90", True, pp, ps, overlap_epilogue=oe,
@@ -118,11 +119,15 @@ def test_sm90_lazy_rescale_compiles_without_spills_or_serialized_wgmma():
             for hd in (64, 128, 256) for (dt, causal), (pp, ps, oe) in zip(
                 (("bf16", True), ("fp16", False), ("bf16", False)), ((False, False, False), (True, True, False),
                                                                      (False, True, hd < 256)))]
-    for k in compile_sm90a_clean(cfgs):
-        assert "__all_sync" in k.source and "if (moved)" in k.source
-    for c in cfgs:
+    fp8 = [KernelConfig(hd, "fp8_e4m3", causal, 128, 128 if hd < 256 else 64, 12, 2, "sm90", ov, False, True, mma_rowsum=rs,
+                        lazy_rescale=True)
+           for hd in (64, 128, 256) for causal, ov, rs in ((False, False, True), (True, True, False))]
+    for k in compile_sm90a_clean(cfgs + fp8):
+        vote = "__any_sync(0xffffffffu, moved)" if k.config.fp8 else "__all_sync"
+        assert vote in k.source and ("if (softmax_into(a, j))" in k.source or "if (moved)" in k.source)
+    for c in cfgs + fp8:
         off = render(dataclasses.replace(c, lazy_rescale=False))
-        assert "MAX_SLACK" not in off and "__all_sync" not in off
+        assert "moved" not in off and "__all_sync" not in off and "__any_sync" not in off
 
 
 def test_lazy_rescale_rules_name_and_space():
@@ -130,8 +135,8 @@ def test_lazy_rescale_rules_name_and_space():
 
     with pytest.raises(ConfigError, match="overlap=True"):  # only the overlapped schedule's softmax has it
         KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", False, True, True, lazy_rescale=True)
-    with pytest.raises(ConfigError, match="FP8"):  # measured: FP8's P lost accuracy with a stale max
-        KernelConfig(128, "fp8_e4m3", False, 128, 128, 12, 2, "sm90", True, lazy_rescale=True)
+    with pytest.raises(ConfigError, match="block_quant_p"):
+        KernelConfig(128, "fp8_e4m3", False, 128, 128, 12, 2, "sm90", block_quant_p=True, lazy_rescale=True)
     with pytest.raises(ConfigError, match="sm90"):
         KernelConfig(128, "bf16", False, 128, 64, 8, 2, "sm80", lazy_rescale=True)
     cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, True, True, overlap_epilogue=True,
@@ -141,10 +146,11 @@ def test_lazy_rescale_rules_name_and_space():
     d = old.to_dict()
     d.pop("lazy_rescale")
     assert KernelConfig.from_dict(d) == old and cfg.name == old.name + "_lz"
-    sp = space("sm90", 128, "bf16", True)  # every overlapped tile comes both ways
-    on = {dataclasses.replace(c, lazy_rescale=False) for c in sp if c.lazy_rescale}
-    assert on == {c for c in sp if c.overlap and not c.lazy_rescale}
-    assert not any(c.lazy_rescale for c in space("sm90", 128, "fp8_e4m3", True) + space("sm80", 128, "bf16", True))
+    for dt in ("bf16", "fp8_e4m3"):  # every 16-bit overlapped tile and every FP8 tile comes both ways
+        sp = space("sm90", 128, dt, True)
+        on = {dataclasses.replace(c, lazy_rescale=False) for c in sp if c.lazy_rescale}
+        assert on == {c for c in sp if (c.overlap or c.fp8) and not c.lazy_rescale}
+    assert not any(c.lazy_rescale for c in space("sm80", 128, "bf16", True))
 
 
 def test_a_hung_nvcc_times_out(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ DT = "fp8_e4m3"
 PAIRS = [(1, 1), (17, 17), (113, 113), (1023, 1023), (1, 1023), (1023, 1), (113, 211), (211, 113), (2048, 2048),
          (128, 1024)]
 LAYOUTS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
-# (block_m, block_n, num_warps, num_stages, overlap, pingpong, persistent, block_quant_p, mma_rowsum)
+# (block_m, block_n, num_warps, num_stages, overlap, pingpong, persistent, block_quant_p, mma_rowsum, lazy_rescale)
 TILES = [(128, 128, 12, 2), (128, 128, 12, 2, True), (128, 128, 12, 2, False, True), (128, 64, 12, 3, True, True),
          (64, 128, 8, 2), (192, 64, 16, 2, True), (128, 128, 12, 2, True, False, True),
          (128, 64, 12, 2, False, True, True), (128, 128, 12, 2, True, False, False, True),
@@ -27,7 +27,11 @@ TILES = [(128, 128, 12, 2), (128, 128, 12, 2, True), (128, 128, 12, 2, False, Tr
          (128, 128, 12, 2, False, True, False, False, True), (128, 64, 12, 3, True, True, False, False, True),
          (64, 128, 8, 2, False, False, False, False, True), (128, 128, 12, 2, True, False, True, True, True),
          # three consumer warpgroups, as the d64 tune stores them
-         (192, 128, 16, 2, False, False, True, False, True), (192, 128, 16, 2, False, False, True)]
+         (192, 128, 16, 2, False, False, True, False, True), (192, 128, 16, 2, False, False, True),
+         # lazy rescaling: each schedule, with and without the row sums on the tensor cores
+         (128, 256, 12, 2, False, False, True, False, True, True), (128, 128, 12, 2, False, False, False, False, False, True),
+         (128, 192, 12, 2, True, False, True, False, True, True), (128, 64, 12, 3, True, True, False, False, False, True),
+         (192, 128, 16, 2, False, False, True, False, True, True)]
 
 
 def fp8_configs(arch: str = "sm90") -> list[KernelConfig]:
@@ -36,7 +40,7 @@ def fp8_configs(arch: str = "sm90") -> list[KernelConfig]:
     out = []
     for d, causal, tiles in itertools.product(FP8_HEAD_DIMS, (False, True), TILES):
         c = KernelConfig(d, DT, causal, *tiles[:4], "sm90", *tiles[4:7], block_quant_p=bool(tiles[7:] and tiles[7]),
-                         mma_rowsum=bool(tiles[8:] and tiles[8]))
+                         mma_rowsum=bool(tiles[8:] and tiles[8]), lazy_rescale=bool(tiles[9:] and tiles[9]))
         if c.unfit_reason(arch) is None:
             out.append(c)
     return out
@@ -121,6 +125,12 @@ def test_public_call_descale_and_out_dtype(kernels):
     o1 = flashgen.attention(q8, k8, v8, q_descale=one, k_descale=one, v_descale=one)
     o2 = flashgen.attention(q8, k8, v8, q_descale=one, k_descale=one, v_descale=2 * one)
     assert torch.equal(o2.float(), 2 * o1.float())
+    for d in FP8_HEAD_DIMS:  # block_quant_p on the stored kernels, some with lazy rescaling (which it turns off)
+        q, k, v = random_qkv(1, 1024, 1024, 4, 4, d, "bf16")
+        q8b, k8b, v8b, desc = quantize(q, k, v)
+        for causal in (False, True):
+            outb = flashgen.attention(q8b, k8b, v8b, causal=causal, block_quant_p=True, **desc)
+            assert (outb.double() - reference(q, k, v, causal).out).pow(2).mean().sqrt().item() < 0.05
     with pytest.raises(ValueError, match="shape"):
         flashgen.attention(q8, k8, v8, q_descale=torch.ones(3, device="cuda"))
     with pytest.raises(TypeError, match="float32"):

@@ -21,6 +21,8 @@ import time_configs  # noqa: E402
     KernelConfig(64, "fp8_e4m3", True, 192, 128, 16, 2, "sm90", persistent=True, block_quant_p=True, mma_rowsum=True,
                  out_dtype="fp16"),
     KernelConfig(256, "fp16", False, 128, 64, 8, 2),
+    KernelConfig(256, "bf16", True, 128, 64, 12, 2, "sm90", True, False, True, lazy_rescale=True),
+    KernelConfig(128, "fp8_e4m3", False, 128, 256, 12, 2, "sm90", persistent=True, mma_rowsum=True, lazy_rescale=True),
 ])
 def test_a_kernel_name_reads_back_as_its_configuration(cfg):
     assert time_configs.parse(cfg.name) == cfg
@@ -55,3 +57,17 @@ def test_stall_summary_splits_the_consumer_warpgroups_samples_by_what_they_wait_
     assert "consumer warps' samples (49% of all)" in out
     assert "gemm wait 40.0%" in out and "MUFU 30.0%" in out and "mbarrier wait 20.0%" in out and "gemm issue 10.0%" in out
     assert "LDSM" in out.splitlines()[2]  # the most sampled instruction first (the producer's)
+
+
+def test_fp8_softmax_emulation_keeps_the_kernel_when_no_max_moves():
+    """The emulation behind FP8 lazy rescaling's design: skipping the rescale only when no row's max grew is the
+    plain kernel exactly; a power-of-two offset changes nothing; a slack changes the answer."""
+    torch = pytest.importorskip("torch", reason="the FP8 emulation needs torch (a CPU build is enough)")
+    import fp8_softmax_emulation as emu
+
+    torch.manual_seed(0)
+    q, k, v = (emu.quantized(torch.randn(1, n, 2, 64)) for n in (32, 300, 300))
+    plain = emu.kernel_emulation(q, k, v, True)
+    assert torch.equal(emu.kernel_emulation(q, k, v, True, slack=0.0), plain)
+    assert torch.allclose(emu.kernel_emulation(q, k, v, True, offset=6.0), plain, rtol=1e-6, atol=0)
+    assert not torch.allclose(emu.kernel_emulation(q, k, v, True, slack=0.8), plain, rtol=1e-4, atol=0)
