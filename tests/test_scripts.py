@@ -71,3 +71,20 @@ def test_fp8_softmax_emulation_keeps_the_kernel_when_no_max_moves():
     assert torch.equal(emu.kernel_emulation(q, k, v, True, slack=0.0), plain)
     assert torch.allclose(emu.kernel_emulation(q, k, v, True, offset=6.0), plain, rtol=1e-6, atol=0)
     assert not torch.allclose(emu.kernel_emulation(q, k, v, True, slack=0.8), plain, rtol=1e-4, atol=0)
+
+
+def test_same_sass_reads_instructions_and_tells_kernels_apart():
+    import shutil
+
+    from flashgen.compile import compile_kernel, nvcc_path
+
+    import same_sass
+
+    if not (shutil.which("nvdisasm") or shutil.which("cuobjdump")
+            or any((Path(nvcc_path()).parent / t).is_file() for t in ("nvdisasm", "cuobjdump"))):
+        pytest.skip("no nvdisasm or cuobjdump beside nvcc or on PATH")
+    tool = same_sass.disassembler()
+    a = compile_kernel(KernelConfig(64, "bf16", False, 128, 64, 4, 2), "sm_80")
+    b = compile_kernel(KernelConfig(64, "bf16", True, 128, 64, 4, 2), "sm_80")
+    assert same_sass.sass_digest(a.cubin, tool) == same_sass.sass_digest(a.cubin, tool)
+    assert same_sass.sass_digest(a.cubin, tool) != same_sass.sass_digest(b.cubin, tool)

@@ -1,0 +1,93 @@
+"""Whether a template change leaves the machine code alone: SASS of the same kernels rendered by a base checkout's
+templates and by the working tree's, compared instruction by instruction (no GPU needed).
+
+    mkdir .ab-base && git archive HEAD templates | tar -x -C .ab-base
+    python scripts/same_sass.py --base .ab-base/templates --tests fwd fp8 --store
+
+A refactor of the templates (a helper, a renamed local) whose kernels all compile to identical SASS needs no new
+GPU run; one that changes any is a kernel change. Prints how many are identical and names the others. Needs
+nvdisasm (or cuobjdump) beside nvcc.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from flashgen.compile import compile_kernel, nvcc_path, target_for  # noqa: E402
+
+from fill_kernel_cache import SUITES, default_configs, store_configs, test_suite_configs  # noqa: E402
+
+_ADDR = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/")
+
+
+def disassembler() -> list[str]:
+    for tool, args in (("nvdisasm", ["-c"]), ("cuobjdump", ["--dump-sass"])):
+        path = shutil.which(tool) or str(Path(nvcc_path()).parent / tool)
+        if Path(path).is_file():
+            return [path, *args]
+    raise SystemExit("neither nvdisasm nor cuobjdump found beside nvcc")
+
+
+def sass_digest(cubin: bytes, tool: list[str]) -> str:
+    """A digest of the instructions alone (addresses dropped; the ELF around them differs with the source)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([*tool, f.name], capture_output=True, text=True, check=True).stdout
+    lines = [_ADDR.sub("", line).strip() for line in text.splitlines() if _ADDR.match(line)]
+    if not lines:
+        raise SystemExit(f"no instructions read by {tool[0]}")
+    return hashlib.sha1("\n".join(lines).encode()).hexdigest()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", type=Path, required=True, help="the base checkout's templates/ directory")
+    ap.add_argument("--arch", default="sm90")
+    ap.add_argument("--tests", nargs="*", choices=SUITES, default=None, help="the GPU suites' kernels (all if bare)")
+    ap.add_argument("--store", action="store_true", help="every tuned kernel")
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args()
+    cfgs = set(store_configs(args.arch)) if args.store else set()
+    if args.tests is not None:
+        cfgs |= test_suite_configs(args.arch, tuple(args.tests) or SUITES)
+    if not cfgs:
+        cfgs = default_configs(args.arch)
+    cfgs = sorted(cfgs, key=lambda c: c.name)
+    tool = disassembler()
+    render = importlib.import_module("flashgen.render")
+
+    def digests() -> list[str]:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            return list(pool.map(lambda c: sass_digest(compile_kernel(c, target_for(args.arch, c.family)).cubin, tool),
+                                 cfgs))
+
+    new = digests()
+    render.template_env.cache_clear()
+    render.render.cache_clear()
+    with mock.patch.object(render, "templates_dir", lambda: args.base.resolve()):
+        old = digests()
+    render.template_env.cache_clear()
+    render.render.cache_clear()
+    differ = [c.name for c, a, b in zip(cfgs, new, old) if a != b]
+    print(f"{len(cfgs) - len(differ)} of {len(cfgs)} kernels compile to identical SASS")
+    for name in differ:
+        print("differs:", name)
+    sys.exit(1 if differ else 0)
+
+
+if __name__ == "__main__":
+    main()
