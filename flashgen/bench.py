@@ -23,13 +23,14 @@ def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, c
 
 
 def time_cuda(fn: Callable[[int], Any], warmup: int = 10, reps: int = 50, rotate: int = 1,
-              queue_ahead_us: float = 300.0) -> list[float]:
+              queue_ahead_us: float = 300.0, before: Callable[[], Any] | None = None) -> list[float]:
     """Milliseconds of each of `reps` calls of fn(i) (i cycles over `rotate` input sets), timed by CUDA events.
 
     Before each timed call the stream is kept busy for `queue_ahead_us` (a GPU sleep), so the
     host has queued the start event and the launch before the GPU reaches them: the events then
     bracket the kernel alone, not the host time it takes to issue it. Host cost is not device
-    time; measure it separately where it matters."""
+    time; measure it separately where it matters. `before()`, if given, is queued ahead of each
+    timed call's sleep, outside the events (e.g. a write that flushes L2)."""
     import torch  # noqa: PLC0415
 
     for i in range(warmup):
@@ -39,6 +40,8 @@ def time_cuda(fn: Callable[[int], Any], warmup: int = 10, reps: int = 50, rotate
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
+        if before is not None:
+            before()
         torch.cuda._sleep(sleep_cycles)
         starts[i].record()
         fn(i % rotate)

@@ -3,7 +3,8 @@
     python scripts/timing_methods.py --rounds 3 store:sm90_d256_fp8_e4m3_full_s4096_g1_bt16384_hdt2048@4096 ...
 
 Per kernel and round, TFLOP/s by: "alone" (bench.time_cuda: a GPU sleep of 300 us queued ahead of each timed call,
-the bench's and the tuner's kernel-alone figure), "alone-50us" (the same with a 50 us sleep), "b2b" (calls back to
+the bench's and the tuner's kernel-alone figure), "alone-50us" (the same with a 50 us sleep), "flushed" (alone, with
+256 MB written before each call so that nothing of the previous call stays in L2), "b2b" (calls back to
 back, CUDA events around loops of 50: what compare.back_to_back_ms reports), each through the loaded Kernel (outputs
 allocated per call, as the bench calls it) and through launch.run into preallocated outputs (as the tuner does).
 The bench and the tuner disagree by up to 10% on the same kernel; this says whether the method or the moment does.
@@ -49,15 +50,17 @@ def main() -> None:
                  "run(out=)": lambda i, kern=kern, q=q, k=k, v=v, desc=desc, out=out:
                      run(kern.compiled, q, k, v, out=out, descale=desc or None)}
         points.append((f"{kern.name} N={n}", fl, calls))
-    print(f"{'kernel':72} {'call':10} {'round':>5} {'alone':>7} {'alone-50us':>10} {'b2b':>7}  TFLOP/s")
+    scratch = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # written before each "flushed" call
+    print(f"{'kernel':72} {'call':10} {'round':>5} {'alone':>7} {'alone-50us':>10} {'flushed':>7} {'b2b':>7}  TFLOP/s")
     for r in range(args.rounds):
         for label, fl, calls in points:
             for how, fn in calls.items():
                 alone = median_ms(time_cuda(fn, 10, 50))
                 short = median_ms(time_cuda(fn, 10, 50, queue_ahead_us=50.0))
+                flush = median_ms(time_cuda(fn, 10, 50, before=scratch.zero_))
                 b2b = back_to_back_ms(fn, 50)
-                tf = [fl / (ms * 1e-3) / 1e12 for ms in (alone, short, b2b)]
-                print(f"{label:72} {how:10} {r:5d} {tf[0]:7.1f} {tf[1]:10.1f} {tf[2]:7.1f}", flush=True)
+                tf = [fl / (ms * 1e-3) / 1e12 for ms in (alone, short, flush, b2b)]
+                print(f"{label:72} {how:10} {r:5d} {tf[0]:7.1f} {tf[1]:10.1f} {tf[2]:7.1f} {tf[3]:7.1f}", flush=True)
 
 
 if __name__ == "__main__":
