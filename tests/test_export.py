@@ -159,9 +159,10 @@ int main() {{
 
 
 @needs_nvcc
-@pytest.mark.parametrize("mma_rowsum", [False, True])  # the stored FP8 kernels take both (its ones tile: more smem)
-def test_exported_fp8_kernel_compiles_and_links_for_sm90a(tmp_path, mma_rowsum):
-    cfg = KernelConfig(128, "fp8_e4m3", False, 128, 128, 12, 2, "sm90", False, False, True, mma_rowsum=mma_rowsum)
+@pytest.mark.parametrize("mma_rowsum,lazy_rescale", [(False, False), (True, False), (True, True)])  # as stored
+def test_exported_fp8_kernel_compiles_and_links_for_sm90a(tmp_path, mma_rowsum, lazy_rescale):
+    cfg = KernelConfig(128, "fp8_e4m3", False, 128, 128, 12, 2, "sm90", False, False, True, mma_rowsum=mma_rowsum,
+                       lazy_rescale=lazy_rescale)
     out, h = export_stored_sm90(tmp_path, cfg)
     assert f"constexpr int SMEM_BYTES = {cfg.smem_bytes};" in h
     assert "struct Sm90Fp8FwdParams" in h and "CU_TENSOR_MAP_DATA_TYPE_UINT8" in h and 'OUT_DTYPE = "bf16"' in h
