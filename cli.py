@@ -456,6 +456,7 @@ def tune(args: argparse.Namespace) -> int:
     tuners = make_tuners(args)
     rows: dict[tuple[str, str], list] = {}
     lock = threading.Lock()
+    bars: dict = {}
     try:
         for t in tuners:
             check_family(args.arch, t.gpu_name, t.gpu_arch)
@@ -472,6 +473,10 @@ def tune(args: argparse.Namespace) -> int:
                                                               causal_list(args.causal), args.seqlen, args.gqa)
                 for prob in [TuneProblem(gpu, arch, pass_family(args, p, hd), dt, hd, ca, sl, g, args.batch_tokens,
                                          args.heads_dim_total, p)]]
+        empty = [j.problem.key for j in jobs if not j.space]
+        if empty:  # only --around-store can empty a problem's space here (validate checked the rest)
+            raise CliError(f"--around-store {','.join(args.around_store)}: no configuration of the restricted space "
+                           f"matches the stored one of {', '.join(empty)} in the other fields; loosen the restrictions")
         modes = {j: exhaustive_for(j.problem, opts, list(j.space)) for j in jobs}
         for j in jobs:
             n = viable_count(j.problem, list(j.space))
@@ -480,7 +485,6 @@ def tune(args: argparse.Namespace) -> int:
             print(f"{j.problem.study_name}: {how}", flush=True)
         per_job = lambda j: viable_count(j.problem, list(j.space)) if modes[j] else opts.trials  # noqa: E731
         single = len(tuners) == 1
-        bars: dict = {}
         state = {"pruned": 0, "failed": 0, "best": 0.0}
         if not single:
             print(f"{len(tuners)} tuners: " + ", ".join(f"{t.name} ({t.gpu_name})" for t in tuners), flush=True)

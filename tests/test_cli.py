@@ -152,6 +152,11 @@ def test_around_store_retunes_only_the_free_fields_of_the_stored_configuration(t
                                                                       if k != "lazy_rescale"}
     assert cli.main(common + ["--around-store", "tile"]) == 2
     assert "--around-store tile" in capsys.readouterr().err
+    # the stored tile has overlap on: restricting to overlap off leaves nothing around it, said in one line
+    assert cli.main(common[:-5] + ["--overlap", "no", "--simulate", "--tuned-dir", str(tmp_path / "tuned"),
+                                   "--around-store", "lazy_rescale", "--storage", f"sqlite:///{tmp_path / 'c.db'}"]) == 2
+    err = capsys.readouterr().err
+    assert "no configuration of the restricted space matches the stored one" in err and "Traceback" not in err
 
 
 def test_show_names_a_corrupt_store(tmp_path, capsys):
