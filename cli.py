@@ -146,9 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                            ("num-stages", C.NUM_STAGES)):
         t.add_argument(f"--{field}", type=int_list, default=None, help=f"restrict {field.replace('-', '_')} to these "
                        f"of {','.join(map(str, choices))}")
-    for knob in ("overlap", "pingpong", "persistent", "overlap-epilogue", "mma-rowsum", "lazy-rescale"):  # sm90's knobs
-        t.add_argument(f"--{knob}", choices=("yes", "no"), default=None,
-                       help=f"sm90: restrict {knob.replace('-', '_')} to on or off (default: both)")
+    for knob in C.SM90_KNOBS:
+        t.add_argument(f"--{knob.replace('_', '-')}", choices=("yes", "no"), default=None,
+                       help=f"sm90: restrict {knob} to on or off (default: both)")
     t.add_argument("--around-store", type=str_list, default=None, metavar="FIELD,...",
                    help="forward: each problem's space is its stored configuration with only these fields free (e.g. "
                         "lazy_rescale after a new knob: a re-tune of the stored tile, not of the whole space); "
@@ -254,19 +254,22 @@ def restricted_space(args: argparse.Namespace, head_dim: int, dtype: str, causal
         keep = getattr(args, field)
         if keep is not None:
             cfgs = [c for c in cfgs if getattr(c, field) in keep]
-    for knob in ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum", "lazy_rescale") \
-            if pass_ == "fwd" else ():
+    for knob in C.SM90_KNOBS if pass_ == "fwd" else ():
         if getattr(args, knob) is not None:
             cfgs = [c for c in cfgs if getattr(c, knob) == (getattr(args, knob) == "yes")]
     return cfgs[: args.max_configs] if args.max_configs else cfgs
 
 
-def around_store(args: argparse.Namespace, problem: Any, space: list) -> tuple:
-    """--around-store: the configurations of `space` equal to the problem's stored one but in the free fields."""
+def around_store(args: argparse.Namespace, problem: Any, space: list, stores: dict) -> tuple:
+    """--around-store: the configurations of `space` equal to the problem's stored one but in the free fields.
+    `stores` keeps each GPU's store entries, read once for all problems."""
     if not args.around_store or problem.pass_ != "fwd":
         return tuple(space)
     from flashgen.store import config_from_entry, read_store, store_path
-    entry = read_store(store_path(problem.gpu_name, problem.gpu_arch, args.tuned_dir))["entries"].get(problem.key)
+    path = store_path(problem.gpu_name, problem.gpu_arch, args.tuned_dir)
+    if path not in stores:
+        stores[path] = read_store(path)["entries"]
+    entry = stores[path].get(problem.key)
     if entry is None:
         return tuple(space)
     return tuple(C.around(config_from_entry(entry), space, args.around_store))
@@ -330,8 +333,8 @@ def validate(args: argparse.Namespace) -> None:
     for hd, dt, ca, p in itertools.product(args.head_dim, args.dtype, causal_list(args.causal), passes(args)):
         if not restricted_space(args, hd, dt, ca, p):
             raise CliError(f"the restricted {p} space of family {pass_family(args, p, hd)} is empty for d{hd} {dt} "
-                           f"{'causal' if ca else 'full'}: loosen --block-m/--block-n/--num-warps/--num-stages/--overlap/--pingpong/--persistent/"
-                           "--overlap-epilogue/--mma-rowsum/--lazy-rescale")
+                           f"{'causal' if ca else 'full'}: loosen --block-m/--block-n/--num-warps/--num-stages/"
+                           + "/".join(f"--{k.replace('_', '-')}" for k in C.SM90_KNOBS))
 
 
 def compile_only(args: argparse.Namespace) -> int:
@@ -467,7 +470,8 @@ def tune(args: argparse.Namespace) -> int:
         opts = SearchOptions(args.trials or DEFAULT_TRIALS, args.timeout, args.sampler, args.seed, exhaustive,
                              args.storage, ahead=ahead, heartbeat_s=args.heartbeat, grace_s=args.grace)
         models = list(dict.fromkeys((t.gpu_name, t.gpu_arch) for t in tuners))
-        jobs = [Job(prob, around_store(args, prob, restricted_space(args, hd, dt, ca, p)))
+        stores: dict = {}
+        jobs = [Job(prob, around_store(args, prob, restricted_space(args, hd, dt, ca, p), stores))
                 for gpu, arch in models
                 for p, hd, dt, ca, sl, g in itertools.product(passes(args), args.head_dim, args.dtype,
                                                               causal_list(args.causal), args.seqlen, args.gqa)

@@ -34,6 +34,8 @@ DENSE_MIN_BLOCK_M = 64
 # Serving features of a forward kernel (sm80 family): each a compile-time switch, off = not in the code.
 FEATURES = ("varlen", "paged", "split", "pack_gqa", "window", "softcap", "alibi")
 SM90_FEATURES = ("varlen", "window")  # the sm90 family's forward and backward have these
+# The sm90 forward's schedule knobs (KernelConfig fields; tuned beside the tile, `tune --<knob> yes/no` restricts them).
+SM90_KNOBS = ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum", "lazy_rescale")
 BWD_FEATURES = ("varlen", "window", "softcap", "alibi")  # the ones a training call uses: the backward has them
 
 

@@ -31,15 +31,14 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from .backend import Backend, TrialResult
-from .config import BwdConfig, ConfigError, KernelConfig, bwd_space, space as config_space
+from .config import SM90_KNOBS, BwdConfig, ConfigError, KernelConfig, bwd_space, space as config_space
 from .problem import DEFAULT_TRIALS, EXHAUSTIVE_MAX, TuneProblem
 from .studies import default_storage, make_storage as open_storage  # noqa: F401 - default_storage: re-exported
 
 PARAMS = ("block_m", "block_n", "num_warps", "num_stages")  # Optuna's parameter names = KernelConfig fields
 BWD_PARAMS = ("block_m", "block_n", "num_warps")  # = BwdConfig's tuned fields (deterministic is a choice, not a knob)
 # Keyed by `params_key`: the family for a forward problem, "bwd_<family>" for a backward one.
-FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, "overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum",
-                                          "lazy_rescale"),
+FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, *SM90_KNOBS),
                  "bwd_sm80": BWD_PARAMS,
                  "bwd_sm90": (*BWD_PARAMS, "num_stages", "stagger")}
 SAMPLERS = ("tpe", "random")

@@ -88,6 +88,22 @@ def default_configs(arch: str) -> set[KernelConfig]:
     return out
 
 
+def chosen_configs(arch: str, tests: list[str] | None, store: bool, around_store: list[str] | None = None,
+                   defaults: bool = False) -> set[KernelConfig | BwdConfig]:
+    """The kernels the options name (tests: suite names, [] for all, None for none); each family's defaults when
+    they name none."""
+    cfgs: set[KernelConfig | BwdConfig] = set()
+    if tests is not None:
+        cfgs |= test_suite_configs(arch, tuple(tests) or SUITES)
+    if store:
+        cfgs |= store_configs(arch)
+    if around_store:
+        cfgs |= around_store_configs(arch, [f.replace("-", "_") for f in around_store])
+    if defaults or not (tests is not None or store or around_store):
+        cfgs |= default_configs(arch)
+    return cfgs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="sm90", help="the GPU the run will use, e.g. sm90")
@@ -99,15 +115,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--into", type=Path, default=None, help="copy these kernels' cache entries into this directory")
     args = ap.parse_args()
-    cfgs: set[KernelConfig | BwdConfig] = set()
-    if args.tests is not None:
-        cfgs |= test_suite_configs(args.arch, tuple(args.tests) or SUITES)
-    if args.store:
-        cfgs |= store_configs(args.arch)
-    if args.around_store:
-        cfgs |= around_store_configs(args.arch, [f.replace("-", "_") for f in args.around_store])
-    if args.defaults or not (args.tests is not None or args.store or args.around_store):
-        cfgs |= default_configs(args.arch)
+    cfgs = chosen_configs(args.arch, args.tests, args.store, args.around_store, args.defaults)
     failed = []
 
     used: list[Path] = []  # list.extend from pool threads: atomic under the GIL

@@ -42,7 +42,9 @@ def main() -> None:
         refs = {}
         for kern in kernels:
             c = kern.config.causal
-            ref = refs.setdefault(c, reference_fp8(q, k8, v, descale, c))
+            if c not in refs:
+                refs[c] = reference_fp8(q, k8, v, descale, c)
+            ref = refs[c]
             out, lse = poisoned_outputs(q, torch_dtype(kern.config.output_dtype))
             run(kern, q, k8, v, None, out=out, lse=lse, descale=descale)
             torch.cuda.synchronize()

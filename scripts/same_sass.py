@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from flashgen.compile import compile_kernel, nvcc_path, target_for  # noqa: E402
 
-from fill_kernel_cache import SUITES, default_configs, store_configs, test_suite_configs  # noqa: E402
+from fill_kernel_cache import SUITES, chosen_configs, default_configs  # noqa: E402
 
 _ADDR = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/")
 
@@ -61,12 +61,7 @@ def main() -> None:
     ap.add_argument("--store", action="store_true", help="every tuned kernel")
     ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args()
-    cfgs = set(store_configs(args.arch)) if args.store else set()
-    if args.tests is not None:
-        cfgs |= test_suite_configs(args.arch, tuple(args.tests) or SUITES)
-    if not cfgs:
-        cfgs = default_configs(args.arch)
-    cfgs = sorted(cfgs, key=lambda c: c.name)
+    cfgs = sorted(chosen_configs(args.arch, args.tests, args.store) or default_configs(args.arch), key=lambda c: c.name)
     tool = disassembler()
     render = importlib.import_module("flashgen.render")
 
