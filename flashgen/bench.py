@@ -22,15 +22,32 @@ def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, c
     return f * BWD_FLOPS_RATIO if pass_ == "bwd" else f
 
 
+_L2_SCRATCH: dict[int, Any] = {}
+
+
+def l2_flush() -> Callable[[], Any]:
+    """A write of twice the current GPU's L2 (a cached scratch buffer): after it, nothing a previous call left in L2
+    is there. Timed calls measured without it moved by up to 15% with that residue (docs/perf-notes.md item 22)."""
+    import torch  # noqa: PLC0415
+
+    dev = torch.cuda.current_device()
+    if dev not in _L2_SCRATCH:
+        l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or 64 * 2**20
+        _L2_SCRATCH[dev] = torch.empty(2 * l2, dtype=torch.uint8, device=f"cuda:{dev}")
+    return _L2_SCRATCH[dev].zero_
+
+
 def time_cuda(fn: Callable[[int], Any], warmup: int = 10, reps: int = 50, rotate: int = 1,
-              queue_ahead_us: float = 300.0, before: Callable[[], Any] | None = None) -> list[float]:
+              queue_ahead_us: float = 300.0, before: Callable[[], Any] | None = None,
+              flush_l2: bool = True) -> list[float]:
     """Milliseconds of each of `reps` calls of fn(i) (i cycles over `rotate` input sets), timed by CUDA events.
 
     Before each timed call the stream is kept busy for `queue_ahead_us` (a GPU sleep), so the
     host has queued the start event and the launch before the GPU reaches them: the events then
     bracket the kernel alone, not the host time it takes to issue it. Host cost is not device
     time; measure it separately where it matters. `before()`, if given, is queued ahead of each
-    timed call's sleep, outside the events (e.g. a write that flushes L2)."""
+    timed call's sleep, outside the events; with flush_l2 (default) L2 is flushed there too, so each
+    call starts from the same cold cache (as FlashAttention-4's published figures are taken)."""
     import torch  # noqa: PLC0415
 
     for i in range(warmup):
@@ -39,9 +56,12 @@ def time_cuda(fn: Callable[[int], Any], warmup: int = 10, reps: int = 50, rotate
     sleep_cycles = int(queue_ahead_us * 2000)  # ~2 GHz SM clock; only needs to outlast the host's issue time
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    flush = l2_flush() if flush_l2 else None
     for i in range(reps):
         if before is not None:
             before()
+        if flush is not None:
+            flush()
         torch.cuda._sleep(sleep_cycles)
         starts[i].record()
         fn(i % rotate)

@@ -55,9 +55,9 @@ def main() -> None:
     for r in range(args.rounds):
         for label, fl, calls in points:
             for how, fn in calls.items():
-                alone = median_ms(time_cuda(fn, 10, 50))
-                short = median_ms(time_cuda(fn, 10, 50, queue_ahead_us=50.0))
-                flush = median_ms(time_cuda(fn, 10, 50, before=scratch.zero_))
+                alone = median_ms(time_cuda(fn, 10, 50, flush_l2=False))
+                short = median_ms(time_cuda(fn, 10, 50, queue_ahead_us=50.0, flush_l2=False))
+                flush = median_ms(time_cuda(fn, 10, 50, before=scratch.zero_, flush_l2=False))
                 b2b = back_to_back_ms(fn, 50)
                 tf = [fl / (ms * 1e-3) / 1e12 for ms in (alone, short, flush, b2b)]
                 print(f"{label:72} {how:10} {r:5d} {tf[0]:7.1f} {tf[1]:10.1f} {tf[2]:7.1f} {tf[3]:7.1f}", flush=True)
