@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evaluate every configuration of the (restricted) space; --no-exhaustive: sample "
                         f"--trials with --sampler (default: exhaustive when at most {EXHAUSTIVE_MAX} fit, unless "
                         "--trials is given)")
+    t.add_argument("--retime", type=int, default=5, metavar="N",
+                   help="before storing, time the N fastest verified configurations (and the default) again, "
+                        "side by side in 3 interleaved rounds, and store the fastest of those (0: store the "
+                        "search's fastest single figure; default 5)")
     t.add_argument("--storage", default=None, help=STORAGE_HELP)
     t.add_argument("--gpus", type=gpu_list, default=None,
                    help="tune on these GPUs, one tuner each (e.g. 0,1 or all; default: the current GPU only)")
@@ -301,6 +305,8 @@ def validate(args: argparse.Namespace) -> None:
             raise CliError(f"--seqlen values must be positive, got {bad}")
     if args.cmd != "tune":
         return
+    if args.retime < 0:
+        raise CliError("--retime must be 0 (off) or more")
     if args.around_store:
         args.around_store = [f.replace("-", "_") for f in args.around_store]
         fields = {f.name for f in dataclasses.fields(C.KernelConfig)}
@@ -468,7 +474,8 @@ def tune(args: argparse.Namespace) -> int:
         # (search.exhaustive_for): every configuration when at most EXHAUSTIVE_MAX fit, else DEFAULT_TRIALS sampled
         exhaustive = args.exhaustive if args.exhaustive is not None else (False if args.trials is not None else None)
         opts = SearchOptions(args.trials or DEFAULT_TRIALS, args.timeout, args.sampler, args.seed, exhaustive,
-                             args.storage, ahead=ahead, heartbeat_s=args.heartbeat, grace_s=args.grace)
+                             args.storage, ahead=ahead, heartbeat_s=args.heartbeat, grace_s=args.grace,
+                             retime_top=args.retime)
         models = list(dict.fromkeys((t.gpu_name, t.gpu_arch) for t in tuners))
         stores: dict = {}
         jobs = [Job(prob, around_store(args, prob, restricted_space(args, hd, dt, ca, p), stores))
@@ -856,7 +863,7 @@ def bench_serving(args: argparse.Namespace) -> int:
     if "decode" in kinds:
         result["decode"] = bs.decode_rows(128, dtype)
         print(f"{gpu}, {datetime.date.today()}: decode, heads 32/8, d128, {dtype}, seqlen_q 1. kernel: device time "
-              "(CUDA events, GPU kept busy ahead); b2b: attention_with_kvcache back to back (validate=False); "
+              "(CUDA events, L2 flushed and the GPU kept busy ahead); b2b: attention_with_kvcache back to back (validate=False); "
               "validated: with the default checks (one host sync per call)")
         print(bs.decode_table(result["decode"]))
     if "varlen" in kinds:
@@ -908,7 +915,7 @@ def bench(args: argparse.Namespace) -> int:
               "torch.autograd.grad through flashgen.attention, <peer> = SDPA's backward the same way; "
               "TFLOP/s count 2.5x the forward's FLOPs")
     print(f"{gpu}, {datetime.date.today()}, family {args.arch}: TFLOP/s (4*B*H*N*N*D, halved for causal) and flashgen's ratio")
-    print("flashgen: the kernel alone (GPU kept busy ahead of each call); api: flashgen.attention() back to back, "
+    print("flashgen: the kernel alone (L2 flushed and the GPU kept busy ahead of each call, as FA4's figures are taken); api: flashgen.attention() back to back, "
           "host cost included; x <peer>: the kernel's ratio; <peer> b2b: SDPA back to back, api x <peer>: "
           "what a user gets, both called back to back")
     if ceiling:

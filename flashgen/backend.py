@@ -55,6 +55,10 @@ class Backend(Protocol):
 
     def evaluate(self, config: KernelConfig | BwdConfig, problem: TuneProblem) -> TrialResult: ...
 
+    def retime(self, configs: list[KernelConfig | BwdConfig], problem: TuneProblem, rounds: int) -> list[float | None]:
+        """Verified configurations timed again side by side: median ms each (None: not timed)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -67,9 +71,12 @@ class SimulatedBackend:
     line "start <problem> <config>" as an evaluation begins and "done ..." as it ends, appended
     by every process that shares it, so a test can count what a fleet evaluated."""
 
-    def __init__(self, failures: dict[str, str] | None = None, delay_s: float = 0.0, log: str | Path | None = None):
+    def __init__(self, failures: dict[str, str] | None = None, delay_s: float = 0.0, log: str | Path | None = None,
+                 noise: dict[str, float] | None = None):
         self.failures = dict(failures or {})
+        self.noise = dict(noise or {})  # config name -> factor on its first measurement only (plays a lucky run)
         self.calls: list[str] = []
+        self.retimed: list[list[str]] = []  # the configurations of each retime call
         self.delay_s, self.log = delay_s, Path(log) if log else None
 
     def _log(self, what: str, config: KernelConfig | BwdConfig, problem: TuneProblem) -> None:
@@ -96,9 +103,13 @@ class SimulatedBackend:
             status = self.failures[config.name]
             res = TrialResult(status, reason=f"simulated {status}")
         else:
-            res = ok_result(problem, self.cost_ms(config, problem), simulated=True)
+            res = ok_result(problem, self.cost_ms(config, problem) * self.noise.get(config.name, 1.0), simulated=True)
         self._log("done", config, problem)
         return res
+
+    def retime(self, configs: list[KernelConfig | BwdConfig], problem: TuneProblem, rounds: int) -> list[float | None]:
+        self.retimed.append([c.name for c in configs])
+        return [None if c.name in self.failures else self.cost_ms(c, problem) for c in configs]
 
     def close(self) -> None:
         pass

@@ -5,6 +5,7 @@ import statistics
 from typing import Any, Callable
 
 from .compile import CompiledKernel
+from .config import KernelConfig
 from .launch import run
 
 
@@ -93,15 +94,15 @@ def l2_rotation(bytes_per_set: int, l2_bytes: int = 60 * 2**20) -> int:
     return max(1, -(-2 * l2_bytes // max(1, bytes_per_set)))
 
 
-def time_kernel(kernel: CompiledKernel, batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: int | None = None,
-                warmup: int = 10, reps: int = 50, seed: int = 0) -> float:
-    """Median milliseconds of `kernel` on random inputs of this shape, inputs rotated past L2."""
+def kernel_timer(cfg: KernelConfig, batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: int | None = None,
+                 seed: int = 0) -> tuple[Callable[[CompiledKernel, int], None], int]:
+    """(call(kernel, i), sets): runs a kernel of `cfg`'s dtypes on the i-th of `sets` random input sets of this
+    shape, enough sets to rotate past L2. Kernels of one problem share them (re-timing compares on equal inputs)."""
     import torch  # noqa: PLC0415
 
     from .tensors import torch_dtype  # noqa: PLC0415
     from .verify import random_fp8, random_qkv  # noqa: PLC0415
 
-    cfg = kernel.config
     hk = heads_k or heads
     eb = cfg.elem_bytes
     set_bytes = cfg.head_dim * batch * (seqlen_q * heads * (eb + 2) + 2 * eb * seqlen_k * hk)
@@ -114,11 +115,18 @@ def time_kernel(kernel: CompiledKernel, batch: int, seqlen_q: int, seqlen_k: int
     outs = [(torch.empty(q.shape, dtype=torch_dtype(cfg.output_dtype), device=q.device), torch.empty(batch, heads, seqlen_q, device=q.device))
             for q, *_ in sets]
 
-    def call(i: int) -> None:
+    def call(kernel: CompiledKernel, i: int) -> None:
         q, k, v, descale = sets[i]
         run(kernel, q, k, v, out=outs[i][0], lse=outs[i][1], descale=descale)
 
-    return median_ms(time_cuda(call, warmup, reps, rotate=len(sets)))
+    return call, len(sets)
+
+
+def time_kernel(kernel: CompiledKernel, batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: int | None = None,
+                warmup: int = 10, reps: int = 50, seed: int = 0) -> float:
+    """Median milliseconds of `kernel` on random inputs of this shape, inputs rotated past L2."""
+    call, sets = kernel_timer(kernel.config, batch, seqlen_q, seqlen_k, heads, heads_k, seed)
+    return median_ms(time_cuda(lambda i: call(kernel, i), warmup, reps, rotate=sets))
 
 
 def time_backward(kernel: CompiledKernel, fwd_kernel: CompiledKernel, batch: int, seqlen_q: int, seqlen_k: int,

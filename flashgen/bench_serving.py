@@ -3,7 +3,7 @@ its same-run reference: decode reads K/V against a device-to-device copy of as m
 varlen and window count useful FLOPs against flashgen's dense kernels at the same work; train times
 the backward of a packed batch and of a window against the dense backward kernels.
 
-Figures per point: `kernel` (CUDA events with the GPU kept busy ahead of each call: device time),
+Figures per point: `kernel` (CUDA events with L2 flushed and the GPU kept busy ahead of each call: device time),
 `b2b` (the public call back to back, host cost included) and, for decode, host microseconds per call.
 """
 from __future__ import annotations

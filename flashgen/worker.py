@@ -304,6 +304,22 @@ class GpuBackend:
             return TrialResult(value["status"], reason=value["reason"], info=info)
         return ok_result(problem, value["ms"], **info)
 
+    def retime(self, configs: list[KernelConfig | BwdConfig], problem: TuneProblem, rounds: int) -> list[float | None]:
+        """Each configuration's median ms over `rounds` rounds that time them all in turn on one input set
+        (None where it cannot be timed: a backward problem, a compile error, a worker error)."""
+        if problem.pass_ != "fwd" or not configs:
+            return [None] * len(configs)
+        try:
+            kernels = [self.compiler.get(c, self.target(c)) for c in configs]
+        except CompileError:
+            return [None] * len(configs)
+        try:
+            kind, value = self.worker.call("flashgen.worker:gpu_retime", kernels, problem, rounds, self.warmup,
+                                           self.reps, deadline_s=self.deadline_s * rounds)
+        except NoGpuError:
+            return [None] * len(configs)
+        return value if kind == "ok" else [None] * len(configs)
+
     def close(self) -> None:
         if getattr(self, "_own_compiler", True):
             self.compiler.close()
@@ -368,6 +384,22 @@ def gpu_trial(kernel: CompiledKernel, problem: TuneProblem, warmup: int, reps: i
     ms = time_kernel(kernel, b, sq, sk, h, hk, warmup=warmup, reps=reps)
     torch.cuda.empty_cache()
     return {"status": "ok", "ms": ms, "max_err": vr.max_err, "reason": ""}
+
+
+def gpu_retime(kernels: list[CompiledKernel], problem: TuneProblem, rounds: int, warmup: int,
+               reps: int) -> list[float]:
+    """Median ms of each (already verified) kernel over `rounds` interleaved rounds on the same inputs."""
+    import torch  # noqa: PLC0415
+
+    from .bench import kernel_timer, retime_best, time_cuda  # noqa: PLC0415
+
+    b, sq, sk, h, hk = problem.shape()
+    assert len({(k.config.dtype, k.config.output_dtype, k.config.head_dim) for k in kernels}) == 1, "one problem's kernels"
+    call, sets = kernel_timer(kernels[0].config, b, sq, sk, h, hk)
+    timed = retime_best([(0.0, i) for i in range(len(kernels))], lambda i: time_cuda(
+        lambda j: call(kernels[i], j), warmup, reps, rotate=sets), top=len(kernels), rounds=rounds)
+    torch.cuda.empty_cache()
+    return [ms for ms, _ in sorted(timed, key=lambda r: r[1])]
 
 
 def gpu_trial_bwd(kernel: CompiledKernel, fwd_kernel: CompiledKernel, problem: TuneProblem, warmup: int,

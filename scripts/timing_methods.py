@@ -4,7 +4,8 @@
 
 Per kernel and round, TFLOP/s by: "alone" (bench.time_cuda: a GPU sleep of 300 us queued ahead of each timed call,
 the bench's and the tuner's kernel-alone figure), "alone-50us" (the same with a 50 us sleep), "flushed" (alone, with
-256 MB written before each call so that nothing of the previous call stays in L2), "b2b" (calls back to
+256 MB written before each call so that nothing of the previous call stays in L2), "default" (bench.time_cuda as
+the bench and the tuner call it: twice L2 written before each call), "b2b" (calls back to
 back, CUDA events around loops of 50: what compare.back_to_back_ms reports), each through the loaded Kernel (outputs
 allocated per call, as the bench calls it) and through launch.run into preallocated outputs (as the tuner does).
 The bench and the tuner disagree by up to 10% on the same kernel; this says whether the method or the moment does.
@@ -51,16 +52,19 @@ def main() -> None:
                      run(kern.compiled, q, k, v, out=out, descale=desc or None)}
         points.append((f"{kern.name} N={n}", fl, calls))
     scratch = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # written before each "flushed" call
-    print(f"{'kernel':72} {'call':10} {'round':>5} {'alone':>7} {'alone-50us':>10} {'flushed':>7} {'b2b':>7}  TFLOP/s")
+    print(f"{'kernel':72} {'call':10} {'round':>5} {'alone':>7} {'alone-50us':>10} {'flushed':>7} {'default':>7} "
+          f"{'b2b':>7}  TFLOP/s")
     for r in range(args.rounds):
         for label, fl, calls in points:
             for how, fn in calls.items():
                 alone = median_ms(time_cuda(fn, 10, 50, flush_l2=False))
                 short = median_ms(time_cuda(fn, 10, 50, queue_ahead_us=50.0, flush_l2=False))
                 flush = median_ms(time_cuda(fn, 10, 50, before=scratch.zero_, flush_l2=False))
+                default = median_ms(time_cuda(fn, 10, 50))  # what the bench and the tuner use: 2x L2 flushed
                 b2b = back_to_back_ms(fn, 50)
-                tf = [fl / (ms * 1e-3) / 1e12 for ms in (alone, short, flush, b2b)]
-                print(f"{label:72} {how:10} {r:5d} {tf[0]:7.1f} {tf[1]:10.1f} {tf[2]:7.1f} {tf[3]:7.1f}", flush=True)
+                tf = [fl / (ms * 1e-3) / 1e12 for ms in (alone, short, flush, default, b2b)]
+                print(f"{label:72} {how:10} {r:5d} {tf[0]:7.1f} {tf[1]:10.1f} {tf[2]:7.1f} {tf[3]:7.1f} {tf[4]:7.1f}",
+                      flush=True)
 
 
 if __name__ == "__main__":

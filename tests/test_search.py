@@ -409,3 +409,41 @@ def test_a_stored_trial_from_before_a_knob_reads_as_the_knob_off():
     assert search_mod.config_of(p90, params).name == "fwd_sm90_d128_bf16_full_bm128_bn128_w12_s2_ov1_pp0_ps"
     p8 = TuneProblem("Test GPU", "sm90", "sm90", "fp8_e4m3", 128, False, 4096)  # FP8's row sums by FADD, as measured
     assert search_mod.config_of(p8, params).name == "fwd_sm90_d128_fp8_e4m3_full_bm128_bn128_w12_s2_ov1_pp0_ps_obf16"
+
+
+def test_leaders_are_timed_again_before_the_outcome(tmp_path):
+    """A configuration whose one measurement was lucky (noise: half its cost) leads the study; timed again beside
+    the other leaders, it loses to the truly fastest, and the outcome keeps its first figure for the record."""
+    p = problem()
+    cfgs = small_space(p)
+    sim = SimulatedBackend()
+    ranked = sorted([c for c in cfgs if c.unfit_reason(p.gpu_arch) is None], key=lambda c: sim.cost_ms(c, p))
+    lucky = ranked[-1]  # the slowest, measured once at a quarter of its cost
+    backend = SimulatedBackend(noise={lucky.name: 0.25})
+    assert backend.cost_ms(lucky, p) * 0.25 < backend.cost_ms(ranked[0], p)
+    out = search(p, backend, opts(tmp_path, exhaustive=True), cfgs)
+    assert out.best_config == ranked[0] and out.best.ms == pytest.approx(sim.cost_ms(ranked[0], p))
+    assert "first_ms" in out.best.info
+    assert len(backend.retimed) == 1 and lucky.name in backend.retimed[0] and len(backend.retimed[0]) == 5
+    # the record stays with the study: a later outcome (tune --collect) reads the same, and nothing is timed again
+    again = SimulatedBackend(noise={lucky.name: 0.25})
+    out2 = search(p, again, opts(tmp_path, exhaustive=True), cfgs)
+    assert out2.best_config == ranked[0] and again.retimed == [] and again.calls == []
+    # without re-timing, the lucky figure wins: what the re-timing is for
+    plain = SimulatedBackend(noise={lucky.name: 0.25})
+    (tmp_path / "plain").mkdir()
+    out3 = search(p, plain, opts(tmp_path / "plain", exhaustive=True, retime_top=0), cfgs)
+    assert out3.best_config == lucky and plain.retimed == []
+
+
+def test_new_trials_make_the_retimed_figures_stale(tmp_path):
+    p = problem()
+    cfgs = small_space(p)
+    backend = SimulatedBackend()
+    search(p, backend, opts(tmp_path, trials=4, sampler="random"), cfgs)
+    assert len(backend.retimed) == 1
+    more = SimulatedBackend()
+    out = search(p, more, opts(tmp_path, trials=8, sampler="random"), cfgs)
+    assert len(more.retimed) == 1  # four more verified trials: the leaders are timed again
+    st = open_study(p, opts(tmp_path), study_name(p, cfgs))
+    assert st.user_attrs["retimed"]["verified"] == out.counts["ok"]
