@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SDPA backends to compare with: flash,cudnn,efficient (default flash,cudnn)")
     b.add_argument("--out", type=Path, default=None, help="write <gpu>-<date>.json/.csv/.png here")
     b.add_argument("--reps", type=int, default=50, help="timed repetitions per kernel (default 50)")
+    b.add_argument("--rounds", type=int, default=3,
+                   help="forward kernels alone (flashgen and each peer) are timed in this many interleaved rounds of "
+                        "--reps each, the median over all (default 3)")
     b.add_argument("--simulate", action="store_true",
                    help="testing only: time with flashgen.compare.SimulatedRunner (fake numbers)")
 
@@ -296,7 +299,7 @@ def validate(args: argparse.Namespace) -> None:
             raise CliError(f"--head-dim {','.join(map(str, bad))}: FP8 has head dims "
                            f"{','.join(map(str, C.FP8_HEAD_DIMS))}")
     if args.cmd in ("tune", "bench"):  # the problem grid: positive counts and lengths
-        for name in ("trials", "heartbeat", "grace") * (args.cmd == "tune") + ("reps",) * (args.cmd == "bench") \
+        for name in ("trials", "heartbeat", "grace") * (args.cmd == "tune") + ("reps", "rounds") * (args.cmd == "bench") \
                 + ("batch_tokens", "heads_dim_total"):
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise CliError(f"--{name.replace('_', '-')} must be at least 1")
@@ -905,7 +908,7 @@ def bench(args: argparse.Namespace) -> int:
         gpu = torch.cuda.get_device_name()
         major, minor = torch.cuda.get_device_capability()
         check_family(args.arch, gpu, f"sm{major}{minor}")
-        runner = TorchRunner(arch=args.arch, reps=args.reps)
+        runner = TorchRunner(arch=args.arch, reps=args.reps, rounds=args.rounds)
         ceiling = {dt: matmul_ceiling(dt) for dt in args.dtype}
     rows = run_grid(points, runner, args.peers)
     first = points[0]

@@ -1,12 +1,14 @@
 """Compile, without a GPU, every kernel a GPU run will load, into FLASHGEN_CACHE_DIR.
 
     FLASHGEN_CACHE_DIR=.kcache python scripts/fill_kernel_cache.py --arch sm90 [--tests [SUITE ...]] [--store]
-        [--around-store FIELD ...] [--defaults] [--into DIR]
+        [--around-store FIELD ...] [--space FIELD=V,... ...] [--defaults] [--into DIR]
 
 Carry the directory to the GPU machine and point FLASHGEN_CACHE_DIR at it there: device minutes
 then go to the GPU, not to nvcc. --tests: the GPU test suite's kernels; --store: every tuned
 kernel; --around-store FIELD ...: what `tune --around-store` tries (each stored forward kernel with only
-these fields free); --defaults: each family's default for every head dim, dtype and mask. --into DIR: also copy
+these fields free); --space FIELD=V,... ...: what a restricted `tune` tries (the family's space, both masks, of
+the head_dim and dtype values given, only configurations with these values of the other fields, e.g. `--space
+head_dim=64 dtype=bf16,fp16 block_m=192 block_n=128,192`); --defaults: each family's default for every head dim, dtype and mask. --into DIR: also copy
 just these kernels' entries into DIR (a cache that has grown past what one run may carry).
 """
 from __future__ import annotations
@@ -79,6 +81,24 @@ def around_store_configs(arch: str, free: list[str]) -> set[KernelConfig]:
     return out
 
 
+def parse_restrictions(items: list[str]) -> dict[str, list]:
+    """FIELD=V1,V2 items as {field: [values]}: integers as int, yes/no as bool, the rest as given."""
+    conv = {"yes": True, "no": False}
+    out = {}
+    for item in items:
+        field, _, vals = item.partition("=")
+        out[field.replace("-", "_")] = [int(v) if v.isdigit() else conv.get(v, v) for v in vals.split(",")]
+    return out
+
+
+def space_configs(arch: str, restrict: dict[str, list]) -> set[KernelConfig]:
+    family = "sm90" if arch == "sm90" else "sm80"
+    return {c for hd, dt, causal in itertools.product(restrict.get("head_dim", HEAD_DIMS),
+                                                      restrict.get("dtype", HALF_DTYPES), (False, True))
+            for c in space(family, hd, dt, causal)
+            if c.unfit_reason(arch) is None and all(getattr(c, f) in v for f, v in restrict.items())}
+
+
 def default_configs(arch: str) -> set[KernelConfig]:
     out = {default_config(hd, dt, c, arch, fam) for hd, dt, c, fam in
            itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True), FAMILIES) if fam != "sm90" or arch == "sm90"}
@@ -89,7 +109,7 @@ def default_configs(arch: str) -> set[KernelConfig]:
 
 
 def chosen_configs(arch: str, tests: list[str] | None, store: bool, around_store: list[str] | None = None,
-                   defaults: bool = False) -> set[KernelConfig | BwdConfig]:
+                   defaults: bool = False, restrict: dict[str, list] | None = None) -> set[KernelConfig | BwdConfig]:
     """The kernels the options name (tests: suite names, [] for all, None for none); each family's defaults when
     they name none."""
     cfgs: set[KernelConfig | BwdConfig] = set()
@@ -99,7 +119,9 @@ def chosen_configs(arch: str, tests: list[str] | None, store: bool, around_store
         cfgs |= store_configs(arch)
     if around_store:
         cfgs |= around_store_configs(arch, [f.replace("-", "_") for f in around_store])
-    if defaults or not (tests is not None or store or around_store):
+    if restrict:
+        cfgs |= space_configs(arch, restrict)
+    if defaults or not (tests is not None or store or around_store or restrict):
         cfgs |= default_configs(arch)
     return cfgs
 
@@ -111,11 +133,14 @@ def main() -> None:
                     help="the GPU test suite's kernels: all, or only these modules' (e.g. --tests bwd api)")
     ap.add_argument("--store", action="store_true")
     ap.add_argument("--around-store", nargs="+", default=None, metavar="FIELD")
+    ap.add_argument("--space", nargs="+", default=None, metavar="FIELD=V,...",
+                    help="a restricted tune's space, e.g. head_dim=64 dtype=bf16,fp16 block_m=192 block_n=128,192")
     ap.add_argument("--defaults", action="store_true")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--into", type=Path, default=None, help="copy these kernels' cache entries into this directory")
     args = ap.parse_args()
-    cfgs = chosen_configs(args.arch, args.tests, args.store, args.around_store, args.defaults)
+    cfgs = chosen_configs(args.arch, args.tests, args.store, args.around_store, args.defaults,
+                          parse_restrictions(args.space) if args.space else None)
     failed = []
 
     used: list[Path] = []  # list.extend from pool threads: atomic under the GIL

@@ -157,7 +157,7 @@ def test_torch_runner_times_kernel_api_and_host():
 
     runner = TorchRunner(reps=5)
     row = runner.time_point(Point("bf16", 64, True, 256, 2, 4), ["flash"])
-    assert row.kernel.startswith("fwd_") and all(row.ms[w] > 0 for w in ("flashgen", "api", "flash"))
+    assert row.kernel.startswith("fwd_") and all(row.ms[w] > 0 for w in ("flashgen", "api", "flash", "flash_b2b", "kernel_b2b"))
     host = runner.host_us("bf16", 64, True)
     print(f"kernel {row.ms['flashgen'] * 1e3:.1f} us, api {row.ms['api'] * 1e3:.1f} us per call; host us/call {host}")
     assert set(host) == {"attention", "kernel", "sdpa"} and all(0 < t < 10_000 for t in host.values())
