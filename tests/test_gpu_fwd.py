@@ -36,7 +36,7 @@ OTHER_TILES = {
              (128, 128, 12, 2, True, False, False, False, True), (128, 64, 12, 2, True, True, True, False, True),
              (128, 96, 12, 3, True, True, True, True, True), (192, 64, 16, 2, True, False, False, False, True),
              # three consumer warpgroups at 32 registers of headroom (d64 only): 128-key tiles with overlap
-             # (FlashAttention-3's d64 tile), plain and persistent + lazy; 192-key tiles without
+             # (FlashAttention-3's d64 tile), plain and persistent + lazy; 192-key tiles without (both spill a little)
              (192, 128, 16, 2, True), (192, 128, 16, 3, True, False, True, False, True), (192, 192, 16, 2)],
 }
 
