@@ -88,3 +88,18 @@ def test_same_sass_reads_instructions_and_tells_kernels_apart():
     b = compile_kernel(KernelConfig(64, "bf16", True, 128, 64, 4, 2), "sm_80")
     assert same_sass.sass_digest(a.cubin, tool) == same_sass.sass_digest(a.cubin, tool)
     assert same_sass.sass_digest(a.cubin, tool) != same_sass.sass_digest(b.cubin, tool)
+
+
+def test_fill_kernel_cache_space_is_the_restricted_tune_space():
+    """--space head_dim=64 dtype=bf16 block_m=192 block_n=128,192 names what `tune --block-m 192 --block-n 128,192`
+    evaluates at d64 bf16, both masks: the fitting configurations of the family's space with those values."""
+    import fill_kernel_cache
+    from flashgen.config import space
+
+    r = fill_kernel_cache.parse_restrictions(["head_dim=64", "dtype=bf16", "block_m=192", "block_n=128,192",
+                                              "persistent=yes"])
+    assert r == {"head_dim": [64], "dtype": ["bf16"], "block_m": [192], "block_n": [128, 192], "persistent": [True]}
+    got = fill_kernel_cache.space_configs("sm90", r)
+    want = {c for causal in (False, True) for c in space("sm90", 64, "bf16", causal)
+            if c.block_m == 192 and c.block_n in (128, 192) and c.persistent and c.unfit_reason("sm90") is None}
+    assert got == want and {c.causal for c in got} == {False, True} and len(got) > 10
