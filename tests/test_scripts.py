@@ -103,3 +103,14 @@ def test_fill_kernel_cache_space_is_the_restricted_tune_space():
     want = {c for causal in (False, True) for c in space("sm90", 64, "bf16", causal)
             if c.block_m == 192 and c.block_n in (128, 192) and c.persistent and c.unfit_reason("sm90") is None}
     assert got == want and {c.causal for c in got} == {False, True} and len(got) > 10
+
+
+def test_schedule_balance_bounds_what_a_dynamic_scheduler_could_gain():
+    """The static snake is within a few percent of the ideal at the bench's causal N = 1k (and a greedy hand-out of
+    the same order closer), and both are exact on a problem whose tiles all cost the same."""
+    import schedule_balance
+
+    ideal, static, dynamic = schedule_balance.makespans(1024, 128, 128, 132, 0.0)
+    assert ideal <= dynamic <= static <= 1.05 * ideal and dynamic < static
+    ideal, static, dynamic = schedule_balance.makespans(128, 128, 128, 16, 0.0, batch_tokens=128, heads_dim_total=2048)
+    assert ideal == static == dynamic == 1.0  # 16 one-block tiles of cost 1 on 16 CTAs
