@@ -6,6 +6,8 @@ exported file name and the tuner's trial label.
 """
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -35,7 +37,7 @@ DENSE_MIN_BLOCK_M = 64
 FEATURES = ("varlen", "paged", "split", "pack_gqa", "window", "softcap", "alibi")
 SM90_FEATURES = ("varlen", "window")  # the sm90 family's forward and backward have these
 # The sm90 forward's schedule knobs (KernelConfig fields; tuned beside the tile, `tune --<knob> yes/no` restricts them).
-SM90_KNOBS = ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum", "lazy_rescale")
+SM90_KNOBS = ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum", "lazy_rescale", "q_regs")
 BWD_FEATURES = ("varlen", "window", "softcap", "alibi")  # the ones a training call uses: the backward has them
 
 
@@ -149,6 +151,10 @@ class KernelConfig(_AsDict):
     # the overlapped schedule (the max kept while none grows by more than 2^8), FP8 in every schedule (only when
     # no row's max grew: a stale max costs FP8's P accuracy, docs/perf-notes.md item 22).
     lazy_rescale: bool = False
+    # sm90, 16-bit: Q read into registers once per tile (ldmatrix) and fed to S = QK^T as wgmma's A operand from
+    # registers (RS) instead of shared memory; the persistent kernel then frees Q's buffer at the tile's start,
+    # so the next tile's Q loads while this one runs.
+    q_regs: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
@@ -194,6 +200,9 @@ class KernelConfig(_AsDict):
             raise ConfigError("lazy_rescale is an sm90 knob for FP8 (not with block_quant_p, whose P takes each "
                               "tile's own max) and for 16-bit inputs with overlap=True (the overlapped schedule's "
                               "softmax)")
+        _check_choice("q_regs", self.q_regs, (False, True))
+        if self.q_regs and (self.family != "sm90" or self.fp8):
+            raise ConfigError("q_regs is an sm90 knob for 16-bit inputs (FP8's Q stays in shared memory)")
         for f in FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
         if self.serving and self.family != "sm80":
@@ -242,6 +251,7 @@ class KernelConfig(_AsDict):
             if self.fp8:
                 name += f"_o{self.out_dtype}" + ("_bq" if self.block_quant_p else "") + ("_rs" if self.mma_rowsum else "")
             name += "_lz" if self.lazy_rescale else ""
+            name += "_qr" if self.q_regs else ""
         return name + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
 
     @property
@@ -314,7 +324,8 @@ class KernelConfig(_AsDict):
     def accum_regs(self) -> int:
         """fp32 registers per math thread for the S and O accumulators."""
         extra_p = self.block_n // 4 if self.overlap else 0  # a second P in flight
-        return self.warp_m_tiles * (self.block_n + self.head_dim) // 2 + extra_p
+        q = self.head_dim // 4 if self.q_regs else 0  # Q's 16-bit A fragments, held through the tile
+        return self.warp_m_tiles * (self.block_n + self.head_dim) // 2 + extra_p + q
 
     @property
     def max_accum_regs(self) -> int:
@@ -370,10 +381,13 @@ def space(family: str, head_dim: int, dtype: str, causal: bool) -> list[KernelCo
                                                                     (True, True)) for ps in (False, True)]):
                         for oe, rs in ([(False, False), (False, True)] if dtype in FP8_DTYPES else
                                        [(False, False), (True, False)] if ov and ps else [(False, False)]):
-                            for lz in (False, True) if family == "sm90" and (ov or dtype in FP8_DTYPES) else (False,):
+                            for lz, qr in itertools.product(
+                                    (False, True) if family == "sm90" and (ov or dtype in FP8_DTYPES) else (False,),
+                                    (False, True) if family == "sm90" and dtype not in FP8_DTYPES else (False,)):
                                 try:
                                     out.append(KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family, ov, pp, ps,
-                                                            overlap_epilogue=oe, mma_rowsum=rs, lazy_rescale=lz))
+                                                            overlap_epilogue=oe, mma_rowsum=rs, lazy_rescale=lz,
+                                                            q_regs=qr))
                                 except ConfigError:
                                     continue
     return out

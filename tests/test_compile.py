@@ -189,3 +189,30 @@ def test_three_consumer_warpgroups_get_32_registers_of_headroom():
     assert KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", True).max_accum_regs == 200
     fp8 = KernelConfig(64, "fp8_e4m3", False, 192, 128, 16, 2, "sm90", True, out_dtype="bf16")
     assert fp8.max_accum_regs == 152 - 40 and fp8.unfit_reason("sm90") is not None
+
+
+def test_q_regs_rules_name_space_and_clean_compiles():
+    """Q in registers (q_regs): 16-bit sm90 only, named _qr, in the space beside every other knob, its A fragments
+    counted with the accumulators; ptxas keeps the wgmmas asynchronous and spill-free at the defaults' tiles in
+    both schedules, persistent (Q's buffer freed at the tile's start) or not; renders without it are unchanged."""
+    from flashgen.config import ConfigError, space
+    from flashgen.render import render
+
+    with pytest.raises(ConfigError, match="16-bit"):
+        KernelConfig(128, "fp8_e4m3", False, 128, 128, 12, 2, "sm90", q_regs=True)
+    with pytest.raises(ConfigError, match="sm90"):
+        KernelConfig(128, "bf16", False, 128, 64, 8, 2, "sm80", q_regs=True)
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, False, True, lazy_rescale=True, q_regs=True)
+    assert cfg.name.endswith("_ov1_pp0_ps_lz_qr") and KernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.accum_regs == dataclasses.replace(cfg, q_regs=False).accum_regs + 128 // 4
+    sp = space("sm90", 64, "fp16", False)
+    assert {dataclasses.replace(c, q_regs=False) for c in sp if c.q_regs} <= set(sp) and any(c.q_regs for c in sp)
+    assert not any(c.q_regs for c in space("sm90", 128, "fp8_e4m3", False))
+    cfgs = [KernelConfig(hd, dt, causal, 128, 128, 12, 2, "sm90", ov, pp, ps, lazy_rescale=ov, q_regs=True)
+            for hd in (64, 128) for (dt, causal), (ov, pp, ps) in zip((("bf16", True), ("fp16", False)),
+                                                                      ((True, False, False), (False, True, True)))]
+    for k in compile_sm90a_clean(cfgs):
+        assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in k.source and "wgmma_qk_rs(" in k.source
+        assert ("mbar_arrive(bar_free_q);  // Q is in registers" in k.source) == k.config.persistent
+    off = render(dataclasses.replace(cfgs[-1], q_regs=False))
+    assert "wgmma_qk_rs" not in off and "load_q" not in off
