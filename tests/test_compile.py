@@ -216,3 +216,32 @@ def test_q_regs_rules_name_space_and_clean_compiles():
         assert ("mbar_arrive(bar_free_q);  // Q is in registers" in k.source) == k.config.persistent
     off = render(dataclasses.replace(cfgs[-1], q_regs=False))
     assert "wgmma_qk_rs" not in off and "load_q" not in off
+
+
+def test_p_smem_rules_name_space_and_clean_compiles():
+    """P to the second GEMM from shared memory (p_smem): 16-bit sm90 with block_n a multiple of the swizzled row,
+    named _psm, in the space, its P tile in the shared memory figure and no second P counted in registers; ptxas
+    keeps the wgmmas asynchronous and spill-free at the defaults' tiles in both schedules; renders without it are
+    unchanged."""
+    from flashgen.config import ConfigError, space
+    from flashgen.render import render
+
+    with pytest.raises(ConfigError, match="16-bit"):
+        KernelConfig(128, "fp8_e4m3", False, 128, 128, 12, 2, "sm90", p_smem=True)
+    with pytest.raises(ConfigError, match="multiple of 64"):
+        KernelConfig(128, "bf16", False, 128, 96, 12, 2, "sm90", p_smem=True)
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, True, True, lazy_rescale=True, p_smem=True)
+    plain = dataclasses.replace(cfg, p_smem=False)
+    assert cfg.name.endswith("_ov1_pp1_ps_lz_psm") and KernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.smem_bytes == plain.smem_bytes + 2 * 64 * 128 * 2 and cfg.accum_regs == plain.accum_regs - 128 // 4
+    sp = space("sm90", 64, "bf16", True)
+    assert {dataclasses.replace(c, p_smem=False) for c in sp if c.p_smem} <= set(sp) and any(c.p_smem for c in sp)
+    assert not any(c.p_smem for c in space("sm90", 128, "fp8_e4m3", False))
+    cfgs = [KernelConfig(hd, dt, causal, 128, 128 if hd < 256 else 64, 12, 2, "sm90", ov, pp, ps, lazy_rescale=ov,
+                         p_smem=True)
+            for hd in (64, 128, 256) for (dt, causal), (ov, pp, ps) in zip((("bf16", True), ("fp16", False)),
+                                                                           ((True, False, False), (False, True, True)))]
+    for k in compile_sm90a_clean(cfgs):
+        assert "wgmma_pv_ss(o_regs" in k.source and "fence.proxy.async.shared::cta" in k.source
+    off = render(dataclasses.replace(cfgs[0], p_smem=False))
+    assert "wgmma_pv_ss" not in off and "store_p" not in off

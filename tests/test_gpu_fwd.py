@@ -42,7 +42,15 @@ OTHER_TILES = {
              # persistent with overlap_epilogue, one consumer warpgroup
              (128, 128, 12, 2, False, False, False, False, False, True),
              (128, 128, 12, 2, True, False, False, False, True, True), (128, 128, 12, 2, False, True, True, False, False, True),
-             (128, 96, 12, 3, True, False, True, True, False, True), (64, 128, 8, 2, False, False, False, False, False, True)],
+             (128, 96, 12, 3, True, False, True, True, False, True), (64, 128, 8, 2, False, False, False, False, False, True),
+             # P from shared memory: plain, overlap + lazy, persistent ping-pong, persistent with overlap_epilogue,
+             # one consumer warpgroup; with Q in registers too
+             (128, 128, 12, 2, False, False, False, False, False, False, True),
+             (128, 64, 12, 2, True, False, False, False, True, False, True),
+             (128, 128, 12, 2, False, True, True, False, False, False, True),
+             (128, 64, 12, 3, True, False, True, True, False, False, True),
+             (64, 128, 8, 2, False, False, False, False, False, False, True),
+             (128, 128, 12, 2, True, True, True, False, True, True, True)],
 }
 
 
@@ -63,7 +71,7 @@ def configs_for(head_dim: int, dtype: str, causal: bool, arch: str) -> list[Kern
         for tiles in OTHER_TILES[family]:
             c = KernelConfig(head_dim, dtype, causal, *tiles[:4], family, *tiles[4:7],
                              overlap_epilogue=tiles[7:8] == (True,), lazy_rescale=tiles[8:9] == (True,),
-                             q_regs=tiles[9:10] == (True,))
+                             q_regs=tiles[9:10] == (True,), p_smem=tiles[10:11] == (True,))
             if c.unfit_reason(arch) is None and c not in cfgs:
                 cfgs.append(c)
     return cfgs
