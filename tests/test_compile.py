@@ -1,6 +1,7 @@
 """nvcc compiles the family for sm_80 and sm_90 (no GPU needed) and the defaults do not spill."""
 import dataclasses
 import itertools
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -216,6 +217,91 @@ def test_q_regs_rules_name_space_and_clean_compiles():
         assert ("mbar_arrive(bar_free_q);  // Q is in registers" in k.source) == k.config.persistent
     off = render(dataclasses.replace(cfgs[-1], q_regs=False))
     assert "wgmma_qk_rs" not in off and "load_q" not in off
+
+
+_SASS = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*);")
+
+
+def _written(op: str, operands: list[str]) -> set[int]:
+    """Registers an instruction writes (its first operand, widened by what its opcode says it writes)."""
+    first = operands[0] if operands else ""
+    if not re.match(r"R\d", first):
+        return set()
+    base = int(re.match(r"R(\d+)", first).group(1))
+    if op.startswith("HGMMA"):
+        width = int(op.split(".")[1].split("x")[1]) // 2  # m64nNk16 with 32-bit accumulators: N/2 per thread
+    elif op.startswith("LDSM"):
+        width = int(op.rsplit(".", 1)[1])
+    else:
+        width = 4 if ".128" in op else 2 if (".64" in op or op.startswith(("IMAD.WIDE", "CS2R"))) else 1
+    return set(range(base, base + width))
+
+
+def q_register_clobbers(sass: str) -> list[str]:
+    """S = QK^T wgmmas that read Q (their register A operand) from a register that may hold something else: a
+    forward must-analysis over the kernel's branches of which registers hold Q, set by ldmatrix and kept by copies
+    (MOV, or keep_q's XOR with zero), lost on any other write. Returns the offending wgmmas and the writers."""
+    ins, labels = [], {}
+    for line in sass.splitlines():
+        if (label := re.match(r"^\s*(\.L_x_\d+):", line)):
+            labels[label.group(1)] = len(ins)
+        elif (m := _SASS.search(line)):
+            ins.append((bool(m.group(1)), m.group(2), [o.strip() for o in m.group(3).split(",")]))
+
+    def succ(i: int) -> list[int]:
+        pred, op, ops = ins[i]
+        to = re.search(r"\((\.L_x_\d+)\)", ops[-1]) if op.startswith("BRA") else None
+        nxt = [i + 1] if i + 1 < len(ins) and (pred or not (to or op in ("EXIT", "RET.REL.NODEC", "RET"))) else []
+        return nxt + ([labels[to.group(1)]] if to else [])
+
+    def src(ops: list[str], k: int) -> int | None:
+        m = re.match(r"R(\d+)", ops[k]) if len(ops) > k else None
+        return int(m.group(1)) if m else None
+
+    everything = frozenset(range(256))
+    holds = {0: frozenset()}  # instruction -> registers that hold Q on entry, on every path
+    last_writer, work, bad = {}, [0], []
+    while work:
+        i = work.pop()
+        q = set(holds[i])
+        pred, op, ops = ins[i]
+        if op.startswith("HGMMA") and len(ops) > 2 and ops[1].startswith("R") and "tnspB" not in ops[2]:
+            a = int(ops[1][1:])
+            if not {a, a + 1, a + 2, a + 3} <= q:
+                bad.append(f"{op} {', '.join(ops)} after {last_writer.get(a, '?')}")
+        out = _written(op, ops)
+        copy = (op in ("MOV", "IMAD.MOV.U32") and src(ops, len(ops) - 1) in q
+                or op == "LOP3.LUT" and len(ops) > 4 and ops[4] == "0x3c" and src(ops, 1) in q)
+        for r in out:
+            last_writer[r] = f"{op} {', '.join(ops)}"
+        if op.startswith("LDSM") and not pred or copy and not pred:
+            q |= out
+        else:
+            q -= out
+        for n in succ(i):
+            new = frozenset(q) & holds.get(n, everything)
+            if new != holds.get(n):
+                holds[n] = new
+                work.append(n)
+    return sorted(set(bad))
+
+
+def test_q_regs_keeps_q_registers_through_the_key_loop():
+    """With Q in registers, no instruction may reuse Q's registers while a later S = QK^T reads them. ptxas 13.0
+    packed P into them in the loop without overlap (d128; wrong output from the second key tile on, on the H200);
+    keep_q's XOR makes Q's values live across the loop. Checked in the SASS of the GPU suite's q_regs tiles."""
+    from flashgen.compile import disassemble, disassembler
+
+    if disassembler() is None:
+        pytest.skip("no nvdisasm or cuobjdump (pip install nvidia-cuda-nvdisasm)")
+    tiles = [(128, 128, 12, False, False, False), (128, 128, 12, True, False, False),
+             (128, 128, 12, False, True, True), (64, 128, 8, False, False, False)]
+    cfgs = [KernelConfig(hd, "bf16", causal, bm, bn, w, 2, "sm90", ov, pp, ps, lazy_rescale=ov, q_regs=True)
+            for hd in (64, 128) for causal in (False, True) for bm, bn, w, ov, pp, ps in tiles]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        kernels = list(pool.map(lambda c: compile_kernel(c, "sm_90a"), cfgs))
+    bad = {k.name: clobbers for k in kernels if (clobbers := q_register_clobbers(disassemble(k.cubin)))}
+    assert not bad, bad
 
 
 def test_p_smem_rules_name_space_and_clean_compiles():
