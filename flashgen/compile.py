@@ -97,6 +97,36 @@ def nvcc_path() -> str:
     return found
 
 
+def disassembler() -> list[str] | None:
+    """A SASS disassembler's command (nvdisasm or cuobjdump on PATH, beside nvcc, or from the
+    nvidia-cuda-nvdisasm wheel the test extra installs), or None where there is none."""
+    import importlib.util
+
+    dirs = [Path(nvcc_path()).parent]
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        dirs += sorted(Path(root).glob("cu*/bin"))
+    for tool, args in (("nvdisasm", ["-c"]), ("cuobjdump", ["--dump-sass"])):
+        for path in (shutil.which(tool), *(str(d / tool) for d in dirs)):
+            if path and Path(path).is_file() and os.access(path, os.X_OK):
+                return [path, *args]
+    return None
+
+
+def disassemble(cubin: bytes) -> str:
+    """The SASS of a cubin, as text (see disassembler)."""
+    tool = disassembler()
+    if tool is None:
+        raise CompileError("no SASS disassembler: install nvidia-cuda-nvdisasm or put nvdisasm on PATH")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        done = subprocess.run([*tool, f.name], capture_output=True, text=True)
+    if done.returncode:
+        raise CompileError(f"{tool[0]} failed: {done.stderr.strip()[:500]}")
+    return done.stdout
+
+
 @functools.lru_cache(maxsize=1)
 def nvcc_version() -> str:
     """nvcc's version ("13.0.88"), remembered in the cache per nvcc path and mtime: a cache hit runs no nvcc."""

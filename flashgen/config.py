@@ -6,6 +6,8 @@ exported file name and the tuner's trial label.
 """
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -35,7 +37,7 @@ DENSE_MIN_BLOCK_M = 64
 FEATURES = ("varlen", "paged", "split", "pack_gqa", "window", "softcap", "alibi")
 SM90_FEATURES = ("varlen", "window")  # the sm90 family's forward and backward have these
 # The sm90 forward's schedule knobs (KernelConfig fields; tuned beside the tile, `tune --<knob> yes/no` restricts them).
-SM90_KNOBS = ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum", "lazy_rescale")
+SM90_KNOBS = ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum", "lazy_rescale", "q_regs", "p_smem")
 BWD_FEATURES = ("varlen", "window", "softcap", "alibi")  # the ones a training call uses: the backward has them
 
 
@@ -149,6 +151,13 @@ class KernelConfig(_AsDict):
     # the overlapped schedule (the max kept while none grows by more than 2^8), FP8 in every schedule (only when
     # no row's max grew: a stale max costs FP8's P accuracy, docs/perf-notes.md item 22).
     lazy_rescale: bool = False
+    # sm90, 16-bit: Q read into registers once per tile (ldmatrix) and fed to S = QK^T as wgmma's A operand from
+    # registers (RS) instead of shared memory; the persistent kernel then frees Q's buffer at the tile's start,
+    # so the next tile's Q loads while this one runs.
+    q_regs: bool = False
+    # sm90, 16-bit: P goes to the second GEMM from shared memory (wgmma SS) instead of registers (RS): each consumer
+    # warpgroup writes its 64 rows of P to a tile of its own, and the overlapped schedule keeps no second P in registers.
+    p_smem: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
@@ -194,6 +203,14 @@ class KernelConfig(_AsDict):
             raise ConfigError("lazy_rescale is an sm90 knob for FP8 (not with block_quant_p, whose P takes each "
                               "tile's own max) and for 16-bit inputs with overlap=True (the overlapped schedule's "
                               "softmax)")
+        _check_choice("q_regs", self.q_regs, (False, True))
+        if self.q_regs and (self.family != "sm90" or self.fp8):
+            raise ConfigError("q_regs is an sm90 knob for 16-bit inputs (FP8's Q stays in shared memory)")
+        _check_choice("p_smem", self.p_smem, (False, True))
+        if self.p_smem and (self.family != "sm90" or self.fp8 or self.block_n % self.smem_w):
+            raise ConfigError(f"p_smem is an sm90 knob for 16-bit inputs with block_n a multiple of {self.smem_w} "
+                              "(P is stored in Q's swizzled layout), not "
+                              f"{self.dtype} / block_n={self.block_n} / family {self.family}")
         for f in FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
         if self.serving and self.family != "sm80":
@@ -242,6 +259,8 @@ class KernelConfig(_AsDict):
             if self.fp8:
                 name += f"_o{self.out_dtype}" + ("_bq" if self.block_quant_p else "") + ("_rs" if self.mma_rowsum else "")
             name += "_lz" if self.lazy_rescale else ""
+            name += "_qr" if self.q_regs else ""
+            name += "_psm" if self.p_smem else ""
         return name + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
 
     @property
@@ -308,13 +327,15 @@ class KernelConfig(_AsDict):
         kv = (3 if self.fp8 else 2) * self.num_stages * self.block_n * self.head_dim + 8 * self.block_n * self.mma_rowsum
         bars = 1 + self.persistent + (6 if self.fp8 else 4) * self.num_stages
         extra = 8 * bars + 1024 if self.family == "sm90" else 0
-        return (q + kv) * self.elem_bytes + extra
+        p = self.consumers * 64 * self.block_n if self.p_smem else 0  # a P tile per consumer warpgroup
+        return (q + kv + p) * self.elem_bytes + extra
 
     @property
     def accum_regs(self) -> int:
         """fp32 registers per math thread for the S and O accumulators."""
-        extra_p = self.block_n // 4 if self.overlap else 0  # a second P in flight
-        return self.warp_m_tiles * (self.block_n + self.head_dim) // 2 + extra_p
+        extra_p = self.block_n // 4 if self.overlap and not self.p_smem else 0  # a second P in flight
+        q = self.head_dim // 4 if self.q_regs else 0  # Q's 16-bit A fragments, held through the tile
+        return self.warp_m_tiles * (self.block_n + self.head_dim) // 2 + extra_p + q
 
     @property
     def max_accum_regs(self) -> int:
@@ -370,10 +391,14 @@ def space(family: str, head_dim: int, dtype: str, causal: bool) -> list[KernelCo
                                                                     (True, True)) for ps in (False, True)]):
                         for oe, rs in ([(False, False), (False, True)] if dtype in FP8_DTYPES else
                                        [(False, False), (True, False)] if ov and ps else [(False, False)]):
-                            for lz in (False, True) if family == "sm90" and (ov or dtype in FP8_DTYPES) else (False,):
+                            for lz, qr, psm in itertools.product(
+                                    (False, True) if family == "sm90" and (ov or dtype in FP8_DTYPES) else (False,),
+                                    (False, True) if family == "sm90" and dtype not in FP8_DTYPES else (False,),
+                                    (False, True) if family == "sm90" and dtype not in FP8_DTYPES else (False,)):
                                 try:
                                     out.append(KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family, ov, pp, ps,
-                                                            overlap_epilogue=oe, mma_rowsum=rs, lazy_rescale=lz))
+                                                            overlap_epilogue=oe, mma_rowsum=rs, lazy_rescale=lz,
+                                                            q_regs=qr, p_smem=psm))
                                 except ConfigError:
                                     continue
     return out

@@ -6,7 +6,7 @@ templates and by the working tree's, compared instruction by instruction (no GPU
 
 A refactor of the templates (a helper, a renamed local) whose kernels all compile to identical SASS needs no new
 GPU run; one that changes any is a kernel change. Prints how many are identical and names the others. Needs
-nvdisasm (or cuobjdump) beside nvcc.
+nvdisasm or cuobjdump (pip install nvidia-cuda-nvdisasm).
 """
 from __future__ import annotations
 
@@ -14,10 +14,7 @@ import argparse
 import hashlib
 import importlib
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from unittest import mock
@@ -26,30 +23,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from flashgen.compile import compile_kernel, nvcc_path, target_for  # noqa: E402
+from flashgen.compile import compile_kernel, disassemble, disassembler, target_for  # noqa: E402
 
 from fill_kernel_cache import SUITES, chosen_configs, default_configs  # noqa: E402
 
 _ADDR = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/")
 
 
-def disassembler() -> list[str]:
-    for tool, args in (("nvdisasm", ["-c"]), ("cuobjdump", ["--dump-sass"])):
-        path = shutil.which(tool) or str(Path(nvcc_path()).parent / tool)
-        if Path(path).is_file():
-            return [path, *args]
-    raise SystemExit("neither nvdisasm nor cuobjdump found beside nvcc")
-
-
-def sass_digest(cubin: bytes, tool: list[str]) -> str:
+def sass_digest(cubin: bytes) -> str:
     """A digest of the instructions alone (addresses dropped; the ELF around them differs with the source)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([*tool, f.name], capture_output=True, text=True, check=True).stdout
-    lines = [_ADDR.sub("", line).strip() for line in text.splitlines() if _ADDR.match(line)]
+    lines = [_ADDR.sub("", line).strip() for line in disassemble(cubin).splitlines() if _ADDR.match(line)]
     if not lines:
-        raise SystemExit(f"no instructions read by {tool[0]}")
+        raise SystemExit("no instructions in the disassembly")
     return hashlib.sha1("\n".join(lines).encode()).hexdigest()
 
 
@@ -62,12 +47,13 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args()
     cfgs = sorted(chosen_configs(args.arch, args.tests, args.store) or default_configs(args.arch), key=lambda c: c.name)
-    tool = disassembler()
+    if disassembler() is None:
+        raise SystemExit("neither nvdisasm nor cuobjdump found (pip install nvidia-cuda-nvdisasm)")
     render = importlib.import_module("flashgen.render")
 
     def digests() -> list[str]:
         with ThreadPoolExecutor(args.jobs) as pool:
-            return list(pool.map(lambda c: sass_digest(compile_kernel(c, target_for(args.arch, c.family)).cubin, tool),
+            return list(pool.map(lambda c: sass_digest(compile_kernel(c, target_for(args.arch, c.family)).cubin),
                                  cfgs))
 
     new = digests()

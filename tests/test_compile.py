@@ -1,6 +1,7 @@
 """nvcc compiles the family for sm_80 and sm_90 (no GPU needed) and the defaults do not spill."""
 import dataclasses
 import itertools
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -189,3 +190,144 @@ def test_three_consumer_warpgroups_get_32_registers_of_headroom():
     assert KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", True).max_accum_regs == 200
     fp8 = KernelConfig(64, "fp8_e4m3", False, 192, 128, 16, 2, "sm90", True, out_dtype="bf16")
     assert fp8.max_accum_regs == 152 - 40 and fp8.unfit_reason("sm90") is not None
+
+
+def test_q_regs_rules_name_space_and_clean_compiles():
+    """Q in registers (q_regs): 16-bit sm90 only, named _qr, in the space beside every other knob, its A fragments
+    counted with the accumulators; ptxas keeps the wgmmas asynchronous and spill-free at the defaults' tiles in
+    both schedules, persistent (Q's buffer freed at the tile's start) or not; renders without it are unchanged."""
+    from flashgen.config import ConfigError, space
+    from flashgen.render import render
+
+    with pytest.raises(ConfigError, match="16-bit"):
+        KernelConfig(128, "fp8_e4m3", False, 128, 128, 12, 2, "sm90", q_regs=True)
+    with pytest.raises(ConfigError, match="sm90"):
+        KernelConfig(128, "bf16", False, 128, 64, 8, 2, "sm80", q_regs=True)
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, False, True, lazy_rescale=True, q_regs=True)
+    assert cfg.name.endswith("_ov1_pp0_ps_lz_qr") and KernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.accum_regs == dataclasses.replace(cfg, q_regs=False).accum_regs + 128 // 4
+    sp = space("sm90", 64, "fp16", False)
+    assert {dataclasses.replace(c, q_regs=False) for c in sp if c.q_regs} <= set(sp) and any(c.q_regs for c in sp)
+    assert not any(c.q_regs for c in space("sm90", 128, "fp8_e4m3", False))
+    cfgs = [KernelConfig(hd, dt, causal, 128, 128, 12, 2, "sm90", ov, pp, ps, lazy_rescale=ov, q_regs=True)
+            for hd in (64, 128) for (dt, causal), (ov, pp, ps) in zip((("bf16", True), ("fp16", False)),
+                                                                      ((True, False, False), (False, True, True)))]
+    for k in compile_sm90a_clean(cfgs):
+        assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in k.source and "wgmma_qk_rs(" in k.source
+        assert ("mbar_arrive(bar_free_q);  // Q is in registers" in k.source) == k.config.persistent
+    off = render(dataclasses.replace(cfgs[-1], q_regs=False))
+    assert "wgmma_qk_rs" not in off and "load_q" not in off
+
+
+_SASS = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*);")
+
+
+def _written(op: str, operands: list[str]) -> set[int]:
+    """Registers an instruction writes (its first operand, widened by what its opcode says it writes)."""
+    first = operands[0] if operands else ""
+    if not re.match(r"R\d", first):
+        return set()
+    base = int(re.match(r"R(\d+)", first).group(1))
+    if op.startswith("HGMMA"):
+        width = int(op.split(".")[1].split("x")[1]) // 2  # m64nNk16 with 32-bit accumulators: N/2 per thread
+    elif op.startswith("LDSM"):
+        width = int(op.rsplit(".", 1)[1])
+    else:
+        width = 4 if ".128" in op else 2 if (".64" in op or op.startswith(("IMAD.WIDE", "CS2R"))) else 1
+    return set(range(base, base + width))
+
+
+def q_register_clobbers(sass: str) -> list[str]:
+    """S = QK^T wgmmas that read Q (their register A operand) from a register that may hold something else: a
+    forward must-analysis over the kernel's branches of which registers hold Q, set by ldmatrix and kept by copies
+    (MOV, or keep_q's XOR with zero), lost on any other write. Returns the offending wgmmas and the writers."""
+    ins, labels = [], {}
+    for line in sass.splitlines():
+        if (label := re.match(r"^\s*(\.L_x_\d+):", line)):
+            labels[label.group(1)] = len(ins)
+        elif (m := _SASS.search(line)):
+            ins.append((bool(m.group(1)), m.group(2), [o.strip() for o in m.group(3).split(",")]))
+
+    def succ(i: int) -> list[int]:
+        pred, op, ops = ins[i]
+        to = re.search(r"\((\.L_x_\d+)\)", ops[-1]) if op.startswith("BRA") else None
+        nxt = [i + 1] if i + 1 < len(ins) and (pred or not (to or op in ("EXIT", "RET.REL.NODEC", "RET"))) else []
+        return nxt + ([labels[to.group(1)]] if to else [])
+
+    def src(ops: list[str], k: int) -> int | None:
+        m = re.match(r"R(\d+)", ops[k]) if len(ops) > k else None
+        return int(m.group(1)) if m else None
+
+    everything = frozenset(range(256))
+    holds = {0: frozenset()}  # instruction -> registers that hold Q on entry, on every path
+    last_writer, work, bad = {}, [0], []
+    while work:
+        i = work.pop()
+        q = set(holds[i])
+        pred, op, ops = ins[i]
+        if op.startswith("HGMMA") and len(ops) > 2 and ops[1].startswith("R") and "tnspB" not in ops[2]:
+            a = int(ops[1][1:])
+            if not {a, a + 1, a + 2, a + 3} <= q:
+                bad.append(f"{op} {', '.join(ops)} after {last_writer.get(a, '?')}")
+        out = _written(op, ops)
+        copy = (op in ("MOV", "IMAD.MOV.U32") and src(ops, len(ops) - 1) in q
+                or op == "LOP3.LUT" and len(ops) > 4 and ops[4] == "0x3c" and src(ops, 1) in q)
+        for r in out:
+            last_writer[r] = f"{op} {', '.join(ops)}"
+        if op.startswith("LDSM") and not pred or copy and not pred:
+            q |= out
+        else:
+            q -= out
+        for n in succ(i):
+            new = frozenset(q) & holds.get(n, everything)
+            if new != holds.get(n):
+                holds[n] = new
+                work.append(n)
+    return sorted(set(bad))
+
+
+def test_q_regs_keeps_q_registers_through_the_key_loop():
+    """With Q in registers, no instruction may reuse Q's registers while a later S = QK^T reads them. ptxas 13.0
+    packed P into them in the loop without overlap (d128; wrong output from the second key tile on, on the H200);
+    keep_q's XOR makes Q's values live across the loop. Checked in the SASS of the GPU suite's q_regs tiles."""
+    from flashgen.compile import disassemble, disassembler
+
+    if disassembler() is None:
+        pytest.skip("no nvdisasm or cuobjdump (pip install nvidia-cuda-nvdisasm)")
+    tiles = [(128, 128, 12, False, False, False), (128, 128, 12, True, False, False),
+             (128, 128, 12, False, True, True), (64, 128, 8, False, False, False)]
+    cfgs = [KernelConfig(hd, "bf16", causal, bm, bn, w, 2, "sm90", ov, pp, ps, lazy_rescale=ov, q_regs=True)
+            for hd in (64, 128) for causal in (False, True) for bm, bn, w, ov, pp, ps in tiles]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        kernels = list(pool.map(lambda c: compile_kernel(c, "sm_90a"), cfgs))
+    bad = {k.name: clobbers for k in kernels if (clobbers := q_register_clobbers(disassemble(k.cubin)))}
+    assert not bad, bad
+
+
+def test_p_smem_rules_name_space_and_clean_compiles():
+    """P to the second GEMM from shared memory (p_smem): 16-bit sm90 with block_n a multiple of the swizzled row,
+    named _psm, in the space, its P tile in the shared memory figure and no second P counted in registers; ptxas
+    keeps the wgmmas asynchronous and spill-free at the defaults' tiles in both schedules; renders without it are
+    unchanged."""
+    from flashgen.config import ConfigError, space
+    from flashgen.render import render
+
+    with pytest.raises(ConfigError, match="16-bit"):
+        KernelConfig(128, "fp8_e4m3", False, 128, 128, 12, 2, "sm90", p_smem=True)
+    with pytest.raises(ConfigError, match="multiple of 64"):
+        KernelConfig(128, "bf16", False, 128, 96, 12, 2, "sm90", p_smem=True)
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, True, True, lazy_rescale=True, p_smem=True)
+    plain = dataclasses.replace(cfg, p_smem=False)
+    assert cfg.name.endswith("_ov1_pp1_ps_lz_psm") and KernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.smem_bytes == plain.smem_bytes + 2 * 64 * 128 * 2 and cfg.accum_regs == plain.accum_regs - 128 // 4
+    sp = space("sm90", 64, "bf16", True)
+    assert {dataclasses.replace(c, p_smem=False) for c in sp if c.p_smem} <= set(sp) and any(c.p_smem for c in sp)
+    assert not any(c.p_smem for c in space("sm90", 128, "fp8_e4m3", False))
+    cfgs = [KernelConfig(hd, dt, causal, 128, 128 if hd < 256 else 64, 12, 2, "sm90", ov, pp, ps, lazy_rescale=ov,
+                         p_smem=True)
+            for hd in (64, 128, 256) for (dt, causal), (ov, pp, ps) in zip((("bf16", True), ("fp16", False)),
+                                                                           ((True, False, False), (False, True, True)))]
+    for k in compile_sm90a_clean(cfgs):
+        assert "wgmma_pv_ss(o_regs" in k.source and "fence.proxy.async.shared::cta" in k.source
+    off = render(dataclasses.replace(cfgs[0], p_smem=False))
+    assert "wgmma_pv_ss" not in off and "store_p" not in off

@@ -37,7 +37,20 @@ OTHER_TILES = {
              (128, 96, 12, 3, True, True, True, True, True), (192, 64, 16, 2, True, False, False, False, True),
              # three consumer warpgroups at 32 registers of headroom (d64 only): 128-key tiles with overlap
              # (FlashAttention-3's d64 tile), plain and persistent + lazy; 192-key tiles without (both spill a little)
-             (192, 128, 16, 2, True), (192, 128, 16, 3, True, False, True, False, True), (192, 192, 16, 2)],
+             (192, 128, 16, 2, True), (192, 128, 16, 3, True, False, True, False, True), (192, 192, 16, 2),
+             # Q in registers: plain, overlap + lazy, persistent ping-pong (Q's buffer freed at the tile's start),
+             # persistent with overlap_epilogue, one consumer warpgroup
+             (128, 128, 12, 2, False, False, False, False, False, True),
+             (128, 128, 12, 2, True, False, False, False, True, True), (128, 128, 12, 2, False, True, True, False, False, True),
+             (128, 96, 12, 3, True, False, True, True, False, True), (64, 128, 8, 2, False, False, False, False, False, True),
+             # P from shared memory: plain, overlap + lazy, persistent ping-pong, persistent with overlap_epilogue,
+             # one consumer warpgroup; with Q in registers too
+             (128, 128, 12, 2, False, False, False, False, False, False, True),
+             (128, 64, 12, 2, True, False, False, False, True, False, True),
+             (128, 128, 12, 2, False, True, True, False, False, False, True),
+             (128, 64, 12, 3, True, False, True, True, False, False, True),
+             (64, 128, 8, 2, False, False, False, False, False, False, True),
+             (128, 128, 12, 2, True, True, True, False, True, True, True)],
 }
 
 
@@ -57,7 +70,8 @@ def configs_for(head_dim: int, dtype: str, causal: bool, arch: str) -> list[Kern
         cfgs.append(default_config(head_dim, dtype, causal, arch, family))
         for tiles in OTHER_TILES[family]:
             c = KernelConfig(head_dim, dtype, causal, *tiles[:4], family, *tiles[4:7],
-                             overlap_epilogue=tiles[7:8] == (True,), lazy_rescale=tiles[8:9] == (True,))
+                             overlap_epilogue=tiles[7:8] == (True,), lazy_rescale=tiles[8:9] == (True,),
+                             q_regs=tiles[9:10] == (True,), p_smem=tiles[10:11] == (True,))
             if c.unfit_reason(arch) is None and c not in cfgs:
                 cfgs.append(c)
     return cfgs
