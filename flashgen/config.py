@@ -37,7 +37,8 @@ DENSE_MIN_BLOCK_M = 64
 FEATURES = ("varlen", "paged", "split", "pack_gqa", "window", "softcap", "alibi")
 SM90_FEATURES = ("varlen", "window")  # the sm90 family's forward and backward have these
 # The sm90 forward's schedule knobs (KernelConfig fields; tuned beside the tile, `tune --<knob> yes/no` restricts them).
-SM90_KNOBS = ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum", "lazy_rescale", "q_regs", "p_smem")
+SM90_KNOBS = ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum", "lazy_rescale", "q_regs", "p_smem",
+              "o_tma")
 BWD_FEATURES = ("varlen", "window", "softcap", "alibi")  # the ones a training call uses: the backward has them
 
 
@@ -158,6 +159,10 @@ class KernelConfig(_AsDict):
     # sm90, 16-bit: P goes to the second GEMM from shared memory (wgmma SS) instead of registers (RS): each consumer
     # warpgroup writes its 64 rows of P to a tile of its own, and the overlapped schedule keeps no second P in registers.
     p_smem: bool = False
+    # sm90, 16-bit dense: O leaves through shared memory: each warp stages its 16 rows (stmatrix) and the TMA unit
+    # copies them out (cp.async.bulk, a row each) while the warp goes on to its next tile; 16 rows x (head_dim + 8)
+    # 16-bit elements of shared memory per warp (rows padded against bank conflicts).
+    o_tma: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
@@ -211,6 +216,10 @@ class KernelConfig(_AsDict):
             raise ConfigError(f"p_smem is an sm90 knob for 16-bit inputs with block_n a multiple of {self.smem_w} "
                               "(P is stored in Q's swizzled layout), not "
                               f"{self.dtype} / block_n={self.block_n} / family {self.family}")
+        _check_choice("o_tma", self.o_tma, (False, True))
+        if self.o_tma and (self.family != "sm90" or self.fp8 or self.features):
+            raise ConfigError("o_tma is an sm90 knob for the dense 16-bit forward, not "
+                              f"{self.dtype} / family {self.family} / {'+'.join(self.features) or 'dense'}")
         for f in FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
         if self.serving and self.family != "sm80":
@@ -261,6 +270,7 @@ class KernelConfig(_AsDict):
             name += "_lz" if self.lazy_rescale else ""
             name += "_qr" if self.q_regs else ""
             name += "_psm" if self.p_smem else ""
+            name += "_ot" if self.o_tma else ""
         return name + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
 
     @property
@@ -328,7 +338,8 @@ class KernelConfig(_AsDict):
         bars = 1 + self.persistent + (6 if self.fp8 else 4) * self.num_stages
         extra = 8 * bars + 1024 if self.family == "sm90" else 0
         p = self.consumers * 64 * self.block_n if self.p_smem else 0  # a P tile per consumer warpgroup
-        return (q + kv + p) * self.elem_bytes + extra
+        o = self.block_m * (self.head_dim + 8) if self.o_tma else 0  # O's staging rows, padded by 16 bytes
+        return (q + kv + p + o) * self.elem_bytes + extra
 
     @property
     def accum_regs(self) -> int:
@@ -391,14 +402,14 @@ def space(family: str, head_dim: int, dtype: str, causal: bool) -> list[KernelCo
                                                                     (True, True)) for ps in (False, True)]):
                         for oe, rs in ([(False, False), (False, True)] if dtype in FP8_DTYPES else
                                        [(False, False), (True, False)] if ov and ps else [(False, False)]):
-                            for lz, qr, psm in itertools.product(
+                            sm90_16 = (False, True) if family == "sm90" and dtype not in FP8_DTYPES else (False,)
+                            for lz, qr, psm, ot in itertools.product(
                                     (False, True) if family == "sm90" and (ov or dtype in FP8_DTYPES) else (False,),
-                                    (False, True) if family == "sm90" and dtype not in FP8_DTYPES else (False,),
-                                    (False, True) if family == "sm90" and dtype not in FP8_DTYPES else (False,)):
+                                    sm90_16, sm90_16, sm90_16):
                                 try:
                                     out.append(KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family, ov, pp, ps,
                                                             overlap_epilogue=oe, mma_rowsum=rs, lazy_rescale=lz,
-                                                            q_regs=qr, p_smem=psm))
+                                                            q_regs=qr, p_smem=psm, o_tma=ot))
                                 except ConfigError:
                                     continue
     return out

@@ -219,6 +219,37 @@ def test_q_regs_rules_name_space_and_clean_compiles():
     assert "wgmma_qk_rs" not in off and "load_q" not in off
 
 
+def test_o_tma_rules_name_space_and_clean_compiles():
+    """O through shared memory and bulk copies (o_tma): dense 16-bit sm90 only, named _ot, in the space, its staging
+    rows (padded by 16 bytes) in the shared memory figure; ptxas keeps the wgmmas asynchronous and spill-free at the
+    defaults' tiles, persistent or not, with overlap_epilogue; renders without it are unchanged."""
+    from flashgen.config import ConfigError, space
+    from flashgen.render import render
+
+    with pytest.raises(ConfigError, match="dense 16-bit"):
+        KernelConfig(128, "fp8_e4m3", False, 128, 128, 12, 2, "sm90", o_tma=True)
+    with pytest.raises(ConfigError, match="dense 16-bit"):
+        KernelConfig(128, "bf16", False, 128, 64, 8, 2, "sm80", o_tma=True)
+    with pytest.raises(ConfigError, match="dense 16-bit"):
+        KernelConfig(128, "bf16", False, 128, 64, 12, 2, "sm90", varlen=True, o_tma=True)
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, True, True, lazy_rescale=True, o_tma=True)
+    plain = dataclasses.replace(cfg, o_tma=False)
+    assert cfg.name.endswith("_ov1_pp1_ps_lz_ot") and KernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.smem_bytes == plain.smem_bytes + 128 * (128 + 8) * 2
+    sp = space("sm90", 64, "fp16", True)
+    assert {dataclasses.replace(c, o_tma=False) for c in sp if c.o_tma} <= set(sp) and any(c.o_tma for c in sp)
+    assert not any(c.o_tma for c in space("sm90", 128, "fp8_e4m3", False))
+    cfgs = [KernelConfig(64, "bf16", False, 128, 128, 12, 2, "sm90", o_tma=True),
+            KernelConfig(128, "fp16", True, 128, 128, 12, 2, "sm90", True, True, True, lazy_rescale=True, o_tma=True),
+            KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", False, True, True, q_regs=True, o_tma=True),
+            KernelConfig(64, "bf16", True, 192, 64, 16, 2, "sm90", True, False, True, overlap_epilogue=True, o_tma=True)]
+    for k in compile_sm90a_clean(cfgs):
+        assert "cp.async.bulk.global.shared::cta.bulk_group" in k.source and "stmatrix.sync.aligned" in k.source
+        assert k.source.count("bulk_wait_all();") == 1
+    off = render(plain)
+    assert "bulk_store" not in off and "stsm_x4" not in off
+
+
 _SASS = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*);")
 
 

@@ -50,7 +50,15 @@ OTHER_TILES = {
              (128, 128, 12, 2, False, True, True, False, False, False, True),
              (128, 64, 12, 3, True, False, True, True, False, False, True),
              (64, 128, 8, 2, False, False, False, False, False, False, True),
-             (128, 128, 12, 2, True, True, True, False, True, True, True)],
+             (128, 128, 12, 2, True, True, True, False, True, True, True),
+             # O through shared memory and bulk copies: plain, persistent + overlap + lazy, persistent ping-pong,
+             # persistent with overlap_epilogue (three warpgroups), with Q in registers, one consumer warpgroup
+             (128, 128, 12, 2, False, False, False, False, False, False, False, True),
+             (128, 128, 12, 2, True, False, True, False, True, False, False, True),
+             (128, 64, 12, 2, False, True, True, False, False, False, False, True),
+             (192, 64, 16, 2, True, False, True, True, False, False, False, True),
+             (128, 128, 12, 2, True, True, True, False, True, True, False, True),
+             (64, 128, 8, 2, False, False, True, False, False, False, False, True)],
 }
 
 
@@ -71,7 +79,7 @@ def configs_for(head_dim: int, dtype: str, causal: bool, arch: str) -> list[Kern
         for tiles in OTHER_TILES[family]:
             c = KernelConfig(head_dim, dtype, causal, *tiles[:4], family, *tiles[4:7],
                              overlap_epilogue=tiles[7:8] == (True,), lazy_rescale=tiles[8:9] == (True,),
-                             q_regs=tiles[9:10] == (True,), p_smem=tiles[10:11] == (True,))
+                             q_regs=tiles[9:10] == (True,), p_smem=tiles[10:11] == (True,), o_tma=tiles[11:12] == (True,))
             if c.unfit_reason(arch) is None and c not in cfgs:
                 cfgs.append(c)
     return cfgs
