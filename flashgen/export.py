@@ -446,9 +446,11 @@ def header(cfg: KernelConfig | BwdConfig, tuned_on: list[str], target: str) -> s
         if cfg.fp8:
             extra += f'\nconstexpr const char* OUT_DTYPE = "{cfg.output_dtype}";'
         extra += "".join(f"\nconstexpr bool {f.upper()} = {str(getattr(cfg, f)).lower()};" for f in cfg.features)
+        if cfg.cluster:  # each CTA of a pair loads half of every K/V tile
+            extra += f"\nconstexpr int KV_BOX_ROWS = {cfg.kv_box_rows};  // tm_k, tm_v box rows: BLOCK_N / 2 (cluster)"
     params_type = ("Sm90Fp8FwdParams" if cfg.fp8 else "Sm90ServeFwdParams" if cfg.serving else "Sm90FwdParams") \
         if sm90 else "FwdParams"
-    grid = _PERSISTENT_GRID if cfg.persistent else _FLAT_GRID
+    grid = _PERSISTENT_GRID if cfg.persistent else _CLUSTER_GRID if cfg.cluster else _FLAT_GRID
     if cfg.serving:  # the grid runs over num_seqs sequences of up to max_seqlen_q rows (FwdParams: the packed tensors)
         grid = {**grid, "grid_doc": _grid_text(cfg),
                 "grid_args": grid["grid_args"].replace("f.seqlen_q", "p.max_seqlen_q").replace("f.batch", "p.num_seqs")}
@@ -466,6 +468,16 @@ _FLAT_GRID = {
     "grid_fn": "// One flat grid: the kernel unfolds blockIdx.x into (m-block, head, batch), so batch and heads may pass 65535.\n"
                "inline unsigned grid_x(int seqlen_q, int heads, int batch) {\n"
                "    return (unsigned)(((int64_t)(seqlen_q + BLOCK_M - 1) / BLOCK_M) * heads * batch);\n}",
+    "grid_prelude": "", "grid_args": "f.seqlen_q, f.heads, f.batch",
+}
+# Clusters of two CTAs (the kernel's __cluster_dims__) on neighbouring m-blocks: m-blocks rounded up to pairs.
+_CLUSTER_GRID = {
+    "grid_doc": "(m_slots * heads * batch, 1, 1), m_slots = ceil(seqlen_q / BLOCK_M) rounded up to even\n"
+                "// (2-CTA clusters, compiled in)",
+    "grid_fn": "// One flat grid of m-block pairs: the kernel runs in clusters of two CTAs on neighbouring m-blocks.\n"
+               "inline unsigned grid_x(int seqlen_q, int heads, int batch) {\n"
+               "    const int64_t m_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;\n"
+               "    return (unsigned)((m_blocks + (m_blocks & 1)) * heads * batch);\n}",
     "grid_prelude": "", "grid_args": "f.seqlen_q, f.heads, f.batch",
 }
 # A persistent kernel runs one CTA per SM (fewer if fewer tiles), each looping over tiles: launch() asks the device.
