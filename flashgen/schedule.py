@@ -33,3 +33,12 @@ def cta_tiles(order: list, grid: int, cta: int) -> list:
         out.append(order[t])
         k += 1
     return out
+
+
+def cluster_block(x: int, m_blocks: int, heads: int, causal: bool) -> tuple[int, int, int]:
+    """The non-persistent cluster kernel's CTA x as (m_block, head, batch) (templates/sm90/fwd.cu.j2 computes the same):
+    m-blocks counted in pairs per (batch, head), m_slots = m_blocks rounded up to even, so CTAs 2i and 2i + 1 (one
+    2-CTA cluster) get m-blocks {2k, 2k + 1} of one (batch, head); an odd count's extra slot is m_block = m_blocks."""
+    m_slots = m_blocks + (m_blocks & 1)
+    m_idx = x % m_slots
+    return (m_slots - 1 - m_idx if causal else m_idx, (x // m_slots) % heads, x // m_slots // heads)

@@ -250,6 +250,48 @@ def test_o_tma_rules_name_space_and_clean_compiles():
     assert "bulk_store" not in off and "stsm_x4" not in off
 
 
+def test_cluster_rules_name_space_grid_and_clean_compiles():
+    """2-CTA clusters sharing K/V by TMA multicast (cluster): dense 16-bit non-persistent sm90 only, named _cl, in the
+    space, the same shared memory, K/V boxes of half a tile, m-blocks rounded up to pairs in the grid; ptxas keeps the
+    wgmmas asynchronous and spill-free, both masks, d64 and d128, with the other knobs; renders without it unchanged."""
+    from flashgen.config import ConfigError, space
+    from flashgen.render import render
+
+    for bad in (dict(dtype="fp8_e4m3"), dict(family="sm80", num_warps=8), dict(varlen=True), dict(window=True),
+                dict(persistent=True)):
+        args = {"head_dim": 128, "dtype": "bf16", "causal": False, "block_m": 128, "block_n": 128, "num_warps": 12,
+                "num_stages": 2, "family": "sm90", **bad}
+        with pytest.raises(ConfigError, match="dense 16-bit non-persistent"):
+            KernelConfig(**args, cluster=True)
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, True, lazy_rescale=True, cluster=True)
+    plain = dataclasses.replace(cfg, cluster=False)
+    assert cfg.name.endswith("_ov1_pp1_lz_cl") and KernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.smem_bytes == plain.smem_bytes and (cfg.kv_box_rows, plain.kv_box_rows) == (64, 128)
+    assert cfg.grid(batch=3, heads=5, seqlen_q=256) == plain.grid(batch=3, heads=5, seqlen_q=256) == (2 * 15, 1, 1)
+    assert cfg.grid(batch=3, heads=5, seqlen_q=257) == (4 * 15, 1, 1) and plain.grid(3, 5, 257) == (3 * 15, 1, 1)
+    sp = space("sm90", 64, "fp16", True)
+    assert {dataclasses.replace(c, cluster=False) for c in sp if c.cluster} <= set(sp) and any(c.cluster for c in sp)
+    assert not any(c.cluster and c.persistent for c in sp)
+    assert not any(c.cluster for c in space("sm90", 128, "fp8_e4m3", False) + space("sm80", 128, "bf16", False))
+    cfgs = [KernelConfig(d, "bf16", causal, 128, 128, 12, 2, "sm90", cluster=True)
+            for d in (64, 128) for causal in (False, True)]
+    cfgs += [KernelConfig(64, "fp16", True, 128, 128, 12, 2, "sm90", True, True, cluster=True),
+             KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, False, lazy_rescale=True, cluster=True),
+             KernelConfig(128, "bf16", False, 64, 128, 8, 2, "sm90", cluster=True),
+             KernelConfig(64, "bf16", True, 192, 64, 16, 2, "sm90", True, cluster=True),
+             KernelConfig(128, "fp16", False, 128, 128, 12, 2, "sm90", False, True, q_regs=True, o_tma=True,
+                          cluster=True),
+             KernelConfig(128, "bf16", True, 128, 64, 12, 3, "sm90", True, lazy_rescale=True, p_smem=True, cluster=True)]
+    for k in compile_sm90a_clean(cfgs):
+        assert "__cluster_dims__(2, 1, 1)" in k.source and k.source.count("tma_load_4d_multicast(s") == 2
+        for ptx in (".multicast::cluster", "barrier.cluster.arrive", "barrier.cluster.wait", "mapa.shared::cluster",
+                    "mbarrier.arrive.shared::cluster.b64"):
+            assert ptx in k.source, (k.name, ptx)
+        assert k.source.count("cluster_sync();") == 3  # after the barriers' init, the producer's and consumers' ends
+    off = render(plain)
+    assert "cluster" not in off.replace("fence.mbarrier_init.release.cluster", "").replace("shared::cluster", "")
+
+
 _SASS = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*);")
 
 
