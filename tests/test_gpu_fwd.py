@@ -60,8 +60,10 @@ OTHER_TILES = {
              (128, 128, 12, 2, True, True, True, False, True, True, False, True),
              (64, 128, 8, 2, False, False, True, False, False, False, False, True),
              # 2-CTA clusters sharing K/V by TMA multicast: plain, overlap + ping-pong + lazy, one and three consumer
-             # warpgroups, three stages with P from shared memory, ping-pong with Q in registers and O by bulk copies
+             # warpgroups, three stages with P from shared memory, ping-pong with Q in registers and O by bulk copies;
+             # 64-key tiles (the d256 default's)
              (128, 128, 12, 2, False, False, False, False, False, False, False, False, True),
+             (128, 64, 12, 2, False, False, False, False, False, False, False, False, True),
              (128, 128, 12, 2, True, True, False, False, True, False, False, False, True),
              (64, 128, 8, 2, False, False, False, False, False, False, False, False, True),
              (192, 64, 16, 2, True, False, False, False, False, False, False, False, True),
