@@ -395,7 +395,7 @@ def test_a_failure_while_stopping_is_not_the_kernels(tmp_path):
 
 
 def test_a_stored_trial_from_before_a_knob_reads_as_the_knob_off():
-    """Studies stored before overlap_epilogue, mma_rowsum, lazy_rescale, q_regs and p_smem existed (`tune --collect` reads every study in a storage):
+    """Studies stored before overlap_epilogue, mma_rowsum, lazy_rescale, q_regs, p_smem, o_tma and cluster existed (`tune --collect` reads every study in a storage):
     their finished trials lack the parameters and ran without them."""
     from optuna.distributions import CategoricalDistribution
 
@@ -404,7 +404,7 @@ def test_a_stored_trial_from_before_a_knob_reads_as_the_knob_off():
     t = optuna.trial.create_trial(params=values, value=1.0, user_attrs={"status": "ok"},
                                   distributions={n: CategoricalDistribution([v]) for n, v in values.items()})
     params = search_mod._params(t, "sm90")
-    assert params == (128, 128, 12, 2, True, False, True, False, False, False, False, False)
+    assert params == (128, 128, 12, 2, True, False, True) + (False,) * len(search_mod.LATE_KNOBS)
     p90 = TuneProblem("Test GPU", "sm90", "sm90", "bf16", 128, False, 4096)
     assert search_mod.config_of(p90, params).name == "fwd_sm90_d128_bf16_full_bm128_bn128_w12_s2_ov1_pp0_ps"
     p8 = TuneProblem("Test GPU", "sm90", "sm90", "fp8_e4m3", 128, False, 4096)  # FP8's row sums by FADD, as measured
