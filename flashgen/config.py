@@ -163,8 +163,9 @@ class KernelConfig(_AsDict):
     # copies them out (cp.async.bulk, a row each) while the warp goes on to its next tile; 16 rows x (head_dim + 8)
     # 16-bit elements of shared memory per warp (rows padded against bank conflicts).
     o_tma: bool = False
-    # sm90, 16-bit dense, not persistent: CTAs run in clusters of two on neighbouring m-blocks of one (batch, head) and
-    # share each K/V tile: each CTA's producer loads half its rows, multicast by TMA into both CTAs' shared memory.
+    # sm90, 16-bit dense: CTAs run in clusters of two on neighbouring m-blocks of one (batch, head) and share each K/V
+    # tile: each CTA's producer loads half its rows, multicast by TMA into both CTAs' shared memory. Persistent: both
+    # CTAs of a cluster walk the same tiles of m-block pairs.
     cluster: bool = False
 
     def __post_init__(self) -> None:
@@ -224,10 +225,9 @@ class KernelConfig(_AsDict):
             raise ConfigError("o_tma is an sm90 knob for the dense 16-bit forward, not "
                               f"{self.dtype} / family {self.family} / {'+'.join(self.features) or 'dense'}")
         _check_choice("cluster", self.cluster, (False, True))
-        if self.cluster and (self.family != "sm90" or self.fp8 or self.features or self.persistent):
-            raise ConfigError("cluster is an sm90 knob for the dense 16-bit non-persistent forward (the persistent "
-                              f"schedule does not pair m-blocks yet), not {self.dtype} / family {self.family} / "
-                              f"{'+'.join(self.features) or 'dense'}{' / persistent' if self.persistent else ''}")
+        if self.cluster and (self.family != "sm90" or self.fp8 or self.features):
+            raise ConfigError("cluster is an sm90 knob for the dense 16-bit forward, not "
+                              f"{self.dtype} / family {self.family} / {'+'.join(self.features) or 'dense'}")
         for f in FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
         if self.serving and self.family != "sm80":
@@ -382,13 +382,14 @@ class KernelConfig(_AsDict):
     def grid(self, batch: int, heads: int, seqlen_q: int, sm_count: int | None = None) -> tuple[int, int, int]:
         """One flat grid of m-blocks x heads x batch (the kernel unfolds blockIdx.x): gridDim.y and
         .z stop at 65535, x at 2^31 - 1. Persistent: one CTA per SM (`sm_count`), fewer if fewer tiles.
-        Cluster: m-blocks rounded up to pairs (m_slots), so x is even, a whole number of 2-CTA clusters."""
+        Cluster: m-blocks rounded up to pairs (m_slots), so x is even, a whole number of 2-CTA clusters (persistent: at
+        most the SM count rounded down to even)."""
         grid = _flat_grid(self.m_slots(seqlen_q), heads, batch, f"ceil(seqlen_q / {self.block_m})")
         if not self.persistent:
             return grid
         if not sm_count or sm_count < 1:
             raise ValueError(f"{self.name} is persistent: its grid needs the GPU's SM count")
-        return (min(grid[0], sm_count), 1, 1)
+        return (min(grid[0], max(2, sm_count - sm_count % 2) if self.cluster else sm_count), 1, 1)
 
     def unfit_reason(self, arch: str) -> str | None:
         """Why this config cannot run on `arch`, or None if it fits."""
@@ -427,7 +428,7 @@ def space(family: str, head_dim: int, dtype: str, causal: bool) -> list[KernelCo
                             for lz, qr, psm, ot in itertools.product(
                                     (False, True) if family == "sm90" and (ov or dtype in FP8_DTYPES) else (False,),
                                     sm90_16, sm90_16, sm90_16):
-                                for cl in sm90_16 if not ps else (False,):
+                                for cl in sm90_16:
                                     try:
                                         out.append(KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family, ov, pp, ps,
                                                                 overlap_epilogue=oe, mma_rowsum=rs, lazy_rescale=lz,

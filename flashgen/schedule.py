@@ -42,3 +42,11 @@ def cluster_block(x: int, m_blocks: int, heads: int, causal: bool) -> tuple[int,
     m_slots = m_blocks + (m_blocks & 1)
     m_idx = x % m_slots
     return (m_slots - 1 - m_idx if causal else m_idx, (x // m_slots) % heads, x // m_slots // heads)
+
+
+def cluster_cta_tiles(m_blocks: int, heads: int, batch: int, causal: bool, grid: int, cta: int) -> list:
+    """The persistent cluster kernel's tiles of CTA `cta` of `grid` (even), as (m_block, head, batch): cluster cta // 2
+    runs tile_order over m-block pairs as cta_tiles hands it out to grid // 2 clusters, and CTA rank cta % 2 takes
+    m-block 2 m + rank of pair m (m_blocks odd: the top pair's m_block = m_blocks is past the rows)."""
+    order = tile_order((m_blocks + 1) // 2, heads, batch, causal)
+    return [(2 * m + cta % 2, h, b) for m, h, b in cta_tiles(order, grid // 2, cta // 2)]

@@ -68,7 +68,13 @@ OTHER_TILES = {
              (64, 128, 8, 2, False, False, False, False, False, False, False, False, True),
              (192, 64, 16, 2, True, False, False, False, False, False, False, False, True),
              (128, 64, 12, 3, True, False, False, False, True, False, True, False, True),
-             (128, 128, 12, 2, False, True, False, False, False, True, False, True, True)],
+             (128, 128, 12, 2, False, True, False, False, False, True, False, True, True),
+             # persistent clusters (both CTAs walk the same m-block pairs): plain, overlap + ping-pong + overlap_epilogue,
+             # ping-pong with Q in registers (Q's buffer freed early), three warpgroups with overlap_epilogue and o_tma
+             (128, 128, 12, 2, False, False, True, False, False, False, False, False, True),
+             (128, 96, 12, 3, True, True, True, True, False, False, False, False, True),
+             (128, 128, 12, 2, False, True, True, False, False, True, False, False, True),
+             (192, 64, 16, 2, True, False, True, True, False, False, False, True, True)],
 }
 
 
