@@ -7,6 +7,8 @@ the CTAs' work (head groups sized for L2 would cut it into saw teeth a static ha
 
 from __future__ import annotations
 
+from .config import pack_rows
+
 
 def tile_at(t: int, m_blocks: int, heads: int, pairs: int, causal: bool) -> tuple[int, int, int]:
     """The t-th tile as (m_block, head, batch); `pairs` = batch * heads."""
@@ -33,3 +35,21 @@ def cta_tiles(order: list, grid: int, cta: int) -> list:
         out.append(order[t])
         k += 1
     return out
+
+
+def tile_counts(block_m: int, seqlen_q: int, heads: int, heads_k: int, batch: int,
+                pack_gqa: bool) -> tuple[int, int, int]:
+    """(m_blocks, heads, batch) the kernel's tile order runs over, as the template computes them: pack_gqa tiles
+    hold pack_rows whole query positions of one KV head (heads_k of them), else block_m rows of one head."""
+    if pack_gqa:
+        return -(-seqlen_q // pack_rows(block_m, heads // heads_k)), heads_k, batch
+    return -(-seqlen_q // block_m), heads, batch
+
+
+def packed_row(row: int, m_block: int, block_m: int, group: int) -> tuple[int, int] | None:
+    """pack_gqa: tile row `row` of m-block `m_block` as (query position, head in the group), or None for a row
+    past the tile's whole positions (group not dividing block_m: idle, never written)."""
+    pos = pack_rows(block_m, group)
+    if row >= pos * group:
+        return None
+    return m_block * pos + row // group, row % group

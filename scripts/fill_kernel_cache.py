@@ -42,10 +42,10 @@ def test_suite_configs(arch: str, suites: tuple[str, ...] = SUITES) -> set[Kerne
     if "fwd" in suites:
         import test_gpu_fwd  # noqa: PLC0415
         out |= {c for hd, dt, causal in itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True))
-                for c in test_gpu_fwd.configs_for(hd, dt, causal, arch)}
+                for c in test_gpu_fwd.configs_for(hd, dt, causal, arch)} | set(test_gpu_fwd.pack_configs(arch))
     if "fp8" in suites:
         import test_gpu_fp8  # noqa: PLC0415
-        out |= set(test_gpu_fp8.fp8_configs(arch))
+        out |= set(test_gpu_fp8.fp8_configs(arch)) | set(test_gpu_fp8.pack_fp8_configs(arch))
     if "api" in suites:
         import test_gpu_api  # noqa: PLC0415
         out |= set(test_gpu_api.family_configs(arch))
@@ -76,7 +76,8 @@ def around_store_configs(arch: str, free: list[str]) -> set[KernelConfig]:
     out = set()
     for cfg in store_configs(arch):
         if isinstance(cfg, KernelConfig) and not cfg.serving:
-            out |= {c for c in around(cfg, space(cfg.family, cfg.head_dim, cfg.dtype, cfg.causal), free)
+            group = 2 if cfg.pack_gqa else 1  # a GQA problem's space: its pack_gqa configurations too
+            out |= {c for c in around(cfg, space(cfg.family, cfg.head_dim, cfg.dtype, cfg.causal, group), free)
                     if c.unfit_reason(arch) is None}
     return out
 
@@ -95,7 +96,7 @@ def space_configs(arch: str, restrict: dict[str, list]) -> set[KernelConfig]:
     family = "sm90" if arch == "sm90" else "sm80"
     return {c for hd, dt, causal in itertools.product(restrict.get("head_dim", HEAD_DIMS),
                                                       restrict.get("dtype", HALF_DTYPES), (False, True))
-            for c in space(family, hd, dt, causal)
+            for c in space(family, hd, dt, causal, 2 if True in restrict.get("pack_gqa", ()) else 1)
             if c.unfit_reason(arch) is None and all(getattr(c, f) in v for f, v in restrict.items())}
 
 

@@ -79,3 +79,44 @@ int main() {
     got = [tuple(map(int, line.split())) for line in out.splitlines()]
     want = [t for m, h, b, c in cases for cta in range(7) for t in cta_tiles(tile_order(m, h, b, c), 7, cta)]
     assert got == want
+
+
+# ---- pack_gqa: a tile's rows are (query position, head of the group) pairs of one KV head ----------------------
+from flashgen.config import pack_rows, pack_tiles  # noqa: E402
+from flashgen.schedule import packed_row, tile_counts  # noqa: E402
+
+
+def test_pack_rows_whole_positions_per_tile():
+    assert [pack_rows(128, g) for g in (1, 2, 3, 4, 6, 8, 128)] == [128, 64, 42, 32, 21, 16, 1]
+    assert pack_rows(192, 6) == 32 and pack_rows(64, 3) == 21
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match="does not fit a tile of 64 rows"):
+            pack_rows(64, bad)
+    with pytest.raises(ValueError, match="multiple of heads_k"):
+        pack_tiles(128, 100, 6, 4)
+
+
+@pytest.mark.parametrize("block_m,seqlen_q,heads,heads_k", [(128, 1023, 8, 2), (128, 113, 6, 2), (64, 17, 4, 1),
+                                                           (192, 1, 32, 8), (128, 1024, 4, 4), (64, 211, 12, 2)])
+def test_packed_rows_cover_every_position_and_head_once(block_m, seqlen_q, heads, heads_k):
+    group = heads // heads_k
+    m_blocks, grid_heads, batch = tile_counts(block_m, seqlen_q, heads, heads_k, 3, True)
+    assert (m_blocks, grid_heads) == pack_tiles(block_m, seqlen_q, heads, heads_k) and batch == 3 and grid_heads == heads_k
+    if block_m % group == 0:  # the count: ceil(seqlen_q * group / block_m)
+        assert m_blocks == -(-seqlen_q * group // block_m)
+    seen = []
+    for m in range(m_blocks):
+        rows = min(pack_rows(block_m, group), seqlen_q - m * pack_rows(block_m, group)) * group  # the kernel's `rows`
+        for r in range(block_m):
+            pr = packed_row(r, m, block_m, group)
+            assert (pr is not None and pr[0] < seqlen_q) == (r < rows)  # rows past `rows` are never written
+            if r < rows:
+                seen.append(pr)
+    assert sorted(seen) == sorted(itertools.product(range(seqlen_q), range(group)))
+    assert tile_counts(block_m, seqlen_q, heads, heads_k, 3, False) == (-(-seqlen_q // block_m), heads, 3)
+
+
+def test_packed_tile_order_runs_over_kv_heads():
+    m_blocks, heads_k, batch = tile_counts(128, 1000, 32, 8, 2, True)
+    order = tile_order(m_blocks, heads_k, batch, True)
+    assert sorted(order) == sorted(itertools.product(range(m_blocks), range(heads_k), range(batch)))
