@@ -72,11 +72,12 @@ def store_configs(arch: str) -> set[KernelConfig]:
     return out
 
 
-def around_store_configs(arch: str, free: list[str]) -> set[KernelConfig]:
+def around_store_configs(arch: str, free: list[str], gqa: int = 1) -> set[KernelConfig]:
+    """What `tune --around-store FREE [--gqa G]` evaluates around each stored forward configuration."""
     out = set()
     for cfg in store_configs(arch):
         if isinstance(cfg, KernelConfig) and not cfg.serving:
-            group = 2 if cfg.pack_gqa else 1  # a GQA problem's space: its pack_gqa configurations too
+            group = max(gqa, 2 if cfg.pack_gqa else 1)  # a GQA problem's space: its pack_gqa configurations too
             out |= {c for c in around(cfg, space(cfg.family, cfg.head_dim, cfg.dtype, cfg.causal, group), free)
                     if c.unfit_reason(arch) is None}
     return out
@@ -110,7 +111,8 @@ def default_configs(arch: str) -> set[KernelConfig]:
 
 
 def chosen_configs(arch: str, tests: list[str] | None, store: bool, around_store: list[str] | None = None,
-                   defaults: bool = False, restrict: dict[str, list] | None = None) -> set[KernelConfig | BwdConfig]:
+                   defaults: bool = False, restrict: dict[str, list] | None = None,
+                   gqa: int = 1) -> set[KernelConfig | BwdConfig]:
     """The kernels the options name (tests: suite names, [] for all, None for none); each family's defaults when
     they name none."""
     cfgs: set[KernelConfig | BwdConfig] = set()
@@ -119,7 +121,7 @@ def chosen_configs(arch: str, tests: list[str] | None, store: bool, around_store
     if store:
         cfgs |= store_configs(arch)
     if around_store:
-        cfgs |= around_store_configs(arch, [f.replace("-", "_") for f in around_store])
+        cfgs |= around_store_configs(arch, [f.replace("-", "_") for f in around_store], gqa)
     if restrict:
         cfgs |= space_configs(arch, restrict)
     if defaults or not (tests is not None or store or around_store or restrict):
@@ -134,6 +136,7 @@ def main() -> None:
                     help="the GPU test suite's kernels: all, or only these modules' (e.g. --tests bwd api)")
     ap.add_argument("--store", action="store_true")
     ap.add_argument("--around-store", nargs="+", default=None, metavar="FIELD")
+    ap.add_argument("--gqa", type=int, default=1, help="--around-store for GQA problems of this group (tune --gqa)")
     ap.add_argument("--space", nargs="+", default=None, metavar="FIELD=V,...",
                     help="a restricted tune's space, e.g. head_dim=64 dtype=bf16,fp16 block_m=192 block_n=128,192")
     ap.add_argument("--defaults", action="store_true")
@@ -141,7 +144,7 @@ def main() -> None:
     ap.add_argument("--into", type=Path, default=None, help="copy these kernels' cache entries into this directory")
     args = ap.parse_args()
     cfgs = chosen_configs(args.arch, args.tests, args.store, args.around_store, args.defaults,
-                          parse_restrictions(args.space) if args.space else None)
+                          parse_restrictions(args.space) if args.space else None, args.gqa)
     failed = []
 
     used: list[Path] = []  # list.extend from pool threads: atomic under the GIL
