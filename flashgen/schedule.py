@@ -17,9 +17,26 @@ def tile_at(t: int, m_blocks: int, heads: int, pairs: int, causal: bool) -> tupl
     return (m, pair % heads, pair // heads)
 
 
-def tile_order(m_blocks: int, heads: int, batch: int, causal: bool) -> list[tuple[int, int, int]]:
-    """Every tile of a problem in the order the persistent kernel hands them out."""
+def tile_at_chunked(t: int, m_blocks: int, heads: int, pairs: int, chunk: int) -> tuple[int, int, int]:
+    """pack_gqa, causal: longest first by chunks of `chunk` m-blocks, each chunk pair by pair, so that one KV head's
+    m-blocks (a few query positions each) run together and share its K/V in L2."""
+    c = t // (pairs * chunk)
+    within = t - c * pairs * chunk
+    kc = min(chunk, m_blocks - c * chunk)  # the last chunk may be short
+    pair, m = within // kc, m_blocks - 1 - (c * chunk + within % kc)
+    return (m, pair % heads, pair // heads)
+
+
+def pack_chunk(block_m: int, block_n: int, group: int) -> int:
+    """The chunk of pack_gqa's causal order: as many m-blocks as one key tile spans (the template's `chunk`)."""
+    return max(1, block_n // pack_rows(block_m, group))
+
+
+def tile_order(m_blocks: int, heads: int, batch: int, causal: bool, chunk: int = 0) -> list[tuple[int, int, int]]:
+    """Every tile of a problem in the order the persistent kernel hands them out (chunk > 0: pack_gqa's)."""
     pairs = batch * heads
+    if causal and chunk:
+        return [tile_at_chunked(t, m_blocks, heads, pairs, chunk) for t in range(m_blocks * pairs)]
     return [tile_at(t, m_blocks, heads, pairs, causal) for t in range(m_blocks * pairs)]
 
 
