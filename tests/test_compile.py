@@ -391,6 +391,7 @@ def test_pack_gqa_rules_name_space_and_clean_compiles():
     cfgs += [KernelConfig(128, "fp8_e4m3", True, 128, 128, 12, 2, "sm90", True, pack_gqa=True),
              KernelConfig(64, "fp8_e4m3", False, 128, 128, 12, 2, "sm90", True, False, True, pack_gqa=True)]
     for k in compile_sm90a_clean(cfgs):
-        assert "tma_load_5d(" in k.source and "apply_mask_q(" in k.source and "pos = BLOCK_M / group;" in k.source
+        assert "tma_load_5d(" in k.source and "apply_mask_q(" in k.source and "pos = BLOCK_M / group" in k.source
+        assert ("tile_at_chunked(t, m_blocks, p.heads_k, pairs, chunk)" in k.source) == k.config.persistent
     off = render(dataclasses.replace(cfgs[0], pack_gqa=False))
     assert "tma_load_5d" not in off and "row_q" not in off and "pos = BLOCK_M / group" not in off
