@@ -251,12 +251,12 @@ def pass_family(args: argparse.Namespace, pass_: str, head_dim: int) -> str:
 
 
 def restricted_space(args: argparse.Namespace, head_dim: int, dtype: str, causal: bool,
-                     pass_: str = "fwd") -> list:
+                     pass_: str = "fwd", gqa_group: int = 1) -> list:
     family = pass_family(args, pass_, head_dim)
     if pass_ == "bwd":
         cfgs = C.bwd_space(head_dim, dtype, causal, family=family)
     else:
-        cfgs = C.space(args.arch, head_dim, dtype, causal)
+        cfgs = C.space(args.arch, head_dim, dtype, causal, gqa_group)
     for field in ("block_m", "block_n", "num_warps") + ("num_stages",) * (pass_ == "fwd" or family == "sm90"):
         keep = getattr(args, field)
         if keep is not None:
@@ -277,6 +277,8 @@ def around_store(args: argparse.Namespace, problem: Any, space: list, stores: di
     if path not in stores:
         stores[path] = read_store(path)["entries"]
     entry = stores[path].get(problem.key)
+    if entry is None and getattr(problem, "gqa_group", 1) > 1:  # a GQA problem: around the same shape's MHA entry
+        entry = stores[path].get(dataclasses.replace(problem, gqa_group=1).key)
     if entry is None:
         return tuple(space)
     return tuple(C.around(config_from_entry(entry), space, args.around_store))
@@ -339,10 +341,11 @@ def validate(args: argparse.Namespace) -> None:
             raise CliError(f"--gqa {g}: the group size (heads // heads_k) must be at least 1")
         if heads % g:
             raise CliError(f"--gqa {g}: heads = max(1, {args.heads_dim_total} // {hd}) = {heads} is not a multiple of it")
-    for hd, dt, ca, p in itertools.product(args.head_dim, args.dtype, causal_list(args.causal), passes(args)):
-        if not restricted_space(args, hd, dt, ca, p):
+    for hd, dt, ca, p, g in itertools.product(args.head_dim, args.dtype, causal_list(args.causal), passes(args),
+                                              args.gqa):
+        if not restricted_space(args, hd, dt, ca, p, g):
             raise CliError(f"the restricted {p} space of family {pass_family(args, p, hd)} is empty for d{hd} {dt} "
-                           f"{'causal' if ca else 'full'}: loosen --block-m/--block-n/--num-warps/--num-stages/"
+                           f"{'causal' if ca else 'full'} gqa {g}: loosen --block-m/--block-n/--num-warps/--num-stages/"
                            + "/".join(f"--{k.replace('_', '-')}" for k in C.SM90_KNOBS))
 
 
@@ -357,8 +360,9 @@ def compile_only(args: argparse.Namespace) -> int:
     gpu_arch = args.gpu_arch or (current_gpu() or (None, args.arch))[1]
     check_family(args.arch, f"an {gpu_arch} GPU", gpu_arch)
     target = target_for(gpu_arch, args.arch)  # the backward's family (sm80) compiles for the same GPU
-    cfgs = [c for p, hd, dt, ca in itertools.product(passes(args), args.head_dim, args.dtype, causal_list(args.causal))
-            for c in restricted_space(args, hd, dt, ca, p)]
+    cfgs = list(dict.fromkeys(c for p, hd, dt, ca, g in itertools.product(passes(args), args.head_dim, args.dtype,
+                                                                          causal_list(args.causal), args.gqa)
+                              for c in restricted_space(args, hd, dt, ca, p, g)))
     print(f"compiling {len(cfgs)} configurations of family {args.arch} for {target} ({gpu_arch} limits)")
     pool = CompileAhead(args.jobs, args.compile_timeout)
     try:
@@ -481,7 +485,7 @@ def tune(args: argparse.Namespace) -> int:
                              retime_top=args.retime)
         models = list(dict.fromkeys((t.gpu_name, t.gpu_arch) for t in tuners))
         stores: dict = {}
-        jobs = [Job(prob, around_store(args, prob, restricted_space(args, hd, dt, ca, p), stores))
+        jobs = [Job(prob, around_store(args, prob, restricted_space(args, hd, dt, ca, p, g), stores))
                 for gpu, arch in models
                 for p, hd, dt, ca, sl, g in itertools.product(passes(args), args.head_dim, args.dtype,
                                                               causal_list(args.causal), args.seqlen, args.gqa)

@@ -108,14 +108,14 @@ def current_arch(device: int | None = None) -> str:
 
 def choose_config(head_dim: int, dtype: str, causal: bool, arch: str, seqlen: int | None = None,
                   family: str | None = None, tuned_dir: Path | str | None = None,
-                  gpu: tuple[str, str] | None = None) -> KernelConfig:
+                  gpu: tuple[str, str] | None = None, gqa_group: int = 1) -> KernelConfig:
     """The configuration `load()` uses on an `arch` GPU: the tuned one for `gpu` (name, arch; default
-    the current GPU) and nearest seqlen bucket (family None: the fastest family tuned), else the
-    family default."""
+    the current GPU), nearest seqlen bucket and GQA group `gqa_group` (family None: the fastest family
+    tuned), else the family default."""
     from .store import tuned_config  # noqa: PLC0415
 
     arch_limits(arch)
-    return tuned_config(head_dim, dtype, causal, arch, seqlen, family, tuned_dir, gpu) or default_config(
+    return tuned_config(head_dim, dtype, causal, arch, seqlen, family, tuned_dir, gpu, gqa_group=gqa_group) or default_config(
         head_dim, dtype, causal, arch, family or ("sm90" if dtype in FP8_DTYPES else "sm80"))
 
 
@@ -126,13 +126,14 @@ def _compiled(cfg: KernelConfig, target: str) -> CompiledKernel:
 
 def load(head_dim: int, dtype: str = "bf16", causal: bool = False, config: KernelConfig | None = None,
          seqlen: int | None = None, arch: str | None = None, gpu_arch: str | None = None,
-         tuned_dir: Path | str | None = None, device: int | None = None) -> Kernel:
+         tuned_dir: Path | str | None = None, device: int | None = None, gqa_group: int = 1) -> Kernel:
     """A compiled kernel for this problem on a GPU (`device`, an ordinal; default the current one).
 
     arch forces a template family ("sm80", "sm90"); by default the fastest family tuned for
     this GPU (the store in `tuned_dir`, FLASHGEN_TUNED_DIR or tuned/) is used, else sm80's
     default. `config` pins an exact configuration. `gpu_arch` ("sm80", "sm90", ...) compiles
-    for that GPU instead, so no GPU is needed."""
+    for that GPU instead, so no GPU is needed. `gqa_group` (heads // heads_k of the calls it will run) picks the
+    store's entry of that group first (sm90's pack_gqa kernels are tuned for GQA problems)."""
     if arch is not None and arch not in FAMILIES:
         raise ValueError(f"arch={arch!r} is not a template family; choose one of {', '.join(FAMILIES)}")
     gpu = None
@@ -143,7 +144,7 @@ def load(head_dim: int, dtype: str = "bf16", causal: bool = False, config: Kerne
         gpu = (info.name, info.arch)
     target_arch = gpu_arch or gpu[1]
     if config is None:
-        config = choose_config(head_dim, dtype, causal, target_arch, seqlen, arch, tuned_dir, gpu)
+        config = choose_config(head_dim, dtype, causal, target_arch, seqlen, arch, tuned_dir, gpu, gqa_group)
     elif (config.head_dim, config.dtype, config.causal) != (head_dim, dtype, causal):
         raise ValueError(f"config {config.name} does not match head_dim={head_dim}, dtype={dtype}, causal={causal}")
     reason = config.unfit_reason(target_arch)
@@ -199,8 +200,8 @@ class Resolver:
                 self.clear()
 
     def kernel(self, device: int, head_dim: int, dtype: str, causal: bool, seqlen: int, family: str | None,
-               tuned_dir: Path | str | None = None) -> Kernel:
-        key = (device, head_dim, dtype, causal, family, tuned_dir)
+               tuned_dir: Path | str | None = None, gqa_group: int = 1) -> Kernel:
+        key = (device, head_dim, dtype, causal, family, tuned_dir, gqa_group)
         self.refresh()
         hit = self._exact.get((key, seqlen))
         if hit is not None:
@@ -213,7 +214,7 @@ class Resolver:
             kern = self._kernels.get((key, bucket))
             if kern is None:
                 kern = self._kernels[key, bucket] = load(head_dim, dtype, causal, seqlen=bucket or seqlen, arch=family,
-                                                         tuned_dir=tuned_dir, device=device)
+                                                         tuned_dir=tuned_dir, device=device, gqa_group=gqa_group)
             if len(self._exact) > 4096:
                 self._exact.clear()
             self._exact[key, seqlen] = kern
@@ -316,7 +317,8 @@ def forward_torch(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | N
     hit = r._by_signature.get(sig)
     if hit is None:
         qv, _, _, prob = _checked(q, k, v, softmax_scale, arch)
-        kern = r.kernel(qv.device, prob.head_dim, prob.dtype, causal, prob.seqlen_k, arch)
+        kern = r.kernel(qv.device, prob.head_dim, prob.dtype, causal, prob.seqlen_k, arch,
+                        gqa_group=prob.heads // prob.heads_k)
         hit = (kern, kern.plan(q, k, v, softmax_scale))
         if len(r._by_signature) > 4096:
             r._by_signature.clear()
@@ -340,7 +342,8 @@ def forward_fp8(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | Non
     hit = r._by_signature.get(sig)
     if hit is None:
         qv, _, _, prob = _checked(q, k, v, softmax_scale, arch)
-        kern = r.kernel(qv.device, prob.head_dim, prob.dtype, causal, prob.seqlen_k, "sm90")
+        kern = r.kernel(qv.device, prob.head_dim, prob.dtype, causal, prob.seqlen_k, "sm90",
+                        gqa_group=prob.heads // prob.heads_k)
         want = dataclasses.replace(kern.config, out_dtype=out_dtype or "bf16", block_quant_p=block_quant_p,
                                    lazy_rescale=kern.config.lazy_rescale and not block_quant_p)  # a per-tile max moves
         if want != kern.config:
@@ -363,7 +366,8 @@ def forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, a
     from .driver import context_device  # noqa: PLC0415
 
     qv, kv, vv, prob = _checked(q, k, v, softmax_scale, arch)
-    kern = _resolver.kernel(context_device(), prob.head_dim, prob.dtype, causal, prob.seqlen_k, arch)
+    kern = _resolver.kernel(context_device(), prob.head_dim, prob.dtype, causal, prob.seqlen_k, arch,
+                            gqa_group=prob.heads // prob.heads_k)
     out, lse, _ = run_views(kern.compiled, qv, kv, vv, prob, softmax_scale, stream)
     return out, lse
 

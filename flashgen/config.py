@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 FAMILIES = ("sm80", "sm90")
@@ -38,7 +38,7 @@ FEATURES = ("varlen", "paged", "split", "pack_gqa", "window", "softcap", "alibi"
 SM90_FEATURES = ("varlen", "window")  # the sm90 family's forward and backward have these
 # The sm90 forward's schedule knobs (KernelConfig fields; tuned beside the tile, `tune --<knob> yes/no` restricts them).
 SM90_KNOBS = ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum", "lazy_rescale", "q_regs", "p_smem",
-              "o_tma", "cluster")
+              "o_tma", "pack_gqa", "cluster")
 BWD_FEATURES = ("varlen", "window", "softcap", "alibi")  # the ones a training call uses: the backward has them
 
 
@@ -222,7 +222,7 @@ class KernelConfig(_AsDict):
                               f"{self.dtype} / block_n={self.block_n} / family {self.family}")
         _check_choice("o_tma", self.o_tma, (False, True))
         if self.o_tma and (self.family != "sm90" or self.fp8 or self.features):
-            raise ConfigError("o_tma is an sm90 knob for the dense 16-bit forward, not "
+            raise ConfigError("o_tma is an sm90 knob for the dense 16-bit forward without pack_gqa, not "
                               f"{self.dtype} / family {self.family} / {'+'.join(self.features) or 'dense'}")
         _check_choice("cluster", self.cluster, (False, True))
         if self.cluster and (self.family != "sm90" or self.fp8 or self.features):
@@ -230,6 +230,9 @@ class KernelConfig(_AsDict):
                               f"{self.dtype} / family {self.family} / {'+'.join(self.features) or 'dense'}")
         for f in FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
+        if self.pack_gqa and self.family == "sm90" and self.serving:
+            raise ConfigError("pack_gqa in family sm90 is a dense-forward knob: not with varlen or window (the sm80 "
+                              "family's serving kernels pack GQA with them)")
         if self.serving and self.family != "sm80":
             if not set(self.features) <= set(SM90_FEATURES):
                 raise ConfigError(f"serving features ({', '.join(self.features)}) are built in family sm80 (it runs on "
@@ -307,8 +310,9 @@ class KernelConfig(_AsDict):
 
     @property
     def serving(self) -> bool:
-        """Takes ServeParams (templates/common/serve_params.cuh.j2) rather than FwdParams."""
-        return any(getattr(self, f) for f in FEATURES)
+        """Takes ServeParams (templates/common/serve_params.cuh.j2) rather than FwdParams. In family sm90
+        pack_gqa is a knob of the dense forward (Sm90FwdParams), not a serving feature."""
+        return any(getattr(self, f) for f in FEATURES if not (f == "pack_gqa" and self.family == "sm90"))
 
     @property
     def kernel_names(self) -> dict[str, str]:
@@ -379,12 +383,20 @@ class KernelConfig(_AsDict):
         m_blocks = -(-seqlen_q // self.block_m)
         return m_blocks + (m_blocks & 1) if self.cluster else m_blocks
 
-    def grid(self, batch: int, heads: int, seqlen_q: int, sm_count: int | None = None) -> tuple[int, int, int]:
+    def grid(self, batch: int, heads: int, seqlen_q: int, sm_count: int | None = None,
+             heads_k: int | None = None) -> tuple[int, int, int]:
         """One flat grid of m-blocks x heads x batch (the kernel unfolds blockIdx.x): gridDim.y and
         .z stop at 65535, x at 2^31 - 1. Persistent: one CTA per SM (`sm_count`), fewer if fewer tiles.
+        sm90 pack_gqa: m-blocks of packed rows x KV heads x batch (`heads_k` needed; see pack_tiles).
         Cluster: m-blocks rounded up to pairs (m_slots), so x is even, a whole number of 2-CTA clusters (persistent: at
         most the SM count rounded down to even)."""
-        grid = _flat_grid(self.m_slots(seqlen_q), heads, batch, f"ceil(seqlen_q / {self.block_m})")
+        if self.pack_gqa and self.family == "sm90":
+            if heads_k is None:
+                raise ValueError(f"{self.name} packs GQA: its grid needs heads_k")
+            m_blocks, heads = pack_tiles(self.block_m, seqlen_q, heads, heads_k)
+            grid = _flat_grid(m_blocks, heads, batch, f"ceil(seqlen_q / ({self.block_m} // group))")
+        else:
+            grid = _flat_grid(self.m_slots(seqlen_q), heads, batch, f"ceil(seqlen_q / {self.block_m})")
         if not self.persistent:
             return grid
         if not sm_count or sm_count < 1:
@@ -409,10 +421,30 @@ class KernelConfig(_AsDict):
 
 
 
-def space(family: str, head_dim: int, dtype: str, causal: bool) -> list[KernelConfig]:
+def pack_rows(block_m: int, group: int) -> int:
+    """sm90 pack_gqa: the query positions one tile holds, block_m // group, each with the `group` query heads of
+    its KV head as consecutive rows (tile row l: position m0 + l // group, head head_k * group + l % group). Whole
+    positions only, so Q loads as one TMA box (group heads x positions); when group does not divide block_m, the
+    last block_m % group rows are idle (zeros, never written)."""
+    if group < 1 or group > block_m:
+        raise ValueError(f"pack_gqa: a group of {group} query heads per KV head does not fit a tile of {block_m} rows "
+                         "(take a kernel without pack_gqa)")
+    return block_m // group
+
+
+def pack_tiles(block_m: int, seqlen_q: int, heads: int, heads_k: int) -> tuple[int, int]:
+    """sm90 pack_gqa: (m-blocks, KV heads) of the grid: ceil(seqlen_q / pack_rows) tiles per KV head
+    (= ceil(seqlen_q * group / block_m) when group divides block_m)."""
+    if heads_k < 1 or heads % heads_k:
+        raise ValueError(f"pack_gqa needs heads ({heads}) a multiple of heads_k ({heads_k})")
+    return -(-seqlen_q // pack_rows(block_m, heads // heads_k)), heads_k
+
+
+def space(family: str, head_dim: int, dtype: str, causal: bool, gqa_group: int = 1) -> list[KernelConfig]:
     """Every syntactically valid tile configuration of a family for one problem.
 
-    Arch fit is not checked here (see `KernelConfig.unfit_reason`)."""
+    Arch fit is not checked here (see `KernelConfig.unfit_reason`). Family sm90 with gqa_group > 1 (GQA) adds
+    each configuration again with pack_gqa, where the tile holds the group's heads (pack_rows > 0)."""
     _check_choice("family", family, FAMILIES)
     out = []
     for bm in (b for b in FAMILY_BLOCK_MS[family] if b >= DENSE_MIN_BLOCK_M):
@@ -435,6 +467,8 @@ def space(family: str, head_dim: int, dtype: str, causal: bool) -> list[KernelCo
                                                                 q_regs=qr, p_smem=psm, o_tma=ot, cluster=cl))
                                     except ConfigError:
                                         continue
+    if family == "sm90" and gqa_group > 1:
+        out += [replace(c, pack_gqa=True) for c in out if gqa_group <= c.block_m and not c.o_tma and not c.cluster]
     return out
 
 

@@ -440,6 +440,8 @@ def header(cfg: KernelConfig | BwdConfig, tuned_on: list[str], target: str) -> s
     sm90 = cfg.family == "sm90"
     if cfg.serving and not sm90:
         return serve_header(cfg, tuned_on, target)
+    if sm90 and cfg.pack_gqa:  # its grid and q's 5-d tensor map (launch.tmap_box_packed) are not in the header yet
+        raise ValueError(f"{cfg.name}: export of the sm90 pack_gqa forward is not built; export the kernel without it")
     extra = ""
     if sm90:  # the TMA box geometry the caller's tensor maps must use
         extra = f"\nconstexpr int SMEM_W = {cfg.smem_w};\nconstexpr int SWIZZLE_BYTES = {cfg.row_bytes};"

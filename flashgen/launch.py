@@ -10,11 +10,12 @@ import ctypes
 import functools
 import math
 import struct
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from . import driver
 from .compile import CompiledKernel
-from .config import KernelConfig
+from .config import KernelConfig, pack_rows
 from .tensors import Problem, View, align_elems, aligned, check_qkv, torch_dtype, view
 
 LOG2E = 1.4426950408889634
@@ -80,9 +81,24 @@ def tmap_box(strides: tuple[int, ...], head_dim: int, seqlen: int, heads: int, b
             (smem_w, rows, 1, 1))
 
 
+def tmap_box_packed(strides: tuple[int, ...], head_dim: int, seqlen: int, heads: int, heads_k: int, batch: int,
+                    elem_bytes: int, smem_w: int, block_m: int) -> tuple:
+    """pack_gqa (sm90): (dims, byte strides, box) of q's 5-d map over (head_dim, group, heads_k, seqlen, batch), q's heads
+    split into (head of the group, KV head). A box of smem_w x group x 1 x pack_rows positions lands as group * pos rows,
+    row r = head r % group of position r / group: the tile's packed rows, none of another KV head."""
+    group = heads // heads_k
+    return ((head_dim, group, heads_k, seqlen, batch),
+            (elem_bytes * strides[2], elem_bytes * strides[2] * group, elem_bytes * strides[1], elem_bytes * strides[0]),
+            (smem_w, group, 1, pack_rows(block_m, group), 1))
+
+
 def tmap_geometry(q: View, k: View, v: View, prob: Problem, cfg: KernelConfig) -> tuple:
     """(dims, byte strides, box) of the q, k, v tensor maps: boxes of SMEM_W x block_m (q) or kv_box_rows (k, v:
-    block_n, or half of it with cluster) rows."""
+    block_n, or half of it with cluster) rows (pack_gqa: q's is tmap_box_packed's)."""
+    if cfg.pack_gqa and cfg.family == "sm90":
+        qmap = tmap_box_packed(q.strides, prob.head_dim, prob.seqlen_q, prob.heads, prob.heads_k, prob.batch,
+                               cfg.elem_bytes, cfg.smem_w, cfg.block_m)
+        return (qmap, *tmap_geometry(q, k, v, prob, replace(cfg, pack_gqa=False))[1:])
     return tuple(tmap_box(t.strides, prob.head_dim, n, heads, prob.batch, cfg.elem_bytes, cfg.smem_w, rows)
                  for t, n, heads, rows in ((q, prob.seqlen_q, prob.heads, cfg.block_m),
                                            (k, prob.seqlen_k, prob.heads_k, cfg.kv_box_rows),
@@ -227,7 +243,7 @@ def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
         lse_ptr = _lse_ptr(lse, qv, lse_shape)
     if prob.batch * prob.heads * prob.seqlen_q == 0:
         return out, lse, prob
-    flat = cfg.grid(prob.batch, prob.heads, prob.seqlen_q, 1)  # refuses grids CUDA cannot launch, before any work
+    flat = cfg.grid(prob.batch, prob.heads, prob.seqlen_q, 1, prob.heads_k)  # refuses grids CUDA cannot launch, before any work
     if prob.seqlen_k == 0:  # no key at all: O = 0, LSE = +inf in both families, nothing to launch
         _fill_empty(out, lse)
         return out, lse, prob
@@ -241,7 +257,7 @@ def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
                 raise ValueError(f"{name} is not on the current context's device (cuda:{dev})")
         handle = 0 if stream is None else int(getattr(stream, "handle", stream))
         fn = driver.get_function(kernel.cubin, cfg.name, cfg.smem_bytes, kernel.digest, driver.context_id(ctx))
-    grid = _grid(cfg, prob.batch, prob.heads, prob.seqlen_q, dev) if cfg.persistent else flat
+    grid = _grid(cfg, prob.batch, prob.heads, prob.seqlen_q, dev, prob.heads_k) if cfg.persistent else flat
     params = pack_params(qv, kv, vv, ov, lse_ptr, prob, scale, scale_log2)
     if cfg.family == "sm90":
         params = sm90_params(params, qv, kv, vv, prob, cfg, scales)
@@ -249,9 +265,9 @@ def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
     return out, lse, prob
 
 
-def _grid(cfg: KernelConfig, batch: int, heads: int, seqlen_q: int, device: int) -> tuple[int, int, int]:
+def _grid(cfg: KernelConfig, batch: int, heads: int, seqlen_q: int, device: int, heads_k: int) -> tuple[int, int, int]:
     """The launch grid on `device` (a persistent kernel runs one CTA per SM of it)."""
-    return cfg.grid(batch, heads, seqlen_q, driver.device_info(device).sm_count if cfg.persistent else None)
+    return cfg.grid(batch, heads, seqlen_q, driver.device_info(device).sm_count if cfg.persistent else None, heads_k)
 
 
 def _checked_kernel(kernel: CompiledKernel, prob: Problem) -> KernelConfig:
@@ -301,7 +317,7 @@ def make_plan(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
         fn = _torch_function(kernel, qv.device)
         if cfg.family == "sm90":
             tmaps = tmap_geometry(qv, kv, vv, prob, cfg)
-    grid = _grid(cfg, b, h, sq, qv.device) if b * h * sq else (0, 1, 1)
+    grid = _grid(cfg, b, h, sq, qv.device, hk) if b * h * sq else (0, 1, 1)
     return Plan(qv.device, fn, cfg.threads, grid, (b, sq, h, d), (b, h, sq),
                 fields, tmaps, prob.dtype, cfg.row_bytes, {}, torch_dtype(cfg.output_dtype) if cfg.fp8 else None,
                 (b, hk) if cfg.fp8 else None)

@@ -7,6 +7,8 @@ the CTAs' work (head groups sized for L2 would cut it into saw teeth a static ha
 
 from __future__ import annotations
 
+from .config import pack_rows
+
 
 def tile_at(t: int, m_blocks: int, heads: int, pairs: int, causal: bool) -> tuple[int, int, int]:
     """The t-th tile as (m_block, head, batch); `pairs` = batch * heads."""
@@ -15,9 +17,26 @@ def tile_at(t: int, m_blocks: int, heads: int, pairs: int, causal: bool) -> tupl
     return (m, pair % heads, pair // heads)
 
 
-def tile_order(m_blocks: int, heads: int, batch: int, causal: bool) -> list[tuple[int, int, int]]:
-    """Every tile of a problem in the order the persistent kernel hands them out."""
+def tile_at_chunked(t: int, m_blocks: int, heads: int, pairs: int, chunk: int) -> tuple[int, int, int]:
+    """pack_gqa, causal: longest first by chunks of `chunk` m-blocks, each chunk pair by pair, so that one KV head's
+    m-blocks (a few query positions each) run together and share its K/V in L2."""
+    c = t // (pairs * chunk)
+    within = t - c * pairs * chunk
+    kc = min(chunk, m_blocks - c * chunk)  # the last chunk may be short
+    pair, m = within // kc, m_blocks - 1 - (c * chunk + within % kc)
+    return (m, pair % heads, pair // heads)
+
+
+def pack_chunk(block_m: int, block_n: int, group: int) -> int:
+    """The chunk of pack_gqa's causal order: as many m-blocks as one key tile spans (the template's `chunk`)."""
+    return max(1, block_n // pack_rows(block_m, group))
+
+
+def tile_order(m_blocks: int, heads: int, batch: int, causal: bool, chunk: int = 0) -> list[tuple[int, int, int]]:
+    """Every tile of a problem in the order the persistent kernel hands them out (chunk > 0: pack_gqa's)."""
     pairs = batch * heads
+    if causal and chunk:
+        return [tile_at_chunked(t, m_blocks, heads, pairs, chunk) for t in range(m_blocks * pairs)]
     return [tile_at(t, m_blocks, heads, pairs, causal) for t in range(m_blocks * pairs)]
 
 
@@ -33,6 +52,24 @@ def cta_tiles(order: list, grid: int, cta: int) -> list:
         out.append(order[t])
         k += 1
     return out
+
+
+def tile_counts(block_m: int, seqlen_q: int, heads: int, heads_k: int, batch: int,
+                pack_gqa: bool) -> tuple[int, int, int]:
+    """(m_blocks, heads, batch) the kernel's tile order runs over, as the template computes them: pack_gqa tiles
+    hold pack_rows whole query positions of one KV head (heads_k of them), else block_m rows of one head."""
+    if pack_gqa:
+        return -(-seqlen_q // pack_rows(block_m, heads // heads_k)), heads_k, batch
+    return -(-seqlen_q // block_m), heads, batch
+
+
+def packed_row(row: int, m_block: int, block_m: int, group: int) -> tuple[int, int] | None:
+    """pack_gqa: tile row `row` of m-block `m_block` as (query position, head in the group), or None for a row
+    past the tile's whole positions (group not dividing block_m: idle, never written)."""
+    pos = pack_rows(block_m, group)
+    if row >= pos * group:
+        return None
+    return m_block * pos + row // group, row % group
 
 
 def cluster_block(x: int, m_blocks: int, heads: int, causal: bool) -> tuple[int, int, int]:

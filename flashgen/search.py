@@ -142,7 +142,8 @@ def problem_space(problem: TuneProblem) -> list[AnyConfig]:
     """The whole space of a problem's pass (arch fit not checked)."""
     if problem.pass_ == "bwd":
         return bwd_space(problem.head_dim, problem.dtype, problem.causal, family=problem.family)  # type: ignore[return-value]
-    return config_space(problem.family, problem.head_dim, problem.dtype, problem.causal)  # type: ignore[return-value]
+    return config_space(problem.family, problem.head_dim, problem.dtype, problem.causal,  # type: ignore[return-value]
+                        problem.gqa_group)
 
 
 def viable_count(problem: TuneProblem, space: list[AnyConfig] | None = None) -> int:
@@ -177,7 +178,7 @@ def result_of(t: FrozenTrial) -> TrialResult:
 
 # Knobs added after studies may have been stored: a finished trial without one ran with its default.
 LATE_KNOBS = {"overlap_epilogue": False, "mma_rowsum": False, "lazy_rescale": False, "q_regs": False, "p_smem": False,
-              "o_tma": False, "cluster": False}
+              "o_tma": False, "pack_gqa": False, "cluster": False}
 
 
 def _params(t: FrozenTrial, family: str) -> Params:

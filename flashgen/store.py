@@ -232,10 +232,11 @@ def matches(cfg: KernelConfig | BwdConfig, head_dim: int, dtype: str, causal: bo
 
 def lookup(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, seqlen: int | None = None,
            family: str | None = None, tuned_dir: Path | str | None = None,
-           pass_: str = "fwd") -> KernelConfig | BwdConfig | None:
+           pass_: str = "fwd", gqa_group: int = 1) -> KernelConfig | BwdConfig | None:
     """The tuned configuration for this problem on this GPU, or None.
 
-    Nearest seqlen bucket (by ratio; the largest when seqlen is None), GQA group 1 preferred,
+    Nearest seqlen bucket (by ratio; the largest when seqlen is None), the call's GQA group `gqa_group` preferred,
+    then group 1 (a pack_gqa kernel only where its tile holds the call's group),
     then the standard size (BATCH_TOKENS, HEADS_DIM_TOTAL), else the largest: milliseconds
     are compared only within one size. Family None picks the fastest family at that size.
     `pass_` "bwd": the tuned backward (a BwdConfig), chosen by the same rules."""
@@ -249,7 +250,7 @@ def lookup(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, se
         cfg, p = config_from_entry(e), e.get("problem", {})
         if not matches(cfg, head_dim, dtype, causal, family):
             continue
-        if cfg.unfit_reason(arch) is None:
+        if cfg.unfit_reason(arch) is None and not (getattr(cfg, "pack_gqa", False) and cfg.block_m < gqa_group):
             size = (p.get("batch_tokens", BATCH_TOKENS), p.get("heads_dim_total", HEADS_DIM_TOTAL))
             cands.append((p.get("seqlen", 0), p.get("gqa_group", 1), size, e["median_ms"], cfg))
     if not cands:
@@ -257,7 +258,7 @@ def lookup(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, se
     target = seqlen or max(c[0] for c in cands)
     bucket = min({c[0] for c in cands}, key=lambda s: (log_distance(s, target), -s))
     cands = [c for c in cands if c[0] == bucket]
-    group = min({c[1] for c in cands}, key=lambda g: (g != 1, g))
+    group = min({c[1] for c in cands}, key=lambda g: (g != gqa_group, g != 1, g))
     cands = [c for c in cands if c[1] == group]
     size = max({c[2] for c in cands}, key=lambda z: (z == (BATCH_TOKENS, HEADS_DIM_TOTAL), z[0] * z[1], z))
     return min((c for c in cands if c[2] == size), key=lambda c: c[3])[4]
@@ -299,9 +300,10 @@ def current_gpu() -> tuple[str, str] | None:
 
 def tuned_config(head_dim: int, dtype: str, causal: bool, arch: str, seqlen: int | None = None,
                  family: str | None = None, tuned_dir: Path | str | None = None,
-                 gpu: tuple[str, str] | None = None, pass_: str = "fwd") -> KernelConfig | BwdConfig | None:
+                 gpu: tuple[str, str] | None = None, pass_: str = "fwd",
+                 gqa_group: int = 1) -> KernelConfig | BwdConfig | None:
     """What load() uses before the family default: the stored result for `gpu` (name, arch;
-    default the current GPU).
+    default the current GPU) for a call of GQA group `gqa_group` (heads // heads_k).
 
     None, silently, without a GPU or when the GPU is not an `arch` one (there is no store to
     consult); None with one warning per problem when the store has nothing for it."""
@@ -309,7 +311,7 @@ def tuned_config(head_dim: int, dtype: str, causal: bool, arch: str, seqlen: int
     if gpu is None or gpu[1] != arch:
         return None
     try:
-        cfg = lookup(gpu[0], arch, head_dim, dtype, causal, seqlen, family, tuned_dir, pass_)
+        cfg = lookup(gpu[0], arch, head_dim, dtype, causal, seqlen, family, tuned_dir, pass_, gqa_group)
     except StoreError as e:  # one warning, not an error in every attention() call
         _warn_once(str(e), f"{e}; using the family defaults until it is fixed")
         return None

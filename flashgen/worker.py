@@ -360,7 +360,8 @@ def _launch_illegal(kernel: CompiledKernel) -> None:
     row = cfg.head_dim  # one head: rows are head_dim apart
     strides = [cfg.block_m * row, row, row] * 4
     p = FwdParams(bad, bad, bad, bad, bad, *strides, 1, 1, 1, cfg.block_m, cfg.block_n, 1.0, 1.4426950408889634)
-    get_function(kernel.cubin, cfg.name, cfg.smem_bytes).launch(cfg.grid(1, 1, cfg.block_m, device_info().sm_count if cfg.persistent else None), cfg.threads, p, 0)
+    get_function(kernel.cubin, cfg.name, cfg.smem_bytes).launch(cfg.grid(1, 1, cfg.block_m, device_info().sm_count if cfg.persistent else None, 1),
+                                                               cfg.threads, p, 0)
     synchronize()
 
 

@@ -42,10 +42,10 @@ def test_suite_configs(arch: str, suites: tuple[str, ...] = SUITES) -> set[Kerne
     if "fwd" in suites:
         import test_gpu_fwd  # noqa: PLC0415
         out |= {c for hd, dt, causal in itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True))
-                for c in test_gpu_fwd.configs_for(hd, dt, causal, arch)}
+                for c in test_gpu_fwd.configs_for(hd, dt, causal, arch)} | set(test_gpu_fwd.pack_configs(arch))
     if "fp8" in suites:
         import test_gpu_fp8  # noqa: PLC0415
-        out |= set(test_gpu_fp8.fp8_configs(arch))
+        out |= set(test_gpu_fp8.fp8_configs(arch)) | set(test_gpu_fp8.pack_fp8_configs(arch))
     if "api" in suites:
         import test_gpu_api  # noqa: PLC0415
         out |= set(test_gpu_api.family_configs(arch))
@@ -72,11 +72,13 @@ def store_configs(arch: str) -> set[KernelConfig]:
     return out
 
 
-def around_store_configs(arch: str, free: list[str]) -> set[KernelConfig]:
+def around_store_configs(arch: str, free: list[str], gqa: int = 1) -> set[KernelConfig]:
+    """What `tune --around-store FREE [--gqa G]` evaluates around each stored forward configuration."""
     out = set()
     for cfg in store_configs(arch):
         if isinstance(cfg, KernelConfig) and not cfg.serving:
-            out |= {c for c in around(cfg, space(cfg.family, cfg.head_dim, cfg.dtype, cfg.causal), free)
+            group = max(gqa, 2 if cfg.pack_gqa else 1)  # a GQA problem's space: its pack_gqa configurations too
+            out |= {c for c in around(cfg, space(cfg.family, cfg.head_dim, cfg.dtype, cfg.causal, group), free)
                     if c.unfit_reason(arch) is None}
     return out
 
@@ -95,7 +97,7 @@ def space_configs(arch: str, restrict: dict[str, list]) -> set[KernelConfig]:
     family = "sm90" if arch == "sm90" else "sm80"
     return {c for hd, dt, causal in itertools.product(restrict.get("head_dim", HEAD_DIMS),
                                                       restrict.get("dtype", HALF_DTYPES), (False, True))
-            for c in space(family, hd, dt, causal)
+            for c in space(family, hd, dt, causal, 2 if True in restrict.get("pack_gqa", ()) else 1)
             if c.unfit_reason(arch) is None and all(getattr(c, f) in v for f, v in restrict.items())}
 
 
@@ -109,7 +111,8 @@ def default_configs(arch: str) -> set[KernelConfig]:
 
 
 def chosen_configs(arch: str, tests: list[str] | None, store: bool, around_store: list[str] | None = None,
-                   defaults: bool = False, restrict: dict[str, list] | None = None) -> set[KernelConfig | BwdConfig]:
+                   defaults: bool = False, restrict: dict[str, list] | None = None,
+                   gqa: int = 1) -> set[KernelConfig | BwdConfig]:
     """The kernels the options name (tests: suite names, [] for all, None for none); each family's defaults when
     they name none."""
     cfgs: set[KernelConfig | BwdConfig] = set()
@@ -118,7 +121,7 @@ def chosen_configs(arch: str, tests: list[str] | None, store: bool, around_store
     if store:
         cfgs |= store_configs(arch)
     if around_store:
-        cfgs |= around_store_configs(arch, [f.replace("-", "_") for f in around_store])
+        cfgs |= around_store_configs(arch, [f.replace("-", "_") for f in around_store], gqa)
     if restrict:
         cfgs |= space_configs(arch, restrict)
     if defaults or not (tests is not None or store or around_store or restrict):
@@ -133,6 +136,7 @@ def main() -> None:
                     help="the GPU test suite's kernels: all, or only these modules' (e.g. --tests bwd api)")
     ap.add_argument("--store", action="store_true")
     ap.add_argument("--around-store", nargs="+", default=None, metavar="FIELD")
+    ap.add_argument("--gqa", type=int, default=1, help="--around-store for GQA problems of this group (tune --gqa)")
     ap.add_argument("--space", nargs="+", default=None, metavar="FIELD=V,...",
                     help="a restricted tune's space, e.g. head_dim=64 dtype=bf16,fp16 block_m=192 block_n=128,192")
     ap.add_argument("--defaults", action="store_true")
@@ -140,7 +144,7 @@ def main() -> None:
     ap.add_argument("--into", type=Path, default=None, help="copy these kernels' cache entries into this directory")
     args = ap.parse_args()
     cfgs = chosen_configs(args.arch, args.tests, args.store, args.around_store, args.defaults,
-                          parse_restrictions(args.space) if args.space else None)
+                          parse_restrictions(args.space) if args.space else None, args.gqa)
     failed = []
 
     used: list[Path] = []  # list.extend from pool threads: atomic under the GIL

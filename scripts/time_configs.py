@@ -25,7 +25,7 @@ from flashgen.store import config_from_entry, read_store  # noqa: E402
 from flashgen.verify import verify  # noqa: E402
 
 _NAME = re.compile(r"fwd_(sm\d+)_d(\d+)_(fp16|bf16|fp8_e4m3)_(full|causal)_bm(\d+)_bn(\d+)_w(\d+)_s(\d+)"
-                   r"(?:_ov([01])_pp([01])(_ps)?(_oe)?)?(?:_o(bf16|fp16)(_bq)?(_rs)?)?(_lz)?(_qr)?(_psm)?(_ot)?(_cl)?$")
+                   r"(?:_ov([01])_pp([01])(_ps)?(_oe)?)?(?:_o(bf16|fp16)(_bq)?(_rs)?)?(_lz)?(_qr)?(_psm)?(_ot)?(_cl)?(_pk)?$")
 
 
 def parse(name: str) -> KernelConfig:
@@ -40,11 +40,12 @@ def parse(name: str) -> KernelConfig:
     m = _NAME.match(name)
     if not m:
         raise SystemExit(f"not a forward kernel name: {name}")
-    fam, d, dt, mask, bm, bn, w, s, ov, pp, ps, oe, out, bq, rs, lz, qr, psm, ot, cl = m.groups()
+    fam, d, dt, mask, bm, bn, w, s, ov, pp, ps, oe, out, bq, rs, lz, qr, psm, ot, cl, pk = m.groups()
     cfg = KernelConfig(int(d), dt, mask == "causal", int(bm), int(bn), int(w), int(s), fam,
                        bool(int(ov or 0)), bool(int(pp or 0)), bool(ps), out_dtype=out or "", block_quant_p=bool(bq),
                        overlap_epilogue=bool(oe), mma_rowsum=bool(rs), lazy_rescale=bool(lz),
-                       q_regs=bool(qr), p_smem=bool(psm), o_tma=bool(ot), cluster=bool(cl))
+                       q_regs=bool(qr), p_smem=bool(psm), o_tma=bool(ot), pack_gqa=bool(pk),
+                       cluster=bool(cl))
     if cfg.name != name:
         raise SystemExit(f"{name} reads back as {cfg.name}")
     return cfg
@@ -56,20 +57,26 @@ def main() -> None:
     ap.add_argument("--seqlen", default="4096", help="comma-separated, e.g. 1024,4096")
     ap.add_argument("--gpu-arch", default="sm90")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--shape", default=None, metavar="B,SQ,SK,H,HK",
+                    help="time on this shape instead of the bench's (e.g. 16,64,8192,32,8: a few queries per GQA "
+                         "group against a long cache); --seqlen is then ignored")
     args = ap.parse_args()
+    shape = tuple(int(x) for x in args.shape.split(",")) if args.shape else None
     for arg in args.names:
         name, _, seqlens = arg.partition("@")
         cfg = parse(name)
         kern = compile_kernel(cfg, target_for(args.gpu_arch, cfg.family))
-        for n in (int(x) for x in (seqlens or args.seqlen).split(",")):
-            b, h = max(1, 16384 // n), max(1, 2048 // cfg.head_dim)
-            vr = verify(kern, min(b, 2), n, n, h)
+        ns = [None] if shape else [int(x) for x in (seqlens or args.seqlen).split(",")]
+        for n in ns:
+            b, sq, sk, h, hk = shape or (max(1, 16384 // n), n, n, max(1, 2048 // cfg.head_dim), None)
+            where = f"shape {b}x{sq}x{sk}x{h}x{hk}" if shape else f"N={n}"
+            vr = verify(kern, min(b, 2), sq, sk, h, hk)
             if not vr.ok:
-                print(f"{name} N={n}: VERIFY FAILED {vr.reason}")
+                print(f"{name} {where}: VERIFY FAILED {vr.reason}")
                 continue
-            ms = time_kernel(kern, b, n, n, h, reps=args.reps)
-            tf = flops(b, h, n, n, cfg.head_dim, cfg.causal) / (ms * 1e-3) / 1e12
-            print(f"{name} N={n} {cfg.name if name != cfg.name else ''}: {ms:.3f} ms {tf:.1f} TFLOP/s "
+            ms = time_kernel(kern, b, sq, sk, h, hk, reps=args.reps)
+            tf = flops(b, h, sq, sk, cfg.head_dim, cfg.causal) / (ms * 1e-3) / 1e12
+            print(f"{name} {where} {cfg.name if name != cfg.name else ''}: {ms:.3f} ms {tf:.1f} TFLOP/s "
                   f"(max err {vr.max_err:.2e})", flush=True)
 
 

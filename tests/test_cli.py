@@ -159,6 +159,23 @@ def test_around_store_retunes_only_the_free_fields_of_the_stored_configuration(t
     assert "no configuration of the restricted space matches the stored one" in err and "Traceback" not in err
 
 
+def test_around_store_of_a_gqa_problem_starts_from_its_mha_entry(tmp_path, capsys):
+    """A GQA problem without an entry of its own is re-tuned around the same shape's MHA entry (--gqa 1): its stored
+    tile with pack_gqa off and on, stored as the GQA group's entry."""
+    common = ["tune", "--arch", "sm90", "--head-dim", "128", "--causal", "no", "--seqlen", "1024", "--simulate",
+              "--tuned-dir", str(tmp_path / "tuned")]
+    assert cli.main(common + ["--trials", "4", "--o-tma", "no", "--storage", f"sqlite:///{tmp_path / 'a.db'}"]) == 0
+    doc = json.loads((tmp_path / "tuned" / "simulated-gpu-sm90.json").read_text())
+    (mha_key, mha), = doc["entries"].items()
+    capsys.readouterr()
+    assert cli.main(common + ["--gqa", "4", "--around-store", "pack_gqa", "--storage", f"sqlite:///{tmp_path / 'b.db'}"]) == 0
+    assert "exhaustive: all 2 fitting configurations" in capsys.readouterr().out
+    entries = json.loads((tmp_path / "tuned" / "simulated-gpu-sm90.json").read_text())["entries"]
+    (gqa_key, gqa), = [(k, e) for k, e in entries.items() if k != mha_key]
+    assert "_g4_" in gqa_key and {k: v for k, v in gqa["config"].items() if k != "pack_gqa"} == {
+        k: v for k, v in mha["config"].items() if k != "pack_gqa"}
+
+
 def test_show_names_a_corrupt_store(tmp_path, capsys):
     (tmp_path / "x-sm90.json").write_text("{")
     assert cli.main(["show", "--tuned-dir", str(tmp_path)]) == 2

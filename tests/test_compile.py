@@ -414,3 +414,36 @@ def test_p_smem_rules_name_space_and_clean_compiles():
         assert "wgmma_pv_ss(o_regs" in k.source and "fence.proxy.async.shared::cta" in k.source
     off = render(dataclasses.replace(cfgs[0], p_smem=False))
     assert "wgmma_pv_ss" not in off and "store_p" not in off
+
+
+def test_pack_gqa_rules_name_space_and_clean_compiles():
+    """sm90 pack_gqa: a dense-forward knob (not a serving feature there), named _pk, offered only in a GQA problem's
+    space; ptxas keeps the wgmmas asynchronous and spill-free at d64/d128, both masks, persistent and not, 16-bit and
+    FP8; renders without it keep the 4-d Q load."""
+    from flashgen.config import ConfigError, space
+    from flashgen.render import render
+
+    with pytest.raises(ConfigError, match="dense-forward knob"):
+        KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", varlen=True, pack_gqa=True)
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, False, True, pack_gqa=True)
+    assert cfg.name.endswith("_ov1_pp0_ps_pk") and not cfg.serving and KernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert KernelConfig(128, "bf16", False, 64, 64, 4, 2, varlen=True, pack_gqa=True).serving  # sm80: a feature
+    mha = space("sm90", 64, "bf16", False)
+    assert not any(c.pack_gqa for c in mha) and space("sm90", 64, "bf16", False, 1) == mha
+    gqa = space("sm90", 64, "bf16", False, 4)
+    assert gqa[:len(mha)] == mha and [dataclasses.replace(c, pack_gqa=False) for c in gqa[len(mha):]] == [
+        c for c in mha if not c.o_tma]  # o_tma stages O by plain rows: not with pack_gqa
+    assert all(c.block_m >= 128 for c in space("sm90", 64, "bf16", False, 100) if c.pack_gqa)
+    assert not any(c.pack_gqa for c in space("sm80", 64, "bf16", False, 4))
+    cfgs = [KernelConfig(hd, dt, causal, 128, 128, 12, 2, "sm90", ov, pp, ps, pack_gqa=True)
+            for hd in (64, 128) for (dt, causal), (ov, pp, ps) in zip((("bf16", True), ("fp16", False), ("bf16", False),
+                                                                      ("bf16", True)),
+                                                                     ((False, False, False), (True, False, False),
+                                                                      (False, True, True), (True, False, True)))]
+    cfgs += [KernelConfig(128, "fp8_e4m3", True, 128, 128, 12, 2, "sm90", True, pack_gqa=True),
+             KernelConfig(64, "fp8_e4m3", False, 128, 128, 12, 2, "sm90", True, False, True, pack_gqa=True)]
+    for k in compile_sm90a_clean(cfgs):
+        assert "tma_load_5d(" in k.source and "apply_mask_q(" in k.source and "pos = BLOCK_M / group" in k.source
+        assert ("tile_at_chunked(t, m_blocks, p.heads_k, pairs, chunk)" in k.source) == k.config.persistent
+    off = render(dataclasses.replace(cfgs[0], pack_gqa=False))
+    assert "tma_load_5d" not in off and "row_q" not in off and "pos = BLOCK_M / group" not in off

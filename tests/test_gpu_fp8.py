@@ -180,3 +180,54 @@ def test_lazy_rescale_when_the_row_max_moves(kernels, grow):
         q, k, v, descale = quantize(q, ramped_keys(k, grow), v, per_head=True)
         missed += failures(kernels[(d, causal)], q, k, v, descale, causal, f"sq={sq} sk={sk}")
     assert not missed, "\n".join(missed)
+
+
+# pack_gqa: the query heads of one KV head share a tile (groups of 4, and of 3, which leaves idle rows in 64- and
+# 128-row tiles); plain, overlap, persistent ping-pong with the row sums on the tensor cores, three warpgroups.
+PACK_LAYOUTS = {"8-2": (8, 2), "6-2": (6, 2), "4-1": (4, 1)}
+PACK_TILES = [(128, 128, 12, 2), (128, 128, 12, 2, True), (128, 64, 12, 2, False, True, True, False, True),
+              (64, 128, 8, 2), (192, 128, 16, 2, False, False, True)]
+
+
+def pack_fp8_configs(arch: str = "sm90") -> list[KernelConfig]:
+    """The pack_gqa FP8 kernels test_pack_gqa_within_plain_fp8 runs (scripts/fill_kernel_cache.py --tests fp8)."""
+    if arch != "sm90":
+        return []
+    out = []
+    for d, causal, t in itertools.product(FP8_HEAD_DIMS, (False, True), PACK_TILES):
+        c = KernelConfig(d, DT, causal, *t[:4], "sm90", *t[4:7], mma_rowsum=bool(t[8:] and t[8]), pack_gqa=True)
+        if c.unfit_reason(arch) is None:
+            out.append(c)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pack_kernels():
+    import torch
+
+    from flashgen.compile import compile_kernel, target_for
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("FP8 wgmma needs an sm90 GPU")
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
+        compiled = list(pool.map(lambda c: compile_kernel(c, target_for("sm90", "sm90")), pack_fp8_configs()))
+    out: dict = {}
+    for k in compiled:
+        out.setdefault((k.config.head_dim, k.config.causal), []).append(k)
+    return out
+
+
+@pytest.mark.parametrize("layout", list(PACK_LAYOUTS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", FP8_HEAD_DIMS)
+def test_pack_gqa_within_plain_fp8(pack_kernels, head_dim, causal, layout):
+    from flashgen.verify import random_fp8
+
+    heads, heads_k = PACK_LAYOUTS[layout]
+    missed = []
+    for i, (sq, sk) in enumerate([(1, 1), (17, 17), (113, 113), (1023, 1023), (1, 1023), (113, 211), (211, 113)]):
+        per_head = i % 2 == 1  # descale factors per (batch, KV head) on every other case
+        q, k, v, descale = random_fp8(2, sq, sk, heads, heads_k, head_dim, per_head=per_head)
+        missed += failures(pack_kernels[(head_dim, causal)], q, k, v, descale, causal,
+                           f"sq={sq} sk={sk} {layout} per_head={per_head}")
+    assert not missed, "\n".join(missed)

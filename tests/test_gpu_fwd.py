@@ -309,3 +309,85 @@ def test_bad_inputs_raise_before_launch():
     with pytest.raises(ValueError, match="contiguous in its last dim"):
         t = torch.randn(1, 8, 4, 128, device="cuda", dtype=torch.float16)[..., ::2]
         flashgen.attention(t, t, t)
+
+
+# ---- pack_gqa (sm90): the query heads of one KV head share a tile --------------------------------------------
+# GQA layouts (heads, heads_k): groups of 4 (dividing every block_m), 3 (not dividing 64 or 128: idle rows in the tile)
+# and 4 of 8 KV heads; lengths odd, short and unequal both ways.
+PACK_LAYOUTS = {"8-2": (8, 2), "6-2": (6, 2), "4-1": (4, 1), "32-8": (32, 8)}
+PACK_PAIRS = [(1, 1), (17, 17), (113, 113), (1023, 1023), (1, 1023), (1023, 1), (113, 211), (211, 113), (17, 300)]
+# (block_m, block_n, num_warps, num_stages, overlap, pingpong, persistent, overlap_epilogue, lazy_rescale, q_regs, p_smem):
+# plain, overlap, ping-pong, one and three consumer warpgroups, persistent (plain, overlap + ping-pong, with
+# overlap_epilogue + lazy), Q in registers, P from shared memory. (ptxas, nvcc 13.0: all 58 spill-free but three d256
+# causal persistent ones with overlap, 48-100 B, where their unpacked twins spill 0-24 B: row_q and group held.)
+PACK_TILES = [(128, 128, 12, 2), (128, 64, 12, 2), (128, 128, 12, 2, True), (128, 128, 12, 2, False, True),
+              (64, 128, 8, 2), (192, 64, 16, 2, True), (128, 128, 12, 2, False, False, True),
+              (128, 64, 12, 2, True, True, True), (128, 64, 12, 2, True, False, True, True, True),
+              (128, 128, 12, 2, False, False, False, False, False, True),
+              (128, 64, 12, 2, True, False, True, False, False, False, True)]
+PACK_HEAD_DIMS = (64, 128, 256)
+
+
+def pack_configs(arch: str) -> list[KernelConfig]:
+    """The pack_gqa kernels test_pack_gqa_matches_float64_reference runs (scripts/fill_kernel_cache.py --tests fwd)."""
+    if arch != "sm90":
+        return []
+    out = []
+    for d, dt, causal, t in itertools.product(PACK_HEAD_DIMS, HALF_DTYPES, (False, True), PACK_TILES):
+        c = KernelConfig(d, dt, causal, *t[:4], "sm90", *t[4:7], overlap_epilogue=t[7:8] == (True,),
+                         lazy_rescale=t[8:9] == (True,), q_regs=t[9:10] == (True,), p_smem=t[10:11] == (True,),
+                         pack_gqa=True)
+        if c.unfit_reason(arch) is None and (dt == "bf16" or not any(o.dtype == dt and o.head_dim == d  # fp16: the
+                                                                     and o.causal == causal for o in out)):  # first that fits
+            out.append(c)
+    return out
+
+
+@pytest.fixture(scope="session")
+def pack_kernels():
+    if _arch() != "sm90" or "sm90" not in os.environ.get("FLASHGEN_TEST_FAMILIES", "sm90"):
+        pytest.skip("pack_gqa is built in the sm90 family's dense forward")
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
+        compiled = list(pool.map(lambda c: compile_kernel(c, target_for("sm90", "sm90")), pack_configs("sm90")))
+    out: dict = {}
+    for k in compiled:
+        out.setdefault((k.config.head_dim, k.config.dtype, k.config.causal), []).append(k)
+    return out
+
+
+@pytest.mark.parametrize("layout", list(PACK_LAYOUTS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("head_dim", PACK_HEAD_DIMS)
+def test_pack_gqa_matches_float64_reference(pack_kernels, head_dim, dtype, causal, layout):
+    """Tile rows (position, head of the group): Q by the 5-d TMA box, the causal mask by position, O and LSE
+    written to (position, head); the persistent kernels run many tiles per CTA over KV heads."""
+    from flashgen.verify import random_qkv, reference, run_and_judge
+
+    heads, heads_k = PACK_LAYOUTS[layout]
+    failures = []
+    for sq, sk in PACK_PAIRS:
+        batch = 3 if max(sq, sk) <= 256 else 2
+        q, k, v = random_qkv(batch, sq, sk, heads, heads_k, head_dim, dtype)
+        ref = reference(q, k, v, causal)
+        for kern in pack_kernels[(head_dim, dtype, causal)]:
+            r = run_and_judge(kern, q, k, v, ref)
+            if not r.ok:
+                failures.append(f"{kern.name} sq={sq} sk={sk} {layout}: {r.reason}")
+    assert not failures, "\n".join(failures)
+
+
+def test_pack_gqa_mha_and_negative_scale(pack_kernels):
+    """A pack_gqa kernel on MHA (group 1: plain tiles) and with softmax_scale < 0 (Q negated in shared memory,
+    the idle rows of group 3 included)."""
+    from flashgen.verify import random_qkv, reference, run_and_judge
+
+    failures = []
+    for (heads, heads_k), scale, causal in (((4, 4), None, True), ((6, 2), -0.3, True), ((6, 2), -0.3, False)):
+        q, k, v = random_qkv(2, 211, 333, heads, heads_k, 128, "bf16")
+        ref = reference(q, k, v, causal, scale)
+        for kern in pack_kernels[(128, "bf16", causal)]:
+            r = run_and_judge(kern, q, k, v, ref, scale)
+            if not r.ok:
+                failures.append(f"{kern.name} {heads}/{heads_k} scale={scale}: {r.reason}")
+    assert not failures, "\n".join(failures)

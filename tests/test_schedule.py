@@ -99,12 +99,13 @@ def test_the_template_computes_the_same_order(tmp_path):
     src.write_text(header + """
 #include <cstdio>
 int main() {
-    int m_blocks, heads, batch, causal;
-    while (scanf("%d %d %d %d", &m_blocks, &heads, &batch, &causal) == 4) {
+    int m_blocks, heads, batch, causal, chunk;
+    while (scanf("%d %d %d %d %d", &m_blocks, &heads, &batch, &causal, &chunk) == 5) {
         const int pairs = heads * batch, tiles = m_blocks * pairs, grid = 7;
         for (int cta = 0; cta < grid; ++cta)  // each CTA's tiles, as the kernel's loop walks them
             for (int k = 0, t = cta; t < tiles; t = cta_tile(++k, cta, grid)) {
-                const TileCoord c = tile_at(t, m_blocks, heads, pairs, causal != 0);
+                const TileCoord c = causal && chunk ? tile_at_chunked(t, m_blocks, heads, pairs, chunk)
+                                                    : tile_at(t, m_blocks, heads, pairs, causal != 0);
                 printf("%d %d %d\\n", c.m_block, c.head, c.batch);
             }
     }
@@ -112,9 +113,74 @@ int main() {
 """)
     exe = tmp_path / "order"
     subprocess.run([nvcc, "-std=c++17", "-o", str(exe), str(src)], check=True, capture_output=True, timeout=300)
-    cases = [(*s, c) for s in SHAPES for c in (False, True)]
-    stdin = "".join(f"{m} {h} {b} {int(c)}\n" for m, h, b, c in cases)
+    cases = [(*s, c, k) for s in SHAPES for c, k in ((False, 0), (True, 0), (True, 1), (True, 3), (True, 8))]
+    stdin = "".join(f"{m} {h} {b} {int(c)} {k}\n" for m, h, b, c, k in cases)
     out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True, timeout=60).stdout
     got = [tuple(map(int, line.split())) for line in out.splitlines()]
-    want = [t for m, h, b, c in cases for cta in range(7) for t in cta_tiles(tile_order(m, h, b, c), 7, cta)]
+    want = [t for m, h, b, c, k in cases for cta in range(7) for t in cta_tiles(tile_order(m, h, b, c, k), 7, cta)]
     assert got == want
+
+
+# ---- pack_gqa: a tile's rows are (query position, head of the group) pairs of one KV head ----------------------
+from flashgen.config import pack_rows, pack_tiles  # noqa: E402
+from flashgen.schedule import packed_row, tile_counts  # noqa: E402
+
+
+def test_pack_rows_whole_positions_per_tile():
+    assert [pack_rows(128, g) for g in (1, 2, 3, 4, 6, 8, 128)] == [128, 64, 42, 32, 21, 16, 1]
+    assert pack_rows(192, 6) == 32 and pack_rows(64, 3) == 21
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match="does not fit a tile of 64 rows"):
+            pack_rows(64, bad)
+    with pytest.raises(ValueError, match="multiple of heads_k"):
+        pack_tiles(128, 100, 6, 4)
+
+
+@pytest.mark.parametrize("block_m,seqlen_q,heads,heads_k", [(128, 1023, 8, 2), (128, 113, 6, 2), (64, 17, 4, 1),
+                                                           (192, 1, 32, 8), (128, 1024, 4, 4), (64, 211, 12, 2)])
+def test_packed_rows_cover_every_position_and_head_once(block_m, seqlen_q, heads, heads_k):
+    group = heads // heads_k
+    m_blocks, grid_heads, batch = tile_counts(block_m, seqlen_q, heads, heads_k, 3, True)
+    assert (m_blocks, grid_heads) == pack_tiles(block_m, seqlen_q, heads, heads_k) and batch == 3 and grid_heads == heads_k
+    if block_m % group == 0:  # the issue's count: ceil(seqlen_q * group / block_m)
+        assert m_blocks == -(-seqlen_q * group // block_m)
+    seen = []
+    for m in range(m_blocks):
+        rows = min(pack_rows(block_m, group), seqlen_q - m * pack_rows(block_m, group)) * group  # the kernel's `rows`
+        for r in range(block_m):
+            pr = packed_row(r, m, block_m, group)
+            assert (pr is not None and pr[0] < seqlen_q) == (r < rows)  # rows past `rows` are never written
+            if r < rows:
+                seen.append(pr)
+    assert sorted(seen) == sorted(itertools.product(range(seqlen_q), range(group)))
+    assert tile_counts(block_m, seqlen_q, heads, heads_k, 3, False) == (-(-seqlen_q // block_m), heads, 3)
+
+
+def test_packed_tile_order_runs_over_kv_heads():
+    m_blocks, heads_k, batch = tile_counts(128, 1000, 32, 8, 2, True)
+    order = tile_order(m_blocks, heads_k, batch, True)
+    assert sorted(order) == sorted(itertools.product(range(m_blocks), range(heads_k), range(batch)))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("chunk", [1, 2, 3, 8])
+def test_pack_gqa_causal_order_by_chunks(shape, chunk):
+    """pack_gqa's causal order: every tile once, chunk 1 is the plain longest-first order, longest first from
+    chunk to chunk, and within a chunk one pair's m-blocks together."""
+    m_blocks, heads, batch = shape
+    order = tile_order(m_blocks, heads, batch, True, chunk)
+    assert sorted(order) == sorted(itertools.product(range(m_blocks), range(heads), range(batch)))
+    if chunk == 1:
+        assert order == tile_order(m_blocks, heads, batch, True)
+    chunks = [(m_blocks - 1 - m) // chunk for m, _, _ in order]
+    assert chunks == sorted(chunks)
+    for c in set(chunks):
+        pairs = [(h, b) for (m, h, b), cc in zip(order, chunks) if cc == c]
+        runs = [p for i, p in enumerate(pairs) if i == 0 or pairs[i - 1] != p]
+        assert len(runs) == len(set(runs))  # each pair's m-blocks adjacent
+
+
+def test_pack_chunk_spans_one_key_tile():
+    from flashgen.schedule import pack_chunk
+
+    assert pack_chunk(128, 128, 4) == 4 and pack_chunk(64, 128, 4) == 8 and pack_chunk(128, 64, 1) == 1

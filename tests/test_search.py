@@ -395,7 +395,7 @@ def test_a_failure_while_stopping_is_not_the_kernels(tmp_path):
 
 
 def test_a_stored_trial_from_before_a_knob_reads_as_the_knob_off():
-    """Studies stored before overlap_epilogue, mma_rowsum, lazy_rescale, q_regs, p_smem, o_tma and cluster existed (`tune --collect` reads every study in a storage):
+    """Studies stored before overlap_epilogue, mma_rowsum, lazy_rescale, q_regs, p_smem, o_tma, pack_gqa and cluster existed (`tune --collect` reads every study in a storage):
     their finished trials lack the parameters and ran without them."""
     from optuna.distributions import CategoricalDistribution
 
@@ -447,3 +447,15 @@ def test_new_trials_make_the_retimed_figures_stale(tmp_path):
     assert len(more.retimed) == 1  # four more verified trials: the leaders are timed again
     st = open_study(p, opts(tmp_path), study_name(p, cfgs))
     assert st.user_attrs["retimed"]["verified"] == out.counts["ok"]
+
+
+def test_gqa_problems_search_pack_gqa_too():
+    """An sm90 GQA problem's space adds each configuration (but o_tma's) with pack_gqa (a parameter like the other
+    knobs); an MHA problem's space has none."""
+    mha = TuneProblem("Test GPU", "sm90", "sm90", "bf16", 128, True, 1024)
+    gqa = TuneProblem("Test GPU", "sm90", "sm90", "bf16", 128, True, 1024, gqa_group=4)
+    assert not any(c.pack_gqa for c in search_mod.problem_space(mha))
+    packed = [c for c in search_mod.problem_space(gqa) if c.pack_gqa]
+    assert len(packed) == len([c for c in search_mod.problem_space(mha) if not c.o_tma])  # o_tma: not packed
+    assert all(search_mod.config_of(gqa, params_of(c)) == c for c in packed[:50])
+    assert study_name(mha, search_mod.problem_space(mha)) != study_name(gqa, search_mod.problem_space(gqa))

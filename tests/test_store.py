@@ -105,6 +105,18 @@ def test_lookup_nearest_bucket_and_gqa(tmp_path, path):
     assert lookup("Other", ARCH, 128, "bf16", False, 4096, tuned_dir=tmp_path) is None
 
 
+def test_lookup_prefers_the_calls_gqa_group_and_a_packed_kernel_that_holds_it(tmp_path, path):
+    """A GQA call (load(gqa_group=...), attention() passes heads // heads_k) takes its group's entry, an sm90
+    pack_gqa kernel there; a packed kernel whose tile cannot hold the call's group is never the answer."""
+    packed = KernelConfig(128, "bf16", False, 64, 128, 8, 2, "sm90", pack_gqa=True)
+    pk = {**entry(0.1, gqa=4, family="sm90"), "config": packed.to_dict(), "kernel": packed.name}
+    merge(path, GPU, ARCH, {key(): entry(1.0, stages=3), key(gqa=4) + "_pk": pk})
+    find = lambda g: lookup(GPU, ARCH, 128, "bf16", False, 4096, tuned_dir=tmp_path, gqa_group=g)  # noqa: E731
+    assert find(4) == packed and find(1).num_stages == 3 and not find(1).pack_gqa
+    merge(path, GPU, ARCH, {key(gqa=128): {**pk, "problem": {**pk["problem"], "gqa_group": 128}}})
+    assert find(128).num_stages == 3 and not find(128).pack_gqa  # 128 heads a KV head: past its 64-row tile
+
+
 def test_a_serving_entry_never_answers_a_dense_lookup(tmp_path, path):
     """A serving kernel takes ServeParams, not FwdParams: even a faster one is not a dense call's kernel."""
     serving = KernelConfig(128, "bf16", False, 128, 64, 8, 3, varlen=True, split=True)
