@@ -432,7 +432,7 @@ def test_pack_gqa_rules_name_space_and_clean_compiles():
     assert not any(c.pack_gqa for c in mha) and space("sm90", 64, "bf16", False, 1) == mha
     gqa = space("sm90", 64, "bf16", False, 4)
     assert gqa[:len(mha)] == mha and [dataclasses.replace(c, pack_gqa=False) for c in gqa[len(mha):]] == [
-        c for c in mha if not c.o_tma]  # o_tma stages O by plain rows: not with pack_gqa
+        c for c in mha if not c.o_tma and not c.cluster]  # o_tma stages O by plain rows: not with pack_gqa; nor cluster
     assert all(c.block_m >= 128 for c in space("sm90", 64, "bf16", False, 100) if c.pack_gqa)
     assert not any(c.pack_gqa for c in space("sm80", 64, "bf16", False, 4))
     cfgs = [KernelConfig(hd, dt, causal, 128, 128, 12, 2, "sm90", ov, pp, ps, pack_gqa=True)
