@@ -38,7 +38,7 @@ FEATURES = ("varlen", "paged", "split", "pack_gqa", "window", "softcap", "alibi"
 SM90_FEATURES = ("varlen", "window")  # the sm90 family's forward and backward have these
 # The sm90 forward's schedule knobs (KernelConfig fields; tuned beside the tile, `tune --<knob> yes/no` restricts them).
 SM90_KNOBS = ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum", "lazy_rescale", "q_regs", "p_smem",
-              "o_tma", "pack_gqa")
+              "o_tma", "pack_gqa", "cluster")
 BWD_FEATURES = ("varlen", "window", "softcap", "alibi")  # the ones a training call uses: the backward has them
 
 
@@ -163,6 +163,10 @@ class KernelConfig(_AsDict):
     # copies them out (cp.async.bulk, a row each) while the warp goes on to its next tile; 16 rows x (head_dim + 8)
     # 16-bit elements of shared memory per warp (rows padded against bank conflicts).
     o_tma: bool = False
+    # sm90, 16-bit dense: CTAs run in clusters of two on neighbouring m-blocks of one (batch, head) and share each K/V
+    # tile: each CTA's producer loads half its rows, multicast by TMA into both CTAs' shared memory. Persistent: both
+    # CTAs of a cluster walk the same tiles of m-block pairs.
+    cluster: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
@@ -220,6 +224,10 @@ class KernelConfig(_AsDict):
         if self.o_tma and (self.family != "sm90" or self.fp8 or self.features):
             raise ConfigError("o_tma is an sm90 knob for the dense 16-bit forward without pack_gqa, not "
                               f"{self.dtype} / family {self.family} / {'+'.join(self.features) or 'dense'}")
+        _check_choice("cluster", self.cluster, (False, True))
+        if self.cluster and (self.family != "sm90" or self.fp8 or self.features):
+            raise ConfigError("cluster is an sm90 knob for the dense 16-bit forward, not "
+                              f"{self.dtype} / family {self.family} / {'+'.join(self.features) or 'dense'}")
         for f in FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
         if self.pack_gqa and self.family == "sm90" and self.serving:
@@ -274,6 +282,7 @@ class KernelConfig(_AsDict):
             name += "_qr" if self.q_regs else ""
             name += "_psm" if self.p_smem else ""
             name += "_ot" if self.o_tma else ""
+            name += "_cl" if self.cluster else ""
         return name + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
 
     @property
@@ -363,23 +372,36 @@ class KernelConfig(_AsDict):
             return min(200, (SM90_REGS_FP8 if self.fp8 else SM90_REGS)[self.consumers][1] - room)
         return MAX_ACCUM_REGS
 
+    @property
+    def kv_box_rows(self) -> int:
+        """sm90: rows of the K and V tensor maps' TMA box: a tile, or half of one (cluster: each CTA loads half)."""
+        return self.block_n // 2 if self.cluster else self.block_n
+
+    def m_slots(self, seqlen_q: int) -> int:
+        """Grid slots per (batch, head): its m-blocks, rounded up to pairs with cluster (an odd count leaves the last
+        pair's second CTA past the rows: it only shares its partner's K/V loads)."""
+        m_blocks = -(-seqlen_q // self.block_m)
+        return m_blocks + (m_blocks & 1) if self.cluster else m_blocks
+
     def grid(self, batch: int, heads: int, seqlen_q: int, sm_count: int | None = None,
              heads_k: int | None = None) -> tuple[int, int, int]:
         """One flat grid of m-blocks x heads x batch (the kernel unfolds blockIdx.x): gridDim.y and
         .z stop at 65535, x at 2^31 - 1. Persistent: one CTA per SM (`sm_count`), fewer if fewer tiles.
-        sm90 pack_gqa: m-blocks of packed rows x KV heads x batch (`heads_k` needed; see pack_tiles)."""
+        sm90 pack_gqa: m-blocks of packed rows x KV heads x batch (`heads_k` needed; see pack_tiles).
+        Cluster: m-blocks rounded up to pairs (m_slots), so x is even, a whole number of 2-CTA clusters (persistent: at
+        most the SM count rounded down to even)."""
         if self.pack_gqa and self.family == "sm90":
             if heads_k is None:
                 raise ValueError(f"{self.name} packs GQA: its grid needs heads_k")
             m_blocks, heads = pack_tiles(self.block_m, seqlen_q, heads, heads_k)
             grid = _flat_grid(m_blocks, heads, batch, f"ceil(seqlen_q / ({self.block_m} // group))")
         else:
-            grid = _flat_grid(-(-seqlen_q // self.block_m), heads, batch, f"ceil(seqlen_q / {self.block_m})")
+            grid = _flat_grid(self.m_slots(seqlen_q), heads, batch, f"ceil(seqlen_q / {self.block_m})")
         if not self.persistent:
             return grid
         if not sm_count or sm_count < 1:
             raise ValueError(f"{self.name} is persistent: its grid needs the GPU's SM count")
-        return (min(grid[0], sm_count), 1, 1)
+        return (min(grid[0], max(2, sm_count - sm_count % 2) if self.cluster else sm_count), 1, 1)
 
     def unfit_reason(self, arch: str) -> str | None:
         """Why this config cannot run on `arch`, or None if it fits."""
@@ -438,14 +460,15 @@ def space(family: str, head_dim: int, dtype: str, causal: bool, gqa_group: int =
                             for lz, qr, psm, ot in itertools.product(
                                     (False, True) if family == "sm90" and (ov or dtype in FP8_DTYPES) else (False,),
                                     sm90_16, sm90_16, sm90_16):
-                                try:
-                                    out.append(KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family, ov, pp, ps,
-                                                            overlap_epilogue=oe, mma_rowsum=rs, lazy_rescale=lz,
-                                                            q_regs=qr, p_smem=psm, o_tma=ot))
-                                except ConfigError:
-                                    continue
+                                for cl in sm90_16:
+                                    try:
+                                        out.append(KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family, ov, pp, ps,
+                                                                overlap_epilogue=oe, mma_rowsum=rs, lazy_rescale=lz,
+                                                                q_regs=qr, p_smem=psm, o_tma=ot, cluster=cl))
+                                    except ConfigError:
+                                        continue
     if family == "sm90" and gqa_group > 1:
-        out += [replace(c, pack_gqa=True) for c in out if gqa_group <= c.block_m and not c.o_tma]
+        out += [replace(c, pack_gqa=True) for c in out if gqa_group <= c.block_m and not c.o_tma and not c.cluster]
     return out
 
 

@@ -93,16 +93,16 @@ def tmap_box_packed(strides: tuple[int, ...], head_dim: int, seqlen: int, heads:
 
 
 def tmap_geometry(q: View, k: View, v: View, prob: Problem, cfg: KernelConfig) -> tuple:
-    """(dims, byte strides, box) of the q, k, v tensor maps: boxes of SMEM_W x block_m (q) or block_n (k, v) rows
-    (pack_gqa: q's is tmap_box_packed's)."""
+    """(dims, byte strides, box) of the q, k, v tensor maps: boxes of SMEM_W x block_m (q) or kv_box_rows (k, v:
+    block_n, or half of it with cluster) rows (pack_gqa: q's is tmap_box_packed's)."""
     if cfg.pack_gqa and cfg.family == "sm90":
         qmap = tmap_box_packed(q.strides, prob.head_dim, prob.seqlen_q, prob.heads, prob.heads_k, prob.batch,
                                cfg.elem_bytes, cfg.smem_w, cfg.block_m)
         return (qmap, *tmap_geometry(q, k, v, prob, replace(cfg, pack_gqa=False))[1:])
     return tuple(tmap_box(t.strides, prob.head_dim, n, heads, prob.batch, cfg.elem_bytes, cfg.smem_w, rows)
                  for t, n, heads, rows in ((q, prob.seqlen_q, prob.heads, cfg.block_m),
-                                           (k, prob.seqlen_k, prob.heads_k, cfg.block_n),
-                                           (v, prob.seqlen_k, prob.heads_k, cfg.block_n)))
+                                           (k, prob.seqlen_k, prob.heads_k, cfg.kv_box_rows),
+                                           (v, prob.seqlen_k, prob.heads_k, cfg.kv_box_rows)))
 
 
 def sm90_params(p: bytes | FwdParams, q: View, k: View, v: View, prob: Problem, cfg: KernelConfig,

@@ -70,3 +70,20 @@ def packed_row(row: int, m_block: int, block_m: int, group: int) -> tuple[int, i
     if row >= pos * group:
         return None
     return m_block * pos + row // group, row % group
+
+
+def cluster_block(x: int, m_blocks: int, heads: int, causal: bool) -> tuple[int, int, int]:
+    """The non-persistent cluster kernel's CTA x as (m_block, head, batch) (templates/sm90/fwd.cu.j2 computes the same):
+    m-blocks counted in pairs per (batch, head), m_slots = m_blocks rounded up to even, so CTAs 2i and 2i + 1 (one
+    2-CTA cluster) get m-blocks {2k, 2k + 1} of one (batch, head); an odd count's extra slot is m_block = m_blocks."""
+    m_slots = m_blocks + (m_blocks & 1)
+    m_idx = x % m_slots
+    return (m_slots - 1 - m_idx if causal else m_idx, (x // m_slots) % heads, x // m_slots // heads)
+
+
+def cluster_cta_tiles(m_blocks: int, heads: int, batch: int, causal: bool, grid: int, cta: int) -> list:
+    """The persistent cluster kernel's tiles of CTA `cta` of `grid` (even), as (m_block, head, batch): cluster cta // 2
+    runs tile_order over m-block pairs as cta_tiles hands it out to grid // 2 clusters, and CTA rank cta % 2 takes
+    m-block 2 m + rank of pair m (m_blocks odd: the top pair's m_block = m_blocks is past the rows)."""
+    order = tile_order((m_blocks + 1) // 2, heads, batch, causal)
+    return [(2 * m + cta % 2, h, b) for m, h, b in cta_tiles(order, grid // 2, cta // 2)]

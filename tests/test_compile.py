@@ -250,6 +250,58 @@ def test_o_tma_rules_name_space_and_clean_compiles():
     assert "bulk_store" not in off and "stsm_x4" not in off
 
 
+def test_cluster_rules_name_space_grid_and_clean_compiles():
+    """2-CTA clusters sharing K/V by TMA multicast (cluster): dense 16-bit sm90 only, named _cl, in the space, the same
+    shared memory, K/V boxes of half a tile, m-blocks rounded up to pairs in the grid (persistent: an even grid); ptxas
+    keeps the wgmmas asynchronous and spill-free, both masks, d64 and d128, persistent or not, with the other knobs;
+    renders without it unchanged."""
+    from flashgen.config import ConfigError, space
+    from flashgen.render import render
+
+    for bad in (dict(dtype="fp8_e4m3"), dict(family="sm80", num_warps=8), dict(varlen=True), dict(window=True)):
+        args = {"head_dim": 128, "dtype": "bf16", "causal": False, "block_m": 128, "block_n": 128, "num_warps": 12,
+                "num_stages": 2, "family": "sm90", **bad}
+        with pytest.raises(ConfigError, match="dense 16-bit forward"):
+            KernelConfig(**args, cluster=True)
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, True, lazy_rescale=True, cluster=True)
+    plain = dataclasses.replace(cfg, cluster=False)
+    assert cfg.name.endswith("_ov1_pp1_lz_cl") and KernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.smem_bytes == plain.smem_bytes and (cfg.kv_box_rows, plain.kv_box_rows) == (64, 128)
+    assert cfg.grid(batch=3, heads=5, seqlen_q=256) == plain.grid(batch=3, heads=5, seqlen_q=256) == (2 * 15, 1, 1)
+    assert cfg.grid(batch=3, heads=5, seqlen_q=257) == (4 * 15, 1, 1) and plain.grid(3, 5, 257) == (3 * 15, 1, 1)
+    sp = space("sm90", 64, "fp16", True)
+    assert {dataclasses.replace(c, cluster=False) for c in sp if c.cluster} <= set(sp) and any(c.cluster for c in sp)
+    assert any(c.cluster and c.persistent for c in sp)
+    ps = dataclasses.replace(cfg, persistent=True)
+    assert ps.grid(batch=1, heads=8, seqlen_q=4096, sm_count=133) == (132, 1, 1)  # whole clusters
+    assert ps.grid(batch=1, heads=1, seqlen_q=300, sm_count=133) == (4, 1, 1)  # 3 m-blocks: 2 pairs
+    assert not any(c.cluster for c in space("sm90", 128, "fp8_e4m3", False) + space("sm80", 128, "bf16", False))
+    cfgs = [KernelConfig(d, "bf16", causal, 128, 128, 12, 2, "sm90", cluster=True)
+            for d in (64, 128) for causal in (False, True)]
+    cfgs += [KernelConfig(64, "fp16", True, 128, 128, 12, 2, "sm90", True, True, cluster=True),
+             KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, False, lazy_rescale=True, cluster=True),
+             KernelConfig(128, "bf16", False, 64, 128, 8, 2, "sm90", cluster=True),
+             KernelConfig(64, "bf16", True, 192, 64, 16, 2, "sm90", True, cluster=True),
+             KernelConfig(128, "fp16", False, 128, 128, 12, 2, "sm90", False, True, q_regs=True, o_tma=True,
+                          cluster=True),
+             KernelConfig(128, "bf16", True, 128, 64, 12, 3, "sm90", True, lazy_rescale=True, p_smem=True, cluster=True)]
+    cfgs += [KernelConfig(128, "bf16", causal, 128, 128, 12, 2, "sm90", persistent=True, cluster=True)
+             for causal in (False, True)]
+    cfgs += [KernelConfig(64, "fp16", True, 128, 128, 12, 2, "sm90", True, True, True, lazy_rescale=True, cluster=True),
+             KernelConfig(128, "bf16", True, 128, 96, 12, 3, "sm90", True, True, True, overlap_epilogue=True, cluster=True),
+             KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", False, True, True, q_regs=True, cluster=True),
+             KernelConfig(64, "bf16", True, 192, 64, 16, 2, "sm90", True, False, True, overlap_epilogue=True, o_tma=True,
+                          cluster=True)]
+    for k in compile_sm90a_clean(cfgs):
+        assert "__cluster_dims__(2, 1, 1)" in k.source and k.source.count("tma_load_4d_multicast(s") == 2
+        for ptx in (".multicast::cluster", "barrier.cluster.arrive", "barrier.cluster.wait", "mapa.shared::cluster",
+                    "mbarrier.arrive.shared::cluster.b64"):
+            assert ptx in k.source, (k.name, ptx)
+        assert k.source.count("cluster_sync();") == 3  # after the barriers' init, the producer's and consumers' ends
+    off = render(plain)
+    assert "cluster" not in off.replace("fence.mbarrier_init.release.cluster", "").replace("shared::cluster", "")
+
+
 _SASS = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*);")
 
 
@@ -380,7 +432,7 @@ def test_pack_gqa_rules_name_space_and_clean_compiles():
     assert not any(c.pack_gqa for c in mha) and space("sm90", 64, "bf16", False, 1) == mha
     gqa = space("sm90", 64, "bf16", False, 4)
     assert gqa[:len(mha)] == mha and [dataclasses.replace(c, pack_gqa=False) for c in gqa[len(mha):]] == [
-        c for c in mha if not c.o_tma]  # o_tma stages O by plain rows: not with pack_gqa
+        c for c in mha if not c.o_tma and not c.cluster]  # o_tma stages O by plain rows: not with pack_gqa; nor cluster
     assert all(c.block_m >= 128 for c in space("sm90", 64, "bf16", False, 100) if c.pack_gqa)
     assert not any(c.pack_gqa for c in space("sm80", 64, "bf16", False, 4))
     cfgs = [KernelConfig(hd, dt, causal, 128, 128, 12, 2, "sm90", ov, pp, ps, pack_gqa=True)

@@ -58,7 +58,23 @@ OTHER_TILES = {
              (128, 64, 12, 2, False, True, True, False, False, False, False, True),
              (192, 64, 16, 2, True, False, True, True, False, False, False, True),
              (128, 128, 12, 2, True, True, True, False, True, True, False, True),
-             (64, 128, 8, 2, False, False, True, False, False, False, False, True)],
+             (64, 128, 8, 2, False, False, True, False, False, False, False, True),
+             # 2-CTA clusters sharing K/V by TMA multicast: plain, overlap + ping-pong + lazy, one and three consumer
+             # warpgroups, three stages with P from shared memory, ping-pong with Q in registers and O by bulk copies;
+             # 64-key tiles (the d256 default's)
+             (128, 128, 12, 2, False, False, False, False, False, False, False, False, True),
+             (128, 64, 12, 2, False, False, False, False, False, False, False, False, True),
+             (128, 128, 12, 2, True, True, False, False, True, False, False, False, True),
+             (64, 128, 8, 2, False, False, False, False, False, False, False, False, True),
+             (192, 64, 16, 2, True, False, False, False, False, False, False, False, True),
+             (128, 64, 12, 3, True, False, False, False, True, False, True, False, True),
+             (128, 128, 12, 2, False, True, False, False, False, True, False, True, True),
+             # persistent clusters (both CTAs walk the same m-block pairs): plain, overlap + ping-pong + overlap_epilogue,
+             # ping-pong with Q in registers (Q's buffer freed early), three warpgroups with overlap_epilogue and o_tma
+             (128, 128, 12, 2, False, False, True, False, False, False, False, False, True),
+             (128, 96, 12, 3, True, True, True, True, False, False, False, False, True),
+             (128, 128, 12, 2, False, True, True, False, False, True, False, False, True),
+             (192, 64, 16, 2, True, False, True, True, False, False, False, True, True)],
 }
 
 
@@ -79,7 +95,8 @@ def configs_for(head_dim: int, dtype: str, causal: bool, arch: str) -> list[Kern
         for tiles in OTHER_TILES[family]:
             c = KernelConfig(head_dim, dtype, causal, *tiles[:4], family, *tiles[4:7],
                              overlap_epilogue=tiles[7:8] == (True,), lazy_rescale=tiles[8:9] == (True,),
-                             q_regs=tiles[9:10] == (True,), p_smem=tiles[10:11] == (True,), o_tma=tiles[11:12] == (True,))
+                             q_regs=tiles[9:10] == (True,), p_smem=tiles[10:11] == (True,), o_tma=tiles[11:12] == (True,),
+                             cluster=tiles[12:13] == (True,))
             if c.unfit_reason(arch) is None and c not in cfgs:
                 cfgs.append(c)
     return cfgs

@@ -7,7 +7,8 @@ import subprocess
 import pytest
 
 from flashgen.render import template_env
-from flashgen.schedule import cta_tile, cta_tiles, tile_order
+from flashgen.config import KernelConfig
+from flashgen.schedule import cluster_block, cluster_cta_tiles, cta_tile, cta_tiles, tile_order
 
 SHAPES = [(1, 1, 1), (8, 16, 16), (32, 16, 4), (128, 8, 1), (3, 5, 7), (9, 3, 2), (2, 40, 1)]  # m_blocks, heads, batch
 
@@ -44,6 +45,44 @@ def test_causal_work_is_balanced_over_the_ctas(d, n):
     order = tile_order(m_blocks, heads, batch, True)
     loads = [sum(_work(m) for m, _, _ in cta_tiles(order, 132, c)) for c in range(132)]
     assert max(loads) <= 1.04 * sum(loads) / 132
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 128, 129, 300, 1023, 1024])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cluster_pairs_neighbouring_m_blocks(seqlen_q, causal):
+    """cluster: the grid is whole 2-CTA clusters, each on m-blocks {2k, 2k + 1} of one (batch, head); every m-block
+    is run once, and an odd count's extra CTA (m_block = m_blocks) is its last pair's partner."""
+    heads, batch = 3, 2
+    cfg = KernelConfig(64, "bf16", causal, 128, 128, 12, 2, "sm90", cluster=True)
+    grid, m_blocks = cfg.grid(batch, heads, seqlen_q)[0], -(-seqlen_q // 128)
+    assert grid % 2 == 0 and grid == cfg.m_slots(seqlen_q) * heads * batch
+    blocks = [cluster_block(x, m_blocks, heads, causal) for x in range(grid)]
+    for (m0, h0, b0), (m1, h1, b1) in zip(blocks[::2], blocks[1::2]):
+        assert (h0, b0) == (h1, b1) and m0 // 2 == m1 // 2 and m0 != m1
+    real = sorted(t for t in blocks if t[0] < m_blocks)
+    assert real == sorted(itertools.product(range(m_blocks), range(heads), range(batch)))
+    assert len(blocks) - len(real) == (m_blocks & 1) * heads * batch and all(m <= m_blocks for m, _, _ in blocks)
+    if causal:  # the bottom pair first, as without clusters
+        assert [m for m, _, _ in blocks[:2]] == [cfg.m_slots(seqlen_q) - 1, cfg.m_slots(seqlen_q) - 2]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_clusters_run_pairs_of_m_blocks(shape, causal):
+    """Persistent cluster: the two CTAs of a cluster run the same tiles, m-blocks {2k, 2k + 1} of one (batch, head);
+    every m-block runs once over the grid (an even SM count: the host rounds it down)."""
+    m_blocks, heads, batch = shape
+    cfg = KernelConfig(64, "bf16", causal, 128, 128, 12, 2, "sm90", persistent=True, cluster=True)
+    for sm_count in (1, 7, 132):
+        grid = cfg.grid(batch, heads, m_blocks * 128, sm_count)[0]
+        assert grid % 2 == 0 and grid <= max(2, sm_count)
+        shares = [cluster_cta_tiles(m_blocks, heads, batch, causal, grid, c) for c in range(grid)]
+        for lo, hi in zip(shares[::2], shares[1::2]):
+            assert [(m // 2, h, b) for m, h, b in lo] == [(m // 2, h, b) for m, h, b in hi]
+            assert all(m % 2 == 0 for m, _, _ in lo) and all(m % 2 == 1 for m, _, _ in hi)
+        real = sorted(t for s in shares for t in s if t[0] < m_blocks)
+        assert real == sorted(itertools.product(range(m_blocks), range(heads), range(batch)))
+        assert all(m <= m_blocks for s in shares for m, _, _ in s)
 
 
 def test_snake_hand_out():

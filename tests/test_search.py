@@ -395,7 +395,7 @@ def test_a_failure_while_stopping_is_not_the_kernels(tmp_path):
 
 
 def test_a_stored_trial_from_before_a_knob_reads_as_the_knob_off():
-    """Studies stored before overlap_epilogue, mma_rowsum, lazy_rescale, q_regs, p_smem, o_tma and pack_gqa existed (`tune --collect` reads every study in a storage):
+    """Studies stored before overlap_epilogue, mma_rowsum, lazy_rescale, q_regs, p_smem, o_tma, pack_gqa and cluster existed (`tune --collect` reads every study in a storage):
     their finished trials lack the parameters and ran without them."""
     from optuna.distributions import CategoricalDistribution
 
@@ -404,7 +404,7 @@ def test_a_stored_trial_from_before_a_knob_reads_as_the_knob_off():
     t = optuna.trial.create_trial(params=values, value=1.0, user_attrs={"status": "ok"},
                                   distributions={n: CategoricalDistribution([v]) for n, v in values.items()})
     params = search_mod._params(t, "sm90")
-    assert params == (128, 128, 12, 2, True, False, True, False, False, False, False, False, False, False)
+    assert params == (128, 128, 12, 2, True, False, True) + (False,) * len(search_mod.LATE_KNOBS)
     p90 = TuneProblem("Test GPU", "sm90", "sm90", "bf16", 128, False, 4096)
     assert search_mod.config_of(p90, params).name == "fwd_sm90_d128_bf16_full_bm128_bn128_w12_s2_ov1_pp0_ps"
     p8 = TuneProblem("Test GPU", "sm90", "sm90", "fp8_e4m3", 128, False, 4096)  # FP8's row sums by FADD, as measured
@@ -450,12 +450,12 @@ def test_new_trials_make_the_retimed_figures_stale(tmp_path):
 
 
 def test_gqa_problems_search_pack_gqa_too():
-    """An sm90 GQA problem's space adds each configuration (but o_tma's) with pack_gqa (a parameter like the other
+    """An sm90 GQA problem's space adds each configuration (but o_tma's and cluster's) with pack_gqa (a parameter like the other
     knobs); an MHA problem's space has none."""
     mha = TuneProblem("Test GPU", "sm90", "sm90", "bf16", 128, True, 1024)
     gqa = TuneProblem("Test GPU", "sm90", "sm90", "bf16", 128, True, 1024, gqa_group=4)
     assert not any(c.pack_gqa for c in search_mod.problem_space(mha))
     packed = [c for c in search_mod.problem_space(gqa) if c.pack_gqa]
-    assert len(packed) == len([c for c in search_mod.problem_space(mha) if not c.o_tma])  # o_tma: not packed
+    assert len(packed) == len([c for c in search_mod.problem_space(mha) if not c.o_tma and not c.cluster])  # not packed
     assert all(search_mod.config_of(gqa, params_of(c)) == c for c in packed[:50])
     assert study_name(mha, search_mod.problem_space(mha)) != study_name(gqa, search_mod.problem_space(gqa))
