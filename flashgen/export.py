@@ -440,20 +440,21 @@ def header(cfg: KernelConfig | BwdConfig, tuned_on: list[str], target: str) -> s
     sm90 = cfg.family == "sm90"
     if cfg.serving and not sm90:
         return serve_header(cfg, tuned_on, target)
-    if sm90 and cfg.pack_gqa:  # its grid and q's 5-d tensor map (launch.tmap_box_packed) are not in the header yet
-        raise ValueError(f"{cfg.name}: export of the sm90 pack_gqa forward is not built; export the kernel without it")
+    packed = sm90 and cfg.pack_gqa
     extra = ""
     if sm90:  # the TMA box geometry the caller's tensor maps must use
         extra = f"\nconstexpr int SMEM_W = {cfg.smem_w};\nconstexpr int SWIZZLE_BYTES = {cfg.row_bytes};"
         if cfg.fp8:
             extra += f'\nconstexpr const char* OUT_DTYPE = "{cfg.output_dtype}";'
         extra += "".join(f"\nconstexpr bool {f.upper()} = {str(getattr(cfg, f)).lower()};" for f in cfg.features)
+        if packed:
+            extra += _PACKED_Q_NOTE
         if cfg.cluster:  # each CTA of a pair loads half of every K/V tile
             extra += f"\nconstexpr int KV_BOX_ROWS = {cfg.kv_box_rows};  // tm_k, tm_v box rows: BLOCK_N / 2 (cluster)"
     params_type = ("Sm90Fp8FwdParams" if cfg.fp8 else "Sm90ServeFwdParams" if cfg.serving else "Sm90FwdParams") \
         if sm90 else "FwdParams"
-    grid = (_PERSISTENT_CLUSTER_GRID if cfg.cluster else _PERSISTENT_GRID) if cfg.persistent else \
-        _CLUSTER_GRID if cfg.cluster else _FLAT_GRID
+    grid = (_PERSISTENT_CLUSTER_GRID if cfg.cluster else _PERSISTENT_PACKED_GRID if packed else _PERSISTENT_GRID) \
+        if cfg.persistent else _CLUSTER_GRID if cfg.cluster else _PACKED_GRID if packed else _FLAT_GRID
     if cfg.serving:  # the grid runs over num_seqs sequences of up to max_seqlen_q rows (FwdParams: the packed tensors)
         grid = {**grid, "grid_doc": _grid_text(cfg),
                 "grid_args": grid["grid_args"].replace("f.seqlen_q", "p.max_seqlen_q").replace("f.batch", "p.num_seqs")}
@@ -472,6 +473,31 @@ _FLAT_GRID = {
                "inline unsigned grid_x(int seqlen_q, int heads, int batch) {\n"
                "    return (unsigned)(((int64_t)(seqlen_q + BLOCK_M - 1) / BLOCK_M) * heads * batch);\n}",
     "grid_prelude": "", "grid_args": "f.seqlen_q, f.heads, f.batch",
+}
+# pack_gqa (sm90): tiles of BLOCK_M / group whole query positions of one KV head, over KV heads.
+_PACKED_Q_NOTE = """
+// pack_gqa: tm_q is rank 5 over (head_dim, group, heads_k, seqlen_q, batch), group = heads / heads_k (q's heads
+// axis split in two; byte strides: head, head * group, row, batch), box (SMEM_W, group, 1, BLOCK_M / group, 1); tm_k
+// and tm_v as below. A tile holds BLOCK_M / group query positions, each with its group's heads as consecutive rows.
+constexpr int pack_rows(int group) { return BLOCK_M / group; }  // query positions per tile (group <= BLOCK_M)"""
+_PACKED_GRID = {
+    "grid_doc": "(ceil(seqlen_q / (BLOCK_M / group)) * heads_k * batch, 1, 1) (pack_gqa)",
+    "grid_fn": "// One flat grid over KV heads: a tile holds pack_rows(group) query positions of one KV head's query heads.\n"
+               "inline unsigned grid_x(int seqlen_q, int heads, int heads_k, int batch) {\n"
+               "    const int pos = pack_rows(heads / heads_k);\n"
+               "    return (unsigned)(((int64_t)(seqlen_q + pos - 1) / pos) * heads_k * batch);\n}",
+    "grid_prelude": "", "grid_args": "f.seqlen_q, f.heads, f.heads_k, f.batch",
+}
+_PERSISTENT_PACKED_GRID = {
+    "grid_doc": "(min(ceil(seqlen_q / (BLOCK_M / group)) * heads_k * batch, SM count), 1, 1) (pack_gqa, persistent:\n"
+                "// each CTA loops over tiles)",
+    "grid_fn": "// Persistent pack_gqa: one CTA per SM (fewer if fewer tiles); each walks the (m-block, KV head, batch) tiles.\n"
+               "inline unsigned grid_x(int seqlen_q, int heads, int heads_k, int batch, int sm_count) {\n"
+               "    const int pos = pack_rows(heads / heads_k);\n"
+               "    const int64_t tiles = ((int64_t)(seqlen_q + pos - 1) / pos) * heads_k * batch;\n"
+               "    return (unsigned)(tiles < sm_count ? tiles : sm_count);\n}",
+    "grid_prelude": None,  # _PERSISTENT_GRID's
+    "grid_args": "f.seqlen_q, f.heads, f.heads_k, f.batch, sm_count",
 }
 # Clusters of two CTAs (the kernel's __cluster_dims__) on neighbouring m-blocks: m-blocks rounded up to pairs.
 _CLUSTER_GRID = {
@@ -496,6 +522,7 @@ _PERSISTENT_GRID = {
                     "    if ((err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;\n",
     "grid_args": "f.seqlen_q, f.heads, f.batch, sm_count",
 }
+_PERSISTENT_PACKED_GRID["grid_prelude"] = _PERSISTENT_GRID["grid_prelude"]
 # Persistent in 2-CTA clusters: whole clusters, one CTA per SM at most.
 _PERSISTENT_CLUSTER_GRID = {
     **_PERSISTENT_GRID,

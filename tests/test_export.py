@@ -120,6 +120,31 @@ def test_exported_sm90_kernel_compiles_and_links_for_sm90a(tmp_path, persistent)
     link_app(out, SM90_MAIN.format(a=cfg.name), (cfg.name,), ("-gencode", "arch=compute_90a,code=sm_90a"))
 
 
+SM90_PACKED_MAIN = """\
+#include "{a}.h"
+int main() {{
+    Sm90FwdParams p = {{}};
+    p.p.batch = 2; p.p.heads = 32; p.p.heads_k = 8; p.p.seqlen_q = 100; p.p.seqlen_k = 4096;
+    static_assert(flashgen::{a}_launch::PACK_GQA && flashgen::{a}_launch::pack_rows(4) == 32, "packed rows");
+    // 100 positions in tiles of 32: 4 m-blocks x 8 KV heads x 2 batches (persistent: at most the SM count)
+    if (flashgen::{a}_launch::grid_x(p.p.seqlen_q, p.p.heads, p.p.heads_k, p.p.batch{sm}) != {want}) return 200;
+    return (int)flashgen::{a}_launch::launch(p) == 200;  // no GPU here: the launch fails, its code is not 200
+}}
+"""
+
+
+@needs_nvcc
+@pytest.mark.parametrize("persistent", [False, True])
+def test_exported_sm90_pack_gqa_kernel_compiles_and_links_for_sm90a(tmp_path, persistent):
+    """A tune --gqa entry with pack_gqa: the header states q's 5-d map and a grid over KV heads of packed tiles."""
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, False, persistent, pack_gqa=True)
+    out, h = export_stored_sm90(tmp_path, cfg)
+    assert "rank 5 over (head_dim, group, heads_k, seqlen_q, batch)" in h
+    main = SM90_PACKED_MAIN.format(a=cfg.name, sm=", 40" if persistent else "", want=40 if persistent else 64)
+    link_app(out, main, (cfg.name,), ("-gencode", "arch=compute_90a,code=sm_90a"))
+    assert subprocess.run([str(out / "app")], capture_output=True, timeout=60).returncode != 200  # the grid's count
+
+
 SM90_SERVE_MAIN = """\
 #include "{a}.h"
 int main() {{
