@@ -277,7 +277,7 @@ def around_store(args: argparse.Namespace, problem: Any, space: list, stores: di
     if path not in stores:
         stores[path] = read_store(path)["entries"]
     entry = stores[path].get(problem.key)
-    if entry is None and getattr(problem, "gqa_group", 1) > 1:  # a GQA problem: around the same shape's MHA entry
+    if entry is None and problem.gqa_group > 1:  # a GQA problem: around the same shape's MHA entry
         entry = stores[path].get(dataclasses.replace(problem, gqa_group=1).key)
     if entry is None:
         return tuple(space)

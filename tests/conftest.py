@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
@@ -33,6 +34,21 @@ def needs_gpu_tuner() -> list:
     """pytestmark of the tests that run a real tune on the GPU."""
     reason = tuner_missing_reason()
     return [pytest.mark.gpu, pytest.mark.skipif(reason is not None, reason=f"needs a GPU: {reason}")]
+
+
+def compile_grouped(cfgs: list, arch: str, key) -> dict:
+    """Compile configurations for `arch` on all cores (nvcc runs in subprocesses: threads are enough) and group the
+    kernels by key(config), in the order given."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    from flashgen.compile import compile_kernel, target_for  # noqa: PLC0415
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
+        compiled = list(pool.map(lambda c: compile_kernel(c, target_for(arch, c.family)), cfgs))
+    out: dict = {}
+    for k in compiled:
+        out.setdefault(key(k.config), []).append(k)
+    return out
 
 
 def compile_sm90a_clean(cfgs: list) -> list:

@@ -5,10 +5,9 @@ and per KV head, the schedule knobs, block quantization of P, fp16 output, the p
 from __future__ import annotations
 
 import itertools
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import compile_grouped
 
 from flashgen.config import FP8_HEAD_DIMS, KernelConfig
 
@@ -50,16 +49,9 @@ def fp8_configs(arch: str = "sm90") -> list[KernelConfig]:
 def kernels():
     import torch
 
-    from flashgen.compile import compile_kernel, target_for
-
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("FP8 wgmma needs an sm90 GPU")
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
-        compiled = list(pool.map(lambda c: compile_kernel(c, target_for("sm90", "sm90")), fp8_configs()))
-    out: dict = {}
-    for k in compiled:
-        out.setdefault((k.config.head_dim, k.config.causal), []).append(k)
-    return out
+    return compile_grouped(fp8_configs(), "sm90", lambda c: (c.head_dim, c.causal))
 
 
 def failures(kernels: list, q, k, v, descale: dict, causal: bool, case: str) -> list[str]:
@@ -205,16 +197,9 @@ def pack_fp8_configs(arch: str = "sm90") -> list[KernelConfig]:
 def pack_kernels():
     import torch
 
-    from flashgen.compile import compile_kernel, target_for
-
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("FP8 wgmma needs an sm90 GPU")
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
-        compiled = list(pool.map(lambda c: compile_kernel(c, target_for("sm90", "sm90")), pack_fp8_configs()))
-    out: dict = {}
-    for k in compiled:
-        out.setdefault((k.config.head_dim, k.config.causal), []).append(k)
-    return out
+    return compile_grouped(pack_fp8_configs(), "sm90", lambda c: (c.head_dim, c.causal))
 
 
 @pytest.mark.parametrize("layout", list(PACK_LAYOUTS))

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import itertools
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import compile_grouped
 
-from flashgen.compile import compile_kernel, target_for
 from flashgen.config import HALF_DTYPES, FAMILIES, HEAD_DIMS, KernelConfig, default_config
 
 pytestmark = pytest.mark.gpu
@@ -108,13 +107,7 @@ def kernels():
     arch = _arch()
     wanted = [c for hd, dt, causal in itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True))
               for c in configs_for(hd, dt, causal, arch)]
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
-        compiled = list(pool.map(lambda c: compile_kernel(c, target_for(arch, c.family)), wanted))
-    out: dict = {}
-    for k in compiled:
-        c = k.config
-        out.setdefault((c.head_dim, c.dtype, c.causal), []).append(k)
-    return out
+    return compile_grouped(wanted, arch, lambda c: (c.head_dim, c.dtype, c.causal))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -347,12 +340,7 @@ def pack_configs(arch: str) -> list[KernelConfig]:
 def pack_kernels():
     if _arch() != "sm90" or "sm90" not in os.environ.get("FLASHGEN_TEST_FAMILIES", "sm90"):
         pytest.skip("pack_gqa is built in the sm90 family's dense forward")
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
-        compiled = list(pool.map(lambda c: compile_kernel(c, target_for("sm90", "sm90")), pack_configs("sm90")))
-    out: dict = {}
-    for k in compiled:
-        out.setdefault((k.config.head_dim, k.config.dtype, k.config.causal), []).append(k)
-    return out
+    return compile_grouped(pack_configs("sm90"), "sm90", lambda c: (c.head_dim, c.dtype, c.causal))
 
 
 @pytest.mark.parametrize("layout", list(PACK_LAYOUTS))
