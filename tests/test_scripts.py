@@ -115,3 +115,18 @@ def test_schedule_balance_bounds_what_a_dynamic_scheduler_could_gain():
     assert ideal <= dynamic <= static <= 1.05 * ideal and dynamic < static
     ideal, static, dynamic = schedule_balance.makespans(128, 128, 128, 16, 0.0, batch_tokens=128, heads_dim_total=2048)
     assert ideal == static == dynamic == 1.0  # 16 one-block tiles of cost 1 on 16 CTAs
+
+
+def test_profile_grid_reads_ncu_raw_page():
+    """profile_grid: durations to us from the units row, stall reasons largest first ('selected' left out), and a
+    grid label's FLOPs (the bench's batch*seqlen 16384, heads*head_dim 2048, causal halved)."""
+    import profile_grid
+
+    pre, post = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+    text = (f'"Kernel Name","gpu__time_duration.sum","{pre}wait{post}","{pre}selected{post}","{pre}barrier{post}",'
+            f'"{pre}long_scoreboard{post}"\n"","ms","inst","inst","inst","inst"\n'
+            '"fwd_a(int)","0.301280","1.75","1.0","0.63","0.80"\n')
+    row, = profile_grid.raw_rows(text)
+    assert abs(float(row["us"]) - 301.28) < 1e-6
+    assert profile_grid.stalls(row, top=2) == "wait 1.75 long_scoreboard 0.80"
+    assert profile_grid.flops("bf16 d128 N4096 causal") == 4 * 4 * 16 * 4096 * 4096 * 128 / 2
