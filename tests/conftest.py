@@ -55,10 +55,12 @@ def compile_sm90a_clean(cfgs: list) -> list:
     """Compile sm90-family configurations for sm_90a (two at a time) and assert what every one must show in
     ptxas's report: no spills, no serialized wgmma (C7513: registers an in-flight wgmma reads were
     redefined), no wgmma wait ptxas injected (C7517: registers a wgmma may still define were read), the shared
-    memory its config says. Returns the compiled kernels."""
+    memory its config says, and in the SASS (where a disassembler is installed) no wgmma serialized silently: ptxas
+    13.0 fences every wgmma of a kernel with wgmmas in runtime branches (WARPGROUP.ARRIVE 3 -> 80) without C7513
+    (docs/perf-notes.md item 25); the stored kernels have at most 3. Returns the compiled kernels."""
     from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 
-    from flashgen.compile import compile_kernel  # noqa: PLC0415
+    from flashgen.compile import compile_kernel, disassemble, disassembler  # noqa: PLC0415
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         kernels = list(pool.map(lambda c: compile_kernel(c, "sm_90a"), cfgs))
@@ -67,6 +69,9 @@ def compile_sm90a_clean(cfgs: list) -> list:
         assert "C7513" not in k.ptxas_log, f"{k.name}: {k.ptxas_log}"
         assert "C7517" not in k.ptxas_log, f"{k.name}: a wgmma wait injected by ptxas: {k.ptxas_log}"
         assert k.resources.smem_bytes == k.config.smem_bytes <= 227 * 1024
+        if disassembler() is not None:
+            arrives = disassemble(k.cubin).count("WARPGROUP.ARRIVE")
+            assert arrives <= 4, f"{k.name}: {arrives} WARPGROUP.ARRIVE, its wgmmas serialized"
     return kernels
 
 
