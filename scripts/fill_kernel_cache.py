@@ -62,20 +62,23 @@ def test_suite_configs(arch: str, suites: tuple[str, ...] = SUITES) -> set[Kerne
     return out
 
 
-def store_configs(arch: str) -> set[KernelConfig]:
+def store_configs(arch: str, problems: list[str] | None = None) -> set[KernelConfig]:
     out = set()
     for path in (ROOT / "tuned").glob("*.json"):
-        for e in read_store(path)["entries"].values():
+        for key, e in read_store(path)["entries"].items():
+            if problems and not any(p in key for p in problems):
+                continue
             cfg = config_from_entry(e)
             if cfg.unfit_reason(arch) is None:
                 out.add(cfg)
     return out
 
 
-def around_store_configs(arch: str, free: list[str], gqa: int = 1) -> set[KernelConfig]:
-    """What `tune --around-store FREE [--gqa G]` evaluates around each stored forward configuration."""
+def around_store_configs(arch: str, free: list[str], gqa: int = 1, problems: list[str] | None = None) -> set[KernelConfig]:
+    """What `tune --around-store FREE [--gqa G]` evaluates around each stored forward configuration (problems: only
+    around the entries whose problem key holds one of these strings, e.g. d128_bf16_causal_s1024)."""
     out = set()
-    for cfg in store_configs(arch):
+    for cfg in store_configs(arch, problems):
         if isinstance(cfg, KernelConfig) and not cfg.serving:
             group = max(gqa, 2 if cfg.pack_gqa else 1)  # a GQA problem's space: its pack_gqa configurations too
             out |= {c for c in around(cfg, space(cfg.family, cfg.head_dim, cfg.dtype, cfg.causal, group), free)
@@ -112,7 +115,7 @@ def default_configs(arch: str) -> set[KernelConfig]:
 
 def chosen_configs(arch: str, tests: list[str] | None, store: bool, around_store: list[str] | None = None,
                    defaults: bool = False, restrict: dict[str, list] | None = None,
-                   gqa: int = 1) -> set[KernelConfig | BwdConfig]:
+                   gqa: int = 1, problems: list[str] | None = None) -> set[KernelConfig | BwdConfig]:
     """The kernels the options name (tests: suite names, [] for all, None for none); each family's defaults when
     they name none."""
     cfgs: set[KernelConfig | BwdConfig] = set()
@@ -121,7 +124,7 @@ def chosen_configs(arch: str, tests: list[str] | None, store: bool, around_store
     if store:
         cfgs |= store_configs(arch)
     if around_store:
-        cfgs |= around_store_configs(arch, [f.replace("-", "_") for f in around_store], gqa)
+        cfgs |= around_store_configs(arch, [f.replace("-", "_") for f in around_store], gqa, problems)
     if restrict:
         cfgs |= space_configs(arch, restrict)
     if defaults or not (tests is not None or store or around_store or restrict):
@@ -137,6 +140,9 @@ def main() -> None:
     ap.add_argument("--store", action="store_true")
     ap.add_argument("--around-store", nargs="+", default=None, metavar="FIELD")
     ap.add_argument("--gqa", type=int, default=1, help="--around-store for GQA problems of this group (tune --gqa)")
+    ap.add_argument("--problems", nargs="+", default=None, metavar="KEY_PART",
+                    help="--around-store only around the store entries whose key holds one of these, as a tune "
+                         "restricted by --head-dim/--seqlen/--causal, e.g. d128_bf16_causal_s1024")
     ap.add_argument("--space", nargs="+", default=None, metavar="FIELD=V,...",
                     help="a restricted tune's space, e.g. head_dim=64 dtype=bf16,fp16 block_m=192 block_n=128,192")
     ap.add_argument("--defaults", action="store_true")
@@ -144,7 +150,7 @@ def main() -> None:
     ap.add_argument("--into", type=Path, default=None, help="copy these kernels' cache entries into this directory")
     args = ap.parse_args()
     cfgs = chosen_configs(args.arch, args.tests, args.store, args.around_store, args.defaults,
-                          parse_restrictions(args.space) if args.space else None, args.gqa)
+                          parse_restrictions(args.space) if args.space else None, args.gqa, args.problems)
     failed = []
 
     used: list[Path] = []  # list.extend from pool threads: atomic under the GIL
