@@ -38,7 +38,7 @@ FEATURES = ("varlen", "paged", "split", "pack_gqa", "window", "softcap", "alibi"
 SM90_FEATURES = ("varlen", "window")  # the sm90 family's forward and backward have these
 # The sm90 forward's schedule knobs (KernelConfig fields; tuned beside the tile, `tune --<knob> yes/no` restricts them).
 SM90_KNOBS = ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum", "lazy_rescale", "q_regs", "p_smem",
-              "o_tma", "pack_gqa", "cluster")
+              "o_tma", "pack_gqa", "cluster", "lpt_by_head")
 BWD_FEATURES = ("varlen", "window", "softcap", "alibi")  # the ones a training call uses: the backward has them
 
 
@@ -167,6 +167,10 @@ class KernelConfig(_AsDict):
     # tile: each CTA's producer loads half its rows, multicast by TMA into both CTAs' shared memory. Persistent: both
     # CTAs of a cluster walk the same tiles of m-block pairs.
     cluster: bool = False
+    # sm90, persistent causal: the tile order goes head by head (each head's m-blocks longest first) instead of
+    # m-block by m-block over all heads: the CTAs running together read the K/V of a few heads, which stay in L2,
+    # where the all-heads order reads one head's K/V from HBM once per m-block when all heads' K/V exceed L2.
+    lpt_by_head: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
@@ -228,6 +232,14 @@ class KernelConfig(_AsDict):
         if self.cluster and (self.family != "sm90" or self.fp8 or self.features):
             raise ConfigError("cluster is an sm90 knob for the dense 16-bit forward, not "
                               f"{self.dtype} / family {self.family} / {'+'.join(self.features) or 'dense'}")
+        _check_choice("lpt_by_head", self.lpt_by_head, (False, True))
+        if self.lpt_by_head and (self.family != "sm90" or not self.persistent or not self.causal or self.pack_gqa
+                                 or self.cluster or self.serving or self.fp8):
+            raise ConfigError("lpt_by_head is an sm90 knob of the persistent causal 16-bit dense forward without "
+                              f"pack_gqa or cluster (they order their own tiles), not {self.dtype} "
+                              f"{'persistent' if self.persistent else 'plain'} "
+                              f"{'causal' if self.causal else 'full'} / family {self.family} / "
+                              f"{'+'.join(self.features + ('pack_gqa',) * self.pack_gqa + ('cluster',) * self.cluster) or 'dense'}")
         for f in FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
         if self.pack_gqa and self.family == "sm90" and self.serving:
@@ -283,6 +295,7 @@ class KernelConfig(_AsDict):
             name += "_psm" if self.p_smem else ""
             name += "_ot" if self.o_tma else ""
             name += "_cl" if self.cluster else ""
+            name += "_hl" if self.lpt_by_head else ""
         return name + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
 
     @property
@@ -460,15 +473,17 @@ def space(family: str, head_dim: int, dtype: str, causal: bool, gqa_group: int =
                             for lz, qr, psm, ot in itertools.product(
                                     (False, True) if family == "sm90" and (ov or dtype in FP8_DTYPES) else (False,),
                                     sm90_16, sm90_16, sm90_16):
-                                for cl in sm90_16:
+                                for cl, hl in itertools.product(sm90_16, sm90_16 if causal and ps else (False,)):
                                     try:
                                         out.append(KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family, ov, pp, ps,
                                                                 overlap_epilogue=oe, mma_rowsum=rs, lazy_rescale=lz,
-                                                                q_regs=qr, p_smem=psm, o_tma=ot, cluster=cl))
+                                                                q_regs=qr, p_smem=psm, o_tma=ot, cluster=cl,
+                                                                lpt_by_head=hl))
                                     except ConfigError:
                                         continue
     if family == "sm90" and gqa_group > 1:
-        out += [replace(c, pack_gqa=True) for c in out if gqa_group <= c.block_m and not c.o_tma and not c.cluster]
+        out += [replace(c, pack_gqa=True) for c in out
+                if gqa_group <= c.block_m and not c.o_tma and not c.cluster and not c.lpt_by_head]
     return out
 
 

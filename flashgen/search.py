@@ -178,7 +178,8 @@ def result_of(t: FrozenTrial) -> TrialResult:
 
 # Knobs added after studies may have been stored: a finished trial without one ran with its default.
 LATE_KNOBS = {"overlap_epilogue": False, "mma_rowsum": False, "lazy_rescale": False, "q_regs": False, "p_smem": False,
-              "o_tma": False, "pack_gqa": False, "cluster": False}
+              "o_tma": False, "pack_gqa": False, "cluster": False,
+              "lpt_by_head": False}
 
 
 def _params(t: FrozenTrial, family: str) -> Params:

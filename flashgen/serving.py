@@ -282,7 +282,8 @@ def _sm90_rule(device: int, head_dim: int, dtype: str, causal: bool, seqlen_k: i
     from .api import _resolver  # noqa: PLC0415
 
     base = dataclasses.replace(_resolver.kernel(device, head_dim, dtype, causal, seqlen_k, "sm90").config,
-                               pack_gqa=False, o_tma=False, cluster=False)  # sm90's dense-only knobs
+                               pack_gqa=False, o_tma=False, cluster=False,
+                               lpt_by_head=False)  # sm90's dense-only knobs
     if "varlen" in wanted:  # built non-persistent (so without the persistent-only epilogue overlap)
         base = dataclasses.replace(base, persistent=False, overlap_epilogue=False)
     return _without_spills(dataclasses.replace(base, **dict.fromkeys(wanted, True)))

@@ -250,6 +250,38 @@ def test_o_tma_rules_name_space_and_clean_compiles():
     assert "bulk_store" not in off and "stsm_x4" not in off
 
 
+def test_lpt_by_head_rules_name_space_and_clean_compiles():
+    """The causal persistent order head by head (lpt_by_head): 16-bit persistent causal dense sm90 only, named _hl,
+    in the space beside each persistent causal configuration; the kernel takes tile_at_chunked over whole heads;
+    clean compiles with the knobs of the stored causal tiles; renders without it are unchanged."""
+    from flashgen.config import ConfigError, space
+    from flashgen.render import render
+
+    for bad in ({"persistent": False}, {"causal": False}, {"dtype": "fp8_e4m3"}, {"cluster": True},
+                {"pack_gqa": True}):
+        args = {"head_dim": 128, "dtype": "bf16", "causal": True, "block_m": 128, "block_n": 128, "num_warps": 12,
+                "num_stages": 2, "family": "sm90", "persistent": True, **bad}
+        with pytest.raises(ConfigError, match="lpt_by_head is an sm90 knob"):
+            KernelConfig(**args, lpt_by_head=True)
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, True, True, overlap_epilogue=True,
+                       lazy_rescale=True, o_tma=True, lpt_by_head=True)
+    plain = dataclasses.replace(cfg, lpt_by_head=False)
+    assert cfg.name.endswith("_ps_oe_lz_ot_hl") and KernelConfig.from_dict(cfg.to_dict()) == cfg
+    sp = space("sm90", 256, "fp16", True)
+    assert {dataclasses.replace(c, lpt_by_head=False) for c in sp if c.lpt_by_head} == {
+        c for c in sp if c.persistent and not c.cluster and not c.lpt_by_head}
+    assert not any(c.lpt_by_head for c in space("sm90", 128, "bf16", False))
+    assert "tile_at_chunked" not in render(plain)
+    cfgs = [cfg, KernelConfig(256, "bf16", True, 128, 64, 12, 2, "sm90", True, True, True, lazy_rescale=True,
+                              lpt_by_head=True),
+            KernelConfig(64, "fp16", True, 128, 128, 12, 4, "sm90", True, False, True, lazy_rescale=True,
+                         lpt_by_head=True)]
+    for k in compile_sm90a_clean(cfgs):  # every use of the order (producer, consumers) takes the per-head one
+        uses = render(dataclasses.replace(k.config, lpt_by_head=False)).count("tile_at(t, m_blocks, p.heads, pairs, IS_CAUSAL)")
+        assert uses >= 2 and k.source.count("tile_at_chunked(t, m_blocks, p.heads, pairs, m_blocks)") == uses
+        assert "tile_at(t, m_blocks, p.heads, pairs, IS_CAUSAL)" not in k.source
+
+
 def test_cluster_rules_name_space_grid_and_clean_compiles():
     """2-CTA clusters sharing K/V by TMA multicast (cluster): dense 16-bit sm90 only, named _cl, in the space, the same
     shared memory, K/V boxes of half a tile, m-blocks rounded up to pairs in the grid (persistent: an even grid); ptxas

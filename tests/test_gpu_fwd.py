@@ -73,7 +73,15 @@ OTHER_TILES = {
              (128, 128, 12, 2, False, False, True, False, False, False, False, False, True),
              (128, 96, 12, 3, True, True, True, True, False, False, False, False, True),
              (128, 128, 12, 2, False, True, True, False, False, True, False, False, True),
-             (192, 64, 16, 2, True, False, True, True, False, False, False, True, True)],
+             (192, 64, 16, 2, True, False, True, True, False, False, False, True, True),
+             # the causal persistent order head by head (lpt_by_head; full-mask runs take the tile without it): plain,
+             # overlap + ping-pong + overlap_epilogue + lazy + o_tma (the stored d128 N = 4k tile), 64-key tiles, three
+             # consumer warpgroups, one
+             (128, 128, 12, 2, False, False, True, False, False, False, False, False, False, True),
+             (128, 128, 12, 2, True, True, True, True, True, False, False, True, False, True),
+             (128, 64, 12, 2, True, True, True, False, True, False, False, False, False, True),
+             (192, 192, 16, 2, False, False, True, False, False, False, False, False, False, True),
+             (64, 128, 8, 2, False, False, True, False, False, False, False, False, False, True)],
 }
 
 
@@ -95,7 +103,7 @@ def configs_for(head_dim: int, dtype: str, causal: bool, arch: str) -> list[Kern
             c = KernelConfig(head_dim, dtype, causal, *tiles[:4], family, *tiles[4:7],
                              overlap_epilogue=tiles[7:8] == (True,), lazy_rescale=tiles[8:9] == (True,),
                              q_regs=tiles[9:10] == (True,), p_smem=tiles[10:11] == (True,), o_tma=tiles[11:12] == (True,),
-                             cluster=tiles[12:13] == (True,))
+                             cluster=tiles[12:13] == (True,), lpt_by_head=causal and tiles[13:14] == (True,))
             if c.unfit_reason(arch) is None and c not in cfgs:
                 cfgs.append(c)
     return cfgs

@@ -113,12 +113,23 @@ int main() {
 """)
     exe = tmp_path / "order"
     subprocess.run([nvcc, "-std=c++17", "-o", str(exe), str(src)], check=True, capture_output=True, timeout=300)
-    cases = [(*s, c, k) for s in SHAPES for c, k in ((False, 0), (True, 0), (True, 1), (True, 3), (True, 8))]
+    cases = [(*s, c, k) for s in SHAPES for c, k in ((False, 0), (True, 0), (True, 1), (True, 3), (True, 8), (True, s[0]))]
     stdin = "".join(f"{m} {h} {b} {int(c)} {k}\n" for m, h, b, c, k in cases)
     out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True, timeout=60).stdout
     got = [tuple(map(int, line.split())) for line in out.splitlines()]
     want = [t for m, h, b, c, k in cases for cta in range(7) for t in cta_tiles(tile_order(m, h, b, c, k), 7, cta)]
     assert got == want
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_lpt_by_head_order(shape):
+    """lpt_by_head (the kernel's tile_at_chunked with chunk = m_blocks): every tile once, head by head in the plain
+    order's pair order, each head's m-blocks longest first."""
+    m_blocks, heads, batch = shape
+    order = tile_order(m_blocks, heads, batch, True, m_blocks)
+    assert sorted(order) == sorted(itertools.product(range(m_blocks), range(heads), range(batch)))
+    want = [(m, pair % heads, pair // heads) for pair in range(heads * batch) for m in reversed(range(m_blocks))]
+    assert order == want
 
 
 # ---- pack_gqa: a tile's rows are (query position, head of the group) pairs of one KV head ----------------------
