@@ -450,12 +450,13 @@ def test_new_trials_make_the_retimed_figures_stale(tmp_path):
 
 
 def test_gqa_problems_search_pack_gqa_too():
-    """An sm90 GQA problem's space adds each configuration (but o_tma's and cluster's) with pack_gqa (a parameter like the other
-    knobs); an MHA problem's space has none."""
+    """An sm90 GQA problem's space adds each configuration (but o_tma's, cluster's and lpt_by_head's) with pack_gqa (a
+    parameter like the other knobs); an MHA problem's space has none."""
     mha = TuneProblem("Test GPU", "sm90", "sm90", "bf16", 128, True, 1024)
     gqa = TuneProblem("Test GPU", "sm90", "sm90", "bf16", 128, True, 1024, gqa_group=4)
     assert not any(c.pack_gqa for c in search_mod.problem_space(mha))
     packed = [c for c in search_mod.problem_space(gqa) if c.pack_gqa]
-    assert len(packed) == len([c for c in search_mod.problem_space(mha) if not c.o_tma and not c.cluster])  # not packed
+    assert len(packed) == len([c for c in search_mod.problem_space(mha)
+                               if not c.o_tma and not c.cluster and not c.lpt_by_head])  # not packed
     assert all(search_mod.config_of(gqa, params_of(c)) == c for c in packed[:50])
     assert study_name(mha, search_mod.problem_space(mha)) != study_name(gqa, search_mod.problem_space(gqa))
