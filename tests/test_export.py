@@ -111,12 +111,13 @@ def export_stored_sm90(tmp_path, cfg: KernelConfig) -> tuple[Path, str]:
 
 
 @needs_nvcc
-@pytest.mark.parametrize("persistent", [False, True])
-def test_exported_sm90_kernel_compiles_and_links_for_sm90a(tmp_path, persistent):
-    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, False, persistent)
+@pytest.mark.parametrize("persistent, lpt_by_head", [(False, False), (True, False), (True, True)])
+def test_exported_sm90_kernel_compiles_and_links_for_sm90a(tmp_path, persistent, lpt_by_head):
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, False, persistent, lpt_by_head=lpt_by_head)
     out, h = export_stored_sm90(tmp_path, cfg)
     assert "struct Sm90FwdParams" in h and "cuTensorMapEncodeTiled" in h and "code=sm_90a" in h
     assert ("cudaDevAttrMultiProcessorCount" in h) == persistent  # a persistent grid is one CTA per SM
+    assert ("tile_at_chunked(t, m_blocks, p.heads, pairs, m_blocks)" in (out / f"{cfg.name}.cu").read_text()) == lpt_by_head
     link_app(out, SM90_MAIN.format(a=cfg.name), (cfg.name,), ("-gencode", "arch=compute_90a,code=sm_90a"))
 
 
