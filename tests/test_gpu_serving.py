@@ -322,7 +322,8 @@ def sm90_serving_configs(arch: str) -> set:
     base = {default_config(hd, dt, c, arch, "sm90") for hd in HEAD_DIMS for dt in DT for c in (False, True)}
     for path in (Path(__file__).resolve().parent.parent / "tuned").glob("*.json"):
         base |= {config_from_entry(e) for e in json.loads(path.read_text())["entries"].values()}
-    base = {dataclasses.replace(c, pack_gqa=False, o_tma=False, cluster=False)  # dense-only knobs (serving._sm90_rule)
+    # dense-only knobs (serving._sm90_rule)
+    base = {dataclasses.replace(c, pack_gqa=False, o_tma=False, cluster=False, lpt_by_head=False)
             for c in base if isinstance(c, KernelConfig) and c.family == "sm90" and not c.fp8 and not c.serving}
     flat = {dataclasses.replace(c, persistent=False, overlap_epilogue=False) for c in base}
     varlen = {dataclasses.replace(c, **f) for c in flat for f in ({"varlen": True}, {"varlen": True, "window": True})}
