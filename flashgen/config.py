@@ -235,11 +235,11 @@ class KernelConfig(_AsDict):
         _check_choice("lpt_by_head", self.lpt_by_head, (False, True))
         if self.lpt_by_head and (self.family != "sm90" or not self.persistent or not self.causal or self.pack_gqa
                                  or self.cluster or self.serving or self.fp8):
+            kind = "+".join(self.features + ("pack_gqa",) * self.pack_gqa + ("cluster",) * self.cluster) or "dense"
             raise ConfigError("lpt_by_head is an sm90 knob of the persistent causal 16-bit dense forward without "
                               f"pack_gqa or cluster (they order their own tiles), not {self.dtype} "
                               f"{'persistent' if self.persistent else 'plain'} "
-                              f"{'causal' if self.causal else 'full'} / family {self.family} / "
-                              f"{'+'.join(self.features + ('pack_gqa',) * self.pack_gqa + ('cluster',) * self.cluster) or 'dense'}")
+                              f"{'causal' if self.causal else 'full'} / family {self.family} / {kind}")
         for f in FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
         if self.pack_gqa and self.family == "sm90" and self.serving:

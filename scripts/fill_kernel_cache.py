@@ -74,7 +74,8 @@ def store_configs(arch: str, problems: list[str] | None = None) -> set[KernelCon
     return out
 
 
-def around_store_configs(arch: str, free: list[str], gqa: int = 1, problems: list[str] | None = None) -> set[KernelConfig]:
+def around_store_configs(arch: str, free: list[str], gqa: int = 1,
+                         problems: list[str] | None = None) -> set[KernelConfig]:
     """What `tune --around-store FREE [--gqa G]` evaluates around each stored forward configuration (problems: only
     around the entries whose problem key holds one of these strings, e.g. d128_bf16_causal_s1024)."""
     out = set()
