@@ -176,10 +176,9 @@ def result_of(t: FrozenTrial) -> TrialResult:
     return TrialResult(a["status"], a.get("ms"), a.get("tflops"), a.get("reason", ""), a.get("info", {}))
 
 
-# Knobs added after studies may have been stored: a finished trial without one ran with its default.
-LATE_KNOBS = {"overlap_epilogue": False, "mma_rowsum": False, "lazy_rescale": False, "q_regs": False, "p_smem": False,
-              "o_tma": False, "pack_gqa": False, "cluster": False,
-              "lpt_by_head": False}
+# Knobs added after studies may have been stored (every sm90 knob after the first three): a finished trial without
+# one ran with its default, off.
+LATE_KNOBS = dict.fromkeys(SM90_KNOBS[SM90_KNOBS.index("overlap_epilogue"):], False)
 
 
 def _params(t: FrozenTrial, family: str) -> Params:
