@@ -39,6 +39,8 @@ SM90_FEATURES = ("varlen", "window")  # the sm90 family's forward and backward h
 # The sm90 forward's schedule knobs (KernelConfig fields; tuned beside the tile, `tune --<knob> yes/no` restricts them).
 SM90_KNOBS = ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum", "lazy_rescale", "q_regs", "p_smem",
               "o_tma", "pack_gqa", "cluster", "lpt_by_head")
+# The sm90 knobs of the dense forward only: a serving kernel built from a dense configuration drops them.
+SM90_DENSE_KNOBS = ("pack_gqa", "o_tma", "cluster", "lpt_by_head")
 BWD_FEATURES = ("varlen", "window", "softcap", "alibi")  # the ones a training call uses: the backward has them
 
 

@@ -17,7 +17,8 @@ from typing import Any, NamedTuple
 from . import driver
 from .api import _compiled, refuse_grad
 from .compile import target_for
-from .config import _DEFAULT_TILES, ARCHS, COMBINE_WARPS, ELEM_BYTES, HEAD_DIMS, SM90_FEATURES, KernelConfig, mod_features
+from .config import (_DEFAULT_TILES, ARCHS, COMBINE_WARPS, ELEM_BYTES, HEAD_DIMS, SM90_DENSE_KNOBS, SM90_FEATURES,
+                     KernelConfig, mod_features)
 from .launch import _FWD, _SM90_BYTES, _current_stream, scale_args, softcap_args, tmap_box
 from .tensors import _TORCH_DTYPES
 
@@ -282,8 +283,7 @@ def _sm90_rule(device: int, head_dim: int, dtype: str, causal: bool, seqlen_k: i
     from .api import _resolver  # noqa: PLC0415
 
     base = dataclasses.replace(_resolver.kernel(device, head_dim, dtype, causal, seqlen_k, "sm90").config,
-                               pack_gqa=False, o_tma=False, cluster=False,
-                               lpt_by_head=False)  # sm90's dense-only knobs
+                               **dict.fromkeys(SM90_DENSE_KNOBS, False))
     if "varlen" in wanted:  # built non-persistent (so without the persistent-only epilogue overlap)
         base = dataclasses.replace(base, persistent=False, overlap_epilogue=False)
     return _without_spills(dataclasses.replace(base, **dict.fromkeys(wanted, True)))

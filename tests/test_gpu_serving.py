@@ -314,7 +314,7 @@ def sm90_serving_configs(arch: str) -> set:
     import json
     from pathlib import Path
 
-    from flashgen.config import HEAD_DIMS, KernelConfig, default_config
+    from flashgen.config import HEAD_DIMS, SM90_DENSE_KNOBS, KernelConfig, default_config
     from flashgen.store import config_from_entry
 
     if arch != "sm90":
@@ -322,8 +322,7 @@ def sm90_serving_configs(arch: str) -> set:
     base = {default_config(hd, dt, c, arch, "sm90") for hd in HEAD_DIMS for dt in DT for c in (False, True)}
     for path in (Path(__file__).resolve().parent.parent / "tuned").glob("*.json"):
         base |= {config_from_entry(e) for e in json.loads(path.read_text())["entries"].values()}
-    # dense-only knobs (serving._sm90_rule)
-    base = {dataclasses.replace(c, pack_gqa=False, o_tma=False, cluster=False, lpt_by_head=False)
+    base = {dataclasses.replace(c, **dict.fromkeys(SM90_DENSE_KNOBS, False))  # as serving._sm90_rule
             for c in base if isinstance(c, KernelConfig) and c.family == "sm90" and not c.fp8 and not c.serving}
     flat = {dataclasses.replace(c, persistent=False, overlap_epilogue=False) for c in base}
     varlen = {dataclasses.replace(c, **f) for c in flat for f in ({"varlen": True}, {"varlen": True, "window": True})}
