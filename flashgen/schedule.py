@@ -7,7 +7,7 @@ the CTAs' work (head groups sized for L2 would cut it into saw teeth a static ha
 
 from __future__ import annotations
 
-from .config import pack_rows
+from .config import pack_rows, pack_tiles
 
 
 def tile_at(t: int, m_blocks: int, heads: int, pairs: int, causal: bool) -> tuple[int, int, int]:
@@ -18,8 +18,9 @@ def tile_at(t: int, m_blocks: int, heads: int, pairs: int, causal: bool) -> tupl
 
 
 def tile_at_chunked(t: int, m_blocks: int, heads: int, pairs: int, chunk: int) -> tuple[int, int, int]:
-    """pack_gqa, causal: longest first by chunks of `chunk` m-blocks, each chunk pair by pair, so that one KV head's
-    m-blocks (a few query positions each) run together and share its K/V in L2."""
+    """Causal, longest first by chunks of `chunk` m-blocks, each chunk pair by pair, so that one head's m-blocks run
+    together and share its K/V in L2: pack_gqa's order (pack_chunk m-blocks of a few query positions each) and
+    lpt_by_head's (one chunk of all m-blocks: head by head)."""
     c = t // (pairs * chunk)
     within = t - c * pairs * chunk
     kc = min(chunk, m_blocks - c * chunk)  # the last chunk may be short
@@ -33,7 +34,8 @@ def pack_chunk(block_m: int, block_n: int, group: int) -> int:
 
 
 def tile_order(m_blocks: int, heads: int, batch: int, causal: bool, chunk: int = 0) -> list[tuple[int, int, int]]:
-    """Every tile of a problem in the order the persistent kernel hands them out (chunk > 0: pack_gqa's)."""
+    """Every tile of a problem in the order the persistent kernel hands them out (causal with chunk > 0:
+    tile_at_chunked's, pack_gqa's or lpt_by_head's)."""
     pairs = batch * heads
     if causal and chunk:
         return [tile_at_chunked(t, m_blocks, heads, pairs, chunk) for t in range(m_blocks * pairs)]
@@ -59,7 +61,7 @@ def tile_counts(block_m: int, seqlen_q: int, heads: int, heads_k: int, batch: in
     """(m_blocks, heads, batch) the kernel's tile order runs over, as the template computes them: pack_gqa tiles
     hold pack_rows whole query positions of one KV head (heads_k of them), else block_m rows of one head."""
     if pack_gqa:
-        return -(-seqlen_q // pack_rows(block_m, heads // heads_k)), heads_k, batch
+        return (*pack_tiles(block_m, seqlen_q, heads, heads_k), batch)
     return -(-seqlen_q // block_m), heads, batch
 
 
