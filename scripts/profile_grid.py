@@ -18,14 +18,13 @@ import csv
 import io
 import itertools
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from profile_stalls import category  # noqa: E402
+from profile_stalls import consumer_region, ncu, num, samples_by_category, sass_columns, sass_rows  # noqa: E402
 
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "SourceCounters")
 CONSUMER = ("gemm wait", "mbarrier wait", "MUFU", "other float", "int/move/other", "gemm issue", "FMNMX")
@@ -71,36 +70,16 @@ def stalls(row: dict[str, str], top: int = 3) -> str:
     return " ".join(f"{name} {val:.2f}" for val, name in sorted(got, reverse=True)[:top])
 
 
-def num(s: str) -> float:
-    try:
-        return float(s.replace(",", ""))
-    except (ValueError, AttributeError):
-        return 0.0
-
-
-def source_rows(text: str) -> list[list[str]]:
-    """ncu --page source --csv of one kernel: a "Kernel Name" row, the header, a row per SASS instruction."""
-    return [r for r in csv.reader(io.StringIO(text)) if r and r[0] != "Kernel Name"]
-
-
-def consumer_split(block: list[list[str]]) -> dict[str, float]:
-    """% of the consumer warpgroups' samples (setmaxnreg.inc up to the producer's setmaxnreg.dec) by category."""
-    if len(block) < 2:
+def consumer_split(rows: list[list[str]]) -> dict[str, float]:
+    """% of the consumer warpgroups' samples (profile_stalls.consumer_region; the whole kernel without one) by category."""
+    if len(rows) < 2:
         return {}
-    head, body = block[0], block[1:]
-    text = next((i for i, n in enumerate(head) if n.lower() == "source"), 1)
-    samples = next((i for i, n in enumerate(head) if "Sampling (All" in n), None)
+    head, body = rows[0], rows[1:]
+    text, samples = sass_columns(head)
     if samples is None:
         return {}
-    alloc = [i for i, r in enumerate(body) if "SETMAXREG" in r[text]]
-    rows = body[alloc[0]:alloc[1]] if len(alloc) >= 2 else body
-    cats: dict[str, float] = {}
-    prev = ""
-    for r in rows:
-        words = r[text].split()
-        op = words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "")
-        cats[category(op, "SYNCS" in prev)] = cats.get(category(op, "SYNCS" in prev), 0.0) + num(r[samples])
-        prev = op
+    region = consumer_region(body, text)
+    cats = samples_by_category(body if region is None else region, text, samples)
     total = sum(cats.values()) or 1.0
     return {k: 100 * v / total for k, v in cats.items()}
 
@@ -133,7 +112,7 @@ def summarize(out: Path) -> None:
     print("-" * len(head))
     for i, (label, row) in enumerate(zip(labels, rows)):
         sass = out / f"sass-{i:02d}.csv"
-        split = consumer_split(source_rows(sass.read_text())) if sass.exists() else {}
+        split = consumer_split(sass_rows(sass.read_text())) if sass.exists() else {}
         us = num(row["us"])
         print(f"{label:23s} {row.get('Kernel Name', '?').split('(')[0][4:60]:56s} {us:7.1f} "
               f"{flops(label) / us / 1e6 if us else 0:5.0f} "
@@ -143,16 +122,6 @@ def summarize(out: Path) -> None:
     print("us: gpu__time_duration under ncu (clocks free, caches flushed per pass); TF/s from it; "
           + ", ".join(f"{c} {m}" for m, c in COLUMNS)
           + "; consumer columns: profile_stalls.category of each sampled SASS instruction")
-
-
-def ncu(*args: str, fatal: bool = True) -> str:
-    run = subprocess.run(["ncu", *args], capture_output=True, text=True, check=False)
-    if run.returncode != 0 and not fatal:
-        print(f"ncu {' '.join(args[:6])} ... failed: {(run.stdout + run.stderr)[-300:]}")
-        return ""
-    if run.returncode != 0:
-        sys.exit(f"ncu {' '.join(args[:4])} ... failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
-    return run.stdout
 
 
 def main() -> None:

@@ -22,8 +22,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def ncu(*args: str) -> str:
+def ncu(*args: str, fatal: bool = True) -> str:
+    """ncu's stdout; a failure exits (fatal) or prints a line and gives ""."""
     run = subprocess.run(["ncu", *args], capture_output=True, text=True, check=False)
+    if run.returncode != 0 and not fatal:
+        print(f"ncu {' '.join(args[:6])} ... failed: {(run.stdout + run.stderr)[-300:]}")
+        return ""
     if run.returncode != 0:
         sys.exit(f"ncu {' '.join(args[:3])} ... failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
     return run.stdout
@@ -72,44 +76,71 @@ def category(op: str, after_wait: bool) -> str:
     return "other float" if op.startswith(("FADD", "FFMA", "FMUL", "F2FP", "FSEL", "FSETP")) else "int/move/other"
 
 
+def num(text: str) -> float:
+    """A CSV cell as a number: "1,234" as 1234, empty or not a number as 0."""
+    try:
+        return float(text.replace(",", "")) if text else 0.0
+    except ValueError:
+        return 0.0
+
+
+def sass_rows(source: str) -> list[list[str]]:
+    """ncu --page source --csv of one kernel: it opens with a "Kernel Name" row, then the header, then one row per
+    SASS instruction; this gives the header and the instruction rows."""
+    return [r for r in csv.reader(io.StringIO(source)) if r and r[0] != "Kernel Name"]
+
+
+def sass_columns(head: list[str]) -> tuple[int, int | None]:
+    """The header's instruction-text column and its all-samples column (None: the report has no samples)."""
+    text = next((i for i, n in enumerate(head) if n.lower() == "source"), 1)
+    return text, next((i for i, n in enumerate(head) if "Sampling (All" in n), None)
+
+
+def consumer_region(body: list[list[str]], text: int) -> list[list[str]] | None:
+    """sm90: the consumers' instructions, from setmaxnreg.inc to the producer's setmaxnreg.dec (None: no such pair)."""
+    alloc = [i for i, r in enumerate(body) if "SETMAXREG" in r[text]]
+    return body[alloc[0]:alloc[1]] if len(alloc) >= 2 else None
+
+
+def samples_by_category(rows: list[list[str]], text: int, samples: int) -> dict[str, float]:
+    """Samples per category() of the instructions' opcodes (a branch right after an mbarrier try-wait is the wait)."""
+    cats: dict[str, float] = {}
+    prev = ""
+    for r in rows:
+        words = r[text].split()
+        op = words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "")
+        key = category(op, "SYNCS" in prev)
+        cats[key] = cats.get(key, 0.0) + num(r[samples] if samples < len(r) else "")
+        prev = op
+    return cats
+
+
 def summarize(source: str, tag: str, top: int) -> None:
-    # The CSV opens with a "Kernel Name" row, then the header, then one row per SASS instruction.
-    rows = [r for r in csv.reader(io.StringIO(source)) if r and r[0] != "Kernel Name"]
+    rows = sass_rows(source)
     if not rows:
         print("no source rows")
         return
     head, body = rows[0], rows[1:]
-    col = {name: i for i, name in enumerate(head)}
-    text = next((i for n, i in col.items() if n.lower() == "source"), 1)
-    samples = next((i for n, i in col.items() if "Sampling (All" in n), None)
+    text, samples = sass_columns(head)
     if samples is None:
         print("columns:", head)
         return
-    extra = [i for n, i in col.items() if n.startswith("stall_") and "Not Issued" not in n]
+    extra = [i for i, n in enumerate(head) if n.startswith("stall_") and "Not Issued" not in n]
 
-    def num(r: list[str], i: int) -> float:
-        try:
-            return float(r[i].replace(",", "")) if i < len(r) and r[i] else 0.0
-        except ValueError:
-            return 0.0
+    def cell(r: list[str], i: int) -> float:
+        return num(r[i] if i < len(r) else "")
 
-    total = sum(num(r, samples) for r in body) or 1.0
-    alloc = [i for i, r in enumerate(body) if "SETMAXREG" in r[text]]
-    if len(alloc) >= 2:  # sm90: the consumers' code runs from setmaxnreg.inc to the producer's setmaxnreg.dec
-        cons, cats, prev = body[alloc[0]:alloc[1]], {}, ""
-        for r in cons:
-            words = r[text].split()
-            op = words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "")
-            key = category(op, "SYNCS" in prev)
-            cats[key] = cats.get(key, 0.0) + num(r, samples)
-            prev = op
+    total = sum(cell(r, samples) for r in body) or 1.0
+    cons = consumer_region(body, text)
+    if cons is not None:
+        cats = samples_by_category(cons, text, samples)
         n = sum(cats.values()) or 1.0
         print(f"{tag}: consumer warps' samples ({100 * n / total:.0f}% of all): "
               + ", ".join(f"{k} {100 * v / n:.1f}%" for k, v in sorted(cats.items(), key=lambda kv: -kv[1])))
     print(f"{len(body)} SASS instructions, {total:.0f} samples; top {top}:")
-    for r in sorted(body, key=lambda r: -num(r, samples))[:top]:
-        more = " ".join(f"{head[i]}={num(r, i):.0f}" for i in extra if num(r, i))
-        print(f"{100 * num(r, samples) / total:5.1f}%  {r[0]:>6}  {r[text].strip()[:70]:70s} {more[:120]}")
+    for r in sorted(body, key=lambda r: -cell(r, samples))[:top]:
+        more = " ".join(f"{head[i]}={cell(r, i):.0f}" for i in extra if cell(r, i))
+        print(f"{100 * cell(r, samples) / total:5.1f}%  {r[0]:>6}  {r[text].strip()[:70]:70s} {more[:120]}")
 
 
 if __name__ == "__main__":
