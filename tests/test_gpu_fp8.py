@@ -45,13 +45,18 @@ def fp8_configs(arch: str = "sm90") -> list[KernelConfig]:
     return out
 
 
-@pytest.fixture(scope="module")
-def kernels():
+def compiled_on_sm90(cfgs: list) -> dict:
+    """The FP8 kernels compiled and grouped by (head_dim, causal); the test skips without an sm90 GPU."""
     import torch
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("FP8 wgmma needs an sm90 GPU")
-    return compile_grouped(fp8_configs(), "sm90", lambda c: (c.head_dim, c.causal))
+    return compile_grouped(cfgs, "sm90", lambda c: (c.head_dim, c.causal))
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return compiled_on_sm90(fp8_configs())
 
 
 def failures(kernels: list, q, k, v, descale: dict, causal: bool, case: str) -> list[str]:
@@ -195,11 +200,7 @@ def pack_fp8_configs(arch: str = "sm90") -> list[KernelConfig]:
 
 @pytest.fixture(scope="module")
 def pack_kernels():
-    import torch
-
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("FP8 wgmma needs an sm90 GPU")
-    return compile_grouped(pack_fp8_configs(), "sm90", lambda c: (c.head_dim, c.causal))
+    return compiled_on_sm90(pack_fp8_configs())
 
 
 @pytest.mark.parametrize("layout", list(PACK_LAYOUTS))

@@ -123,19 +123,28 @@ def kernels():
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_matches_float64_reference(kernels, head_dim, dtype, causal, layout):
+    heads, heads_k = LAYOUTS[layout]
+    failures = float64_failures(kernels[(head_dim, dtype, causal)], PAIRS,
+                                lambda sq, sk: 2 if max(sq, sk) <= 1024 else 1, heads, heads_k, head_dim, dtype, causal,
+                                layout)
+    assert not failures, "\n".join(failures)
+
+
+def float64_failures(kerns: list, pairs: list, batch_of, heads: int, heads_k: int, head_dim: int, dtype: str,
+                     causal: bool, tag: str) -> list[str]:
+    """Each kernel on fresh inputs (batch_of(seqlen_q, seqlen_k) sequences) of each length pair against float64:
+    one line per miss."""
     from flashgen.verify import random_qkv, reference, run_and_judge
 
-    heads, heads_k = LAYOUTS[layout]
     failures = []
-    for sq, sk in PAIRS:
-        batch = 2 if max(sq, sk) <= 1024 else 1
-        q, k, v = random_qkv(batch, sq, sk, heads, heads_k, head_dim, dtype)  # fresh every case
+    for sq, sk in pairs:
+        q, k, v = random_qkv(batch_of(sq, sk), sq, sk, heads, heads_k, head_dim, dtype)  # fresh every case
         ref = reference(q, k, v, causal)
-        for kern in kernels[(head_dim, dtype, causal)]:
+        for kern in kerns:
             r = run_and_judge(kern, q, k, v, ref)
             if not r.ok:
-                failures.append(f"{kern.name} sq={sq} sk={sk} {layout}: {r.reason}")
-    assert not failures, "\n".join(failures)
+                failures.append(f"{kern.name} sq={sq} sk={sk} {tag}: {r.reason}")
+    return failures
 
 
 # Persistent kernels with many more tiles than SMs (each CTA runs several, stage and Q phases carried
@@ -358,18 +367,10 @@ def pack_kernels():
 def test_pack_gqa_matches_float64_reference(pack_kernels, head_dim, dtype, causal, layout):
     """Tile rows (position, head of the group): Q by the 5-d TMA box, the causal mask by position, O and LSE
     written to (position, head); the persistent kernels run many tiles per CTA over KV heads."""
-    from flashgen.verify import random_qkv, reference, run_and_judge
-
     heads, heads_k = PACK_LAYOUTS[layout]
-    failures = []
-    for sq, sk in PACK_PAIRS:
-        batch = 3 if max(sq, sk) <= 256 else 2
-        q, k, v = random_qkv(batch, sq, sk, heads, heads_k, head_dim, dtype)
-        ref = reference(q, k, v, causal)
-        for kern in pack_kernels[(head_dim, dtype, causal)]:
-            r = run_and_judge(kern, q, k, v, ref)
-            if not r.ok:
-                failures.append(f"{kern.name} sq={sq} sk={sk} {layout}: {r.reason}")
+    failures = float64_failures(pack_kernels[(head_dim, dtype, causal)], PACK_PAIRS,
+                                lambda sq, sk: 3 if max(sq, sk) <= 256 else 2, heads, heads_k, head_dim, dtype, causal,
+                                layout)
     assert not failures, "\n".join(failures)
 
 
