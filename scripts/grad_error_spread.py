@@ -30,7 +30,7 @@ def main() -> None:
     from flashgen.backward import backward
     from flashgen.ops import _backward_kernel
     from flashgen.verify import random_qkv
-    from test_gpu_api import _sdpa_ref  # the GPU test's reference: one definition of the bar's inputs
+    from test_gpu_api import _sdpa_ref, autograd_grads  # the GPU test's reference and loss: one definition of each
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="1,1023,1023,4,1,256", help="batch,seqlen_q,seqlen_k,heads,heads_k,head_dim")
@@ -43,12 +43,7 @@ def main() -> None:
     b, sq, sk, h, hk, d = (int(x) for x in args.shape.split(","))
 
     def grads(fn, *inputs):
-        leaves = [t.detach().clone().requires_grad_() for t in inputs]
-        out, lse = fn(*leaves)
-        seen = torch.isfinite(lse)  # rows that see no key: lse is +inf (flashgen) or -inf (the reference)
-        loss = (out.float() * dout.float()).sum() + ((torch.where(seen, lse, 0) * dlse).sum() if args.with_lse else 0)
-        loss.backward()
-        return [t.grad.double() for t in leaves], out.detach(), lse.detach()
+        return autograd_grads(fn, inputs, dout, dlse if args.with_lse else None)
 
     ratios: dict[str, list[float]] = {}
     print(f"shape {args.shape} causal={args.causal} {args.dtype} with_lse={args.with_lse}: "

@@ -330,6 +330,19 @@ def _sdpa_ref(q, k, v, causal, scale=None):
     return torch.einsum("bhqk,bkhd->bqhd", p.to(q.dtype), v), (torch.log(l) + m).squeeze(-1)
 
 
+def autograd_grads(fn, inputs, dout, dlse=None) -> tuple[list, object, object]:
+    """([dq, dk, dv] as float64, out, lse) of loss = sum(out * dout) (+ sum(lse * dlse) over the rows that see a key,
+    when dlse is given) through fn(q, k, v) -> (out, lse), on fresh leaves of `inputs`."""
+    import torch
+
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out, lse = fn(*leaves)
+    seen = torch.isfinite(lse)  # rows that see no key: lse is +inf (flashgen) or -inf (the reference)
+    loss = (out.float() * dout.float()).sum() + ((torch.where(seen, lse, 0) * dlse).sum() if dlse is not None else 0)
+    loss.backward()
+    return [t.grad.double() for t in leaves], out.detach(), lse.detach()
+
+
 @pytest.mark.parametrize("with_lse", [False, True], ids=["out", "out+lse"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", [(2, 113, 211, 4, 4, 64), (1, 211, 113, 6, 2, 128), (1, 1023, 1023, 4, 1, 256),
@@ -348,12 +361,7 @@ def test_autograd_gradients_match_float64(shape, causal, with_lse):
     dlse = torch.randn(b, h, sq, device="cuda")
 
     def grads(fn, *inputs):
-        leaves = [t.detach().clone().requires_grad_() for t in inputs]
-        out, lse = fn(*leaves)
-        seen = torch.isfinite(lse)  # rows that see no key: lse is +inf (flashgen) or -inf (the reference)
-        loss = (out.float() * dout.float()).sum() + ((torch.where(seen, lse, 0) * dlse).sum() if with_lse else 0)
-        loss.backward()
-        return [t.grad.double() for t in leaves]
+        return autograd_grads(fn, inputs, dout, dlse if with_lse else None)[0]
 
     got = grads(lambda q, k, v: flashgen.attention(q, k, v, causal=causal, return_lse=True), q, k, v)
     ref = grads(lambda q, k, v: _sdpa_ref(q, k, v, causal), q.double(), k.double(), v.double())
