@@ -25,26 +25,21 @@ from .config import FP8_DTYPES
 from .tensors import torch_dtype
 
 PEERS = ("flash", "cudnn", "efficient")  # SDPA backends: FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTENTION
-# FlashAttention-4 / cuDNN (SDPA) forward on the H200, bf16, measured in one run on 2026-11-30 (issue
-# "Hopper forward at or above FlashAttention-4"): flashgen / cuDNN at or above this is FA4's level.
-# (head_dim, seqlen, causal) -> ratio; the same target is used for fp16.
-FA4_OVER_CUDNN = {
-    (64, 1024, False): 0.96, (64, 1024, True): 0.81, (64, 4096, False): 1.13, (64, 4096, True): 1.14,
-    (64, 16384, False): 1.21, (64, 16384, True): 1.21, (128, 1024, False): 1.00, (128, 1024, True): 1.00,
-    (128, 4096, False): 1.11, (128, 4096, True): 1.11, (128, 16384, False): 1.13, (128, 16384, True): 1.15,
-    (256, 1024, False): 1.04, (256, 1024, True): 1.02, (256, 4096, False): 1.09, (256, 4096, True): 1.16,
-    (256, 16384, False): 1.13, (256, 16384, True): 1.20,
-}
-# FlashAttention-4's backward on the H200, bf16, TFLOP/s (2.5x the forward's FLOPs), measured 2026-11-30 (issue
-# "Backward kernels ... train with flashgen"); it cannot be installed on the GPU machine, so these stand beside
-# the same-run SDPA peers: flashgen's backward / this is the "x FA4" column of backward rows.
-FA4_BWD_TFLOPS = {
-    (64, 1024, False): 350, (64, 1024, True): 246, (64, 4096, False): 460, (64, 4096, True): 401,
-    (64, 16384, False): 499, (64, 16384, True): 491, (128, 1024, False): 389, (128, 1024, True): 272,
-    (128, 4096, False): 527, (128, 4096, True): 449, (128, 16384, False): 582, (128, 16384, True): 556,
-    (256, 1024, False): 269, (256, 1024, True): 204, (256, 4096, False): 349, (256, 4096, True): 309,
-    (256, 16384, False): 364, (256, 16384, True): 355,
-}
+PEER_FIGURES = Path(__file__).parent / "data" / "peers.json"  # card, date, versions and source of every figure
+
+
+def peer_figures(name: str, path: Path = PEER_FIGURES) -> dict[tuple[int, int, bool], float]:
+    """One peer's figures from the data file: (head_dim, seqlen, causal) -> value."""
+    points = json.loads(path.read_text())["peers"][name]["points"]
+    return {(p["head_dim"], p["seqlen"], p["causal"]): p["value"] for p in points}
+
+
+# FlashAttention-4 / cuDNN (SDPA) forward on the H200, bf16, one run: flashgen / cuDNN at or above this is
+# FA4's level. (head_dim, seqlen, causal) -> ratio; the same target is used for fp16.
+FA4_OVER_CUDNN = peer_figures("fa4_fwd_over_cudnn")
+# FlashAttention-4's backward on the H200, bf16, TFLOP/s (2.5x the forward's FLOPs); it cannot be installed on the
+# GPU machine, so these stand beside the same-run SDPA peers: flashgen's backward / this is the "x FA4" column.
+FA4_BWD_TFLOPS = peer_figures("fa4_bwd_tflops")
 HOST_SHAPE = (1, 128, 1)  # batch, seqlen, heads of the host-cost problem: microseconds of GPU work at most
 
 
@@ -358,7 +353,7 @@ def fa4_target(pt: Point) -> float | None:
 
 
 def fa4_bwd_ratio(r: Row) -> float | None:
-    """A backward row's kernel TFLOP/s over FlashAttention-4's backward on the H200 (issue figures, bf16 only)."""
+    """A backward row's kernel TFLOP/s over FlashAttention-4's backward on the H200 (data/peers.json, bf16 only)."""
     t, fa4 = r.tflops("flashgen"), FA4_BWD_TFLOPS.get((r.point.head_dim, r.point.seqlen, r.point.causal))
     if r.point.pass_ != "bwd" or r.point.dtype != "bf16" or t is None or fa4 is None:
         return None
