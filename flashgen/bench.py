@@ -28,7 +28,7 @@ _L2_SCRATCH: dict[int, Any] = {}
 
 def l2_flush() -> Callable[[], Any]:
     """A write of twice the current GPU's L2 (a cached scratch buffer): after it, nothing a previous call left in L2
-    is there. Timed calls measured without it moved by up to 15% with that residue (docs/perf-notes.md item 22)."""
+    is there. Timed calls measured without it moved by up to 15% with that residue (docs/performance.md)."""
     import torch  # noqa: PLC0415
 
     dev = torch.cuda.current_device()

@@ -152,7 +152,7 @@ class KernelConfig(_AsDict):
     mma_rowsum: bool = False
     # sm90: FlashAttention-4's lazy rescaling, O's rescale skipped by a warp whose rows' max stays put: 16-bit in
     # the overlapped schedule (the max kept while none grows by more than 2^8), FP8 in every schedule (only when
-    # no row's max grew: a stale max costs FP8's P accuracy, docs/perf-notes.md item 22).
+    # no row's max grew: a stale max costs FP8's P accuracy, docs/fp8.md).
     lazy_rescale: bool = False
     # sm90, 16-bit: Q read into registers once per tile (ldmatrix) and fed to S = QK^T as wgmma's A operand from
     # registers (RS) instead of shared memory; the persistent kernel then frees Q's buffer at the tile's start,
@@ -382,7 +382,7 @@ class KernelConfig(_AsDict):
             # Three 16-bit consumers get 32: ptxas fits d64's 192 x 128 tile with overlap (FlashAttention-3's d64
             # tile) in 160 registers at 128 accumulator registers, spill-free without a mask (causal's row and column
             # registers: 12-36 B spilled per thread); 192 x 192 without overlap spills 16-24 B and was still the
-            # fastest d64 tile at N >= 4k on the H200 (docs/perf-notes.md item 23): spills are timed, not excluded.
+            # fastest d64 tile at N >= 4k on the H200 (docs/kernels-sm90.md): spills are timed, not excluded.
             room = 32 if self.consumers == 3 and not self.fp8 else 40
             return min(200, (SM90_REGS_FP8 if self.fp8 else SM90_REGS)[self.consumers][1] - room)
         return MAX_ACCUM_REGS
@@ -808,7 +808,7 @@ _DEFAULT_BWD_TILES = {
 
 
 # sm90: (block_m, block_n, num_warps, num_stages, stagger): FlashAttention-3's tile shapes for these head dims,
-# with what the H200 tune picked at most points (2026-12-01: staggered at d64/d128, d128 with 3 stages as the
+# with what the H200 tune picked at most points (staggered at d64/d128, d128 with 3 stages as the
 # staggered consumers hold two Q tiles at once; not staggered at d256, whose two warpgroups hand P^T and dS^T
 # to each other every tile).
 _DEFAULT_BWD_TILES_SM90 = {32: [(128, 128, 12, 2, True)], 64: [(128, 128, 12, 2, True)], 96: [(64, 64, 8, 2, False)],

@@ -495,7 +495,7 @@ def retime_leaders(study: optuna.Study, problem: TuneProblem, backend: Backend, 
     with) again in interleaved rounds on one input set, and record the figures in the study (user attribute
     "retimed"), which `outcome` then ranks by. Each trial's figure is one median of a few dozen calls; among
     hundreds, the fastest is often one that a clock or the GPU's state favoured (single medians of one
-    kernel moved by up to 15%: docs/perf-notes.md item 22). Done once per set of verified trials."""
+    kernel moved by up to 15%: docs/performance.md). Done once per set of verified trials."""
     ok = _verified(study)
     if len(ok) < 2 or _retimed(study, ok) or not hasattr(backend, "retime"):
         return

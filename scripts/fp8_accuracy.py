@@ -5,7 +5,7 @@ PyTorch and the bf16 floor, with and without block quantization of P and incoher
 
 Inputs: standard normal ("gaussian"), and the same with two channels of q and k scaled by 10
 ("outliers", as outlier features of real activations). Two references, both float64:
-- "vs deq": attention of the dequantized FP8 inputs (the kernel's own error; the issue's bar:
+- "vs deq": attention of the dequantized FP8 inputs (the kernel's own error; the bar:
   RMS no worse than plain FP8's, max within 2x),
 - "vs exact": attention of the unquantized inputs (what a user loses end to end, input
   quantization included; FlashAttention-3's paper reports this kind).

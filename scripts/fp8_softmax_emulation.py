@@ -7,7 +7,7 @@ m + offset) quantized to e4m3 against the running max m, O += P·V exactly (the 
 exact), l += P, O / l at the end. Variants: the offset (the kernel's P_OFFSET, 8), lazy rescaling with a slack (m
 kept while no row of a 16-row warp grows by more than it), l from the quantized P. Prints each variant's RMS error
 against float64 attention of the dequantized inputs, as a ratio to plain FP8's (flashgen.fp8.emulate_dequantized:
-the verify bar is ratio <= 1). Measured with it (docs/perf-notes.md item 22): only integer offsets keep the ratio
+the verify bar is ratio <= 1). Measured with it (docs/fp8.md): only integer offsets keep the ratio
 (the max element then quantizes against a power of two); a slack moves it off, as a fractional offset does.
 """
 from __future__ import annotations

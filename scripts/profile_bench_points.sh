@@ -1,5 +1,5 @@
 #!/bin/bash
-# ncu (clocks left alone) on bench points: what holds each kernel back. Default: where the 2026-11-30 H200 bench fell short.
+# ncu (clocks left alone) on bench points: what holds each kernel back. Default: four points where the two families trailed SDPA on the H200.
 # Usage: bash scripts/profile_bench_points.sh ["FAMILY HEAD_DIM SEQLEN CAUSAL(0|1) [DTYPE] [PASS]" ...] > ncu.txt
 # KERNELS: the regex of the kernels to profile (default fwd_; for PASS bwd e.g. 'bwd_.*_st[01]$', the main kernel).
 POINTS=("$@")

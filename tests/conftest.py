@@ -57,7 +57,7 @@ def compile_sm90a_clean(cfgs: list) -> list:
     redefined), no wgmma wait ptxas injected (C7517: registers a wgmma may still define were read), the shared
     memory its config says, and in the SASS (where a disassembler is installed) no wgmma serialized silently: ptxas
     13.0 fences every wgmma of a kernel with wgmmas in runtime branches (WARPGROUP.ARRIVE 3 -> 80) without C7513
-    (docs/perf-notes.md item 25); the stored kernels have at most 3. Returns the compiled kernels."""
+    (docs/design-notes.md); the stored kernels have at most 3. Returns the compiled kernels."""
     from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 
     from flashgen.compile import compile_kernel, disassemble, disassembler  # noqa: PLC0415

@@ -82,7 +82,7 @@ def test_a_fleet_tune_is_faster_and_stores_the_same_winners(tmp_path):
     assert times_many.keys() == times_one.keys()  # every fitting configuration timed, once, by both runs
     assert all(set(times_many[k]) == set(times_one[k]) and len(times_one[k]) >= 3 for k in times_one)
     # Two tuners sharing one GPU time each other's kernels now and then: a 6% pick was seen (H200,
-    # 2026-11-30, d64 bf16 N=4096, bn128 vs bn64); apart, on two GPUs, 5% is the bar.
+    # d64 bf16 N=4096, bn128 vs bn64); apart, on two GPUs, 5% is the bar.
     tolerance = 1.05 if gpus >= 2 else 1.10
     for key, e in one_entries.items():
         mine, theirs = e["kernel"], many_entries[key]["kernel"]

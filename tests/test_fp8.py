@@ -53,7 +53,7 @@ def test_fp8_configs_are_sm90_only_with_their_own_geometry():
 @pytest.mark.parametrize("d", FP8_HEAD_DIMS)
 def test_fp8_kernels_compile_for_sm90a_without_spills_or_serialized_wgmma(d):
     # d256 at 128 keys holds 192 accumulators per thread: its plain schedule fits, ping-pong spills (listed
-    # in docs/perf-notes.md), so d256's variants take 64-key tiles
+    # in docs/fp8.md), so d256's variants take 64-key tiles
     bn = 128 if d < 256 else 64
     cfgs = [KernelConfig(d, DT, causal, 128, bn, 12, 2, "sm90", ov, pp, ps, block_quant_p=bq)
             for causal, ov, pp, ps, bq in ((False, False, False, False, False), (True, True, False, True, True),

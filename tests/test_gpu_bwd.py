@@ -133,7 +133,7 @@ def test_matches_float64_reference(kernels, head_dim, dtype, causal, layout):
 # A known shortfall, not hidden: shown as XFAIL with its figures when it occurs, and only within 1.5x the bar.
 D256_PRECISION = ("known: the sm90 d256 backward (kv_split) forms dS^T from P^T rounded to 16 bits (warpgroup 1 reads "
                   "it from shared memory), so its max error can pass flash_attn's 2x bar by up to ~25% on some random "
-                  "inputs (docs/perf-notes.md, item 15):\n")
+                  "inputs (docs/kernels-sm90.md, backward):\n")
 
 
 def _d256_precision(failure: str) -> bool:

@@ -153,7 +153,7 @@ def test_packed_rows_cover_every_position_and_head_once(block_m, seqlen_q, heads
     group = heads // heads_k
     m_blocks, grid_heads, batch = tile_counts(block_m, seqlen_q, heads, heads_k, 3, True)
     assert (m_blocks, grid_heads) == pack_tiles(block_m, seqlen_q, heads, heads_k) and batch == 3 and grid_heads == heads_k
-    if block_m % group == 0:  # the count: ceil(seqlen_q * group / block_m)
+    if block_m % group == 0:  # packed rows: ceil(seqlen_q * group / block_m)
         assert m_blocks == -(-seqlen_q * group // block_m)
     seen = []
     for m in range(m_blocks):

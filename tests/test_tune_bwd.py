@@ -163,7 +163,7 @@ def test_cli_bench_pass_bwd_simulated_table_and_files(tmp_path, capsys):
     doc = json.loads(next(tmp_path.glob("*.json")).read_text())
     recs = {r["pass_"]: r for r in doc["results"]}
     assert recs["bwd"]["kernel"].startswith("simulated_bwd") and recs["bwd"]["fa4_over_cudnn_target"] is None
-    # backward rows stand beside FlashAttention-4's backward on the H200 (the issue's figures: d128 causal N=1024, 272)
+    # backward rows stand beside FlashAttention-4's backward on the H200 (flashgen/data/peers.json: d128 causal N=1024, 272)
     assert "x FA4 bwd" in lines[0] and recs["fwd"]["ratio_fa4_bwd"] is None
     assert recs["bwd"]["ratio_fa4_bwd"] == pytest.approx(recs["bwd"]["flashgen_tflops"] / 272)
     # a backward point counts 2.5x the forward's FLOPs (the simulated runner's times follow the FLOPs)
