@@ -5,6 +5,7 @@ import functools
 
 import jinja2
 
+from . import abi
 from .__version__ import __version__
 from .config import BWD_ROW_WARPS, COMBINE_WARPS, SM90_REGS, SM90_REGS_FP8, BwdConfig, KernelConfig
 from .paths import templates_dir
@@ -20,13 +21,15 @@ _TYPES = {
 @functools.lru_cache(maxsize=None)
 def template_env() -> jinja2.Environment:
     """The Jinja2 environment over templates/ (StrictUndefined: a missing variable is an error)."""
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir())),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
+    env.globals["abi"] = abi  # the argument structs are declared from their one description
+    return env
 
 
 @functools.lru_cache(maxsize=1024)

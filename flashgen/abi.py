@@ -1,0 +1,299 @@
+"""The kernels' argument blocks, written once as data.
+
+Every kernel takes one struct by value. Each struct is described here, field by field, and everything else is
+generated from that description: the C++ struct the templates and exported headers declare (with `static_assert`s
+of its size and offsets), the `struct` format the launchers pack, the offsets of the fields, and the positions of
+the pointer fields that a launcher fills per call. The layout follows the C rules nvcc uses: each field at the
+next multiple of its alignment, the struct padded to the largest alignment of its members.
+"""
+from __future__ import annotations
+
+import functools
+import struct
+from dataclasses import dataclass
+
+# C type -> (struct code, size, alignment). Pointers and int64 are 8 bytes on every target the kernels run on.
+_SCALARS: dict[str, tuple[str, int, int]] = {
+    "ptr": ("Q", 8, 8),
+    "int64_t": ("q", 8, 8),
+    "int": ("i", 4, 4),
+    "float": ("f", 4, 4),
+    "CUtensorMap": ("128s", 128, 128),  # opaque; cuda.h aligns it to 128 bytes
+}
+
+
+@dataclass(frozen=True)
+class Line:
+    """One declaration line: a C++ type, the names it declares, and a comment for the reader."""
+
+    ctype: str  # a C++ pointer type ("const void*"), a scalar of _SCALARS, or a Block's name
+    names: tuple[str, ...]
+    comment: str = ""
+
+    @property
+    def kind(self) -> str:
+        return "ptr" if self.ctype.endswith("*") else self.ctype
+
+
+@dataclass(frozen=True)
+class Field:
+    """A scalar in the flattened struct: its dotted path, C kind, byte offset and struct code."""
+
+    path: str
+    kind: str
+    offset: int
+    code: str
+
+
+@dataclass(frozen=True)
+class Block:
+    """A kernel argument struct: its C++ name, include guard, leading comment lines and declaration lines."""
+
+    name: str
+    guard: str
+    doc: tuple[str, ...]
+    lines: tuple[Line, ...]
+
+    def _member(self, line: Line) -> Block | None:
+        return BLOCKS.get(line.ctype)
+
+    @functools.cached_property
+    def align(self) -> int:
+        return max(b.align if (b := self._member(ln)) else _SCALARS[ln.kind][2] for ln in self.lines)
+
+    @functools.cached_property
+    def fields(self) -> tuple[Field, ...]:
+        """Every scalar, nested blocks flattened, in memory order."""
+        out: list[Field] = []
+        offset = 0
+        for ln in self.lines:
+            for name in ln.names:
+                nested = self._member(ln)
+                if nested is not None:
+                    offset = _round_up(offset, nested.align)
+                    out += [Field(f"{name}.{f.path}", f.kind, offset + f.offset, f.code) for f in nested.fields]
+                    offset += nested.size
+                    continue
+                code, size, align = _SCALARS[ln.kind]
+                offset = _round_up(offset, align)
+                out.append(Field(name, ln.kind, offset, code))
+                offset += size
+        return tuple(out)
+
+    @functools.cached_property
+    def size(self) -> int:
+        last = self.fields[-1]
+        return _round_up(last.offset + _SCALARS[last.kind][1], self.align)
+
+    def offset(self, path: str) -> int:
+        """Byte offset of a field ("cu_seqlens_q", or "p.batch" inside a nested block)."""
+        return self._by_path[path].offset
+
+    def index(self, path: str) -> int:
+        """Position of a field among the values `struct` packs."""
+        return self._positions[path]
+
+    @functools.cached_property
+    def _by_path(self) -> dict[str, Field]:
+        return {f.path: f for f in self.fields}
+
+    @functools.cached_property
+    def _positions(self) -> dict[str, int]:
+        return {f.path: i for i, f in enumerate(self.fields)}
+
+    @functools.cached_property
+    def pointers(self) -> tuple[int, ...]:
+        """Positions of the pointer fields among the packed values."""
+        return tuple(i for i, f in enumerate(self.fields) if f.kind == "ptr")
+
+    def format(self, start: str | None = None) -> str:
+        """The `struct` format of the fields from `start` (default: the first) to the end, padding included."""
+        fields = self.fields[self.index(start):] if start else self.fields
+        codes: list[str] = []
+        at = fields[0].offset
+        for f in fields:
+            if f.offset > at:
+                codes.append(f"{f.offset - at}x")
+            codes.append(f.code)
+            at = f.offset + _SCALARS[f.kind][1]
+        if self.size > at:
+            codes.append(f"{self.size - at}x")
+        return "=" + _run_length(codes)
+
+    @functools.cached_property
+    def struct(self) -> struct.Struct:
+        """Packs the whole block from its flattened values (CUtensorMaps as 128 bytes each)."""
+        return struct.Struct(self.format())
+
+    def tail(self, start: str) -> struct.Struct:
+        """Packs the fields from `start` to the end: for a launcher that joins bytes it already holds (tensor
+        maps, a nested block) with the rest."""
+        return struct.Struct(self.format(start))
+
+    def cpp(self) -> str:
+        """The C++ declaration, guarded, with static_asserts that keep it equal to this description."""
+        width = min(40, max((len(_decl(ln)) for ln in self.lines if ln.comment), default=0))
+        body = [f"    {_decl(ln):<{width}}  // {ln.comment}" if ln.comment else f"    {_decl(ln)}" for ln in self.lines]
+        checks = [f"sizeof({self.name}) == {self.size}"] + [  # the first field of each line places the rest
+            f"__builtin_offsetof({self.name}, {ln.names[0]}) == {self.offset(ln.names[0])}"
+            for ln in self.lines if self._member(ln) is None and ln.kind != "CUtensorMap"]
+        return "\n".join([
+            f"#ifndef {self.guard}", f"#define {self.guard}", *(f"// {d}" for d in self.doc),
+            f"struct {self.name} {{", *body, "};",
+            "static_assert(" + " &&\n              ".join(checks) + ",",
+            f'              "{self.name} disagrees with flashgen/abi.py");',
+            "#endif"])
+
+
+def _decl(ln: Line) -> str:
+    return f"{ln.ctype} {', '.join(ln.names)};"
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _run_length(codes: list[str]) -> str:
+    """["Q", "Q", "i"] -> "2Qi"; counted codes ("4x", "128s") stand alone."""
+    out: list[str] = []
+    run, count = "", 0
+    for code in codes + [""]:
+        if code == run and len(code) == 1:
+            count += 1
+            continue
+        if run:
+            out.append(f"{count if count > 1 else ''}{run}")
+        run, count = code, 1
+    return "".join(out)
+
+
+def _strides(*tensors: str) -> tuple[Line, ...]:
+    return tuple(Line("int64_t", tuple(f"{t}_{s}_stride" for s in ("batch", "row", "head"))) for t in tensors)
+
+
+_WINDOW = Line("int", ("window_left", "window_right"),
+               "keys i + shift - left .. i + shift + right are seen; -1: unbounded")
+_SOFTCAP = "softcap: S = tanh(S * softcap_pre); scale_log2 is then softcap * log2(e)"
+_MAPS = Line("CUtensorMap", ("tm_q", "tm_k", "tm_v"))
+
+FWD = Block("FwdParams", "FLASHGEN_FWD_PARAMS", (
+    "Runtime arguments of every forward kernel, passed by value. Strides are in elements;",
+    "the last dimension of q, k, v and o is contiguous. lse is (batch, heads, seqlen_q) fp32."), (
+    Line("const void*", ("q",)), Line("const void*", ("k",)), Line("const void*", ("v",)),
+    Line("void*", ("o",)),
+    Line("float*", ("lse",), "may be null: no LSE is written"),
+    *_strides("q", "k", "v", "o"),
+    Line("int", ("batch", "heads", "heads_k", "seqlen_q", "seqlen_k")),
+    Line("float", ("softmax_scale",), "applied to q.k; any finite value (<= 0 included)"),
+    Line("float", ("scale_log2",),
+         "|softmax_scale| * log2(e) (log2(e) when softmax_scale is 0): softmax runs on exp2"),
+))
+
+SERVE = Block("ServeParams", "FLASHGEN_SERVE_PARAMS", (
+    "Runtime arguments of forward kernels with serving features: FwdParams, then what varlen",
+    "batches, KV caches, split-KV and score modifiers add. A feature the kernel was not generated",
+    "with leaves its fields unread. In FwdParams, seqlen_q and seqlen_k are the longest sequence",
+    "(varlen) or the cache length (paged: unused)."), (
+    Line("FwdParams", ("f",)),
+    Line("const int*", ("cu_seqlens_q",), "(batch + 1) offsets into the packed q and o; null: q is (batch, seqlen_q, ...)"),
+    Line("const int*", ("cu_seqlens_k",), "(batch + 1) offsets into the packed k and v; null: per-batch strides"),
+    Line("const int*", ("seqused_k",), "(batch) keys each sequence uses (KV cache lengths); null: all of them"),
+    Line("const int*", ("block_table",), "paged K/V: (batch, max_pages) page indices; k_batch_stride is the page stride"),
+    Line("const float*", ("alibi_slopes",), "(heads) or (batch, heads) fp32"),
+    Line("float*", ("o_accum",), "split-KV partial outputs: (num_splits, total_rows, heads, head_dim) fp32"),
+    Line("float*", ("lse_accum",), "split-KV partial LSEs: (num_splits, total_rows, heads) fp32"),
+    Line("int64_t", ("block_table_stride",), "elements between rows of block_table"),
+    Line("int64_t", ("alibi_batch_stride",), "0: one slope per head for every sequence"),
+    Line("int64_t", ("lse_batch_stride", "lse_head_stride"),
+         "lse[batch * bs + head * hs + row]; varlen: bs = 0, row counts from cu_seqlens_q[batch]"),
+    Line("int", ("total_rows",), "rows of o_accum: total_q (varlen) or batch * seqlen_q"),
+    Line("int", ("page_size",), "keys per page"),
+    Line("int", ("num_splits",), "key ranges per row block (split-KV)"),
+    _WINDOW,
+    Line("float", ("softcap_pre",), _SOFTCAP),
+))
+
+BWD = Block("BwdParams", "FLASHGEN_BWD_PARAMS", (
+    "Runtime arguments of every backward kernel, passed by value. Strides are in elements; the last",
+    "dimension of every tensor is contiguous. q, o, dout, dq: (batch, seqlen_q, heads, head_dim);",
+    "k, v, dk, dv: (batch, seqlen_k, heads_k, head_dim)."), (
+    Line("const void*", ("q",)), Line("const void*", ("k",)), Line("const void*", ("v",)),
+    Line("const void*", ("o",)), Line("const void*", ("dout",)),
+    Line("const float*", ("lse",), "(batch, heads, seqlen_q) fp32, the forward's (+inf: the row saw no key)"),
+    Line("float*", ("delta",), "(batch, heads, seqlen_q) fp32: D = rowsum(dO * O), written by _pre"),
+    Line("float*", ("dq_accum",),
+         "(batch, seqlen_q, heads, head_dim) fp32, contiguous: dQ summed by atomics (null if deterministic)"),
+    Line("void*", ("dq",)), Line("void*", ("dk",)), Line("void*", ("dv",)),
+    Line("float*", ("dk_accum",), "GQA/MQA: (batch, seqlen_k, heads, head_dim) fp32 per query head, contiguous,"),
+    Line("float*", ("dv_accum",), "summed over each group by the host; null: dk, dv are written directly"),
+    *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv"),
+    Line("int", ("batch", "heads", "heads_k", "seqlen_q", "seqlen_k")),
+    Line("float", ("softmax_scale",), "> 0"),
+    Line("float", ("scale_log2",), "softmax_scale * log2(e): P = exp2(S * scale_log2 - LSE * log2(e))"),
+))
+
+BWD_SERVE = Block("BwdServeParams", "FLASHGEN_BWD_SERVE_PARAMS", (
+    "Runtime arguments of backward kernels with serving features: BwdParams, then what varlen",
+    "batches and score modifiers add. Varlen: BwdParams describes one packed \"sequence\" of total_q",
+    "rows and total_k keys (batch 1: its strides, the LSE, D and accumulator layouts), and the main",
+    "kernels find each sequence through the offsets."), (
+    Line("BwdParams", ("b",)),
+    Line("const int*", ("cu_seqlens_q",), "(num_seqs + 1) offsets into the packed rows; null: b's batch strides"),
+    Line("const int*", ("cu_seqlens_k",)),
+    Line("const float*", ("alibi_slopes",), "(heads) or (num_seqs, heads) fp32"),
+    Line("int64_t", ("alibi_batch_stride",), "0: one slope per head for every sequence"),
+    _WINDOW,
+    Line("float", ("softcap_pre",), "softcap: S = tanh(S * softcap_pre); b.scale_log2 is then softcap * log2(e)"),
+    Line("int", ("num_seqs",), "sequences (blocks of the grids: tiles x heads x num_seqs)"),
+    Line("int", ("max_seqlen_q", "max_seqlen_k"), "the longest sequence: tiles per (head, sequence)"),
+))
+
+SM90_FWD = Block("Sm90FwdParams", "FLASHGEN_SM90_PARAMS", (
+    "Hopper kernels also take TMA descriptors of q, k and v, each a 4-d map over",
+    "(head_dim, seqlen, heads, batch) made on the host by cuTensorMapEncodeTiled."), (
+    _MAPS, Line("FwdParams", ("p",)),
+))
+
+SM90_SERVE_FWD = Block("Sm90ServeFwdParams", "FLASHGEN_SM90_SERVE_FWD_PARAMS", (
+    "Varlen and window. Varlen: FwdParams describes the packed tensors as one batch of total_q",
+    "rows (its LSE (heads, total_q)); sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1]."), (
+    _MAPS, Line("FwdParams", ("p",)),
+    Line("const int*", ("cu_seqlens_q",), "(num_seqs + 1) offsets into the packed q and o; null without varlen"),
+    Line("const int*", ("cu_seqlens_k",)),
+    _WINDOW,
+    Line("int", ("num_seqs", "max_seqlen_q"), "the grid: m-blocks of the longest sequence x heads x num_seqs"),
+))
+
+FP8_DESCALE = Block("Fp8Descale", "FLASHGEN_FP8_DESCALE", (
+    "FP8 descale factors (fp32) of one tensor: the factor of (batch, KV head) is",
+    "ptr[batch * batch_stride + head_k * head_stride]; strides 0 give one factor per tensor."), (
+    Line("const float*", ("ptr",)), Line("int64_t", ("batch_stride", "head_stride")),
+))
+
+SM90_FP8_FWD = Block("Sm90Fp8FwdParams", "FLASHGEN_SM90_FP8_PARAMS", (
+    "Sm90FwdParams, then the descale factors of q, k and v.",), (
+    _MAPS, Line("FwdParams", ("p",)), Line("Fp8Descale", ("q_descale", "k_descale", "v_descale")),
+))
+
+SM90_BWD = Block("Sm90BwdParams", "FLASHGEN_SM90_BWD_PARAMS", (
+    "Hopper's backward also takes TMA maps of q, k, v and dout (4-d over head_dim, seqlen, heads,",
+    "batch) and LSE * log2(e) padded like D. Here delta is (batch, heads, seqlen_q_pad) and dq_accum",
+    "(batch, heads, seqlen_q_pad, head_dim) fp32, each Q tile's part in the main kernel's register order.",
+    "Varlen and window fields are read only by kernels generated with them. Varlen: BwdParams describes",
+    "the packed tensors as one batch of total_q rows; sequence b's padded rows (LSE, D, dq_accum) start",
+    "at (cu_seqlens_q[b] + b * BLOCK_M) rounded down to BLOCK_M, whole Q tiles apart from its neighbours'."), (
+    Line("CUtensorMap", ("tm_q", "tm_k", "tm_v", "tm_do")), Line("BwdParams", ("p",)),
+    Line("float*", ("lse2",), "(batch, heads, seqlen_q_pad): LSE * log2(e), +inf on padded rows"),
+    Line("int", ("seqlen_q_pad",)),
+    Line("const int*", ("cu_seqlens_q",), "(num_seqs + 1) offsets into the packed rows"),
+    Line("const int*", ("cu_seqlens_k",)),
+    _WINDOW,
+    Line("int", ("num_seqs", "max_seqlen_q", "max_seqlen_k"),
+         "the grids: tiles of the longest sequence x heads x num_seqs"),
+))
+
+BLOCKS: dict[str, Block] = {b.name: b for b in (FWD, SERVE, BWD, BWD_SERVE, SM90_FWD, SM90_SERVE_FWD, FP8_DESCALE,
+                                                 SM90_FP8_FWD, SM90_BWD)}
+
+__all__ = ["BLOCKS", "BWD", "BWD_SERVE", "Block", "FP8_DESCALE", "FWD", "Field", "Line", "SERVE", "SM90_BWD",
+           "SM90_FP8_FWD", "SM90_FWD", "SM90_SERVE_FWD"]

@@ -1,0 +1,109 @@
+"""Same-run A/B of what a user gets: `flashgen.attention` called back to back (host cost included) in several
+checkouts, alternated round by round on one GPU.
+
+    mkdir .ab-base && git archive REV | tar -x -C .ab-base
+    python scripts/ab_api.py base=.ab-base new=. [--rounds 3] [--points 128:4096:1,...]
+
+Each round runs every checkout in its own process (its own `flashgen` package, the same kernel cache), times
+each point as CUDA events around loops of calls issued back to back over input sets larger than L2, and keeps
+the median loop. The table gives the best round per point and checkout, and each checkout's ratio to the first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BATCH_TOKENS, HEADS_DIM = 16384, 2048  # batch * seqlen and heads * head_dim of every point
+DEFAULT_POINTS = "64:4096:0,128:1024:0,128:4096:1,128:16384:0,256:4096:1,256:16384:1"
+
+
+def parse_points(text: str) -> list[tuple[int, int, bool]]:
+    """"d:N:causal,..." -> [(head_dim, seqlen, causal), ...]"""
+    out = []
+    for item in text.split(","):
+        d, n, c = item.split(":")
+        out.append((int(d), int(n), c in ("1", "true", "causal")))
+    return out
+
+
+def flops(head_dim: int, seqlen: int, causal: bool) -> float:
+    batch, heads = BATCH_TOKENS // seqlen, HEADS_DIM // head_dim
+    return 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+
+
+def worker(points: list[tuple[int, int, bool]], calls: int, loops: int) -> dict[str, float]:
+    """TFLOP/s of each point through flashgen.attention in this process's checkout."""
+    import torch  # noqa: PLC0415  (the GPU side only)
+
+    import flashgen  # noqa: PLC0415  (the checkout on sys.path, chosen by the caller)
+
+    out = {}
+    for head_dim, seqlen, causal in points:
+        batch, heads = BATCH_TOKENS // seqlen, HEADS_DIM // head_dim
+        set_bytes = 4 * batch * seqlen * heads * head_dim * 2
+        sets = max(1, -(-2 * 60 * 2**20 // set_bytes))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        inputs = [tuple(torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16,
+                                    generator=gen) for _ in range(3)) for _ in range(sets)]
+        for i in range(5):
+            flashgen.attention(*inputs[i % sets], causal=causal)
+        torch.cuda.synchronize()
+        per_call = []
+        for _ in range(loops):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for i in range(calls):
+                flashgen.attention(*inputs[i % sets], causal=causal)
+            end.record()
+            end.synchronize()
+            per_call.append(start.elapsed_time(end) / calls)
+        ms = sorted(per_call)[len(per_call) // 2]
+        out[f"d{head_dim} N{seqlen} {'causal' if causal else 'full'}"] = flops(head_dim, seqlen, causal) / ms / 1e9
+        del inputs
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("revs", nargs="*", help="LABEL=DIR of each checkout, the first is the reference")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--points", default=DEFAULT_POINTS)
+    ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--loops", type=int, default=7)
+    ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    points = parse_points(args.points)
+    if args.worker:
+        sys.path.insert(0, str(args.worker.resolve()))
+        print(json.dumps(worker(points, args.calls, args.loops)))
+        return
+    revs = [r.split("=", 1) for r in args.revs]
+    best: dict[str, dict[str, float]] = {label: {} for label, _ in revs}
+    for rnd in range(args.rounds):
+        for label, path in revs:
+            env = dict(os.environ, PYTHONPATH=str(Path(path).resolve()))
+            res = subprocess.run([sys.executable, __file__, "--worker", path, "--points", args.points,
+                                  "--calls", str(args.calls), "--loops", str(args.loops)],
+                                 capture_output=True, text=True, env=env, cwd=path)
+            if res.returncode:
+                raise SystemExit(f"{label} failed:\n{res.stderr[-3000:]}")
+            got = json.loads(res.stdout.strip().splitlines()[-1])
+            for key, tf in got.items():
+                print(f"round {rnd + 1} {label:>8} {key:<18} {tf:7.1f} TFLOP/s", flush=True)
+                best[label][key] = max(best[label].get(key, 0.0), tf)
+    first = revs[0][0]
+    print(f"\nbest of {args.rounds} rounds, TFLOP/s through flashgen.attention, back to back (ratio to {first})")
+    print(f"{'point':<18}" + "".join(f"{label:>18}" for label, _ in revs))
+    for key in best[first]:
+        cells = [f"{best[label][key]:7.1f}" + ("" if label == first else
+                                                f" ({best[label][key] / best[first][key]:.3f})")
+                 for label, _ in revs]
+        print(f"{key:<18}" + "".join(f"{c:>18}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
