@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from . import driver, store
+from .checks import check_family
 from .compile import CompiledKernel, target_for
-from .config import (FAMILIES, FP8_DTYPES, SM90_DENSE_KNOBS, SM90_FEATURES, BwdConfig, ConfigError, KernelConfig,
+from .config import (FP8_DTYPES, SM90_DENSE_KNOBS, SM90_FEATURES, BwdConfig, ConfigError, KernelConfig,
                      arch_limits, default_bwd_config, default_config)
 from .kernels.backward import load_backward
 from .kernels.dense import Kernel, compiled_kernel
@@ -160,8 +161,7 @@ def load(head_dim: int, dtype: str = "bf16", causal: bool = False, config: Kerne
     default. `config` pins an exact configuration. `gpu_arch` ("sm80", "sm90", ...) compiles
     for that GPU instead, so no GPU is needed. `gqa_group` (heads // heads_k of the calls it will run) picks the
     store's entry of that group first (sm90's pack_gqa kernels are tuned for GQA problems)."""
-    if arch is not None and arch not in FAMILIES:
-        raise ValueError(f"arch={arch!r} is not a template family; choose one of {', '.join(FAMILIES)}")
+    check_family(arch)
     on = None
     if gpu_arch is None:  # the store is looked up for the GPU that will run the kernel
         info = driver.device_info(device)
