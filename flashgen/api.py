@@ -13,15 +13,15 @@ from . import driver, resolve
 from .checks import (check_cache, check_dense, check_grad_scale, check_heads, check_int32, check_mods,
                      check_offsets, checked_dtype, dtype_name, refuse_grad, traced, wants_grad)
 from .kernels.dense import Kernel, checked, descale_dict, run_views
-from .kernels.serving import (NO_BACKWARD, KVPlan, append_kv, arch_and_slots, call_features, has_mods, kvcache_launch, run_plan,
-                              serve_config, serve_grids, want_split)
+from .kernels.serving import (NO_BACKWARD, KVPlan, append_kv, arch_and_slots, call_features, has_mods, kvcache_launch,
+                              run_plan, serve_config, serve_grids, want_split)
 from .launch import STREAM_FOR_TORCH
 from .resolve import STORE_CHECK_S, choose_config, current_arch, load, tuned_decode
 from .tensors import is_torch
 
 
 def _ops() -> Any:
-    from . import ops  # noqa: PLC0415  (the torch operators need torch, which a torch tensor in the call proves is there)
+    from . import ops  # noqa: PLC0415  (the torch operators need torch: a torch tensor in the call proves it is there)
 
     return ops
 

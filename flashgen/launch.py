@@ -15,8 +15,6 @@ from .fp8 import descale_bytes
 from .tensors import Problem, View
 
 LOG2E = 1.4426950408889634
-
-
 _F32_MAX = 3.4028234663852886e38
 
 
@@ -35,14 +33,8 @@ class FwdParams(ctypes.Structure):
 
 # The same bytes as FwdParams, packed in one call (a ctypes Structure costs several microseconds).
 FWD = struct.Struct("=5Q12q5i2f4x")
-
-
 assert FWD.size == ctypes.sizeof(FwdParams)
-
-
 SM90_BYTES = -(-(3 * 128 + FWD.size) // 128) * 128  # sizeof(Sm90FwdParams): CUtensorMap's alignment pads the tail
-
-
 STREAM_FOR_TORCH = ("stream= is for GPU arrays; torch tensors run on torch's current stream "
                     "(use `with torch.cuda.stream(s):`)")
 
@@ -136,5 +128,5 @@ def fill_empty(out: Any, lse: Any) -> None:
             lse.fill(math.inf)
 
 
-__all__ = ["FWD", "FwdParams", "LOG2E", "SM90_BYTES", "STREAM_FOR_TORCH", "current_stream", "descale_args", "fill_empty",
-           "pack_params", "scale_args", "softcap_args", "tmap_box", "tmap_box_packed"]
+__all__ = ["FWD", "FwdParams", "LOG2E", "SM90_BYTES", "STREAM_FOR_TORCH", "current_stream", "descale_args",
+           "fill_empty", "pack_params", "scale_args", "softcap_args", "tmap_box", "tmap_box_packed"]

@@ -192,7 +192,8 @@ def attention_serve_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
                                 alibi_slopes: Optional[torch.Tensor],
                                 deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of flashgen::attention_varlen (3-d q, k, v and offsets) or flashgen::attention_mods (4-d,
-    offsets None): the backward generated with the call's features (resolve.serve_backward_kernel chooses the family)."""
+    offsets None): the backward generated with the call's features (resolve.serve_backward_kernel chooses the
+    family)."""
     serve = ServeArgs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, (window_left, window_right), softcap,
                       alibi_slopes)
     features = tuple(sorted(f for f, on in serve.features(causal).items() if on))
@@ -306,6 +307,6 @@ def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: floa
     return out, lse
 
 
-__all__ = ["attention", "attention_backward_op", "attention_fp8", "attention_fp8_op", "attention_mods_op", "attention_op",
-           "attention_serve_backward_op", "attention_varlen_op", "dense_mods_forward", "forward_fp8", "forward_torch",
-           "varlen_forward"]
+__all__ = ["attention", "attention_backward_op", "attention_fp8", "attention_fp8_op", "attention_mods_op",
+           "attention_op", "attention_serve_backward_op", "attention_varlen_op", "dense_mods_forward", "forward_fp8",
+           "forward_torch", "varlen_forward"]

@@ -162,8 +162,8 @@ def tune_problem(problem: VarlenProblem, candidates: list[KernelConfig] | None =
         candidates = space(p, lambda c: compiled_kernel(c, target_for(p.gpu_arch, c.family)))
 
     def launch(cfg: KernelConfig) -> None:
-        serve_kernels.launch_prefill(cfg, *views, None, **cus, max_seqlen_q=n_max, max_seqlen_k=n_max, num_splits=1, mods=mods,
-                       softmax_scale=None)
+        serve_kernels.launch_prefill(cfg, *views, None, **cus, max_seqlen_q=n_max, max_seqlen_k=n_max, num_splits=1,
+                                     mods=mods, softmax_scale=None)
 
     def timer(cfg: KernelConfig) -> list[float]:
         return time_cuda(lambda i: launch(cfg), warmup=3, reps=20)

@@ -59,11 +59,14 @@ def _ask() -> dict:
         return None if r is None else r.name
 
     return {
-        "fwd": lambda hd, dt, causal, n, fam, g: resolve.resolver.kernel(0, hd, dt, causal, n, fam, gqa_group=g).config.name,
+        "fwd": lambda hd, dt, causal, n, fam, g: resolve.resolver.kernel(0, hd, dt, causal, n, fam,
+                                                                          gqa_group=g).config.name,
         "bwd": lambda hd, dt, causal, n, det: resolve.backward_kernel(0, hd, dt, causal, n, det).config.name,
-        "serve_bwd": lambda hd, dt, causal, f, det, n: resolve.serve_backward_kernel(0, hd, dt, causal, f, det, n).config.name,
+        "serve_bwd": lambda hd, dt, causal, f, det, n: resolve.serve_backward_kernel(0, hd, dt, causal, f, det,
+                                                                                     n).config.name,
         "decode": decode,
-        "prefill": lambda hd, dt, causal, q, n, feats, wl: resolve.prefill_config(0, hd, dt, causal, q, n, feats, wl).name,
+        "prefill": lambda hd, dt, causal, q, n, feats, wl: resolve.prefill_config(0, hd, dt, causal, q, n, feats,
+                                                                                  wl).name,
         "untuned_prefill": lambda hd, dt, causal, q, n, feats, wl: resolve.untuned_prefill_config(
             0, hd, dt, causal, q, n, feats).name,
         "tuned_prefill": tuned_prefill,

@@ -18,6 +18,7 @@ from ..launch import (FWD, SM90_BYTES, FwdParams, STREAM_FOR_TORCH, current_stre
                       pack_params, scale_args, tmap_box, tmap_box_packed)
 from ..tensors import Problem, View, align_elems, aligned, aligned_strides, is_torch, torch_dtype, view
 
+
 def tmap_geometry(q: View, k: View, v: View, prob: Problem, cfg: KernelConfig) -> tuple:
     """(dims, byte strides, box) of the q, k, v tensor maps: boxes of SMEM_W x block_m (q) or kv_box_rows (k, v:
     block_n, or half of it with cluster) rows (pack_gqa: q's is tmap_box_packed's)."""
@@ -264,10 +265,12 @@ def launch_plan(plan: Plan, q: Any, k: Any, v: Any, want_lse: bool = True,
 
 @functools.lru_cache(maxsize=256)
 def compiled_kernel(cfg: KernelConfig, target: str) -> CompiledKernel:
+    """compile_kernel's result, kept per process (the disk cache still costs a hash and a read)."""
     return compile_kernel(cfg, target)
 
 
 def descale_dict(q_descale: Any, k_descale: Any, v_descale: Any) -> dict[str, Any] | None:
+    """FP8's descale factors as `run` and `launch_plan` take them; None when none is given."""
     if q_descale is None and k_descale is None and v_descale is None:
         return None
     return {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
@@ -278,7 +281,7 @@ class Kernel:
 
     def __init__(self, compiled: CompiledKernel):
         self.compiled = compiled
-        self._plans: dict[tuple, Any] = {}  # torch call signature -> launch.Plan
+        self._plans: dict[tuple, Any] = {}  # torch call signature -> Plan
 
     @property
     def config(self) -> KernelConfig:
@@ -327,7 +330,7 @@ class Kernel:
         return launch_torch(self, plan, q, k, v, softmax_scale, want_lse, descale)
 
     def plan(self, q: Any, k: Any, v: Any, softmax_scale: float | None) -> Any:
-        """launch.Plan of these inputs, after every check; None when a stride needs `run`'s copy."""
+        """The Plan of these inputs, after every check; None when a stride needs `run`'s copy."""
         qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
         prob = check_qkv(qv, kv, vv)
         if not (aligned_strides(qv) and aligned_strides(kv) and aligned_strides(vv)):
@@ -365,4 +368,5 @@ def checked(q: Any, k: Any, v: Any, softmax_scale: float | None, arch: str | Non
     return qv, kv, vv, prob
 
 
-__all__ = ["Kernel", "Plan", "compiled_kernel", "launch_plan", "launch_torch", "make_plan", "run", "run_views", "signature"]
+__all__ = ["Kernel", "Plan", "compiled_kernel", "launch_plan", "launch_torch", "make_plan", "run", "run_views",
+           "signature"]

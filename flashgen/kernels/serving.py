@@ -312,6 +312,6 @@ def append_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, bl
         v_cache[pages, pos % page_size] = v
 
 
-__all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "ServeLaunch", "append_kv", "arch_and_slots",
-           "call_features", "choose_splits", "decode_config", "has_mods", "kvcache_launch", "launch_prefill", "run_plan",
-           "serve_config", "serve_grids", "want_split"]
+__all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "ServeLaunch", "append_kv",
+           "arch_and_slots", "call_features", "choose_splits", "decode_config", "has_mods", "kvcache_launch",
+           "launch_prefill", "run_plan", "serve_config", "serve_grids", "want_split"]
