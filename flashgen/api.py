@@ -60,7 +60,7 @@ def _attention_mods(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
     if wants_grad(q, k, v) or traced(q):
         check_grad_scale(softmax_scale, q, k, v)
         out, lse = _ops().attention_mods_op(q, k, v, causal, softmax_scale, *mods.window, mods.softcap, mods.alibi,
-                                         deterministic)
+                                            deterministic)
     else:
         out, lse = _ops().dense_mods_forward(q, k, v, causal, softmax_scale, mods, return_lse)
     return (out, lse) if return_lse else out
@@ -105,7 +105,8 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
             raise TypeError(STREAM_FOR_TORCH)
         if out_dtype not in (None, "bf16", "fp16"):
             raise ValueError(f"out_dtype={out_dtype!r}: FP8 attention writes bf16 or fp16")
-        out, lse = _ops().attention_fp8(q, k, v, causal, softmax_scale, arch, descale, out_dtype, block_quant_p, return_lse)
+        out, lse = _ops().attention_fp8(q, k, v, causal, softmax_scale, arch, descale, out_dtype, block_quant_p,
+                                        return_lse)
         return (out, lse) if return_lse else out
     if descale is not None or out_dtype is not None or block_quant_p:
         raise ValueError("q_descale, k_descale, v_descale, out_dtype and block_quant_p are for FP8 inputs "
@@ -155,11 +156,12 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     mods = check_mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device)
     if wants_grad(q, k, v) or traced(q):
         check_grad_scale(softmax_scale, q, k, v)
-        out, lse = _ops().attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                           softmax_scale, *mods.window, mods.softcap, mods.alibi, deterministic)
+        out, lse = _ops().attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              causal, softmax_scale, *mods.window, mods.softcap, mods.alibi,
+                                              deterministic)
     else:
         out, lse = _ops().varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                  softmax_scale, mods, return_lse, num_splits)
+                                         softmax_scale, mods, return_lse, num_splits)
     return (out, lse) if return_lse else out
 
 
