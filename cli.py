@@ -179,10 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gpu", default=None, help="only kernels tuned on this GPU (name or file slug)")
     e.add_argument("--tuned-dir", type=Path, default=None, help="tuned store directory")
     # Serving kernels are not tuned (the store holds none): --features picks them the way
-    # attention_varlen / attention_with_kvcache do (flashgen.serving.serve_config).
+    # attention_varlen / attention_with_kvcache do (flashgen.kernels.serving.serve_config).
     e.add_argument("--features", type=str_list, action="append", default=None, metavar="F,F,...",
                    help=f"export serving kernels with these features (of {','.join(C.FEATURES)}) instead of the "
-                        "tuned store, tiles as flashgen.serving chooses them; repeat for several sets")
+                        "tuned store, tiles as flashgen.kernels.serving chooses them; repeat for several sets")
     e.add_argument("--head-dim", type=int_list, default=[64, 128], help="with --features: head dims (default 64,128)")
     e.add_argument("--dtype", type=str_list, default=["bf16"], help="with --features: dtypes (default bf16)")
     e.add_argument("--causal", choices=("yes", "no", "both"), default="both", help="with --features: masking (default both)")
@@ -766,8 +766,8 @@ def dashboard(args: argparse.Namespace) -> int:
 
 def serving_configs(args: argparse.Namespace) -> list[C.KernelConfig]:
     """export --features: the serving kernel of each feature set x head dim x dtype x mask, chosen by
-    flashgen.serving.serve_config for --rows rows on --gpu-arch (what the runtime would launch)."""
-    from flashgen.serving import serve_config
+    flashgen.kernels.serving.serve_config for --rows rows on --gpu-arch (what the runtime would launch)."""
+    from flashgen.kernels.serving import serve_config
 
     if args.arch != "sm80":
         raise CliError(f"--arch {args.arch}: serving kernels are family sm80 (they run on Hopper too: --gpu-arch sm90)")

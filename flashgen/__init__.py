@@ -1,14 +1,14 @@
 """flashgen: FlashAttention CUDA kernels generated from templates, compiled, verified and tuned per GPU.
 
-Pipeline, one module per step: config -> render -> compile -> launch -> verify -> bench
--> search -> store -> export; `api` holds the public entry points.
+Layers, bottom to top: config, problem, tensors, checks, paths (data and rules) -> render -> compile ->
+driver, launch -> kernels (dense, backward, serving) -> store, resolve -> ops (torch operators) -> api (the
+public entry points); verify, bench, search, the tuners and export sit on top.
 """
 from .__version__ import __version__
-from .api import Kernel, attention, choose_config, load, reload
+from .api import Kernel, attention, attention_varlen, attention_with_kvcache, choose_config, load, reload
 from .compile import CompileError, CompiledKernel, Resources, compile_kernel
 from .config import ConfigError, KernelConfig, default_config, space
 from .render import render
-from .serving import attention_varlen, attention_with_kvcache
 from .store import StoreError
 
 __all__ = [

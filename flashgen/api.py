@@ -1,373 +1,43 @@
-"""The public API: `load()` a kernel for a problem, or call `attention()` directly.
+"""The public API: `attention()`, `attention_varlen()`, `attention_with_kvcache()`, a `load()`ed `Kernel`.
 
-`attention()` resolves (GPU, head_dim, dtype, causal, seqlen bucket, family) to a compiled
-kernel once and keeps it in a dict; the tuned store is looked at again only when its file
-changes (checked at most once a second) or after `reload()`.
+Each call checks its arguments (flashgen.checks), takes the kernel flashgen.resolve chooses for it (resolved
+once, then a dict lookup; the tuned store is looked at again only when its file changes, checked at most once
+a second, or after `reload()`) and runs it (flashgen.kernels); torch tensors go through the torch operators
+(flashgen.ops), which torch.compile and autograd see.
 """
 from __future__ import annotations
 
-import functools
-import os
-import sys
-import threading
-import time
-from pathlib import Path
 from typing import Any
 
-from .compile import CompiledKernel, Resources, compile_kernel, target_for
-from .config import FAMILIES, FP8_DTYPES, ConfigError, KernelConfig, arch_limits, default_config
-from .launch import STREAM_FOR_TORCH, launch_plan, make_plan, run, run_views, scale_args
-from .tensors import Problem, aligned_strides, check_qkv, is_torch, view
-
-STORE_CHECK_S = 1.0  # how often attention() looks whether a store file changed on disk
-
-
-class Kernel:
-    """A compiled forward attention kernel, callable like `flashgen.attention` (its causal is fixed)."""
-
-    def __init__(self, compiled: CompiledKernel):
-        self.compiled = compiled
-        self._plans: dict[tuple, Any] = {}  # torch call signature -> launch.Plan
-
-    @property
-    def config(self) -> KernelConfig:
-        return self.compiled.config
-
-    @property
-    def source(self) -> str:
-        return self.compiled.source
-
-    @property
-    def resources(self) -> Resources:
-        return self.compiled.resources
-
-    @property
-    def name(self) -> str:
-        return self.config.name
-
-    def __call__(self, q: Any, k: Any, v: Any, softmax_scale: float | None = None, return_lse: bool = False,
-                 stream: Any = None, *, q_descale: Any = None, k_descale: Any = None, v_descale: Any = None) -> Any:
-        """out = softmax(q k^T * scale [+ causal mask]) v; with return_lse, (out, lse) where lse is (batch, heads, seqlen_q) fp32.
-
-        Torch tensors run on torch's current stream of their device; `stream` (a pycuda Stream or
-        raw handle) is for GPU arrays. Not traceable by torch.compile: use `flashgen.attention`.
-        FP8 kernels take float8_e4m3fn q, k, v and their descale factors (see flashgen.fp8)."""
-        descale = _descale(q_descale, k_descale, v_descale)
-        if is_torch(q):
-            refuse_grad(q, k, v, "a loaded Kernel is forward only: call flashgen.attention, which has the backward")
-            if stream is not None:
-                raise TypeError(STREAM_FOR_TORCH)
-            out, lse = self.run_torch(q, k, v, softmax_scale, return_lse, descale)
-        else:
-            out, lse, _ = run(self.compiled, q, k, v, softmax_scale, stream, descale=descale)
-        return (out, lse) if return_lse else out
-
-    def run_torch(self, q: Any, k: Any, v: Any, softmax_scale: float | None, want_lse: bool = True,
-                  descale: dict[str, Any] | None = None) -> tuple[Any, Any]:
-        """(out, lse) for torch tensors: checked once per call signature (shapes, strides, dtypes,
-        device, scale), then a dict lookup, five pointers packed and a launch. lse is None
-        when not wanted (the kernel then skips it)."""
-        sig = signature(q, k, v, softmax_scale)
-        plan = self._plans.get(sig)
-        if plan is None:
-            plan = self._plans[sig] = self.plan(q, k, v, softmax_scale)
-            if len(self._plans) > 1024:
-                self._plans.clear()
-        return launch_torch(self, plan, q, k, v, softmax_scale, want_lse, descale)
-
-    def plan(self, q: Any, k: Any, v: Any, softmax_scale: float | None) -> Any:
-        """launch.Plan of these inputs, after every check; None when a stride needs `run`'s copy."""
-        qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
-        prob = check_qkv(qv, kv, vv)
-        if not (aligned_strides(qv) and aligned_strides(kv) and aligned_strides(vv)):
-            return None
-        return make_plan(self.compiled, qv, kv, vv, prob, softmax_scale)
-
-    def __repr__(self) -> str:
-        r = self.resources
-        return f"Kernel({self.name}, {self.compiled.target}, {r.registers} regs, {r.smem_bytes} B smem, spills={r.spills})"
+from . import driver, resolve
+from .checks import (check_cache, check_dense, check_grad_scale, check_heads, check_int32, check_mods,
+                     check_offsets, checked_dtype, dtype_name, refuse_grad, traced, wants_grad)
+from .kernels.dense import Kernel, checked, descale_dict, run_views
+from .kernels.serving import (NO_BACKWARD, KVPlan, append_kv, arch_and_slots, call_features, has_mods, kvcache_launch,
+                              run_plan, serve_config, serve_grids, want_split)
+from .launch import STREAM_FOR_TORCH
+from .resolve import STORE_CHECK_S, choose_config, current_arch, load, tuned_decode
+from .tensors import is_torch
 
 
-def refuse_grad(q: Any, k: Any, v: Any, why: str = "") -> None:
-    """Raise where an input requires grad and no backward can give its gradient: never a detached output."""
-    import torch  # noqa: PLC0415  (q is a torch tensor, so torch is imported)
+def _ops() -> Any:
+    from . import ops  # noqa: PLC0415  (the torch operators need torch: a torch tensor in the call proves it is there)
 
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise RuntimeError(
-            f"flashgen cannot give this input's gradient ({why or 'no backward for this call'}), and the output "
-            "would carry none. Run under torch.no_grad()/torch.inference_mode(), detach the inputs, or use "
-            "torch.nn.functional.scaled_dot_product_attention for training")
-
-
-def current_arch(device: int | None = None) -> str:
-    """The compute capability of a CUDA device (default: the current one), e.g. "sm90"."""
-    from .driver import device_info  # noqa: PLC0415
-
-    return device_info(device).arch
-
-
-def choose_config(head_dim: int, dtype: str, causal: bool, arch: str, seqlen: int | None = None,
-                  family: str | None = None, tuned_dir: Path | str | None = None,
-                  gpu: tuple[str, str] | None = None, gqa_group: int = 1) -> KernelConfig:
-    """The configuration `load()` uses on an `arch` GPU: the tuned one for `gpu` (name, arch; default
-    the current GPU), nearest seqlen bucket and GQA group `gqa_group` (family None: the fastest family
-    tuned), else the family default."""
-    from .store import tuned_config  # noqa: PLC0415
-
-    arch_limits(arch)
-    return tuned_config(head_dim, dtype, causal, arch, seqlen, family, tuned_dir, gpu, gqa_group=gqa_group) or default_config(
-        head_dim, dtype, causal, arch, family or ("sm90" if dtype in FP8_DTYPES else "sm80"))
-
-
-@functools.lru_cache(maxsize=256)
-def _compiled(cfg: KernelConfig, target: str) -> CompiledKernel:
-    return compile_kernel(cfg, target)
-
-
-def load(head_dim: int, dtype: str = "bf16", causal: bool = False, config: KernelConfig | None = None,
-         seqlen: int | None = None, arch: str | None = None, gpu_arch: str | None = None,
-         tuned_dir: Path | str | None = None, device: int | None = None, gqa_group: int = 1) -> Kernel:
-    """A compiled kernel for this problem on a GPU (`device`, an ordinal; default the current one).
-
-    arch forces a template family ("sm80", "sm90"); by default the fastest family tuned for
-    this GPU (the store in `tuned_dir`, FLASHGEN_TUNED_DIR or tuned/) is used, else sm80's
-    default. `config` pins an exact configuration. `gpu_arch` ("sm80", "sm90", ...) compiles
-    for that GPU instead, so no GPU is needed. `gqa_group` (heads // heads_k of the calls it will run) picks the
-    store's entry of that group first (sm90's pack_gqa kernels are tuned for GQA problems)."""
-    if arch is not None and arch not in FAMILIES:
-        raise ValueError(f"arch={arch!r} is not a template family; choose one of {', '.join(FAMILIES)}")
-    gpu = None
-    if gpu_arch is None:  # the store is looked up for the GPU that will run the kernel
-        from .driver import device_info  # noqa: PLC0415
-
-        info = device_info(device)
-        gpu = (info.name, info.arch)
-    target_arch = gpu_arch or gpu[1]
-    if config is None:
-        config = choose_config(head_dim, dtype, causal, target_arch, seqlen, arch, tuned_dir, gpu, gqa_group)
-    elif (config.head_dim, config.dtype, config.causal) != (head_dim, dtype, causal):
-        raise ValueError(f"config {config.name} does not match head_dim={head_dim}, dtype={dtype}, causal={causal}")
-    reason = config.unfit_reason(target_arch)
-    if reason:
-        raise ValueError(f"{config.name} cannot run on {target_arch}: {reason}")
-    return Kernel(_compiled(config, target_for(target_arch, config.family)))
-
-
-# -- the per-call path: resolve once, then a dict lookup ---------------------------------
-
-def nearest_bucket(seqlen: int | None, buckets: tuple[int, ...]) -> int | None:
-    """The stored seqlen bucket store.lookup picks for `seqlen` (nearest by ratio, the larger on a tie;
-    the largest for None)."""
-    if not buckets:
-        return None
-    if seqlen is None:
-        return max(buckets)
-    from .store import log_distance  # noqa: PLC0415
-
-    return min(buckets, key=lambda s: (log_distance(s, seqlen), -s))
-
-
-class Resolver:
-    """(device, head_dim, dtype, causal, family, tuned_dir, seqlen) -> Kernel, remembered.
-
-    What is remembered per problem is the set of seqlen buckets the store holds for it and the
-    kernel of each bucket, so any seqlen (a decode loop's growing cache too) is one dict lookup
-    after its bucket's first call."""
-
-    def __init__(self, check_every_s: float = STORE_CHECK_S):
-        self.check_every_s = check_every_s
-        self._lock = threading.Lock()
-        self.clear()
-
-    def clear(self) -> None:
-        self._kernels: dict[tuple, Kernel] = {}
-        self._exact: dict[tuple, Kernel] = {}  # (problem key, seqlen) -> kernel, bounded
-        self._buckets: dict[tuple, tuple[int, ...]] = {}
-        self._by_signature: dict[tuple, tuple] = {}  # forward_torch: call signature -> (kernel, plan)
-        self._stamps: dict[Path, tuple | None] = {}
-        self._checked = time.monotonic()
-
-    def refresh(self) -> None:
-        """Forget everything if a store file read so far changed on disk (looked at most every check_every_s)."""
-        if not self._stamps:
-            return
-        now = time.monotonic()
-        if now - self._checked < self.check_every_s:
-            return
-        self._checked = now
-        if any(_stamp(path) != stamp for path, stamp in self._stamps.items()):
-            with self._lock:
-                self.clear()
-
-    def kernel(self, device: int, head_dim: int, dtype: str, causal: bool, seqlen: int, family: str | None,
-               tuned_dir: Path | str | None = None, gqa_group: int = 1) -> Kernel:
-        key = (device, head_dim, dtype, causal, family, tuned_dir, gqa_group)
-        self.refresh()
-        hit = self._exact.get((key, seqlen))
-        if hit is not None:
-            return hit
-        with self._lock:
-            buckets = self._buckets.get(key)
-            if buckets is None:
-                buckets = self._buckets[key] = self._stored_buckets(device, head_dim, dtype, causal, family, tuned_dir)
-            bucket = nearest_bucket(seqlen, buckets)
-            kern = self._kernels.get((key, bucket))
-            if kern is None:
-                kern = self._kernels[key, bucket] = load(head_dim, dtype, causal, seqlen=bucket or seqlen, arch=family,
-                                                         tuned_dir=tuned_dir, device=device, gqa_group=gqa_group)
-            if len(self._exact) > 4096:
-                self._exact.clear()
-            self._exact[key, seqlen] = kern
-        return kern
-
-    def _stored_buckets(self, device: int, head_dim: int, dtype: str, causal: bool, family: str | None,
-                        tuned_dir: Path | str | None) -> tuple[int, ...]:
-        """The seqlens the store holds for this problem, filtered exactly as store.lookup filters."""
-        from .driver import device_info  # noqa: PLC0415
-        from .store import StoreError, entry_pass, matches, read_store, store_path  # noqa: PLC0415
-
-        gpu = device_info(device)
-        path = store_path(gpu.name, gpu.arch, tuned_dir)
-        self._stamps[path] = _stamp(path)
-        if not path.exists():
-            return ()
-        try:
-            entries = read_store(path, gpu.name, gpu.arch)["entries"].values()
-        except StoreError:
-            return ()  # load() -> tuned_config warns once and uses the default
-        seqlens = set()
-        for e in entries:
-            if entry_pass(e) != "fwd":
-                continue
-            try:
-                cfg = KernelConfig.from_dict(e["config"])
-            except (ConfigError, KeyError, TypeError):
-                continue
-            if not matches(cfg, head_dim, dtype, causal, family):
-                continue
-            if cfg.unfit_reason(gpu.arch) is None:
-                seqlens.add(e.get("problem", {}).get("seqlen", 0))
-        return tuple(sorted(seqlens))
-
-
-def _stamp(path: Path) -> tuple | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
-
-
-_resolver = Resolver()
+    return ops
 
 
 def reload() -> None:
     """Forget every resolved kernel: the next call reads the tuned store again (it is also re-read by
     itself when its file changes, checked at most once a second)."""
-    from . import store  # noqa: PLC0415
-
-    _resolver.clear()
-    store._cache.clear()
-    store._warned.clear()
-    ops = sys.modules.get("flashgen.ops")  # the autograd path's tuned backwards, if torch brought it in
-    if ops is not None:
-        ops._stamps.clear()
-        ops._tuned_backwards.cache_clear()
+    resolve.clear()
 
 
-def _descale(q_descale: Any, k_descale: Any, v_descale: Any) -> dict[str, Any] | None:
-    if q_descale is None and k_descale is None and v_descale is None:
-        return None
-    return {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
-
-
-def launch_torch(kern: Kernel, plan: Any, q: Any, k: Any, v: Any, softmax_scale: float | None,
-                 want_lse: bool, descale: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """One call by its plan; `run` (which copies what is misaligned) when there is no plan or a base
-    pointer is off 16 bytes."""
-    res = None if plan is None else launch_plan(plan, q, k, v, want_lse, descale)
-    if res is None:
-        out, lse, _ = run(kern.compiled, q, k, v, softmax_scale, descale=descale)
-        return out, lse
-    return res
-
-
-def signature(q: Any, k: Any, v: Any, softmax_scale: float | None) -> tuple:
-    """What a torch call's plan depends on: shapes, strides, dtypes, devices and scale."""
-    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-            q.get_device(), k.get_device(), v.get_device(), softmax_scale)
-
-
-def _checked(q: Any, k: Any, v: Any, softmax_scale: float | None, arch: str | None) -> tuple:
-    """(q, k, v views, problem) after every check a call gets before any GPU work."""
-    qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
-    prob: Problem = check_qkv(qv, kv, vv)
-    if arch is not None and arch not in FAMILIES:
-        raise ValueError(f"arch={arch!r} is not a template family; choose one of {', '.join(FAMILIES)}")
-    scale_args(softmax_scale, prob.head_dim)  # a bad scale is refused here too
-    return qv, kv, vv, prob
-
-
-def forward_torch(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, arch: str | None,
-                  want_lse: bool = True) -> tuple[Any, Any]:
-    """`forward` for torch tensors: one dict lookup from the call's signature to its kernel and plan."""
-    r = _resolver
-    r.refresh()
-    sig = (*signature(q, k, v, softmax_scale), causal, arch)
-    hit = r._by_signature.get(sig)
-    if hit is None:
-        qv, _, _, prob = _checked(q, k, v, softmax_scale, arch)
-        kern = r.kernel(qv.device, prob.head_dim, prob.dtype, causal, prob.seqlen_k, arch,
-                        gqa_group=prob.heads // prob.heads_k)
-        hit = (kern, kern.plan(q, k, v, softmax_scale))
-        if len(r._by_signature) > 4096:
-            r._by_signature.clear()
-        r._by_signature[sig] = hit
-    return launch_torch(hit[0], hit[1], q, k, v, softmax_scale, want_lse)
-
-
-def forward_fp8(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, arch: str | None,
-                descale: dict[str, Any] | None, out_dtype: str | None = None, block_quant_p: bool = False,
-                want_lse: bool = True) -> tuple[Any, Any]:
-    """`forward_torch` for float8_e4m3fn q, k, v (sm90 family, forward only): the tuned FP8 kernel, or its
-    variant writing `out_dtype` ("bf16" default, "fp16") or quantizing P per key tile (block_quant_p)."""
-    import dataclasses  # noqa: PLC0415
-
-    refuse_grad(q, k, v, "FP8 attention is forward only")
-    if arch is not None and arch != "sm90":
-        raise ValueError(f"FP8 attention is built in family sm90 (FP8 wgmma); arch={arch!r} has no FP8 tensor cores")
-    r = _resolver
-    r.refresh()
-    sig = (*signature(q, k, v, softmax_scale), causal, out_dtype, block_quant_p)
-    hit = r._by_signature.get(sig)
-    if hit is None:
-        qv, _, _, prob = _checked(q, k, v, softmax_scale, arch)
-        kern = r.kernel(qv.device, prob.head_dim, prob.dtype, causal, prob.seqlen_k, "sm90",
-                        gqa_group=prob.heads // prob.heads_k)
-        want = dataclasses.replace(kern.config, out_dtype=out_dtype or "bf16", block_quant_p=block_quant_p,
-                                   lazy_rescale=kern.config.lazy_rescale and not block_quant_p)  # a per-tile max moves
-        if want != kern.config:
-            kern = load(want.head_dim, want.dtype, causal, config=want, device=qv.device)
-        hit = (kern, kern.plan(q, k, v, softmax_scale))
-        if len(r._by_signature) > 4096:
-            r._by_signature.clear()
-        r._by_signature[sig] = hit
-    return launch_torch(hit[0], hit[1], q, k, v, softmax_scale, want_lse, descale)
-
-
-def forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, arch: str | None,
-            stream: Any = None) -> tuple[Any, Any]:
-    """(out, lse) through the resolved kernel: the eager body of `attention` and of the torch operator.
-    GPU arrays run in the current context, on `stream`."""
-    if is_torch(q):
-        if stream is not None:
-            raise TypeError(STREAM_FOR_TORCH)
-        return forward_torch(q, k, v, causal, softmax_scale, arch)
-    from .driver import context_device  # noqa: PLC0415
-
-    qv, kv, vv, prob = _checked(q, k, v, softmax_scale, arch)
-    kern = _resolver.kernel(context_device(), prob.head_dim, prob.dtype, causal, prob.seqlen_k, arch,
-                            gqa_group=prob.heads // prob.heads_k)
+def _forward_arrays(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None,
+                    arch: str | None, stream: Any = None) -> tuple[Any, Any]:
+    """(out, lse) of GPU arrays through the resolved kernel, in the current context, on `stream`."""
+    qv, kv, vv, prob = checked(q, k, v, softmax_scale, arch)
+    kern = resolve.resolver.kernel(driver.context_device(), prob.head_dim, prob.dtype, causal, prob.seqlen_k, arch,
+                                   gqa_group=prob.heads // prob.heads_k)
     out, lse, _ = run_views(kern.compiled, qv, kv, vv, prob, softmax_scale, stream)
     return out, lse
 
@@ -375,7 +45,7 @@ def forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, a
 def _attention_mods(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, return_lse: bool,
                     stream: Any, arch: str | None, descale: Any, out_dtype: str | None, block_quant_p: bool,
                     deterministic: bool, window_size: Any, softcap: float, alibi_slopes: Any) -> Any:
-    """`attention` with a window, softcap or ALiBi: the serving kernels (flashgen.serving picks the family: sm90 for a
+    """`attention` with a window, softcap or ALiBi: the serving kernels (flashgen.resolve picks the family: sm90 for a
     window on Hopper, sm80 otherwise), torch tensors only."""
     if not is_torch(q):
         raise TypeError("window_size, softcap and alibi_slopes take torch tensors")
@@ -386,17 +56,13 @@ def _attention_mods(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
     if arch not in (None, "sm80"):
         raise ValueError(f"window_size, softcap and alibi_slopes are built in family sm80 (it runs on Hopper too), "
                          f"not arch={arch!r}")
-    from . import serving  # noqa: PLC0415
-
-    mods = serving.check_dense(q, k, v, window_size, softcap, alibi_slopes, causal)
-    if serving._wants_grad(q, k, v) or serving.traced(q):
-        from . import ops  # noqa: PLC0415
-
-        serving._scale_for_grad(softmax_scale, q, k, v)
-        out, lse = ops.attention_mods_op(q, k, v, causal, softmax_scale, *mods.window, mods.softcap, mods.alibi,
-                                         deterministic)
+    mods = check_dense(q, k, v, window_size, softcap, alibi_slopes, causal)
+    if wants_grad(q, k, v) or traced(q):
+        check_grad_scale(softmax_scale, q, k, v)
+        out, lse = _ops().attention_mods_op(q, k, v, causal, softmax_scale, *mods.window, mods.softcap, mods.alibi,
+                                            deterministic)
     else:
-        out, lse = serving.dense_mods_forward(q, k, v, causal, softmax_scale, mods, return_lse)
+        out, lse = _ops().dense_mods_forward(q, k, v, causal, softmax_scale, mods, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -429,10 +95,8 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     v_descale of shape (1,) or (batch, heads_k) (None: 1; `flashgen.fp8.quantize` makes them);
     out in bf16, or out_dtype="fp16"; block_quant_p quantizes P with a scale per key tile.
     Forward only; through the `flashgen::attention_fp8` operator when traced (torch.compile)."""
-    descale = _descale(q_descale, k_descale, v_descale)
+    descale = descale_dict(q_descale, k_descale, v_descale)
     if window_size != (-1, -1) or softcap or alibi_slopes is not None:
-        from .serving import has_mods  # noqa: PLC0415
-
         if has_mods(window_size, softcap, alibi_slopes, causal):
             return _attention_mods(q, k, v, causal, softmax_scale, return_lse, stream, arch, descale, out_dtype,
                                    block_quant_p, deterministic, window_size, softcap, alibi_slopes)
@@ -441,19 +105,200 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
             raise TypeError(STREAM_FOR_TORCH)
         if out_dtype not in (None, "bf16", "fp16"):
             raise ValueError(f"out_dtype={out_dtype!r}: FP8 attention writes bf16 or fp16")
-        from . import ops  # noqa: PLC0415  (the FP8 operator: torch.compile traces it)
-
-        out, lse = ops.attention_fp8(q, k, v, causal, softmax_scale, arch, descale, out_dtype, block_quant_p, return_lse)
+        out, lse = _ops().attention_fp8(q, k, v, causal, softmax_scale, arch, descale, out_dtype, block_quant_p,
+                                        return_lse)
         return (out, lse) if return_lse else out
     if descale is not None or out_dtype is not None or block_quant_p:
         raise ValueError("q_descale, k_descale, v_descale, out_dtype and block_quant_p are for FP8 inputs "
                          "(torch.float8_e4m3fn)")
     if is_torch(q):
-        from . import ops  # noqa: PLC0415  (registers the operator; needs torch, which q proves is there)
-
         if stream is not None:
             raise TypeError(STREAM_FOR_TORCH)
-        out, lse = ops.attention(q, k, v, causal, softmax_scale, arch, return_lse, deterministic)
+        out, lse = _ops().attention(q, k, v, causal, softmax_scale, arch, return_lse, deterministic)
     else:
-        out, lse = forward(q, k, v, causal, softmax_scale, arch, stream)
+        out, lse = _forward_arrays(q, k, v, causal, softmax_scale, arch, stream)
     return (out, lse) if return_lse else out
+
+
+def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
+                     max_seqlen_k: int, causal: bool = False, softmax_scale: float | None = None,
+                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
+                     return_lse: bool = False, num_splits: int = 1, validate: bool = True,
+                     deterministic: bool = False) -> Any:
+    """Attention over a packed batch of sequences of different lengths (flash_attn_varlen_func).
+
+    q: (total_q, heads, head_dim); k, v: (total_k, heads_k, head_dim); cu_seqlens_q/_k: int32
+    (batch + 1,) offsets, from 0 to total; sequence b is q[cu_q[b]:cu_q[b+1]] against
+    k[cu_k[b]:cu_k[b+1]], each with its own bottom-right causal alignment; empty sequences
+    are allowed. Returns out like q, and with return_lse also lse (heads, total_q) fp32.
+    Differentiable (packed training): with autograd the call goes through the `flashgen::attention_varlen`
+    operator, whose backward has the same features (window, softcap, ALiBi); deterministic=True gives
+    bit-identical gradients run to run. validate=False skips the checks that read the offsets back (one
+    host sync per call): for loops over trusted inputs; CUDA-graph capture skips them by itself."""
+    import torch  # noqa: PLC0415
+
+    checked_dtype({"q": q, "k": k, "v": v}, "(total, heads, head_dim)")
+    total_q, heads, d = q.shape
+    total_k, heads_k, _ = k.shape
+    check_heads(q, k, v, d, heads, heads_k)
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}; got {tuple(v.shape)}")
+    batch = cu_seqlens_q.shape[0] - 1 if hasattr(cu_seqlens_q, "shape") and cu_seqlens_q.dim() == 1 else -1
+    if batch < 0:
+        raise ValueError("cu_seqlens_q must be a 1-d int32 tensor of batch + 1 offsets")
+    check_int32(cu_seqlens_q, "cu_seqlens_q", (batch + 1,), q.device)
+    check_int32(cu_seqlens_k, "cu_seqlens_k", (batch + 1,), q.device)
+    if max_seqlen_q < 0 or max_seqlen_k < 0:
+        raise ValueError("max_seqlen_q and max_seqlen_k must be >= 0")
+    if validate and not torch.cuda.is_current_stream_capturing():  # one small copy: offsets sound before any launch
+        check_offsets(cu_seqlens_q, "cu_seqlens_q", total_q, max_seqlen_q)
+        check_offsets(cu_seqlens_k, "cu_seqlens_k", total_k, max_seqlen_k)
+    mods = check_mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device)
+    if wants_grad(q, k, v) or traced(q):
+        check_grad_scale(softmax_scale, q, k, v)
+        out, lse = _ops().attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              causal, softmax_scale, *mods.window, mods.softcap, mods.alibi,
+                                              deterministic)
+    else:
+        out, lse = _ops().varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                         softmax_scale, mods, return_lse, num_splits)
+    return (out, lse) if return_lse else out
+
+
+def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None,
+                           cache_seqlens: Any = None, block_table: Any = None, causal: bool = False,
+                           softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
+                           softcap: float = 0.0, alibi_slopes: Any = None, num_splits: int = 0,
+                           return_lse: bool = False, validate: bool = True) -> Any:
+    """Attention of new queries against a KV cache (flash_attn_with_kvcache).
+
+    q: (batch, seqlen_q, heads, head_dim). k_cache, v_cache: (batch, seqlen_cache, heads_k, head_dim),
+    or paged (num_pages, page_size, heads_k, head_dim) addressed through block_table (batch, max_pages)
+    int32. cache_seqlens: int or int32 (batch,) tokens already in each cache (None: all of a contiguous
+    cache). k, v (batch, seqlen_new, heads_k, head_dim), if given, are written into the cache in place
+    at cache_seqlens before attending. num_splits: key ranges per query block (split-KV); 0 lets
+    flashgen choose. Returns out like q, and with return_lse also lse (batch, heads, seqlen_q) fp32.
+    validate=False skips the checks that read cache_seqlens and block_table back (one host sync per
+    call; out-of-range values then read or write outside the cache): for decode loops over trusted
+    inputs; CUDA-graph capture skips them by itself. A call that repeats an earlier one's shapes, strides and
+    options with validate=False (a decode loop) reuses its checks and choices (a plan): pointers, then launch."""
+    import torch  # noqa: PLC0415
+
+    key = _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size,
+                    softcap, alibi_slopes, num_splits, return_lse, validate)
+    plan = _kv_plans.get(key) if key is not None else None
+    if plan is not None:
+        done = run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, return_lse)
+        if done is not None:
+            return done if return_lse else done[0]
+    dtype = checked_dtype({"q": q, "k_cache": k_cache, "v_cache": v_cache}, "(batch, rows, heads, head_dim)")
+    batch, seqlen_q, heads, d = q.shape
+    heads_k = k_cache.shape[2]
+    check_heads(q, k_cache, v_cache, d, heads, heads_k)
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}; got {tuple(v_cache.shape)}")
+    paged = block_table is not None
+    if paged:
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must be an int32 tensor (batch={batch}, max_pages)")
+        check_int32(block_table, "block_table", tuple(block_table.shape), q.device)
+        page_size = k_cache.shape[1]
+        if page_size % 16:
+            raise ValueError(f"page_size (k_cache.shape[1]) must be a multiple of 16; got {page_size}")
+        capacity = block_table.shape[1] * page_size
+    else:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache must have q's batch {batch} (or pass block_table for a paged cache)")
+        page_size, capacity = 0, k_cache.shape[1]
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    elif cache_seqlens is None:
+        if paged:
+            raise ValueError("a paged cache needs cache_seqlens (the tokens each sequence holds)")
+        cache_seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+    else:
+        check_int32(cache_seqlens, "cache_seqlens", (batch,), q.device)
+    seqlen_new = 0
+    if (k is None) != (v is None):
+        raise ValueError("pass both k and v to append, or neither")
+    if k is not None:
+        if tuple(k.shape) != tuple(v.shape) or k.dim() != 4 or k.shape[0] != batch or tuple(k.shape[2:]) != (heads_k, d):
+            raise ValueError(f"k and v to append must both be (batch={batch}, seqlen_new, heads_k={heads_k}, "
+                             f"head_dim={d}); got {tuple(k.shape)} and {tuple(v.shape)}")
+        if dtype_name(k, "k") != dtype or dtype_name(v, "v") != dtype or k.device != q.device or v.device != q.device:
+            raise TypeError("k and v to append must have q's dtype and device")
+        seqlen_new = k.shape[1]
+    mods = check_mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device)
+    longest = capacity  # the most keys a sequence has: bounds the split-KV choice
+    if validate and not torch.cuda.is_current_stream_capturing():  # one small copy: no access outside the cache
+        longest = check_cache(cache_seqlens, seqlen_new, capacity, block_table, k_cache.shape[0])
+    refuse_grad(q, k_cache, v_cache, NO_BACKWARD)
+    if k is not None:
+        refuse_grad(q, k, v, NO_BACKWARD)
+    if seqlen_new:
+        append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table, page_size)
+    seqused = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
+    out = q.new_empty(q.shape)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
+    if batch * seqlen_q * heads == 0:
+        return (out, lse) if return_lse else out
+    arch, sm_count = arch_and_slots(q.get_device())
+    group = heads // heads_k
+    pack = group > 1 and alibi_slopes is None
+    rows = seqlen_q * (group if pack else 1)
+    features = dict(varlen=True, paged=paged, pack_gqa=pack, **call_features(mods, causal))
+    tuned = None
+    if num_splits == 0 and seqlen_q == 1 and not any(call_features(mods, causal).values()):
+        tuned = tuned_decode(q.get_device(), d, dtype, heads, heads_k, batch, capacity, page_size)
+    if tuned is not None:  # the tile and split count measured fastest for the nearest decode problem
+        cfg, splits = tuned
+    else:
+        cfg = serve_config(d, dtype, causal, rows, arch, **features)
+        n_blocks = -(-longest // cfg.block_n)
+        tiles = serve_grids(cfg, batch, heads, heads_k, seqlen_q, batch * seqlen_q, 1)[0]  # row blocks, one split
+        splits = want_split(num_splits, tiles, n_blocks, cfg, sm_count, arch)
+        if splits > 1:
+            cfg = serve_config(d, dtype, causal, rows, arch, split=True, **features)
+    launched = kvcache_launch(cfg, splits, q, k_cache, v_cache, out, lse, seqused, block_table, mods, softmax_scale)
+    if key is not None and launched is not None:
+        if len(_kv_plans) > 256:
+            _kv_plans.clear()
+        _kv_plans[key] = KVPlan(launched, None if lse is None else tuple(lse.shape))
+    return (out, lse) if return_lse else out
+
+
+_kv_plans: dict[tuple, KVPlan] = {}
+
+
+def _plan_key(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, causal: bool,
+              softmax_scale: float | None, window_size: Any, softcap: float, alibi_slopes: Any, num_splits: int,
+              return_lse: bool, validate: bool) -> tuple | None:
+    """What an attention_with_kvcache call's checks and choices depend on, for the calls a plan can repeat (plain
+    tensors, validate=False, no append, no ALiBi, no gradient wanted, cache_seqlens a tensor); None for the others.
+    With num_splits=0 the tuned store's stamp is part of it: a store change makes new plans."""
+    import torch  # noqa: PLC0415
+
+    if validate or k is not None or v is not None or alibi_slopes is not None or not isinstance(cache_seqlens,
+                                                                                               torch.Tensor):
+        return None
+    if type(q) is not torch.Tensor or type(k_cache) is not torch.Tensor or type(v_cache) is not torch.Tensor:
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        return None
+    try:
+        window = (int(window_size[0]), int(window_size[1]))
+    except (TypeError, ValueError, IndexError):
+        return None
+    table = None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
+                                               block_table.device)
+    stamp = None
+    if num_splits == 0 and q.is_cuda:
+        stamp = resolve.gpu_stamp(q.get_device())[1]
+    return (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
+            v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, cache_seqlens.shape, cache_seqlens.stride(),
+            cache_seqlens.dtype, cache_seqlens.device, table, bool(causal), softmax_scale, window, float(softcap),
+            num_splits, bool(return_lse), stamp)
+
+
+__all__ = ["Kernel", "STORE_CHECK_S", "attention", "attention_varlen", "attention_with_kvcache", "choose_config",
+           "current_arch", "load", "reload"]

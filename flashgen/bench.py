@@ -6,7 +6,10 @@ from typing import Any, Callable
 
 from .compile import CompiledKernel
 from .config import KernelConfig
-from .launch import run
+from .kernels.backward import backward
+from .kernels.dense import run
+from .tensors import torch_dtype
+from .verify import random_fp8, random_qkv
 
 
 BWD_FLOPS_RATIO = 2.5  # the backward's five matmuls (S, dP, dV, dK, dQ) against the forward's two
@@ -100,9 +103,6 @@ def kernel_timer(cfg: KernelConfig, batch: int, seqlen_q: int, seqlen_k: int, he
     shape, enough sets to rotate past L2. Kernels of one problem share them (re-timing compares on equal inputs)."""
     import torch  # noqa: PLC0415
 
-    from .tensors import torch_dtype  # noqa: PLC0415
-    from .verify import random_fp8, random_qkv  # noqa: PLC0415
-
     hk = heads_k or heads
     eb = cfg.elem_bytes
     set_bytes = cfg.head_dim * batch * (seqlen_q * heads * (eb + 2) + 2 * eb * seqlen_k * hk)
@@ -134,9 +134,6 @@ def time_backward(kernel: CompiledKernel, fwd_kernel: CompiledKernel, batch: int
     """Median milliseconds of the backward `kernel` alone (all its launches) on random inputs of this
     shape: `fwd_kernel` runs once per input set for out and lse, outside the timing; sets rotated past L2."""
     import torch  # noqa: PLC0415
-
-    from .backward import backward  # noqa: PLC0415
-    from .verify import random_qkv  # noqa: PLC0415
 
     cfg = kernel.config
     hk = heads_k or heads

@@ -12,8 +12,12 @@ import math
 import statistics
 from typing import Any, Callable
 
+from . import api
 from .bench import median_ms, time_cuda
 from .compare import back_to_back_ms, host_us_per_call
+from .config import default_bwd_config
+from .kernels.backward import backward, load_backward
+from .resolve import backward_kernel
 from .tensors import torch_dtype
 
 DECODE_POINTS = [(1, 1024), (1, 8192), (1, 131072), (8, 32768), (32, 8192), (128, 4096)]  # (batch, cache length)
@@ -31,7 +35,7 @@ def copy_tb_s(nbytes: int) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
-def _paged(cache: Any, page_size: int) -> tuple[Any, Any]:
+def paged(cache: Any, page_size: int) -> tuple[Any, Any]:
     """The same cache as shuffled pages: (pool, block_table)."""
     import torch  # noqa: PLC0415
 
@@ -48,8 +52,6 @@ def decode_rows(head_dim: int = 128, dtype: str = "bf16", points: list[tuple[int
     """One row per (batch, cache length, page size): flashgen's K/V read rate (device time and back to
     back) against a copy of the same bytes and SDPA on the same (contiguous) cache."""
     import torch  # noqa: PLC0415
-
-    from . import attention_with_kvcache  # noqa: PLC0415
 
     tdt = torch_dtype(dtype)
     h, hk = DECODE_HEADS
@@ -69,12 +71,12 @@ def decode_rows(head_dim: int = 128, dtype: str = "bf16", points: list[tuple[int
                 continue
             k_arg, v_arg, table = kc, vc, None
             if page:  # the same cache as shuffled pages, one table for K and V
-                k_arg, table = _paged(kc, page)
+                k_arg, table = paged(kc, page)
                 v_arg = torch.empty_like(k_arg)
                 v_arg[table.view(-1).long()] = vc.view(-1, page, hk, head_dim)
 
             def call(splits: int = 0, validate: bool = False) -> Any:
-                return attention_with_kvcache(q, k_arg, v_arg, cache_seqlens=lens, block_table=table,
+                return api.attention_with_kvcache(q, k_arg, v_arg, cache_seqlens=lens, block_table=table,
                                               num_splits=splits, validate=validate)
 
             kern_ms = median_ms(time_cuda(lambda i: call(), warmup=5, reps=30))
@@ -116,18 +118,16 @@ def varlen_rows(head_dim: int = 128, dtype: str = "bf16", n_seqs: int = 64, lo: 
     causal kernels (each family) at the mean length with the same token count."""
     import torch  # noqa: PLC0415
 
-    import flashgen  # noqa: PLC0415
-
     tdt = torch_dtype(dtype)
     h = 2048 // head_dim
-    lens = _lengths(n_seqs, lo, hi, seed)
+    lens = lengths(n_seqs, lo, hi, seed)
     total = sum(lens)
     cu = torch.tensor([0, *__import__("itertools").accumulate(lens)], dtype=torch.int32, device="cuda")
     q, k, v = (torch.randn(total, h, head_dim, device="cuda", dtype=tdt) for _ in range(3))
     flops = sum(_causal_flops(n, n, head_dim, h) for n in lens)
-    ms = median_ms(time_cuda(lambda i: flashgen.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True,
+    ms = median_ms(time_cuda(lambda i: api.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True,
                                                                  validate=False), warmup=3, reps=20))
-    b2b = back_to_back_ms(lambda i: flashgen.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True),
+    b2b = back_to_back_ms(lambda i: api.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True),
                           calls=10)
     mean = total // n_seqs
     batch = max(1, total // mean)
@@ -136,7 +136,7 @@ def varlen_rows(head_dim: int = 128, dtype: str = "bf16", n_seqs: int = 64, lo: 
     for fam in ("sm80", "sm90"):
         if fam == "sm90" and torch.cuda.get_device_capability() != (9, 0):
             continue
-        d_ms = median_ms(time_cuda(lambda i: flashgen.attention(qd, kd, vd, causal=True, arch=fam), warmup=3, reps=20))
+        d_ms = median_ms(time_cuda(lambda i: api.attention(qd, kd, vd, causal=True, arch=fam), warmup=3, reps=20))
         dense[fam] = batch * _causal_flops(mean, mean, head_dim, h) / (d_ms * 1e-3) / 1e12
     row = {"n_seqs": n_seqs, "lens": lens, "total": total, "mean": mean, "tflops": flops / (ms * 1e-3) / 1e12,
            "b2b_tflops": flops / (b2b * 1e-3) / 1e12, "dense_tflops": dense}
@@ -152,35 +152,33 @@ def window_rows(head_dim: int = 128, dtype: str = "bf16", n: int = 16384, window
     causal kernels, all at N."""
     import torch  # noqa: PLC0415
 
-    import flashgen  # noqa: PLC0415
-
     tdt = torch_dtype(dtype)
     h = 2048 // head_dim
     q, k, v = (torch.randn(n, h, head_dim, device="cuda", dtype=tdt) for _ in range(3))
     cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
     out = {}
     for name, win in (("window", (window, -1)), ("causal_varlen", (-1, -1))):
-        ms = median_ms(time_cuda(lambda i, w=win: flashgen.attention_varlen(q, k, v, cu, cu, n, n, causal=True,
+        ms = median_ms(time_cuda(lambda i, w=win: api.attention_varlen(q, k, v, cu, cu, n, n, causal=True,
                                                                            window_size=w, validate=False),
                                  warmup=3, reps=20))
         out[name] = _causal_flops(n, n, head_dim, h, window if name == "window" else -1) / (ms * 1e-3) / 1e12
     qd, kd, vd = (t.unsqueeze(0) for t in (q, k, v))
     # The same window through the dense call (attention(window_size=...)): no varlen, so on Hopper the
     # persistent schedule and what `tune --kind varlen` stored for window problems.
-    ms = median_ms(time_cuda(lambda i: flashgen.attention(qd, kd, vd, causal=True, window_size=(window, 0)), warmup=3,
+    ms = median_ms(time_cuda(lambda i: api.attention(qd, kd, vd, causal=True, window_size=(window, 0)), warmup=3,
                              reps=20))
     out["window_dense"] = _causal_flops(n, n, head_dim, h, window) / (ms * 1e-3) / 1e12
     for fam in ("sm80", "sm90"):
         if fam == "sm90" and torch.cuda.get_device_capability() != (9, 0):
             continue
-        ms = median_ms(time_cuda(lambda i: flashgen.attention(qd, kd, vd, causal=True, arch=fam), warmup=3, reps=20))
+        ms = median_ms(time_cuda(lambda i: api.attention(qd, kd, vd, causal=True, arch=fam), warmup=3, reps=20))
         out[f"dense_{fam}"] = _causal_flops(n, n, head_dim, h) / (ms * 1e-3) / 1e12
     row = {"n": n, "window": window, "tflops": out}
     progress(f"window {window} at N={n}: " + ", ".join(f"{k} {t:.0f}" for k, t in out.items()) + " TFLOP/s (useful)")
     return [row]
 
 
-def _lengths(n_seqs: int, lo: int, hi: int, seed: int) -> list[int]:
+def lengths(n_seqs: int, lo: int, hi: int, seed: int) -> list[int]:
     import random  # noqa: PLC0415
 
     rng = random.Random(seed)
@@ -198,17 +196,14 @@ def train_rows(head_dim: int = 128, dtype: str = "bf16", n_seqs: int = 64, lo: i
 
     import torch  # noqa: PLC0415
 
-    import flashgen  # noqa: PLC0415
-    from flashgen import ops  # noqa: PLC0415
-    from flashgen.backward import backward, load_backward  # noqa: PLC0415
-    from flashgen.config import default_bwd_config  # noqa: PLC0415
+    from . import ops  # noqa: PLC0415  (the backward operator: needs torch, imported above)
 
     tdt = torch_dtype(dtype)
     h = 2048 // head_dim
     rows = []
 
     def serve_bwd_ms(q, k, v, cu, mx, win):
-        out, lse = flashgen.attention_varlen(q, k, v, cu, cu, mx, mx, causal=True, window_size=win, return_lse=True)
+        out, lse = api.attention_varlen(q, k, v, cu, cu, mx, mx, causal=True, window_size=win, return_lse=True)
         dout = torch.randn_like(q)
         return median_ms(time_cuda(lambda i: ops.attention_serve_backward_op(
             dout, q, k, v, out, lse, None, cu, cu, mx, mx, True, None, win[0], win[1], 0.0, None, False),
@@ -216,14 +211,14 @@ def train_rows(head_dim: int = 128, dtype: str = "bf16", n_seqs: int = 64, lo: i
 
     def dense_bwd_ms(batch, length):
         q, k, v = (torch.randn(batch, length, h, head_dim, device="cuda", dtype=tdt) for _ in range(3))
-        out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+        out, lse = api.attention(q, k, v, causal=True, return_lse=True)
         dout = torch.randn_like(q)
         fams = {"sm80": load_backward(head_dim, dtype, True, default_bwd_config(head_dim, dtype, True, "sm80"))}
-        fams["default"] = ops._backward_kernel(q.get_device(), head_dim, tdt, True, length)
+        fams["default"] = backward_kernel(q.get_device(), head_dim, dtype, True, length)
         return {f"dense_{name}" if name == "sm80" else f"dense_{kern.config.family}": median_ms(time_cuda(
             lambda i, kern=kern: backward(kern, q, k, v, out, dout, lse), warmup=3, reps=20)) for name, kern in fams.items()}
 
-    lens = _lengths(n_seqs, lo, hi, seed)
+    lens = lengths(n_seqs, lo, hi, seed)
     total, mean = sum(lens), sum(lens) // n_seqs
     cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
     q, k, v = (torch.randn(total, h, head_dim, device="cuda", dtype=tdt) for _ in range(3))
@@ -233,7 +228,7 @@ def train_rows(head_dim: int = 128, dtype: str = "bf16", n_seqs: int = 64, lo: i
     dout = torch.randn_like(q)
 
     def step() -> None:
-        out = flashgen.attention_varlen(*leaves, cu, cu, max(lens), max(lens), causal=True, validate=False)
+        out = api.attention_varlen(*leaves, cu, cu, max(lens), max(lens), causal=True, validate=False)
         out.backward(dout)
 
     ms["autograd_b2b"] = back_to_back_ms(lambda i: step(), calls=10)

@@ -20,9 +20,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
-from .bench import flops
+from . import api
+from .bench import flops, l2_rotation, median_ms, retime_best, time_backward, time_cuda
 from .config import FP8_DTYPES
+from .fp8 import quantize
+from .resolve import backward_kernel
 from .tensors import torch_dtype
+from .verify import random_qkv
 
 PEERS = ("flash", "cudnn", "efficient")  # SDPA backends: FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTENTION
 PEER_FIGURES = Path(__file__).parent / "data" / "peers.json"  # card, date, versions and source of every figure
@@ -113,8 +117,7 @@ class SimulatedRunner:
 
 
 class TorchRunner:
-    """The real thing: flashgen.load() (tuned store, else default) and SDPA forced per backend."""
-
+    """The real thing: api.load() (tuned store, else default) and SDPA forced per backend."""
     def __init__(self, arch: str | None = None, warmup: int = 10, reps: int = 50, rounds: int = 3):
         self.arch, self.warmup, self.reps = arch, warmup, reps  # arch: template family, None = fastest tuned
         self.rounds = rounds  # interleaved rounds of the kernel-alone timings (flashgen and the peers)
@@ -125,12 +128,6 @@ class TorchRunner:
         import torch  # noqa: PLC0415
         from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
 
-        import flashgen  # noqa: PLC0415
-
-        from .bench import l2_rotation, retime_best, time_cuda  # noqa: PLC0415
-        from .fp8 import quantize  # noqa: PLC0415
-        from .verify import random_qkv  # noqa: PLC0415
-
         b, n, h, d = point.batch, point.seqlen, point.heads, point.head_dim
         fp8 = point.dtype in FP8_DTYPES
         # FP8: flashgen reads e4m3 copies of bf16 inputs (per-tensor descale); the peers read the bf16 ones.
@@ -138,7 +135,7 @@ class TorchRunner:
                 for i in range(l2_rotation(2 * 4 * b * n * h * d))]
         ours = [quantize(*s) for s in sets] if fp8 else [(*s, {}) for s in sets]
         sdpa_sets = [tuple(t.transpose(1, 2) for t in s) for s in sets]  # SDPA takes (b, h, n, d)
-        kern = flashgen.load(d, point.dtype, point.causal, seqlen=n, arch=self.arch)
+        kern = api.load(d, point.dtype, point.causal, seqlen=n, arch=self.arch)
         row = Row(point, kernel=kern.name)
 
         def call(i: int) -> Any:
@@ -147,7 +144,7 @@ class TorchRunner:
 
         def api(i: int) -> Any:
             q, k, v, descale = ours[i]
-            return flashgen.attention(q, k, v, causal=point.causal, arch=self.arch, **descale)
+            return api.attention(q, k, v, causal=point.causal, arch=self.arch, **descale)
 
         backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                     "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -193,16 +190,9 @@ class TorchRunner:
         import torch  # noqa: PLC0415
         from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
 
-        import flashgen  # noqa: PLC0415
-
-        from .bench import median_ms, time_backward, time_cuda  # noqa: PLC0415
-        from .ops import _backward_kernel  # noqa: PLC0415
-        from .verify import random_qkv  # noqa: PLC0415
-
         b, n, h, d = point.batch, point.seqlen, point.heads, point.head_dim
-        tdt = torch_dtype(point.dtype)
-        kern = _backward_kernel(torch.cuda.current_device(), d, tdt, point.causal, n)
-        fwd = flashgen.load(d, point.dtype, point.causal, seqlen=n, arch="sm80").compiled
+        kern = backward_kernel(torch.cuda.current_device(), d, point.dtype, point.causal, n)
+        fwd = api.load(d, point.dtype, point.causal, seqlen=n, arch="sm80").compiled
         row = Row(point, kernel=kern.name)
         row.ms["flashgen"] = time_backward(kern, fwd, b, n, n, h, h, self.warmup, self.reps)
         q, k, v = random_qkv(b, n, n, h, h, d, point.dtype, seed=0)
@@ -214,7 +204,7 @@ class TorchRunner:
             return median_ms(time_cuda(lambda i: torch.autograd.grad(out, leaves, grad, retain_graph=True),
                                        self.warmup, self.reps))
 
-        row.ms["api"] = grad_ms(lambda q, k, v: flashgen.attention(q, k, v, causal=point.causal), (q, k, v), dout)
+        row.ms["api"] = grad_ms(lambda q, k, v: api.attention(q, k, v, causal=point.causal), (q, k, v), dout)
         backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                     "efficient": SDPBackend.EFFICIENT_ATTENTION}
         sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -233,19 +223,14 @@ class TorchRunner:
         """Microseconds per call, by wall clock, of each way in on a problem small enough to be host-bound."""
         import torch  # noqa: PLC0415
 
-        import flashgen  # noqa: PLC0415
-
-        from .fp8 import quantize  # noqa: PLC0415
-        from .verify import random_qkv  # noqa: PLC0415
-
         b, n, h = HOST_SHAPE
         fp8 = dtype in FP8_DTYPES
         q, k, v = random_qkv(b, n, n, h, h, head_dim, "bf16" if fp8 else dtype, seed=0)
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA in bf16 for an FP8 grid
         q8, k8, v8, descale = quantize(q, k, v) if fp8 else (q, k, v, {})
-        kern = flashgen.load(head_dim, dtype, causal, seqlen=n, arch=self.arch)
+        kern = api.load(head_dim, dtype, causal, seqlen=n, arch=self.arch)
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        return host_us_per_call({"attention": lambda: flashgen.attention(q8, k8, v8, causal=causal, arch=self.arch,
+        return host_us_per_call({"attention": lambda: api.attention(q8, k8, v8, causal=causal, arch=self.arch,
                                                                          **descale),
                                  "kernel": lambda: kern(q8, k8, v8, **descale),
                                  "sdpa": lambda: sdpa(qt, kt, vt, is_causal=causal)})
@@ -310,8 +295,6 @@ def matmul_ceiling(dtype: str, n: int = 8192, reps: int = 20) -> float:
     """TFLOP/s of an n x n x n matrix product through torch on random data: the ceiling attention is held to.
     FP8: torch._scaled_mm, e4m3 in, bf16 out."""
     import torch  # noqa: PLC0415
-
-    from .bench import median_ms, time_cuda  # noqa: PLC0415
 
     if dtype in FP8_DTYPES:
         a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)

@@ -507,7 +507,7 @@ _DEFAULT_TILES_SM90 = {  # FlashAttention-3's choices, roughly: two consumer war
     256: [(128, 64, 12, 2)],
 }
 _DEFAULT_TILES_FP8 = {d: [(128, 128, 12, 2)] for d in FP8_HEAD_DIMS}
-_DEFAULT_TILES = {
+DEFAULT_TILES = {
     32: [(128, 128, 8, 2)],
     64: [(128, 64, 4, 2), (128, 64, 8, 2)],
     96: [(128, 64, 8, 2), (64, 64, 4, 2)],
@@ -520,7 +520,7 @@ def default_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm80", 
     """The untuned configuration `load()` uses for a problem on `arch` (FP8 only exists in family sm90)."""
     _check_choice("head_dim", head_dim, HEAD_DIMS)
     reason = ""
-    tiles = _DEFAULT_TILES_FP8 if dtype in FP8_DTYPES else _DEFAULT_TILES_SM90 if family == "sm90" else _DEFAULT_TILES
+    tiles = _DEFAULT_TILES_FP8 if dtype in FP8_DTYPES else _DEFAULT_TILES_SM90 if family == "sm90" else DEFAULT_TILES
     for bm, bn, w, s in tiles.get(head_dim, ()):
         cfg = KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family)
         reason = cfg.unfit_reason(arch)

@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
+from . import driver
 from .__version__ import __version__
 from .config import BwdConfig, ConfigError, KernelConfig
 from .paths import tuned_dir as default_tuned_dir
@@ -198,6 +199,12 @@ def _cached_read(path: Path, gpu_name: str, arch: str) -> dict[str, Any]:
     return hit[1]
 
 
+def forget() -> None:
+    """Forget the files read and the warnings given: the next lookup reads the store again (flashgen.reload)."""
+    _cache.clear()
+    _warned.clear()
+
+
 def _warn_once(what: str, message: str) -> None:
     if what not in _warned:
         _warned.add(what)
@@ -290,9 +297,7 @@ def tuned_buckets(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: b
 def current_gpu() -> tuple[str, str] | None:
     """(name, arch) of the current GPU, or None when there is no driver or device."""
     try:
-        from .driver import device_info  # noqa: PLC0415
-
-        info = device_info()
+        info = driver.device_info()
     except (OSError, RuntimeError):  # driver.CudaError is a RuntimeError
         return None
     return info.name, info.arch

@@ -1,18 +1,14 @@
-"""Input checking and a uniform view of torch tensors and `__cuda_array_interface__` arrays.
-
-Every check here runs before any launch, so bad input raises a clear ValueError or
-TypeError instead of a fault.
-"""
+"""A uniform view of torch tensors and `__cuda_array_interface__` arrays (flashgen.checks checks them)."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from .config import HEAD_DIMS, elem_bytes
+from .config import elem_bytes
 
-_TORCH_DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float8_e4m3fn": "fp8_e4m3"}
+TORCH_DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float8_e4m3fn": "fp8_e4m3"}
 _CAI_DTYPES = {"<f2": "fp16", "float16": "fp16", "bfloat16": "bf16"}
 _torch_dtypes: dict[Any, str] = {}  # torch.dtype -> name, filled on first use (torch stays optional)
-_TORCH_NAMES = {name: t.split(".")[1] for t, name in _TORCH_DTYPES.items()} | {"fp32": "float32"}
+_TORCH_NAMES = {name: t.split(".")[1] for t, name in TORCH_DTYPES.items()} | {"fp32": "float32"}
 
 
 def torch_dtype(name: str) -> Any:
@@ -44,7 +40,7 @@ def view(x: Any, name: str) -> View:
             raise ValueError(f"{name} is on {x.device}; flashgen runs on CUDA tensors (move it with .cuda())")
         dtype = _torch_dtypes.get(x.dtype)
         if dtype is None:
-            dtype = _torch_dtypes[x.dtype] = _TORCH_DTYPES.get(str(x.dtype))
+            dtype = _torch_dtypes[x.dtype] = TORCH_DTYPES.get(str(x.dtype))
             if dtype is None:
                 del _torch_dtypes[x.dtype]
                 raise TypeError(f"{name} has dtype {x.dtype}; supported: torch.float16, torch.bfloat16, "
@@ -82,35 +78,6 @@ class Problem(NamedTuple):
     heads_k: int
     head_dim: int
     dtype: str
-
-
-def check_qkv(q: View, k: View, v: View) -> Problem:
-    """Validate flash_attn's layout: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, heads_k, head_dim)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if len(t.shape) != 4:
-            raise ValueError(f"{name} must have 4 dims (batch, seqlen, heads, head_dim); got shape {t.shape}")
-    if len({q.kind, k.kind, v.kind}) != 1:
-        raise TypeError("q, k and v must all be torch tensors or all GPU arrays of the same kind")
-    if len({q.dtype, k.dtype, v.dtype}) != 1:
-        raise TypeError(f"q, k and v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if len({q.device, k.device, v.device}) != 1:
-        raise ValueError(f"q, k and v must be on one device; got cuda:{q.device}, cuda:{k.device}, cuda:{v.device}")
-    b, sq, h, d = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {k.shape} and {v.shape}")
-    bk, sk, hk, dk = k.shape
-    if bk != b:
-        raise ValueError(f"batch differs: q has {b}, k and v have {bk}")
-    if dk != d:
-        raise ValueError(f"head_dim differs: q has {d}, k and v have {dk}")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"head_dim={d} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
-    if hk == 0 or h % hk:
-        raise ValueError(f"heads of q ({h}) must be a multiple of heads of k and v ({hk}) (MQA/GQA)")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.strides[3] != 1 and t.shape[3] != 1:
-            raise ValueError(f"{name} must be contiguous in its last dim (stride {t.strides[3]}); call .contiguous()")
-    return Problem(b, sq, sk, h, hk, d, q.dtype)
 
 
 def align_elems(dtype: str) -> int:

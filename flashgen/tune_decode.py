@@ -5,19 +5,26 @@ small space: a tile (block_m, block_n, warps, stages) and the number of key rang
 split into (split-KV). `tune_problem` measures all of it on one problem (head dim, dtype, heads, batch,
 cache length, page size): every candidate verified against float64 on the problem's own random inputs
 before it is timed (CUDA-event medians), and the fastest verified one becomes a store entry ("pass_":
-"decode"). `tuned_decode` is what `attention_with_kvcache(num_splits=0)` asks: the entry of the nearest
-stored problem, or None (then the rule of flashgen.serving chooses).
+"decode"). flashgen.resolve.tuned_decode is what `attention_with_kvcache(num_splits=0)` asks: the entry of the
+nearest stored problem, or None (then the rule of flashgen.kernels.serving chooses).
 """
 from __future__ import annotations
 
 import datetime
-import functools
 import itertools
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from .__version__ import __version__
+from .api import attention_with_kvcache
+from .bench import median_ms, retime_best, time_cuda
+from .bench_serving import paged
+from .compile import nvcc_version
 from .config import ConfigError, KernelConfig
+from .driver import version as driver_version
+from .kernels.serving import decode_config, kvcache_launch
+from .tensors import torch_dtype
+from .verify import packed_ref, poisoned_error
 
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
 DECODE_POINTS = ((1, 1024), (1, 8192), (1, 131072), (8, 32768), (32, 8192), (128, 4096))  # (batch, cache length)
@@ -64,11 +71,6 @@ def decode_tiles(head_dim: int, dtype: str, arch: str) -> list[tuple[int, int, i
     return out
 
 
-def decode_config(head_dim: int, dtype: str, tile: tuple[int, int, int, int], paged: bool, split: bool) -> KernelConfig:
-    bm, bn, w, s = tile
-    return KernelConfig(head_dim, dtype, False, bm, bn, w, s, varlen=True, paged=paged, pack_gqa=True, split=split)
-
-
 def space(head_dim: int, dtype: str, arch: str, paged: bool, cache_len: int) -> list[tuple[KernelConfig, int]]:
     """Every (kernel, num_splits) of a decode problem: each tile, unsplit and split 2..128 ways (no more
     ways than the cache has key blocks)."""
@@ -82,8 +84,6 @@ def space(head_dim: int, dtype: str, arch: str, paged: bool, cache_len: int) -> 
 def reference(q: Any, k: Any, v: Any, dtype: Any) -> Any:
     """Attention of q (batch, 1, heads, d) over the whole cache (batch, n, heads_k, d), in `dtype`: (batch, 1, heads,
     d), sequence by sequence (verify.packed_ref)."""
-    from .verify import packed_ref  # noqa: PLC0415
-
     b, n = k.shape[:2]
     out = packed_ref(q.reshape(b, *q.shape[2:]), k.reshape(b * n, *k.shape[2:]), v.reshape(b * n, *v.shape[2:]),
                      list(range(b + 1)), [i * n for i in range(b + 1)], False, dtype=dtype)
@@ -96,15 +96,6 @@ def tune_problem(problem: DecodeProblem, candidates: list[tuple[KernelConfig, in
     verified one (None if none verified). The untuned choice (attention_with_kvcache's rule) is measured beside it."""
     import torch  # noqa: PLC0415
 
-    from . import attention_with_kvcache  # noqa: PLC0415
-    from .bench import median_ms, retime_best, time_cuda  # noqa: PLC0415
-    from .bench_serving import _paged  # noqa: PLC0415
-    from .compile import nvcc_version  # noqa: PLC0415
-    from .driver import version as driver_version  # noqa: PLC0415
-    from .serving import kvcache_launch  # noqa: PLC0415
-    from .tensors import torch_dtype  # noqa: PLC0415
-    from .verify import poisoned_error  # noqa: PLC0415
-
     p = problem
     tdt = torch_dtype(p.dtype)
     q = torch.randn(p.batch, 1, p.heads, p.head_dim, device="cuda", dtype=tdt)
@@ -113,7 +104,7 @@ def tune_problem(problem: DecodeProblem, candidates: list[tuple[KernelConfig, in
     bound = 2 * (reference(q, kc, vc, tdt).double() - ref).abs().max().item() + 1e-5  # flash_attn's bar
     k_arg, v_arg, table = kc, vc, None
     if p.page_size:
-        k_arg, table = _paged(kc, p.page_size)
+        k_arg, table = paged(kc, p.page_size)
         v_arg = torch.empty_like(k_arg)
         v_arg[table.view(-1).long()] = vc.view(-1, p.page_size, p.heads_k, p.head_dim)
     lens = torch.full((p.batch,), p.cache_len, dtype=torch.int32, device="cuda")
@@ -160,55 +151,4 @@ def tune_problem(problem: DecodeProblem, candidates: list[tuple[KernelConfig, in
     }
 
 
-# -- lookup, for attention_with_kvcache ----------------------------------------------------
-
-def nearest_entry(entries: list[dict[str, Any]], head_dim: int, dtype: str, heads: int, heads_k: int, batch: int,
-                  cache_len: int, page_size: int) -> dict[str, Any] | None:
-    """The decode entry for this call: same head dim, dtype and GQA group, contiguous or paged as the call; then the
-    nearest page size, then the nearest (cache length, batch) by ratio."""
-    cands = [e for e in entries if e.get("problem", {}).get("pass_") == "decode"]
-    cands = [e for e in cands if (e["problem"]["head_dim"], e["problem"]["dtype"]) == (head_dim, dtype)
-             and e["problem"]["heads"] // e["problem"]["heads_k"] == heads // heads_k
-             and bool(e["problem"]["page_size"]) == bool(page_size)]
-    if not cands:
-        return None
-    from .store import log_distance  # noqa: PLC0415
-
-    page = min({e["problem"]["page_size"] for e in cands}, key=lambda s: log_distance(s, page_size) if page_size else 0)
-    cands = [e for e in cands if e["problem"]["page_size"] == page]
-    return min(cands, key=lambda e: (log_distance(e["problem"]["cache_len"], cache_len)
-                                     + log_distance(e["problem"]["batch"], batch), e["median_ms"]))
-
-
-def tuned_decode(device: int, head_dim: int, dtype: str, heads: int, heads_k: int, batch: int, cache_len: int,
-                 page_size: int) -> tuple[KernelConfig, int] | None:
-    """(kernel, num_splits) of the nearest tuned decode problem in this GPU's store, or None. Cached per call
-    shape; the store file is looked at again when it changed (at most every api.STORE_CHECK_S)."""
-    from .ops import _gpu, _store_stamp  # noqa: PLC0415
-
-    gpu_name, arch = _gpu(device)
-    return _tuned(gpu_name, arch, _store_stamp(gpu_name, arch), head_dim, dtype, heads, heads_k, batch, cache_len,
-                  page_size)
-
-
-@functools.lru_cache(maxsize=1024)
-def _tuned(gpu_name: str, arch: str, stamp: tuple | None, head_dim: int, dtype: str, heads: int, heads_k: int,
-           batch: int, cache_len: int, page_size: int) -> tuple[KernelConfig, int] | None:
-    from .store import pass_entries  # noqa: PLC0415
-
-    if stamp is None:
-        return None
-    e = nearest_entry(pass_entries(gpu_name, arch, "decode"), head_dim, dtype, heads, heads_k, batch, cache_len,
-                      page_size)
-    if e is None:
-        return None
-    cfg = KernelConfig.from_dict(e["config"])
-    if cfg.unfit_reason(arch) is not None:
-        return None
-    cfg = decode_config(head_dim, dtype, (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages), bool(page_size),
-                        e["num_splits"] > 1)
-    return cfg, int(e["num_splits"])
-
-
-__all__ = ["DECODE_POINTS", "DecodeProblem", "PAGE_SIZES", "decode_tiles", "nearest_entry", "space", "tune_problem",
-           "tuned_decode"]
+__all__ = ["DECODE_POINTS", "DecodeProblem", "PAGE_SIZES", "decode_config", "decode_tiles", "space", "tune_problem"]

@@ -7,25 +7,34 @@ key loop per row block at any N. `tune_problem` measures the family's whole fitt
 on sm90, overlap / ping-pong and, for a window alone, the persistent schedule; configurations whose
 features make them spill are left out) on one problem's own random inputs: each candidate verified against
 float64 built sequence by sequence with poisoned outputs before it is timed (CUDA-event medians), the
-fastest verified one stored ("pass_": "varlen"). `tuned_prefill` is what those calls ask: the kernel of
-the nearest stored problem with the same head dim, dtype, mask and features, or None (then the dense
-tuned tiles apply, see flashgen.serving.sm90_config).
+fastest verified one stored ("pass_": "varlen"). flashgen.resolve.tuned_prefill is what those calls ask: the
+kernel of the nearest stored problem with the same head dim, dtype, mask and features, or None (then the dense
+tuned tiles apply, see flashgen.resolve.sm90_config).
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from .__version__ import __version__
+from .bench import median_ms, retime_best, time_cuda
+from .bench_serving import lengths, seen_pairs
+from .checks import Mods
+from .compile import nvcc_version, target_for
 from .config import ConfigError, KernelConfig, space as dense_space
+from .driver import version as driver_version
+from .kernels import serving as serve_kernels
+from .kernels.dense import compiled_kernel
+from .resolve import untuned_prefill_config
+from .tensors import torch_dtype
+from .verify import packed_ref, poisoned_error
 
 # (packed, num_seqs, min_len, max_len, window): the bench's packed causal batch (64 sequences, lengths
 # log-uniform in 64..8192) and its window point (one sequence of 16k, window 1024).
 VARLEN_POINTS = ((True, 64, 64, 8192, -1), (False, 1, 16384, 16384, 1024))
-SEED = 0  # the lengths' draw (bench_serving._lengths): the same batch every run
+SEED = 0  # the lengths' draw (bench_serving.lengths): the same batch every run
 
 
 def parse_point(text: str) -> tuple[bool, int, int, int, int]:
@@ -79,14 +88,10 @@ class VarlenProblem:
     def lengths(self) -> list[int]:
         if not self.packed:
             return [self.max_len] * self.num_seqs
-        from .bench_serving import _lengths  # noqa: PLC0415
-
-        return _lengths(self.num_seqs, self.min_len, self.max_len, SEED)
+        return lengths(self.num_seqs, self.min_len, self.max_len, SEED)
 
     def flops(self) -> float:
         """Useful FLOPs: 4 d h per (query, key) pair the mask and window let through."""
-        from .bench_serving import seen_pairs  # noqa: PLC0415
-
         right = 0 if self.causal else -1
         return sum(4.0 * self.head_dim * self.heads * seen_pairs(n, n, self.window, right) for n in self.lengths())
 
@@ -132,13 +137,6 @@ def tune_problem(problem: VarlenProblem, candidates: list[KernelConfig] | None =
 
     import torch  # noqa: PLC0415
 
-    from .bench import median_ms, retime_best, time_cuda  # noqa: PLC0415
-    from .compile import nvcc_version, target_for  # noqa: PLC0415
-    from .serving import Mods, _compiled, launch_prefill, untuned_prefill_config  # noqa: PLC0415
-    from .tensors import torch_dtype  # noqa: PLC0415
-    from .driver import version as driver_version  # noqa: PLC0415
-    from .verify import packed_ref, poisoned_error  # noqa: PLC0415
-
     p = problem
     tdt = torch_dtype(p.dtype)
     lens = p.lengths()
@@ -161,11 +159,11 @@ def tune_problem(problem: VarlenProblem, candidates: list[KernelConfig] | None =
     n_max = max(lens)
     dev = q.get_device()
     if candidates is None:
-        candidates = space(p, lambda c: _compiled(c, target_for(p.gpu_arch, c.family)))
+        candidates = space(p, lambda c: compiled_kernel(c, target_for(p.gpu_arch, c.family)))
 
     def launch(cfg: KernelConfig) -> None:
-        launch_prefill(cfg, *views, None, **cus, max_seqlen_q=n_max, max_seqlen_k=n_max, num_splits=1, mods=mods,
-                       softmax_scale=None)
+        serve_kernels.launch_prefill(cfg, *views, None, **cus, max_seqlen_q=n_max, max_seqlen_k=n_max, num_splits=1,
+                                     mods=mods, softmax_scale=None)
 
     def timer(cfg: KernelConfig) -> list[float]:
         return time_cuda(lambda i: launch(cfg), warmup=3, reps=20)
@@ -209,52 +207,4 @@ def tune_problem(problem: VarlenProblem, candidates: list[KernelConfig] | None =
     }
 
 
-# -- lookup, for attention_varlen and attention(window_size=...) --------------------------------
-
-def nearest_entry(entries: list[dict[str, Any]], head_dim: int, dtype: str, causal: bool, features: dict[str, bool],
-                  seqlen_k: int, window_left: int) -> dict[str, Any] | None:
-    """The entry for a call: same head dim, dtype, mask and features (varlen or not, window or not; others: none);
-    then the nearest window and the nearest longest sequence (a packed problem's max_len) by ratio."""
-    wanted = {f for f, on in features.items() if on}
-    if not wanted <= {"varlen", "window"}:
-        return None
-    cands = [e for e in entries if e.get("problem", {}).get("pass_") == "varlen"]
-    cands = [e for e in cands if (e["problem"]["head_dim"], e["problem"]["dtype"], e["problem"]["causal"],
-                                  e["problem"]["packed"], e["problem"]["window"] >= 0)
-             == (head_dim, dtype, causal, "varlen" in wanted, "window" in wanted)]
-    if not cands:
-        return None
-    from .store import log_distance  # noqa: PLC0415
-
-    return min(cands, key=lambda e: (log_distance(e["problem"]["window"] + 1, window_left + 1)
-                                     + log_distance(e["problem"]["max_len"], seqlen_k), e["median_ms"]))
-
-
-def tuned_prefill(device: int, head_dim: int, dtype: str, causal: bool, seqlen_k: int, features: dict[str, bool],
-                  window_left: int = -1) -> KernelConfig | None:
-    """The kernel of the nearest tuned varlen / window problem in this GPU's store, with the call's features, or
-    None. Cached per call shape; the store file is looked at again when it changed (at most every
-    api.STORE_CHECK_S)."""
-    from .ops import _gpu, _store_stamp  # noqa: PLC0415
-
-    gpu_name, arch = _gpu(device)
-    key = tuple(sorted(f for f, on in features.items() if on))
-    return _tuned(gpu_name, arch, _store_stamp(gpu_name, arch), head_dim, dtype, causal, seqlen_k, key, window_left)
-
-
-@functools.lru_cache(maxsize=1024)
-def _tuned(gpu_name: str, arch: str, stamp: tuple | None, head_dim: int, dtype: str, causal: bool, seqlen_k: int,
-           features: tuple[str, ...], window_left: int) -> KernelConfig | None:
-    from .store import pass_entries  # noqa: PLC0415
-
-    if stamp is None:
-        return None
-    e = nearest_entry(pass_entries(gpu_name, arch, "varlen"), head_dim, dtype, causal, dict.fromkeys(features, True),
-                      seqlen_k, window_left)
-    if e is None:
-        return None
-    cfg = KernelConfig.from_dict(e["config"])
-    return cfg if cfg.unfit_reason(arch) is None else None
-
-
-__all__ = ["VARLEN_POINTS", "VarlenProblem", "nearest_entry", "parse_point", "space", "tune_problem", "tuned_prefill"]
+__all__ = ["VARLEN_POINTS", "VarlenProblem", "parse_point", "space", "tune_problem"]

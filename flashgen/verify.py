@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .compile import CompiledKernel
-from .launch import run
+from .fp8 import DESCALE_NAMES, dequantize, emulate_dequantized, quantize
+from .kernels.backward import backward
+from .kernels.dense import run
 from .tensors import torch_dtype
 
 LSE_TOL = 1e-3
@@ -120,8 +122,6 @@ def random_fp8(batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: in
                hadamard_rotation: bool = False) -> tuple[Any, Any, Any, dict[str, Any]]:
     """(q8, k8, v8, descale): standard-normal inputs quantized by flashgen.fp8.quantize. outliers: two
     channels of q and k scaled by 10 first (outlier features of real activations)."""
-    from .fp8 import quantize  # noqa: PLC0415
-
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, "bf16", seed, device)
     if outliers:
         q, k = q.float(), k.float()
@@ -172,8 +172,6 @@ def reference_fp8(q8: Any, k8: Any, v8: Any, descale: dict[str, Any], causal: bo
     """The float64 answer from the dequantized inputs; the bar from plain FP8 (flashgen.fp8.emulate)
     rounded to the kernel's output dtype (default bf16), as the kernel's output is."""
     import torch  # noqa: PLC0415
-
-    from .fp8 import DESCALE_NAMES, dequantize, emulate_dequantized  # noqa: PLC0415
 
     hk = k8.shape[2]
     q, k, v = (dequantize(t, descale[n], hk) for t, n in zip((q8, k8, v8), DESCALE_NAMES))
@@ -328,8 +326,6 @@ def verify_backward(kernel: CompiledKernel, fwd_kernel: CompiledKernel, batch: i
     """Run the backward `kernel` once on fresh random q, k, v, dO of this shape (out and lse from
     `fwd_kernel`) into NaN-poisoned gradient buffers, and judge dq, dk, dv against float64."""
     import torch  # noqa: PLC0415
-
-    from .backward import backward  # noqa: PLC0415
 
     cfg = kernel.config
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k or heads, cfg.head_dim, cfg.dtype, seed)

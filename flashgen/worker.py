@@ -23,10 +23,14 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+from . import driver
 from .backend import TrialResult, ok_result
+from .bench import kernel_timer, retime_best, time_backward, time_cuda, time_kernel
 from .compile import CompiledKernel, CompileError, compile_kernel, target_for
 from .config import BwdConfig, KernelConfig, default_config
+from .launch import FwdParams
 from .problem import TuneProblem
+from .verify import verify, verify_backward
 
 FAULT_HOOK_ENV = "FLASHGEN_TEST_FAULT"  # a config name: the worker launches it on an illegal address (tests)
 HANG_HOOK_ENV = "FLASHGEN_TEST_HANG"  # a config name: the worker hangs instead of running it (tests)
@@ -332,45 +336,35 @@ def gpu_hello() -> dict[str, Any]:
     """The worker's GPU: name, arch, driver version. Imports torch now so that trials do not pay for it."""
     import torch  # noqa: PLC0415
 
-    from .driver import device_info, version  # noqa: PLC0415
-
     if not torch.cuda.is_available():
         raise NoGpuError("torch sees no CUDA device")
-    dev = device_info()
-    return {"name": dev.name, "arch": dev.arch, "sm_count": dev.sm_count, "driver": version()}
+    dev = driver.device_info()
+    return {"name": dev.name, "arch": dev.arch, "sm_count": dev.sm_count, "driver": driver.version()}
 
 
 def gpu_list() -> list[dict[str, Any]]:
     """Every visible GPU: index, name, arch."""
     import ctypes  # noqa: PLC0415
 
-    from .driver import check, device_info, lib  # noqa: PLC0415
-
     n = ctypes.c_int()
-    check(lib().cuDeviceGetCount(ctypes.byref(n)), "cuDeviceGetCount")
-    return [{"index": i, "name": device_info(i).name, "arch": device_info(i).arch} for i in range(n.value)]
+    driver.check(driver.lib().cuDeviceGetCount(ctypes.byref(n)), "cuDeviceGetCount")
+    return [{"index": i, "name": driver.device_info(i).name, "arch": driver.device_info(i).arch} for i in range(n.value)]
 
 
 def _launch_illegal(kernel: CompiledKernel) -> None:
     """Test hook: launch the kernel on pointers no allocation owns, so it faults for real."""
-    from .driver import device_info, get_function, synchronize  # noqa: PLC0415
-    from .launch import FwdParams  # noqa: PLC0415
-
     cfg, bad = kernel.config, 0x10000
     row = cfg.head_dim  # one head: rows are head_dim apart
     strides = [cfg.block_m * row, row, row] * 4
     p = FwdParams(bad, bad, bad, bad, bad, *strides, 1, 1, 1, cfg.block_m, cfg.block_n, 1.0, 1.4426950408889634)
-    get_function(kernel.cubin, cfg.name, cfg.smem_bytes).launch(cfg.grid(1, 1, cfg.block_m, device_info().sm_count if cfg.persistent else None, 1),
-                                                               cfg.threads, p, 0)
-    synchronize()
+    driver.get_function(kernel.cubin, cfg.name, cfg.smem_bytes).launch(
+        cfg.grid(1, 1, cfg.block_m, driver.device_info().sm_count if cfg.persistent else None, 1), cfg.threads, p, 0)
+    driver.synchronize()
 
 
 def gpu_trial(kernel: CompiledKernel, problem: TuneProblem, warmup: int, reps: int) -> dict[str, Any]:
     """Verify on the problem's shape (cut to fit the reference, see TuneProblem.verify_shape), then time."""
     import torch  # noqa: PLC0415
-
-    from .bench import time_kernel  # noqa: PLC0415
-    from .verify import verify  # noqa: PLC0415
 
     if os.environ.get(FAULT_HOOK_ENV) == kernel.name:
         _launch_illegal(kernel)
@@ -392,8 +386,6 @@ def gpu_retime(kernels: list[CompiledKernel], problem: TuneProblem, rounds: int,
     """Median ms of each (already verified) kernel over `rounds` interleaved rounds on the same inputs."""
     import torch  # noqa: PLC0415
 
-    from .bench import kernel_timer, retime_best, time_cuda  # noqa: PLC0415
-
     b, sq, sk, h, hk = problem.shape()
     assert len({(k.config.dtype, k.config.output_dtype, k.config.head_dim) for k in kernels}) == 1, "one problem's kernels"
     call, sets = kernel_timer(kernels[0].config, b, sq, sk, h, hk)
@@ -408,9 +400,6 @@ def gpu_trial_bwd(kernel: CompiledKernel, fwd_kernel: CompiledKernel, problem: T
     """A backward trial: verify dq, dk, dv against float64 on fresh random inputs (the problem's shape
     cut to fit the reference, see TuneProblem.verify_shape), then time the backward kernels alone."""
     import torch  # noqa: PLC0415
-
-    from .bench import time_backward  # noqa: PLC0415
-    from .verify import verify_backward  # noqa: PLC0415
 
     if os.environ.get(HANG_HOOK_ENV) == kernel.name:
         time.sleep(1e6)
@@ -427,6 +416,4 @@ def gpu_trial_bwd(kernel: CompiledKernel, fwd_kernel: CompiledKernel, problem: T
 
 def gpu_check(kernel: CompiledKernel, shapes: list[tuple[int, int, int, int, int]]) -> list[dict[str, Any]]:
     """Verify one kernel on several (batch, seqlen_q, seqlen_k, heads, heads_k) shapes."""
-    from .verify import verify  # noqa: PLC0415
-
     return [{"shape": s, **verify(kernel, *s).__dict__} for s in shapes]  # fresh random inputs per shape

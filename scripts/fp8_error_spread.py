@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashgen.compile import compile_kernel, target_for  # noqa: E402
-from flashgen.launch import run  # noqa: E402
+from flashgen.kernels.dense import run  # noqa: E402
 from flashgen.tensors import torch_dtype  # noqa: E402
 from flashgen.verify import poisoned_outputs, random_fp8, reference_fp8  # noqa: E402
 

@@ -27,8 +27,8 @@ def main() -> None:
     import torch
 
     import flashgen
-    from flashgen.backward import backward
-    from flashgen.ops import _backward_kernel
+    from flashgen.kernels.backward import backward
+    from flashgen.resolve import backward_kernel
     from flashgen.verify import random_qkv
     from test_gpu_api import _sdpa_ref, autograd_grads  # the GPU test's reference and loss: one definition of each
 
@@ -57,11 +57,11 @@ def main() -> None:
         low, _, _ = grads(lambda q, k, v: _sdpa_ref(q, k, v, args.causal), q, k, v)
         api, out, lse = grads(lambda q, k, v: flashgen.attention(q, k, v, causal=args.causal, return_lse=True),
                               q, k, v)
-        bwd = _backward_kernel(q.get_device(), d, q.dtype, args.causal, sk)
+        bwd = backward_kernel(q.get_device(), d, args.dtype, args.causal, sk)
         dl = dlse if args.with_lse else None
         ref_fwd = [g.double() for g in backward(bwd, q, k, v, out64.to(q.dtype), dout,
                                                 lse64.float().contiguous(), dlse=dl)]
-        det_kern = _backward_kernel(q.get_device(), d, q.dtype, args.causal, sk, deterministic=True)
+        det_kern = backward_kernel(q.get_device(), d, args.dtype, args.causal, sk, deterministic=True)
         det = [g.double() for g in backward(det_kern, q, k, v, out, dout, lse, dlse=dl)]
         rounded = [r.to(q.dtype).double() for r in ref]
         line = []

@@ -32,11 +32,11 @@ q, k, v, descale = quantize(q, k, v) if fp8 else (q, k, v, {})
 kern = (flashgen.load(d, dtype, causal, seqlen=n, arch=arch) if cfg is None
         else flashgen.Kernel(compile_kernel(cfg, target_for("sm90", cfg.family))))
 if pass_ == "bwd":
-    from flashgen.backward import backward
-    from flashgen.ops import _backward_kernel
+    from flashgen.kernels.backward import backward
+    from flashgen.resolve import backward_kernel
 
     out, lse = kern(q, k, v, return_lse=True)
-    dout, bwd = torch.randn_like(q), _backward_kernel(q.get_device(), d, q.dtype, causal, n)
+    dout, bwd = torch.randn_like(q), backward_kernel(q.get_device(), d, dtype, causal, n)
     for _ in range(3):
         backward(bwd, q, k, v, out, dout, lse)
 else:

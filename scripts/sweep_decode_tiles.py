@@ -3,7 +3,7 @@
     python scripts/sweep_decode_tiles.py --compile-only            # fill FLASHGEN_CACHE_DIR, no GPU
     python scripts/sweep_decode_tiles.py [--points 32x8192,1x131072] [--pages 0,16,256] [--splits 1,2,4,8]
 
-flashgen.serving picks one decode tile per head dim and num_splits by a rule; this measures every tile
+flashgen.kernels.serving picks one decode tile per head dim and num_splits by a rule; this measures every tile
 (block_m, block_n, warps, stages) x splits on each (batch x cache length, page size) point, each checked
 against SDPA once, and prints per point the default's and the best's K/V read rate (CUDA-event medians).
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flashgen import serving  # noqa: E402
+from flashgen import api  # noqa: E402  (attention_with_kvcache's serve_config is replaced per tile)
 from flashgen.compile import CompileError, compile_kernel  # noqa: E402
 from flashgen.tune_decode import decode_config as config, decode_tiles as tiles  # noqa: E402
 
@@ -50,11 +50,11 @@ def sweep(args: argparse.Namespace, ts: list) -> None:
 
     from flashgen import attention_with_kvcache
     from flashgen.bench import median_ms, time_cuda
-    from flashgen.bench_serving import _paged
+    from flashgen.bench_serving import paged
 
     h, hk = HEADS
     d, tdt = args.head_dim, {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    real = serving.serve_config
+    real = api.serve_config
     for point in args.points.split(","):
         batch, n = (int(x) for x in point.split("x"))
         q = torch.randn(batch, 1, h, d, device="cuda", dtype=tdt)
@@ -66,7 +66,7 @@ def sweep(args: argparse.Namespace, ts: list) -> None:
         for page in (int(x) for x in args.pages.split(",")):
             k_arg, v_arg, table = kc, vc, None
             if page:
-                k_arg, table = _paged(kc, page)
+                k_arg, table = paged(kc, page)
                 v_arg = torch.empty_like(k_arg)
                 v_arg[table.view(-1).long()] = vc.view(-1, page, hk, d)
             results = []
@@ -74,7 +74,7 @@ def sweep(args: argparse.Namespace, ts: list) -> None:
                 q, k_arg, v_arg, cache_seqlens=lens, block_table=table, validate=False), warmup=3, reps=20))
             for t in ts:
                 for splits in (int(x) for x in args.splits.split(",")):
-                    serving.serve_config = lambda *a, split=False, **f: config(d, args.dtype, t, bool(page), split)
+                    api.serve_config = lambda *a, split=False, **f: config(d, args.dtype, t, bool(page), split)
                     try:
                         def call(i: int = 0) -> torch.Tensor:
                             return attention_with_kvcache(q, k_arg, v_arg, cache_seqlens=lens, block_table=table,
@@ -85,7 +85,7 @@ def sweep(args: argparse.Namespace, ts: list) -> None:
                             continue
                         results.append((median_ms(time_cuda(call, warmup=2, reps=15)), t, splits))
                     finally:
-                        serving.serve_config = real
+                        api.serve_config = real
             results.sort()
             tb = lambda ms: kv_bytes / (ms * 1e-3) / 1e12  # noqa: E731
             best = results[0]

@@ -2,7 +2,7 @@
 
     python scripts/time_serving_paths.py [--kind window|varlen] [--n 16384] [--window 1024] [--head-dim 128]
 
-Prints which kernel the public call takes (flashgen.serving.prefill_config), its device time launched
+Prints which kernel the public call takes (flashgen.resolve.prefill_config), its device time launched
 directly (serving.launch_prefill, no LSE), the public call's device time (bench.time_cuda: the GPU kept
 busy ahead, so host cost is hidden while it stays under the queue-ahead time; shown at two queue-ahead
 times) and back to back (host cost included), and the host time per call. A gap between the first two
@@ -29,16 +29,17 @@ def main() -> None:
     import torch
 
     import flashgen
-    from flashgen import serving
+    from flashgen import resolve
+    from flashgen.kernels import serving
     from flashgen.bench import median_ms, time_cuda
-    from flashgen.bench_serving import _causal_flops, _lengths
+    from flashgen.bench_serving import _causal_flops, lengths
     from flashgen.compare import back_to_back_ms
 
     d, h = args.head_dim, 2048 // args.head_dim
     if args.kind == "window":
         lens, win = [args.n], args.window
     else:
-        lens, win = _lengths(64, 64, 8192, 0), -1
+        lens, win = lengths(64, 64, 8192, 0), -1
     cu = [0, *itertools.accumulate(lens)]
     q, k, v = (torch.randn(cu[-1], h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     flops = sum(_causal_flops(n, n, d, h, win) for n in lens)
@@ -46,7 +47,7 @@ def main() -> None:
     if args.kind == "window":
         qd, kd, vd = (t.unsqueeze(0) for t in (q, k, v))
         public = lambda i: flashgen.attention(qd, kd, vd, causal=True, window_size=(win, 0))  # noqa: E731
-        cfg = serving.prefill_config(0, d, "bf16", True, args.n, args.n, serving._mod_features(mods, True), win)
+        cfg = resolve.prefill_config(0, d, "bf16", True, args.n, args.n, serving.call_features(mods, True), win)
         out = torch.empty_like(qd)
         direct = lambda i: serving.launch_prefill(cfg, qd, kd, vd, out, None, cu_q=None, cu_k=None,  # noqa: E731
                                                   max_seqlen_q=args.n, max_seqlen_k=args.n, num_splits=1, mods=mods,
@@ -56,7 +57,7 @@ def main() -> None:
         n = max(lens)
         public = lambda i: flashgen.attention_varlen(q, k, v, cu_t, cu_t, n, n, causal=True,  # noqa: E731
                                                      validate=False)
-        cfg = serving.prefill_config(0, d, "bf16", True, n, n, {"varlen": True}, -1)
+        cfg = resolve.prefill_config(0, d, "bf16", True, n, n, {"varlen": True}, -1)
         out = torch.empty_like(q)
         direct = lambda i: serving.launch_prefill(cfg, q, k, v, out, None, cu_q=cu_t, cu_k=cu_t,  # noqa: E731
                                                   max_seqlen_q=n, max_seqlen_k=n, num_splits=1, mods=mods,

@@ -7,7 +7,7 @@ the bench's and the tuner's kernel-alone figure), "alone-50us" (the same with a 
 256 MB written before each call so that nothing of the previous call stays in L2), "default" (bench.time_cuda as
 the bench and the tuner call it: twice L2 written before each call), "b2b" (calls back to
 back, CUDA events around loops of 50: what compare.back_to_back_ms reports), each through the loaded Kernel (outputs
-allocated per call, as the bench calls it) and through launch.run into preallocated outputs (as the tuner does).
+allocated per call, as the bench calls it) and through kernels.dense.run into preallocated outputs (as the tuner does).
 The bench and the tuner disagree by up to 10% on the same kernel; this says whether the method or the moment does.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
 
     import flashgen
     from flashgen.fp8 import quantize
-    from flashgen.launch import run
+    from flashgen.kernels.dense import run
     from flashgen.tensors import torch_dtype
     from flashgen.verify import random_qkv
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import flashgen
-import flashgen.api as api
 import flashgen.driver as driver
+import flashgen.resolve as resolve
 import flashgen.store as store
 from flashgen.store import config_from_entry
 from flashgen.config import FP8_DTYPES, ConfigError, KernelConfig
@@ -34,7 +34,7 @@ def h200(monkeypatch):
     monkeypatch.setattr(driver, "device_info", lambda device=None: H200)
     monkeypatch.setattr(driver, "use_device", lambda device: 0)
     monkeypatch.setattr(store, "current_gpu", lambda: (H200.name, H200.arch))
-    monkeypatch.setattr(api, "_compiled", lambda cfg, target: FakeCompiled(cfg))
+    monkeypatch.setattr(resolve, "compiled_kernel", lambda cfg, target: FakeCompiled(cfg))
     flashgen.reload()
     yield
     flashgen.reload()
@@ -49,7 +49,7 @@ SEQLENS = [None, 1, 17, 113, 700, 1023, 1024, 1500, 2047, 2048, 2896, 3000, 4096
 
 
 def test_cached_resolve_equals_the_full_lookup_on_every_stored_problem(h200):
-    r = api.Resolver()
+    r = resolve.Resolver()
     problems = stored_problems(REPO_STORE)
     assert problems
     for hd, dt, causal in sorted(problems):
@@ -71,7 +71,7 @@ def test_a_store_change_is_picked_up(h200, tmp_path):
     tuned.mkdir()
     path = tuned / REPO_STORE.name
     shutil.copy(REPO_STORE, path)
-    r = api.Resolver(check_every_s=0.0)
+    r = resolve.Resolver(check_every_s=0.0)
     before = r.kernel(0, 128, "bf16", False, 4096, "sm90", tuned).config
     doc = json.loads(path.read_text())
     other = next(c for c in flashgen.space("sm90", 128, "bf16", False) if c != before and c.unfit_reason("sm90") is None)
@@ -81,18 +81,18 @@ def test_a_store_change_is_picked_up(h200, tmp_path):
     path.write_text(json.dumps(doc, indent=2))
     assert r.kernel(0, 128, "bf16", False, 4096, "sm90", tuned).config == other
     # the module's resolver checks at most once a second; reload() makes it look now
-    assert api._resolver.kernel(0, 128, "bf16", False, 4096, "sm90", tuned).config == other
+    assert resolve.resolver.kernel(0, 128, "bf16", False, 4096, "sm90", tuned).config == other
     path.unlink()
     flashgen.reload()
-    assert api._resolver.kernel(0, 128, "bf16", False, 4096, "sm90", tuned).config == \
+    assert resolve.resolver.kernel(0, 128, "bf16", False, 4096, "sm90", tuned).config == \
         flashgen.default_config(128, "bf16", False, "sm90", "sm90")
 
 
 def test_nearest_bucket_matches_lookups_rule():
-    assert api.nearest_bucket(3000, (1024, 4096, 16384)) == 4096
-    assert api.nearest_bucket(2048, (1024, 4096)) == 4096  # a tie goes to the larger bucket
-    assert api.nearest_bucket(None, (1024, 4096)) == 4096
-    assert api.nearest_bucket(5, ()) is None
+    assert resolve.nearest_bucket(3000, (1024, 4096, 16384)) == 4096
+    assert resolve.nearest_bucket(2048, (1024, 4096)) == 4096  # a tie goes to the larger bucket
+    assert resolve.nearest_bucket(None, (1024, 4096)) == 4096
+    assert resolve.nearest_bucket(5, ()) is None
 
 
 # -- the torch operator ---------------------------------------------------------------------
@@ -137,7 +137,7 @@ def test_gradients_flow_through_the_operators():
     (out.float().sum() + lse.sum()).backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
     assert q.grad.dtype == q.dtype and v.grad.device == v.device
-    # deterministic=True reaches the backward operator (its fake here; on a GPU, ops._backward_kernel's choice)
+    # deterministic=True reaches the backward operator (its fake here; on a GPU, resolve.backward_kernel's choice)
     from flashgen import ops
 
     seen, real = [], ops.attention_backward_op
@@ -207,9 +207,9 @@ def test_packed_params_are_the_c_struct_bytes():
 def test_a_plan_launches_the_same_bytes_as_the_checked_path(monkeypatch, family):
     """The per-call plan (built once per signature) must hand the driver exactly what the fully
     checked path packs, for strided GQA inputs and a negative scale."""
-    import flashgen.launch as launch
+    import flashgen.kernels.dense as dense
+    from flashgen.checks import check_qkv
     from flashgen.compile import CompiledKernel, Resources
-    from flashgen.tensors import check_qkv, view
 
     launched = []
 
@@ -221,23 +221,23 @@ def test_a_plan_launches_the_same_bytes_as_the_checked_path(monkeypatch, family)
     monkeypatch.setattr(driver, "primary_context_id", lambda device: 1)
     monkeypatch.setattr(driver, "get_function", lambda *a, **kw: FakeFn())
     monkeypatch.setattr(driver, "tensor_map", lambda dt, ptr, dims, st, box, sw: struct.pack("=Q", ptr) * 16)
-    monkeypatch.setattr(launch, "_current_stream", lambda device: 7)
+    monkeypatch.setattr(dense, "current_stream", lambda device: 7)
 
     def fake_view(x, name):  # the checks want CUDA tensors: these CPU ones pose as cuda:0
-        return launch.View(x, "torch", x.data_ptr(), tuple(x.shape), x.stride(), "bf16", 0)
+        return View(x, "torch", x.data_ptr(), tuple(x.shape), x.stride(), "bf16", 0)
 
-    monkeypatch.setattr(launch, "view", fake_view)
-    monkeypatch.setattr(launch, "_out_view", lambda out, like, shape, dtype: fake_view(out, "out"))
-    monkeypatch.setattr(launch, "_lse_ptr", lambda lse, like, shape: lse.data_ptr())
+    monkeypatch.setattr(dense, "view", fake_view)
+    monkeypatch.setattr(dense, "_out_view", lambda out, like, shape, dtype: fake_view(out, "out"))
+    monkeypatch.setattr(dense, "_lse_ptr", lambda lse, like, shape: lse.data_ptr())
     cfg = flashgen.default_config(64, "bf16", True, "sm90", family)
     kern = CompiledKernel(cfg, "sm_90a", "", b"", Resources(1, 0, 0, 0, cfg.smem_bytes), "")
     qkv = torch.randn(2, 100, 3, 8, 64, dtype=torch.bfloat16)  # q, k, v strided out of one packed tensor
     q, k, v = qkv[:, :, 0], qkv[:, :60, 1, :2], qkv[:, :60, 2, :2]
     qv, kv, vv = (fake_view(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     prob = check_qkv(qv, kv, vv)
-    plan = launch.make_plan(kern, qv, kv, vv, prob, -0.3)
-    out, lse = launch.launch_plan(plan, q, k, v)
-    launch.run_views(kern, qv, kv, vv, prob, -0.3, out=out, lse=lse)
+    plan = dense.make_plan(kern, qv, kv, vv, prob, -0.3)
+    out, lse = dense.launch_plan(plan, q, k, v)
+    dense.run_views(kern, qv, kv, vv, prob, -0.3, out=out, lse=lse)
     assert len(launched) == 2 and launched[0] == launched[1]
     assert launched[0][0] == cfg.grid(2, 8, 100) and launched[0][3] == 7
 
@@ -264,7 +264,7 @@ def test_loaded_functions_are_keyed_by_context_id_not_address(monkeypatch):
 
 def test_the_tensors_device_decides_arch_store_and_context(monkeypatch):
     """q on cuda:1 while cuda:0 is current: the kernel is chosen for, and launched in, device 1."""
-    import flashgen.launch as launch
+    import flashgen.kernels.dense as dense
     from flashgen.compile import CompiledKernel, Resources
     from flashgen.tensors import Problem
 
@@ -273,13 +273,13 @@ def test_the_tensors_device_decides_arch_store_and_context(monkeypatch):
     monkeypatch.setattr(driver, "use_device", lambda device: used.append(device))
     monkeypatch.setattr(driver, "primary_context_id", lambda device: 10 + device)
     monkeypatch.setattr(driver, "get_function", lambda *a, **kw: used.append(("ctx", a[-1])))
-    monkeypatch.setattr(api, "_compiled", lambda cfg, target: FakeCompiled(cfg))
+    monkeypatch.setattr(resolve, "compiled_kernel", lambda cfg, target: FakeCompiled(cfg))
     flashgen.reload()
-    api._resolver.kernel(1, 64, "bf16", False, 1024, None)
+    resolve.resolver.kernel(1, 64, "bf16", False, 1024, None)
     assert asked and all(d == 1 for d in asked)
     cfg = flashgen.default_config(64, "bf16", False, "sm90", "sm80")
     kern = CompiledKernel(cfg, "sm_90", "", b"", Resources(1, 0, 0, 0, cfg.smem_bytes), "")
     v = View(None, "torch", 0x1000, (1, 64, 2, 64), (8192, 128, 64, 1), "bf16", 1)
-    launch.make_plan(kern, v, v, v, Problem(1, 64, 64, 2, 2, 64, "bf16"), None)
+    dense.make_plan(kern, v, v, v, Problem(1, 64, 64, 2, 2, 64, "bf16"), None)
     assert used == [1, ("ctx", 11)]
     flashgen.reload()

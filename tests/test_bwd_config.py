@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from flashgen.backward import _BWD, backward, pack_params
+from flashgen.kernels.backward import _BWD, backward, pack_params
 from flashgen.compile import CompiledKernel, Resources, compile_kernel, parse_ptxas, target_for
 from flashgen.config import (
     ARCHS, HALF_DTYPES, HEAD_DIMS, SM90_BWD_HEAD_DIMS, BwdConfig, ConfigError, KernelConfig, bwd_space, bwd_warp_grid, default_bwd_config,
@@ -136,7 +136,7 @@ def test_sm90_params_tensor_maps(monkeypatch):
     """The four TMA maps of the sm90 backward: 4-d over (head_dim, seqlen, heads, batch) with byte strides,
     boxes of SMEM_W x block_m (q, dout) or block_n (k, v) rows, swizzled by the config's row bytes."""
     torch = pytest.importorskip("torch")
-    from flashgen import backward as bwd
+    from flashgen.kernels import backward as bwd
 
     maps = []
     monkeypatch.setattr(bwd.driver, "tensor_map", lambda *a: maps.append(a) or bytes(128))
@@ -158,7 +158,7 @@ def test_sm90_params_tensor_maps(monkeypatch):
 
 
 def test_sm90_params_match_the_struct_layout():
-    from flashgen.backward import _SM90_BWD_BYTES, _SM90_TAIL
+    from flashgen.kernels.backward import _SM90_BWD_BYTES, _SM90_TAIL
 
     src = render(BwdConfig(64, "bf16", False, 128, 128, 12, family="sm90"))
     assert "static_assert(sizeof(Sm90BwdParams) == 896" in src and _SM90_BWD_BYTES == 896

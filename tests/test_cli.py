@@ -209,7 +209,7 @@ def test_a_missing_nvcc_is_one_line(monkeypatch, capsys):
 
 
 def test_export_of_serving_kernels(tmp_path, capsys):
-    from flashgen.serving import _SERVE, serve_config
+    from flashgen.kernels.serving import SERVE_PARAMS, serve_config
 
     assert cli.main(["export", "--out", str(tmp_path), "--features", "varlen,paged,split,pack_gqa", "--features",
                      "varlen,window,softcap,alibi", "--head-dim", "128", "--causal", "no"]) == 0
@@ -219,7 +219,7 @@ def test_export_of_serving_kernels(tmp_path, capsys):
     assert dec.block_m == 32 and mods.block_m == 128  # decode tiles for the paged set, prefill tiles otherwise
     assert {p.stem for p in tmp_path.glob("*.cu")} == {dec.name, mods.name}
     h = (tmp_path / f"{dec.name}.h").read_text()
-    assert "struct ServeParams" in h and f"PARAMS_BYTES = {_SERVE.size};" in h and f"{dec.name}_combine<<<" in h
+    assert "struct ServeParams" in h and f"PARAMS_BYTES = {SERVE_PARAMS.size};" in h and f"{dec.name}_combine<<<" in h
     man = json.loads((tmp_path / "manifest.json").read_text())
     assert {m["kernel"] for m in man["kernels"]} == {dec.name, mods.name}
     assert cli.main(["export", "--out", str(tmp_path / "r"), "--features", "varlen", "--rows", "8",

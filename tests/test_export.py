@@ -283,7 +283,7 @@ SERVE_SETS = [dict(varlen=True, paged=True, split=True, pack_gqa=True),  # decod
 
 
 def serving_cfgs() -> list[KernelConfig]:
-    from flashgen.serving import serve_config
+    from flashgen.kernels.serving import serve_config
 
     return [serve_config(128, "bf16", False, 4, "sm80", **SERVE_SETS[0]),
             serve_config(128, "bf16", True, 1024, "sm80", **SERVE_SETS[1])]
@@ -291,20 +291,20 @@ def serving_cfgs() -> list[KernelConfig]:
 
 def test_serving_export_documents_serve_params_grids_and_features(tmp_path):
     from flashgen.export import export_configs
-    from flashgen.serving import _SERVE
+    from flashgen.kernels.serving import SERVE_PARAMS
 
     dec, mods = serving_cfgs()
     files = export_configs([dec, mods], tmp_path)
     assert sorted(f.name for f in files) == sorted([f"{c.name}{x}" for c in (dec, mods) for x in (".cu", ".h")]
                                                    + ["manifest.json"])
     man = {m["kernel"]: m for m in json.loads((tmp_path / "manifest.json").read_text())["kernels"]}
-    assert man[dec.name]["kernels"] == dec.kernel_names and man[dec.name]["params_bytes"] == _SERVE.size
+    assert man[dec.name]["kernels"] == dec.kernel_names and man[dec.name]["params_bytes"] == SERVE_PARAMS.size
     assert man[dec.name]["grid"] == "(ceil(seqlen_q * (heads / heads_k) / 32) * heads_k * batch * num_splits, 1, 1)"
     assert man[dec.name]["combine_threads"] == 128 and "combine_grid" not in man[mods.name]
     assert man[mods.name]["features"] == ["varlen", "window", "softcap", "alibi"]
     assert f"{dec.name}_combine(" in (tmp_path / f"{dec.name}.cu").read_text()
     h = (tmp_path / f"{dec.name}.h").read_text()
-    assert "struct ServeParams" in h and "struct FwdParams" in h and f"PARAMS_BYTES = {_SERVE.size};" in h
+    assert "struct ServeParams" in h and "struct FwdParams" in h and f"PARAMS_BYTES = {SERVE_PARAMS.size};" in h
     assert f"SMEM_BYTES = {dec.smem_bytes};" in h and f"THREADS = {dec.threads};" in h
     assert f"{dec.name}_combine<<<" in h and "constexpr bool PACK_GQA = true;" in h
     for words in ("cu_seqlens_q, cu_seqlens_k: int32 (batch + 1) offsets", "seqused_k", "block_table: int32",
@@ -350,7 +350,7 @@ namespace A = flashgen::{a}_launch;
 namespace B = flashgen::{b}_launch;
 static_assert(A::SPLIT && A::PAGED && A::PACK_GQA && !A::ALIBI, "decode features");
 static_assert(B::WINDOW && B::SOFTCAP && B::ALIBI && !B::SPLIT, "modifier features");
-static_assert(sizeof(ServeParams) == A::PARAMS_BYTES, "the struct flashgen.serving packs");
+static_assert(sizeof(ServeParams) == A::PARAMS_BYTES, "the struct flashgen.kernels.serving packs");
 int main() {{
     ServeParams p = {{}};  // a decode step: 2 sequences, 8 query heads on 2 KV heads, 4 splits over 256-key pages
     p.f.batch = 2; p.f.heads = 8; p.f.heads_k = 2; p.f.seqlen_q = 1; p.f.seqlen_k = 4096;
@@ -399,11 +399,11 @@ CXX = shutil.which("g++") or shutil.which("c++")
 @pytest.mark.skipif(CXX is None, reason="no host C++ compiler")
 @pytest.mark.parametrize("which", [0, 1], ids=["decode", "mods"])
 def test_header_grids_and_scales_are_serving_py_s(which, tmp_path):
-    """The header's C++ grid_x, combine_grid_x and set_scales give what flashgen.serving launches with."""
+    """The header's C++ grid_x, combine_grid_x and set_scales give what flashgen.kernels.serving launches with."""
     import struct
 
     from flashgen.export import export_configs
-    from flashgen.serving import _SERVE, _scales, serve_grids
+    from flashgen.kernels.serving import SERVE_PARAMS, _scales, serve_grids
 
     cfg = serving_cfgs()[which]
     export_configs([cfg], tmp_path)
@@ -416,7 +416,7 @@ def test_header_grids_and_scales_are_serving_py_s(which, tmp_path):
              for scale, cap in [(0.08838834764831845, 0.0), (-0.3, 0.0), (1e-50, 0.0), (0.125, 50.0)]]
     out = subprocess.run([str(tmp_path / "grid")], input="".join(" ".join(map(str, c)) + "\n" for c in cases),
                          capture_output=True, text=True, check=True).stdout.split("\n")
-    assert int(out[0]) == _SERVE.size
+    assert int(out[0]) == SERVE_PARAMS.size
 
     def f32(x: float) -> float:
         return struct.unpack("f", struct.pack("f", x))[0]

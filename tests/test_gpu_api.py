@@ -96,7 +96,7 @@ def test_batch_and_heads_past_65535(shape):
 def test_no_keys_gives_zero_and_infinite_lse_in_both_families():
     import torch
 
-    from flashgen.launch import run
+    from flashgen.kernels.dense import run
     from flashgen.verify import poisoned_outputs, random_qkv
 
     for causal in (False, True):
@@ -111,7 +111,7 @@ def test_no_keys_gives_zero_and_infinite_lse_in_both_families():
 def test_caller_buffers_are_checked_like_inputs():
     import torch
 
-    from flashgen.launch import run
+    from flashgen.kernels.dense import run
     from flashgen.verify import random_qkv
 
     kern = family_kernels(64, "bf16", False)[-1]

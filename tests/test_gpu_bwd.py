@@ -98,8 +98,8 @@ def _check(fwd, bwd, q, k, v, dout, causal, scale=None) -> list[str]:
     """Failures of one backward run against float64 (empty: it passed)."""
     import torch
 
-    from flashgen.backward import backward
-    from flashgen.launch import run
+    from flashgen.kernels.backward import backward
+    from flashgen.kernels.dense import run
 
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out, lse, _ = run(fwd, q, k, v, scale)
@@ -148,8 +148,8 @@ def _d256_precision(failure: str) -> bool:
 def test_deterministic_is_bit_identical_and_correct(kernels, head_dim, causal):
     import torch
 
-    from flashgen.backward import backward
-    from flashgen.launch import run
+    from flashgen.kernels.backward import backward
+    from flashgen.kernels.dense import run
 
     fwd = kernels[("fwd", head_dim, "bf16", causal)][0]
     det = kernels[("det", head_dim, "bf16", causal)][0]
@@ -171,8 +171,8 @@ def test_strided_inputs_custom_scale_and_fresh_buffers(kernels):
     scale, gradients allocated by backward()."""
     import torch
 
-    from flashgen.backward import backward
-    from flashgen.launch import run
+    from flashgen.kernels.backward import backward
+    from flashgen.kernels.dense import run
 
     fwd, bwd = kernels[("fwd", 64, "bf16", True)][0], kernels[("bwd", 64, "bf16", True)][0]
     qkv = torch.randn(2, 300, 3, 8, 64, device="cuda", dtype=torch.bfloat16)
@@ -192,7 +192,7 @@ def test_strided_inputs_custom_scale_and_fresh_buffers(kernels):
 def test_empty_sequences_give_zero_gradients(kernels):
     import torch
 
-    from flashgen.backward import backward
+    from flashgen.kernels.backward import backward
 
     bwd = kernels[("bwd", 64, "fp16", False)][0]
     q = torch.randn(1, 5, 2, 64, device="cuda", dtype=torch.float16)
@@ -204,7 +204,7 @@ def test_empty_sequences_give_zero_gradients(kernels):
 
 
 def test_load_backward_compiles_the_default():
-    from flashgen.backward import load_backward
+    from flashgen.kernels.backward import load_backward
 
     kern = load_backward(128, "bf16", True)
     assert kern.config == default_bwd_config(128, "bf16", True, _arch())

@@ -225,7 +225,7 @@ def test_runs_on_current_stream():
     import torch
 
     import flashgen
-    from flashgen.launch import run
+    from flashgen.kernels.dense import run
     from flashgen.verify import poisoned_outputs, random_qkv, reference
 
     q, k, v = random_qkv(1, 512, 512, 4, 4, 128, "fp16")

@@ -173,11 +173,11 @@ def test_kvcache_matches_reference(hd, seqlen_q, page_size, append, splits):
 def test_repeated_calls_take_the_plan_and_stay_right(page_size, splits, seqlen_q, monkeypatch):
     """A decode loop (validate=False, same shapes, new data each step) runs every call after the first by its plan,
     each checked against the reference."""
-    from flashgen import serving
+    from flashgen import api
 
-    ran, real = [], serving._run_plan
-    monkeypatch.setattr(serving, "_run_plan", lambda *a: ran.append(1) or real(*a))
-    serving._kv_plans.clear()
+    ran, real = [], api.run_plan
+    monkeypatch.setattr(api, "run_plan", lambda *a: ran.append(1) or real(*a))
+    api._kv_plans.clear()
     for seed in (0, 1, 2):
         _kvcache_case(5, seqlen_q, 128, "bf16", "gqa", page_size, False, splits, causal=seqlen_q > 1, seed=seed,
                       validate=False)
@@ -201,9 +201,9 @@ def test_kvcache_window_and_softcap():
 def test_sm80_family_varlen_where_hopper_takes_sm90(hd, causal, window, monkeypatch):
     """On Hopper varlen and window calls take the sm90 family; the sm80 family's serving kernel, which other GPUs
     take, is checked here too (sm90_config forced to decline)."""
-    from flashgen import serving
+    from flashgen import resolve
 
-    monkeypatch.setattr(serving, "sm90_config", lambda *a: None)
+    monkeypatch.setattr(resolve, "sm90_config", lambda *a: None)
     _varlen_case(VARLEN_SEQS, hd, "bf16", causal, "gqa", window=window)
 
 
@@ -231,14 +231,15 @@ WINDOW_SHAPES = [(2, 113, 211, (64, 16)), (1, 1023, 1023, (100, -1)), (1, 17, 10
 
 @pytest.mark.parametrize("cfg", sm90_persistent_window_configs(), ids=lambda c: c.name)
 def test_sm90_persistent_window(cfg):
-    from flashgen import serving
+    from flashgen.checks import check_dense
+    from flashgen.kernels import serving
 
     dt = DT[cfg.dtype]
     for b, sq, sk, window in WINDOW_SHAPES:
         torch.manual_seed(sq * 7 + sk)
         q, k, v = _rand(b, sq, 8, cfg.head_dim, dtype=dt), _rand(b, sk, 2, cfg.head_dim, dtype=dt), _rand(
             b, sk, 2, cfg.head_dim, dtype=dt)
-        mods = serving.check_dense(q, k, v, window, 0.0, None, cfg.causal)
+        mods = check_dense(q, k, v, window, 0.0, None, cfg.causal)
         out = torch.full_like(q, float("nan"))
         lse = torch.full((b, 8, sq), float("nan"), device="cuda")
         serving._launch_sm90(cfg, q, k, v, out, lse, num_seqs=b, max_seqlen_q=sq, cu_q=None, cu_k=None, mods=mods,
@@ -274,7 +275,7 @@ def test_bad_arguments_raise_before_launch():
 def serving_configs(arch: str) -> set:
     """Every kernel this module can launch (split-KV both ways where flashgen chooses), for
     scripts/fill_kernel_cache.py: compile here, run there."""
-    from flashgen.serving import serve_config
+    from flashgen.kernels.serving import serve_config
 
     out = set()
 
@@ -307,7 +308,7 @@ def serving_configs(arch: str) -> set:
 
 
 def sm90_serving_configs(arch: str) -> set:
-    """On Hopper, every sm90-family kernel a varlen or window call may take (flashgen.serving.sm90_config): each
+    """On Hopper, every sm90-family kernel a varlen or window call may take (flashgen.resolve.sm90_config): each
     dense sm90 kernel of the repository's store and each default with varlen (non-persistent) and window (as
     stored and non-persistent), and the persistent window kernels tested here."""
     import dataclasses
@@ -322,7 +323,7 @@ def sm90_serving_configs(arch: str) -> set:
     base = {default_config(hd, dt, c, arch, "sm90") for hd in HEAD_DIMS for dt in DT for c in (False, True)}
     for path in (Path(__file__).resolve().parent.parent / "tuned").glob("*.json"):
         base |= {config_from_entry(e) for e in json.loads(path.read_text())["entries"].values()}
-    base = {dataclasses.replace(c, **dict.fromkeys(SM90_DENSE_KNOBS, False))  # as serving._sm90_rule
+    base = {dataclasses.replace(c, **dict.fromkeys(SM90_DENSE_KNOBS, False))  # as resolve._sm90_rule
             for c in base if isinstance(c, KernelConfig) and c.family == "sm90" and not c.fp8 and not c.serving}
     flat = {dataclasses.replace(c, persistent=False, overlap_epilogue=False) for c in base}
     varlen = {dataclasses.replace(c, **f) for c in flat for f in ({"varlen": True}, {"varlen": True, "window": True})}

@@ -160,7 +160,7 @@ def test_the_bar_catches_a_wrong_feature():
 
 def test_dense_modifiers_off_take_the_plain_kernels():
     """window_size=(-1, 0) with causal is causal itself: the tuned dense path, not the serving kernels."""
-    from flashgen import serving
+    from flashgen.kernels import serving
 
     assert not serving.has_mods((-1, 0), 0.0, None, True)
     assert serving.has_mods((-1, 0), 0.0, None, False)
@@ -172,9 +172,9 @@ def test_dense_modifiers_off_take_the_plain_kernels():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("window", [(-1, -1), (40, 8)], ids=["nowin", "win"])
 def test_each_family_varlen_backward(family, hd, causal, window):
-    """The varlen (and window) backward of each family through flashgen.backward directly (autograd takes the
+    """The varlen (and window) backward of each family through flashgen.kernels.backward directly (autograd takes the
     sm90 family on Hopper), against the same per-sequence float64 reference."""
-    from flashgen.backward import ServeArgs, backward, load_backward
+    from flashgen.kernels.backward import ServeArgs, backward, load_backward
     from flashgen.config import default_bwd_config, mod_features
 
     major = torch.cuda.get_device_capability()[0]
@@ -205,7 +205,7 @@ def serving_bwd_configs(arch: str) -> set:
     from pathlib import Path
 
     from flashgen.config import HALF_DTYPES, HEAD_DIMS, default_bwd_config, mod_features
-    from flashgen.serving import serve_config
+    from flashgen.kernels.serving import serve_config
     from flashgen.store import config_from_entry
 
     out = set()

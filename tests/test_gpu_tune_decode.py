@@ -8,7 +8,7 @@ pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 
-from flashgen import serving, tune_decode as td  # noqa: E402
+from flashgen import api, resolve, tune_decode as td  # noqa: E402
 
 TILES = [((16, 32, 1, 2), 1), ((16, 32, 1, 2), 4), ((32, 64, 2, 3), 2)]
 
@@ -18,13 +18,13 @@ def candidates():
 
 
 def test_tuned_decode_entry_is_verified_stored_and_used(tmp_path, monkeypatch):
-    from flashgen import attention_with_kvcache, ops
-    from flashgen.bench_serving import _paged
+    from flashgen import attention_with_kvcache
+    from flashgen.bench_serving import paged
     from flashgen.driver import device_info
     from flashgen.store import merge, read_store, store_path
 
     monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
-    ops._stamps.clear()
+    resolve.clear()
     info = device_info(torch.cuda.current_device())
     p = td.DecodeProblem(128, "bf16", 32, 8, 4, 2048, 16, info.name, info.arch)
     e = td.tune_problem(p, candidates())
@@ -32,15 +32,15 @@ def test_tuned_decode_entry_is_verified_stored_and_used(tmp_path, monkeypatch):
     path = store_path(info.name, info.arch)
     assert merge(path, info.name, info.arch, {p.key: e}) == {p.key: "added"}
     assert read_store(path, info.name, info.arch)["entries"][p.key]["num_splits"] == e["num_splits"]
-    ops._stamps.clear()  # the store changed just now (a running process sees it within api.STORE_CHECK_S)
+    resolve.clear()  # the store changed just now (a running process sees it within resolve.STORE_CHECK_S)
 
-    seen, real = [], serving.kvcache_launch
-    monkeypatch.setattr(serving, "kvcache_launch", lambda cfg, splits, *a, **k: (seen.append((cfg, splits)),
+    seen, real = [], api.kvcache_launch
+    monkeypatch.setattr(api, "kvcache_launch", lambda cfg, splits, *a, **k: (seen.append((cfg, splits)),
                                                                                   real(cfg, splits, *a, **k))[1])
     torch.manual_seed(1)
     q = torch.randn(4, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
     kc, vc = (torch.randn(4, 2048, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    k_pool, table = _paged(kc, 16)
+    k_pool, table = paged(kc, 16)
     v_pool = torch.empty_like(k_pool)
     v_pool[table.view(-1).long()] = vc.view(-1, 16, 8, 128)
     out = attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=2048, block_table=table)

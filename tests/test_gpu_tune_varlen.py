@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 
-from flashgen import serving, tune_varlen as tv  # noqa: E402
+from flashgen import ops, resolve, tune_varlen as tv  # noqa: E402
 from flashgen.config import KernelConfig  # noqa: E402
 
 
@@ -35,24 +35,19 @@ def wrong_mask() -> KernelConfig:
 
 @pytest.fixture
 def store(tmp_path, monkeypatch):
-    from flashgen import ops
-
     monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
-    ops._stamps.clear()
-    tv._tuned.cache_clear()
+    resolve.clear()
     yield tmp_path
-    ops._stamps.clear()
-    tv._tuned.cache_clear()
+    resolve.clear()
 
 
 def _store_and_spy(p: tv.VarlenProblem, e: dict, monkeypatch) -> list:
-    from flashgen import ops
     from flashgen.store import merge, store_path
 
     assert merge(store_path(p.gpu_name, p.gpu_arch), p.gpu_name, p.gpu_arch, {p.key: e}) == {p.key: "added"}
-    ops._stamps.clear()  # the store changed just now (a running process sees it within api.STORE_CHECK_S)
-    seen, real = [], serving.launch_prefill
-    monkeypatch.setattr(serving, "launch_prefill", lambda cfg, *a, **k: (seen.append(cfg), real(cfg, *a, **k))[1])
+    resolve.clear()  # the store changed just now (a running process sees it within resolve.STORE_CHECK_S)
+    seen, real = [], ops.launch_prefill
+    monkeypatch.setattr(ops, "launch_prefill", lambda cfg, *a, **k: (seen.append(cfg), real(cfg, *a, **k))[1])
     return seen
 
 

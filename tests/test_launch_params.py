@@ -5,7 +5,8 @@ import pytest
 
 import flashgen.driver as driver
 from flashgen.config import KernelConfig
-from flashgen.launch import FwdParams, _fix_alignment, sm90_params, tmap_box_packed
+from flashgen.kernels.dense import _fix_alignment, sm90_params
+from flashgen.launch import FwdParams, tmap_box_packed
 from flashgen.tensors import Problem, View
 
 

@@ -7,7 +7,7 @@ import pytest
 from flashgen.compile import compile_kernel
 from flashgen.config import FEATURES, ConfigError, KernelConfig, space
 from flashgen.render import render
-from flashgen.serving import MAX_SPLITS, choose_splits, serve_config, serve_grids
+from flashgen.kernels.serving import MAX_SPLITS, choose_splits, serve_config, serve_grids
 
 
 def test_features_name_the_kernel_and_dense_names_stay():
@@ -110,7 +110,7 @@ def test_serve_grids_follow_the_kernels_block_unfolding():
 def test_decode_tiles_fit_every_arch():
     """The 3-stage d128 decode tile needs 104 KB of shared memory: sm86/sm89 (99 KB) get fewer stages."""
     from flashgen.config import ARCHS
-    from flashgen.serving import serve_config
+    from flashgen.kernels.serving import serve_config
 
     for arch in ARCHS:
         for d in (32, 64, 96, 128, 256):
@@ -124,7 +124,7 @@ def test_plan_keys_only_for_calls_a_plan_can_repeat():
     """attention_with_kvcache's plan: keyed by shapes, strides and options; none with validation, an append,
     ALiBi, a gradient wanted or an int cache_seqlens."""
     torch = pytest.importorskip("torch")
-    from flashgen.serving import _plan_key
+    from flashgen.api import _plan_key
 
     q = torch.empty(2, 1, 8, 64, dtype=torch.bfloat16)
     kc = torch.empty(2, 128, 2, 64, dtype=torch.bfloat16)
@@ -146,10 +146,10 @@ def test_plan_keys_only_for_calls_a_plan_can_repeat():
 
 
 def test_a_plan_launches_the_struct_the_full_path_packed(monkeypatch):
-    """_run_plan repeats kvcache_launch's ServeParams: every field but out, lse and the split buffers (fresh per
+    """run_plan repeats kvcache_launch's ServeParams: every field but out, lse and the split buffers (fresh per
     call) the same bytes, for split and unsplit, paged and contiguous launches (driver calls recorded, no GPU)."""
     torch = pytest.importorskip("torch")
-    from flashgen import serving
+    from flashgen.kernels import serving
 
     launches = []
 
@@ -158,13 +158,13 @@ def test_a_plan_launches_the_struct_the_full_path_packed(monkeypatch):
             self.role = role
 
         def launch(self, grid, threads, params, stream):
-            launches.append((self.role, grid, threads, serving._SERVE.unpack(params)))
+            launches.append((self.role, grid, threads, serving.SERVE_PARAMS.unpack(params)))
 
     monkeypatch.setattr(serving, "_functions", lambda cfg, arch, ctx: (Fn("main"), Fn("combine") if cfg.split else None))
-    monkeypatch.setattr(serving, "_arch_and_slots", lambda device: ("sm90", 132))
+    monkeypatch.setattr(serving, "arch_and_slots", lambda device: ("sm90", 132))
     monkeypatch.setattr(serving.driver, "use_device", lambda device: None)
     monkeypatch.setattr(serving.driver, "primary_context_id", lambda device: 1)
-    monkeypatch.setattr(serving, "_current_stream", lambda device: 7)
+    monkeypatch.setattr(serving, "current_stream", lambda device: 7)
     q = torch.randn(3, 1, 8, 128, dtype=torch.bfloat16)
     lens = torch.tensor([5, 64, 200], dtype=torch.int32)
     fresh = {3, 4, 29, 30}  # out, lse, o_accum, lse_accum
@@ -176,7 +176,7 @@ def test_a_plan_launches_the_struct_the_full_path_packed(monkeypatch):
         run = serving.kvcache_launch(cfg, splits, q, kc, kc, torch.empty_like(q), torch.empty(3, 8, 1), lens, table)
         full = list(launches)
         launches.clear()
-        serving._run_plan(serving._KVPlan(run, (3, 8, 1)), q, kc, kc, lens, table, True)
+        serving.run_plan(serving.KVPlan(run, (3, 8, 1)), q, kc, kc, lens, table, True)
         assert len(full) == len(launches) == (2 if splits > 1 else 1)
         for (role_a, grid_a, thr_a, a), (role_b, grid_b, thr_b, b) in zip(full, launches):
             assert (role_a, grid_a, thr_a) == (role_b, grid_b, thr_b)

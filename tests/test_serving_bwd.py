@@ -67,7 +67,7 @@ def test_serving_backward_compiles(target, deterministic, features, tmp_path, mo
 
 def test_serve_params_bytes_follow_the_struct():
     torch = pytest.importorskip("torch")
-    from flashgen.backward import _BWD, ServeArgs, _kernel_grid, _serve_params
+    from flashgen.kernels.backward import _BWD, ServeArgs, _kernel_grid, _serve_params
     from flashgen.tensors import Problem
 
     cfg = BwdConfig(64, "bf16", True, 64, 64, 8, varlen=True, softcap=True, alibi=True)
@@ -88,7 +88,7 @@ def test_serve_params_bytes_follow_the_struct():
 
 def test_backward_refuses_a_kernel_without_the_calls_features(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path))
-    from flashgen.backward import ServeArgs, backward
+    from flashgen.kernels.backward import ServeArgs, backward
 
     kern = compile_kernel(BwdConfig(64, "bf16", False, 64, 64, 8), "sm_80")
     with pytest.raises(ValueError, match="features"):

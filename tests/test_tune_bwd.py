@@ -1,6 +1,6 @@
 """Tuning the backward on the CPU: problem keys and study names, the search over BwdConfig, the
 exhaustive-by-default rule, `cli.py tune --pass bwd --simulate` into the store, the store lookup of a
-tuned backward, and ops._backward_kernel choosing it (the GPU parts faked)."""
+tuned backward, and resolve.backward_kernel choosing it (the GPU parts faked)."""
 from __future__ import annotations
 
 import json
@@ -110,23 +110,22 @@ def test_cli_rejects_trials_with_exhaustive_and_bad_bwd_tiles(capsys):
     assert "block-m" in capsys.readouterr().err
 
 
-def test_ops_backward_kernel_uses_the_tuned_backward(tmp_path, monkeypatch):
-    torch = pytest.importorskip("torch")
-    from flashgen import api, ops
+def test_resolve_backward_kernel_uses_the_tuned_backward(tmp_path, monkeypatch):
+    from flashgen import resolve
 
     monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
-    monkeypatch.setattr(ops, "_gpu", lambda device: GPU)
+    monkeypatch.setattr(resolve, "gpu", lambda device: GPU)
     loads = []
 
     def fake_load_backward(head_dim, dtype, causal, config=None, gpu_arch=None, deterministic=False):
         loads.append(config)
         return config or default_bwd_config(head_dim, dtype, causal, gpu_arch, deterministic)
 
-    monkeypatch.setattr("flashgen.backward.load_backward", fake_load_backward)
-    api.reload()
-    ops._load_backward.cache_clear()
+    monkeypatch.setattr(resolve, "load_backward", fake_load_backward)
+    resolve.clear()
+    resolve._load_backward.cache_clear()
     default = default_bwd_config(128, "bf16", True, "sm90")
-    assert ops._backward_kernel(0, 128, torch.bfloat16, True, 1024) == default  # nothing tuned: the default
+    assert resolve.backward_kernel(0, 128, "bf16", True, 1024) == default  # nothing tuned: the default
 
     tuned = {1024: BwdConfig(128, "bf16", True, 64, 64, 8, family="sm90", num_stages=1, stagger=True),
              16384: BwdConfig(128, "bf16", True, 64, 128, 12, family="sm90", num_stages=3)}
@@ -136,20 +135,20 @@ def test_ops_backward_kernel_uses_the_tuned_backward(tmp_path, monkeypatch):
         e = {"problem": p.to_dict(), "kernel": cfg.name, "config": cfg.to_dict(), "median_ms": 1.0, "tflops": 1.0,
              "trials": 1}
         store.merge(store.store_path(*GPU), *GPU, {p.key: e})
-    monkeypatch.setattr(api, "STORE_CHECK_S", 0.0)  # look at the file now, not a second later
-    assert ops._backward_kernel(0, 128, torch.bfloat16, True, 900) == tuned[1024]
-    assert ops._backward_kernel(0, 128, torch.bfloat16, True, 10000) == tuned[16384]
-    assert ops._backward_kernel(0, 128, torch.bfloat16, False, 1024) == default_bwd_config(128, "bf16", False, "sm90")
-    det = ops._backward_kernel(0, 128, torch.bfloat16, True, 900, deterministic=True)  # never the tuned atomics one
+    monkeypatch.setattr(resolve, "STORE_CHECK_S", 0.0)  # look at the file now, not a second later
+    assert resolve.backward_kernel(0, 128, "bf16", True, 900) == tuned[1024]
+    assert resolve.backward_kernel(0, 128, "bf16", True, 10000) == tuned[16384]
+    assert resolve.backward_kernel(0, 128, "bf16", False, 1024) == default_bwd_config(128, "bf16", False, "sm90")
+    det = resolve.backward_kernel(0, 128, "bf16", True, 900, deterministic=True)  # never the tuned atomics one
     assert det.deterministic and det.family == "sm80"
     n = len(loads)
     monkeypatch.setattr(store, "lookup", lambda *a, **k: pytest.fail("the store was read again"))
-    monkeypatch.setattr(api, "STORE_CHECK_S", 3600.0)
+    monkeypatch.setattr(resolve, "STORE_CHECK_S", 3600.0)
     for _ in range(3):  # cached: neither the store nor the compiler is asked again
-        assert ops._backward_kernel(0, 128, torch.bfloat16, True, 900) == tuned[1024]
+        assert resolve.backward_kernel(0, 128, "bf16", True, 900) == tuned[1024]
     assert len(loads) == n
-    api.reload()
-    ops._load_backward.cache_clear()
+    resolve.clear()
+    resolve._load_backward.cache_clear()
 
 
 def test_cli_bench_pass_bwd_simulated_table_and_files(tmp_path, capsys):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flashgen import tune_decode as td
+from flashgen import resolve, tune_decode as td
 from flashgen.store import FORMAT, lookup, read_store
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +41,7 @@ def test_store_holds_decode_entries_that_dense_lookups_ignore(tmp_path):
 def test_nearest_entry_matches_layout_group_then_size():
     entries = [e for _, e in (_entry(32, 8192, 16), _entry(32, 8192, 256, splits=1), _entry(1, 131072, 16, splits=64),
                               _entry(32, 8192, 0, splits=1), _entry(32, 8192, 16, heads=(32, 32)))]
-    pick = lambda **kw: td.nearest_entry(entries, **{"head_dim": 128, "dtype": "bf16", "heads": 32, "heads_k": 8,  # noqa: E731
+    pick = lambda **kw: resolve.decode_entry(entries, **{"head_dim": 128, "dtype": "bf16", "heads": 32, "heads_k": 8,  # noqa: E731
                                                     **kw})
     assert pick(batch=32, cache_len=8192, page_size=16)["problem"]["page_size"] == 16
     assert pick(batch=32, cache_len=8192, page_size=32)["problem"]["page_size"] == 16  # nearest page size
@@ -57,14 +57,13 @@ def test_tuned_decode_gives_the_calls_layout(tmp_path, monkeypatch):
     (tmp_path / "nvidia-h200-sm90.json").write_text(json.dumps(
         {"format": FORMAT, "gpu": {"name": "NVIDIA H200", "arch": "sm90"}, "entries": entries}))
     monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
-    from flashgen.api import _stamp
-    from flashgen.store import store_path
-
-    stamp = _stamp(store_path("NVIDIA H200", "sm90"))
-    cfg, splits = td._tuned("NVIDIA H200", "sm90", stamp, 128, "bf16", 32, 8, 16, 4096, 16)
+    monkeypatch.setattr(resolve, "gpu", lambda device: ("NVIDIA H200", "sm90"))
+    resolve.clear()
+    cfg, splits = resolve.tuned_decode(0, 128, "bf16", 32, 8, 16, 4096, 16)
     assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, splits) == (16, 32, 1, 2, 8)
     assert cfg.paged and cfg.split and cfg.pack_gqa
-    assert td._tuned("NVIDIA H200", "sm90", stamp, 128, "bf16", 32, 8, 16, 4096, 0) is None  # none contiguous
+    assert resolve.tuned_decode(0, 128, "bf16", 32, 8, 16, 4096, 0) is None  # none contiguous
+    resolve.clear()
 
 
 def test_cli_decode_arguments_are_checked():

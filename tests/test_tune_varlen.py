@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from flashgen import tune_varlen as tv
+from flashgen import resolve, tune_varlen as tv
 from flashgen.config import KernelConfig
 
 H200 = ("NVIDIA H200", "sm90")
@@ -78,32 +78,31 @@ def test_nearest_entry_matches_features_then_window_and_length():
     w = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", persistent=True, window=True)
     entries = [entry(problem(hi=8192), a), entry(problem(hi=1024), b),
                entry(problem(packed=False, seqs=1, lo=16384, hi=16384, window=1024), w)]
-    near = lambda **kw: tv.nearest_entry(entries, 128, "bf16", True, **kw)  # noqa: E731
+    near = lambda **kw: resolve.prefill_entry(entries, 128, "bf16", True, **kw)  # noqa: E731
     assert near(features={"varlen": True}, seqlen_k=6000, window_left=-1)["kernel"] == a.name
     assert near(features={"varlen": True}, seqlen_k=900, window_left=-1)["kernel"] == b.name
     assert near(features={"window": True}, seqlen_k=4096, window_left=256)["kernel"] == w.name
     assert near(features={"varlen": True, "window": True}, seqlen_k=4096, window_left=256) is None  # none stored
     assert near(features={"window": True, "softcap": True}, seqlen_k=4096, window_left=256) is None
-    assert tv.nearest_entry(entries, 128, "bf16", False, {"varlen": True}, 4096, -1) is None  # another mask
-    assert tv.nearest_entry(entries, 64, "bf16", True, {"varlen": True}, 4096, -1) is None
+    assert resolve.prefill_entry(entries, 128, "bf16", False, {"varlen": True}, 4096, -1) is None  # another mask
+    assert resolve.prefill_entry(entries, 64, "bf16", True, {"varlen": True}, 4096, -1) is None
     decode = {**entry(problem(), a), "problem": {**problem().to_dict(), "pass_": "decode"}}
-    assert tv.nearest_entry([decode], 128, "bf16", True, {"varlen": True}, 4096, -1) is None
+    assert resolve.prefill_entry([decode], 128, "bf16", True, {"varlen": True}, 4096, -1) is None
 
 
 def test_tuned_prefill_reads_the_store(tmp_path, monkeypatch):
-    from flashgen import ops
     from flashgen.store import merge, store_path
 
     cfg = KernelConfig(128, "bf16", True, 128, 64, 12, 2, "sm90", True, varlen=True)
     path = store_path(*H200, tmp_path)
     merge(path, *H200, {problem().key: entry(problem(), cfg)})
     monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
-    monkeypatch.setattr(ops, "_gpu", lambda device: H200)
-    monkeypatch.setattr(ops, "_stamps", {})
-    tv._tuned.cache_clear()
-    assert tv.tuned_prefill(0, 128, "bf16", True, 8000, {"varlen": True, "window": False}) == cfg
-    assert tv.tuned_prefill(0, 128, "bf16", True, 8000, {"window": True}, 1024) is None
-    assert tv.tuned_prefill(0, 128, "fp16", True, 8000, {"varlen": True}) is None
+    monkeypatch.setattr(resolve, "gpu", lambda device: H200)
+    resolve.clear()
+    assert resolve.tuned_prefill(0, 128, "bf16", True, 8000, {"varlen": True, "window": False}) == cfg
+    assert resolve.tuned_prefill(0, 128, "bf16", True, 8000, {"window": True}, 1024) is None
+    assert resolve.tuned_prefill(0, 128, "fp16", True, 8000, {"varlen": True}) is None
+    resolve.clear()
 
 
 def test_stored_varlen_entries_stay_out_of_dense_lookups(tmp_path):
@@ -143,7 +142,7 @@ def test_tune_problem_picks_its_winner_among_the_candidates(monkeypatch):
     import sys
     import types
 
-    from flashgen import bench, serving, tune_varlen as tv
+    from flashgen import tune_varlen as tv
 
     cand = [KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", varlen=True),
             KernelConfig(128, "bf16", True, 128, 64, 12, 2, "sm90", varlen=True)]
@@ -168,12 +167,12 @@ def test_tune_problem_picks_its_winner_among_the_candidates(monkeypatch):
         cat=lambda xs, dim=0: FakeTensor(), float64="f64", int32="i32", bfloat16="bf16",
         cuda=types.SimpleNamespace(synchronize=lambda: None))
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
-    monkeypatch.setattr("flashgen.verify.packed_ref", lambda *a, **k: FakeTensor())
-    monkeypatch.setattr(serving, "launch_prefill", lambda cfg, *a, **k: current.append(cfg))
-    monkeypatch.setattr(serving, "untuned_prefill_config", lambda *a: default)
-    monkeypatch.setattr(bench, "time_cuda", lambda fn, **k: (fn(0), [speed[current[-1]]] * 3)[1])
-    monkeypatch.setattr("flashgen.driver.version", lambda: "13.0")
-    monkeypatch.setattr("flashgen.compile.nvcc_version", lambda: "13.0")
+    monkeypatch.setattr(tv, "packed_ref", lambda *a, **k: FakeTensor())
+    monkeypatch.setattr(tv.serve_kernels, "launch_prefill", lambda cfg, *a, **k: current.append(cfg))
+    monkeypatch.setattr(tv, "untuned_prefill_config", lambda *a: default)
+    monkeypatch.setattr(tv, "time_cuda", lambda fn, **k: (fn(0), [speed[current[-1]]] * 3)[1])
+    monkeypatch.setattr(tv, "driver_version", lambda: "13.0")
+    monkeypatch.setattr(tv, "nvcc_version", lambda: "13.0")
     p = tv.VarlenProblem(128, "bf16", True, 8, 2, True, 4, 16, 64, -1, "NVIDIA H200", "sm90")
     e = tv.tune_problem(p, cand)
     assert e["kernel"] == cand[1].name and e["median_ms"] == 1.5
@@ -205,22 +204,19 @@ def test_cli_compiles_the_spaces_of_the_points_it_is_given(monkeypatch, capsys):
 def test_prefill_config_takes_a_stored_sm80_kernel_off_hopper(tmp_path, monkeypatch):
     """On a GPU without the sm90 family the varlen call takes the tuned sm80-family kernel of the nearest stored
     problem, else serve_config's tiles; decode-sized calls never take it."""
-    from flashgen import ops, serving
+    from flashgen.kernels.serving import serve_config
     from flashgen.store import merge, store_path
 
     a100 = ("NVIDIA A100-SXM4-80GB", "sm80")
-    monkeypatch.setattr(serving, "_arch_and_slots", lambda device: ("sm80", 108))
-    monkeypatch.setattr(ops, "_gpu", lambda device: a100)
-    monkeypatch.setattr(ops, "_stamps", {})
+    monkeypatch.setattr(resolve, "gpu", lambda device: a100)
     monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
-    tv._tuned.cache_clear()
-    rule = serving.serve_config(128, "bf16", True, 4096, "sm80", varlen=True)
-    assert serving.prefill_config(0, 128, "bf16", True, 4096, 4096, {"varlen": True}) == rule
+    resolve.clear()
+    rule = serve_config(128, "bf16", True, 4096, "sm80", varlen=True)
+    assert resolve.prefill_config(0, 128, "bf16", True, 4096, 4096, {"varlen": True}) == rule
     tuned = KernelConfig(128, "bf16", True, 64, 64, 4, 3, varlen=True)
     p = tv.VarlenProblem(128, "bf16", True, 16, 16, True, 64, 64, 8192, -1, *a100)
     merge(store_path(*a100, tmp_path), *a100, {p.key: entry(p, tuned)})
-    ops._stamps.clear()
-    tv._tuned.cache_clear()
-    assert serving.prefill_config(0, 128, "bf16", True, 4096, 4096, {"varlen": True}) == tuned
-    assert serving.prefill_config(0, 128, "bf16", True, 16, 4096, {"varlen": True}).block_m <= 32  # decode rows
-    tv._tuned.cache_clear()
+    resolve.clear()  # the store changed just now (a running process sees it within resolve.STORE_CHECK_S)
+    assert resolve.prefill_config(0, 128, "bf16", True, 4096, 4096, {"varlen": True}) == tuned
+    assert resolve.prefill_config(0, 128, "bf16", True, 16, 4096, {"varlen": True}).block_m <= 32  # decode rows
+    resolve.clear()

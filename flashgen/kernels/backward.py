@@ -20,11 +20,12 @@ from __future__ import annotations
 import struct
 from typing import Any, NamedTuple
 
-from . import driver
-from .compile import CompiledKernel, compile_kernel, target_for
-from .config import ELEM_BYTES, BwdConfig, default_bwd_config, mod_features
-from .launch import _current_stream, scale_args, softcap_args, tmap_box
-from .tensors import Problem, aligned, check_qkv, view
+from .. import driver
+from ..checks import check_qkv, usable
+from ..compile import CompiledKernel, compile_kernel, target_for
+from ..config import ELEM_BYTES, BwdConfig, default_bwd_config, mod_features
+from ..launch import current_stream, scale_args, softcap_args, tmap_box
+from ..tensors import Problem, aligned, view
 
 # struct BwdParams (templates/common/bwd_params.cuh.j2): 13 pointers, 24 strides, 5 ints, 2 floats.
 _BWD = struct.Struct("=13Q24q5i2f4x")
@@ -61,7 +62,7 @@ class ServeArgs(NamedTuple):
 def load_backward(head_dim: int, dtype: str, causal: bool, config: BwdConfig | None = None,
                   gpu_arch: str | None = None, deterministic: bool = False) -> CompiledKernel:
     """The compiled backward for a problem: `config`, else the family default for `gpu_arch` (default: the
-    current device's arch; sm90 family on Hopper). Autograd takes the tuned one (ops._backward_kernel)."""
+    current device's arch; sm90 family on Hopper). Autograd takes the tuned one (resolve.backward_kernel)."""
     if gpu_arch is None:
         gpu_arch = driver.device_info().arch
     if config is None:
@@ -78,16 +79,6 @@ def pack_params(ptrs: tuple[int, ...], strides: tuple[int, ...], prob: Problem, 
     dv_accum, then the (batch, row, head) strides of q k v o dout dq dk dv."""
     return _BWD.pack(*ptrs, *strides, prob.batch, prob.heads, prob.heads_k, prob.seqlen_q, prob.seqlen_k,
                      scale, scale_log2)
-
-
-def _usable(t: Any, name: str) -> Any:
-    """`t` itself, or a contiguous copy where the kernels cannot read it (last dim strided, unaligned)."""
-    import torch  # noqa: PLC0415
-
-    tv = view(t, name)
-    if (tv.strides[3] != 1 and tv.shape[3] != 1) or not aligned(tv):
-        return t.clone(memory_format=torch.contiguous_format)  # a fresh allocation: aligned
-    return t
 
 
 def _grad_buffer(given: Any, like: Any, name: str) -> Any:
@@ -148,7 +139,7 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
             or lse.device != q.device:
         raise ValueError(f"lse must be the forward's float32 (batch, heads, seqlen_q) = {(b, h, sq)} tensor on {q.device}")
     lse = lse.contiguous()
-    q, k, v, out, dout = (_usable(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (dout, "dout")))
+    q, k, v, out, dout = (usable(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (dout, "dout")))
     dq, dk, dv = _grad_buffer(dq, q, "dq"), _grad_buffer(dk, k, "dk"), _grad_buffer(dv, v, "dv")
     if b * h * sq == 0 or sk == 0:  # no query row, or no key (O = 0, P = 0): every gradient is 0
         for g in (dq, dk, dv):
@@ -182,7 +173,7 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
 
     dev = q.get_device()
     driver.use_device(dev)
-    ctx, stream = driver.primary_context_id(dev), _current_stream(dev)
+    ctx, stream = driver.primary_context_id(dev), current_stream(dev)
     names = cfg.kernel_names
 
     def launch(role: str, grid: tuple[int, int, int], threads: int, smem: int) -> None:

@@ -1,0 +1,317 @@
+"""The serving forward kernels: varlen batches and dense calls with score modifiers (prefill), and KV caches
+(contiguous or paged, decode) with split-KV, in kernels generated with exactly the features the call uses
+(templates/sm80/serve.cuh.j2, or on Hopper for varlen and window the sm90 family's templates: a feature the call
+does not use is not in the code). Each launcher packs its parameter struct and launches on torch's current
+stream; split-KV launches add the `_combine` kernel. The configuration rules that need no tuned store live here
+too (serve_config, choose_splits); flashgen.resolve picks a tuned kernel where the store has one.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import struct
+from typing import Any, NamedTuple
+
+from .. import driver
+from ..checks import Mods
+from ..compile import target_for
+from ..config import ARCHS, COMBINE_WARPS, DEFAULT_TILES, ELEM_BYTES, KernelConfig, mod_features
+from ..launch import FWD, SM90_BYTES, current_stream, scale_args, softcap_args, tmap_box
+from .dense import compiled_kernel
+
+# FwdParams ("=5Q12q5i2f4x", launch.FWD), then ServeParams' own fields (templates/common/serve_params.cuh.j2).
+SERVE_PARAMS = struct.Struct("=5Q12q5i2f4x7Q4q5if")
+assert SERVE_PARAMS.size == 280
+# Sm90ServeFwdParams (templates/sm90/params.cuh.j2) after FwdParams: cu_seqlens_q, cu_seqlens_k, window_left,
+# window_right, num_seqs, max_seqlen_q.
+_SM90_SERVE_TAIL = struct.Struct("=2Q4i")
+assert 3 * 128 + FWD.size == 552 and 552 + _SM90_SERVE_TAIL.size <= SM90_BYTES == 640
+MAX_SPLITS = 128
+# Decode tiles (at most 32 query rows per sequence, packed): (block_m, block_n, num_warps, num_stages)
+# by head dim. Two warps even for 16 rows: one warp alone holds the K/V copies of a tile and its
+# accumulators, and spills at d128 and d256 where pages are smaller than a tile.
+_DECODE_TILES = {32: (32, 128, 2, 3), 64: (32, 128, 2, 3), 96: (32, 32, 2, 3), 128: (32, 64, 2, 3), 256: (32, 32, 2, 3)}
+DECODE_ROWS = 32
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_splits(tiles: int, slots: int, n_blocks: int, max_splits: int = MAX_SPLITS) -> int:
+    """How many key ranges each row block is split into: the fewest whose waves fill the GPU's
+    block slots within 15% of the best (FlashAttention-2's rule); 1 when the tiles alone fill it."""
+    if tiles <= 0 or n_blocks <= 1 or tiles >= 0.8 * slots:
+        return 1
+    limit = min(max_splits, slots, n_blocks)
+    effs: dict[int, float] = {}
+    for s in range(1, limit + 1):
+        if s > 1 and -(-n_blocks // s) == -(-n_blocks // (s - 1)):
+            continue  # no fewer key blocks per split than s - 1 gives
+        waves = tiles * s / slots
+        effs[s] = waves / math.ceil(waves)
+    best = max(effs.values())
+    return min(s for s, e in effs.items() if e >= 0.85 * best)
+
+
+@functools.lru_cache(maxsize=1024)
+def serve_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, **features: bool) -> KernelConfig:
+    """The configuration for a serving call: decode tiles when a sequence has at most 32 (packed)
+    rows, else the dense default tiles of the sm80 family, with exactly `features` compiled in."""
+    reason = ""
+    if rows <= DECODE_ROWS:  # fewer stages where the GPU's shared memory is smaller (sm86/sm89: 99 KB)
+        bm, bn, w, stages = _DECODE_TILES[head_dim]
+        for s in range(stages, 0, -1):
+            cfg = KernelConfig(head_dim, dtype, causal, bm, bn, w, s, "sm80", **features)
+            reason = cfg.unfit_reason(arch)
+            if reason is None:
+                return cfg
+    for bm, bn, w, s in DEFAULT_TILES[head_dim]:
+        cfg = KernelConfig(head_dim, dtype, causal, bm, bn, w, s, "sm80", **features)
+        reason = cfg.unfit_reason(arch)
+        if reason is None:
+            return cfg
+    raise ValueError(f"no serving configuration fits {arch} for head_dim={head_dim}: {reason}")
+
+
+def decode_config(head_dim: int, dtype: str, tile: tuple[int, int, int, int], paged: bool, split: bool) -> KernelConfig:
+    bm, bn, w, s = tile
+    return KernelConfig(head_dim, dtype, False, bm, bn, w, s, varlen=True, paged=paged, pack_gqa=True, split=split)
+
+
+def serve_grids(cfg: KernelConfig, batch: int, heads: int, heads_k: int, seqlen_q: int, total_rows: int,
+                num_splits: int) -> tuple[int, int]:
+    """Blocks of the main kernel and of the split-KV combine (0 without split), blocks of cfg.threads
+    and 32 * COMBINE_WARPS threads. The main grid is how locate() in templates/sm80/serve.cuh.j2
+    unfolds blockIdx.x: m-blocks of seqlen_q rows (seqlen_q * heads / heads_k packed (row, head) pairs
+    with pack_gqa) x heads (KV heads with pack_gqa) x batch x splits; the combine runs a warp per
+    (row, head) of total_rows * heads. The exported launch header's grid_x and combine_grid_x are this rule in C++."""
+    rows = seqlen_q * (heads // heads_k if cfg.pack_gqa else 1)
+    main = -(-rows // cfg.block_m) * (heads_k if cfg.pack_gqa else heads) * batch * (num_splits if cfg.split else 1)
+    return main, (-(-total_rows * heads // COMBINE_WARPS) if cfg.split else 0)
+
+
+def _slots(cfg: KernelConfig, sm_count: int, arch: str) -> int:
+    """Blocks of `cfg` resident on the GPU at once (shared memory and the 32-block cap bound it)."""
+    per_sm = min(32, max(1, ARCHS[arch].smem_per_block // max(cfg.smem_bytes, 1)), 2048 // cfg.threads)
+    return sm_count * per_sm
+
+
+def _scales(softmax_scale: float | None, head_dim: int, softcap: float) -> tuple[float, float, float]:
+    """(softmax_scale field, scale_log2, softcap_pre) of the forward: launch.softcap_args, with the field 1 under
+    softcap (the scale is inside softcap_pre)."""
+    scale, scale_log2, softcap_pre = softcap_args(softmax_scale, head_dim, softcap)
+    return (1.0 if softcap else scale), scale_log2, softcap_pre
+
+
+def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse: Any, *, batch: int,
+            seqlen_q: int, seqlen_k: int, total_rows: int, cu_q: Any, cu_k: Any, seqused_k: Any, block_table: Any,
+            page_size: int, num_splits: int, mods: Mods, softmax_scale: float | None, lse_strides: tuple[int, int],
+            batch_strides: tuple[int, int, int]) -> "ServeLaunch | None":
+    """One serving launch (plus the combine when split); returns it with its pointers left out, for a plan to
+    repeat. q/out rows: (.., rows, heads, d) views; k, v: (.., keys or page rows, heads_k, d). batch_strides:
+    (q/o, k, v) batch (or page) strides."""
+    heads, heads_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    blocks, combine_blocks = serve_grids(cfg, batch, heads, heads_k, seqlen_q, total_rows, num_splits)
+    if blocks == 0:
+        return None
+    dev = q.get_device()
+    driver.use_device(dev)
+    fn, comb = _functions(cfg, arch, driver.primary_context_id(dev))
+    scale, scale_log2, softcap_pre = _scales(softmax_scale, d, mods.softcap)
+    alibi = mods.alibi
+    qb, kb, vb = batch_strides
+    fields = (  # ServeParams with its pointers 0 (_POINTERS): _fire fills them
+        0, 0, 0, 0, 0,
+        qb, q.stride(-3), q.stride(-2), kb, k.stride(-3), k.stride(-2), vb, v.stride(-3), v.stride(-2),
+        0 if cu_q is not None else out.stride(0), out.stride(-3), out.stride(-2),
+        batch, heads, heads_k, seqlen_q, seqlen_k, scale, scale_log2,
+        0, 0, 0, 0, 0, 0, 0,
+        0 if block_table is None else block_table.stride(0),
+        0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
+        lse_strides[0], lse_strides[1], total_rows, page_size, num_splits, mods.window[0], mods.window[1], softcap_pre)
+    accum = ((num_splits, total_rows, heads, d), (num_splits, total_rows, heads)) if cfg.split else None
+    run = ServeLaunch(dev, fn, comb, blocks, combine_blocks, cfg.threads, fields, accum)
+    _fire(run, (q, k, v, out, lse, cu_q, cu_k, seqused_k, block_table, alibi))
+    return run
+
+
+# SERVE_PARAMS's pointer fields: q k v o lse (0-4), then cu_q cu_k seqused block_table alibi (24-28), o_accum lse_accum (29-30).
+_POINTERS = (0, 1, 2, 3, 4, 24, 25, 26, 27, 28, 29, 30)
+
+
+def _fire(run: "ServeLaunch", tensors: tuple) -> None:
+    """Launch `run` (and its combine) on the current stream with the pointers of `tensors` (q, k, v, out, lse,
+    cu_q, cu_k, seqused, block_table, alibi; None: 0) and, split, fresh fp32 accumulators."""
+    import torch  # noqa: PLC0415
+
+    ptrs = [0 if t is None else t.data_ptr() for t in tensors]
+    if run.accum is not None:  # freed after the launch: the caching allocator orders reuse on this stream
+        o_accum = torch.empty(run.accum[0], dtype=torch.float32, device=tensors[0].device)
+        lse_accum = torch.empty(run.accum[1], dtype=torch.float32, device=tensors[0].device)
+        ptrs += [o_accum.data_ptr(), lse_accum.data_ptr()]
+    else:
+        ptrs += [0, 0]
+    fields = list(run.fields)
+    for i, ptr in zip(_POINTERS, ptrs):
+        fields[i] = ptr
+    params = SERVE_PARAMS.pack(*fields)
+    driver.use_device(run.device)
+    stream = current_stream(run.device)
+    run.fn.launch((run.blocks, 1, 1), run.threads, params, stream)
+    if run.comb is not None:
+        run.comb.launch((run.combine_blocks, 1, 1), 32 * COMBINE_WARPS, params, stream)
+
+
+class ServeLaunch(NamedTuple):
+    """A serving launch with its pointers zeroed: what a call with the same shapes, strides and choices repeats."""
+
+    device: int
+    fn: Any
+    comb: Any
+    blocks: int
+    combine_blocks: int
+    threads: int
+    fields: tuple  # SERVE_PARAMS's fields, pointers 0 (_POINTERS)
+    accum: tuple | None  # split-KV: shapes of o_accum and lse_accum
+
+
+def launch_prefill(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, cu_q: Any, cu_k: Any,
+                   max_seqlen_q: int, max_seqlen_k: int, num_splits: int, mods: Mods,
+                   softmax_scale: float | None) -> None:
+    """One varlen or dense-with-modifiers launch of `cfg` (either family): q, k, v, out packed (total, heads, d)
+    with cu_q / cu_k (lse (heads, total_q)), or dense (batch, seqlen, heads, d) with cu_q None (lse (batch,
+    heads, seqlen_q)); lse may be None."""
+    if cu_q is not None:
+        batch, views = cu_q.shape[0] - 1, tuple(t.unsqueeze(0) for t in (q, k, v, out))
+    else:
+        batch, views = q.shape[0], (q, k, v, out)
+    if cfg.family == "sm90":
+        _launch_sm90(cfg, *views, lse, num_seqs=batch, max_seqlen_q=max_seqlen_q, cu_q=cu_q, cu_k=cu_k, mods=mods,
+                     softmax_scale=softmax_scale)
+        return
+    heads = q.shape[-2]
+    if cu_q is not None:
+        total = q.shape[0]
+        shape = dict(total_rows=total, lse_strides=(0, total), batch_strides=(0, 0, 0))
+    else:
+        shape = dict(total_rows=batch * max_seqlen_q, lse_strides=(heads * max_seqlen_q, max_seqlen_q),
+                     batch_strides=(q.stride(0), k.stride(0), v.stride(0)))
+    _launch(cfg, arch_and_slots(q.get_device())[0], *views, lse, batch=batch, seqlen_q=max_seqlen_q,
+            seqlen_k=max_seqlen_k, cu_q=cu_q, cu_k=cu_k, seqused_k=None, block_table=None, page_size=0,
+            num_splits=num_splits, mods=mods, softmax_scale=softmax_scale, **shape)
+
+
+def _launch_sm90(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, num_seqs: int, max_seqlen_q: int,
+                 cu_q: Any, cu_k: Any, mods: Mods, softmax_scale: float | None) -> None:
+    """One sm90-family launch: q, k, v, out as (batch, rows, heads, d) views (varlen: the packed tensors as one
+    batch, cu_q / cu_k their offsets); lse (batch, heads, rows) or varlen's (heads, total_q), or None."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    dev = q.get_device()
+    driver.use_device(dev)
+    scale, scale_log2 = scale_args(softmax_scale, d)
+    fwd = FWD.pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
+                    *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], b, h, hk, sq, sk, scale,
+                    scale_log2)
+    maps = b"".join(driver.tensor_map(cfg.dtype, t.data_ptr(), *tmap_box(t.stride(), d, n, heads, b, ELEM_BYTES,
+                                                                           cfg.smem_w, rows), cfg.row_bytes)
+                    for t, n, heads, rows in ((q, sq, h, cfg.block_m), (k, sk, hk, cfg.block_n), (v, sk, hk, cfg.block_n)))
+    tail = _SM90_SERVE_TAIL.pack(0 if cu_q is None else cu_q.data_ptr(), 0 if cu_k is None else cu_k.data_ptr(),
+                                 *mods.window, num_seqs, max_seqlen_q)
+    params = (maps + fwd + tail).ljust(SM90_BYTES, b"\0")
+    if max_seqlen_q * h * num_seqs:
+        grid = cfg.grid(num_seqs, h, max_seqlen_q, arch_and_slots(dev)[1] if cfg.persistent else None)
+        fn, _ = _functions(cfg, "sm90", driver.primary_context_id(dev))
+        fn.launch(grid, cfg.threads, params, current_stream(dev))
+
+
+@functools.lru_cache(maxsize=512)
+def _functions(cfg: KernelConfig, arch: str, ctx: int) -> tuple[driver.Function, driver.Function | None]:
+    """The main kernel and (split-KV) the combine of `cfg`, loaded in context `ctx`."""
+    kern, names = compiled_kernel(cfg, target_for(arch, cfg.family)), cfg.kernel_names
+    main = driver.get_function(kern.cubin, names["main"], cfg.smem_bytes, f"{kern.digest}:main", ctx)
+    comb = driver.get_function(kern.cubin, names["combine"], 0, f"{kern.digest}:combine", ctx) if cfg.split else None
+    return main, comb
+
+
+def arch_and_slots(device: int) -> tuple[str, int]:
+    info = driver.device_info(device)
+    return info.arch, info.sm_count
+
+
+def want_split(num_splits: int, cfg_rows_tiles: int, n_blocks: int, cfg: KernelConfig, sm_count: int, arch: str) -> int:
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0: flashgen chooses); got {num_splits}")
+    if num_splits == 0:
+        return choose_splits(cfg_rows_tiles, _slots(cfg, sm_count, arch), n_blocks)
+    return min(num_splits, MAX_SPLITS)
+
+
+NO_BACKWARD = "no backward for KV-cache attention (an inference call)"
+
+
+def has_mods(window_size: Any, softcap: float, alibi_slopes: Any, causal: bool) -> bool:
+    """Whether a dense call's score modifiers need the serving kernels (a window that bounds more than causal,
+    softcap, ALiBi); the plain kernels take it otherwise."""
+    try:
+        window = tuple(int(x) for x in window_size)
+    except (TypeError, ValueError):
+        return True  # _mods explains what is wrong
+    return len(window) != 2 or any(mod_features(window, float(softcap), alibi_slopes is not None, causal).values())
+
+
+def call_features(mods: Mods, causal: bool) -> dict[str, bool]:
+    return mod_features(mods.window, mods.softcap, mods.alibi is not None, causal)
+
+
+class KVPlan(NamedTuple):
+    launch: ServeLaunch
+    lse_shape: tuple | None
+
+
+def run_plan(plan: KVPlan, q: Any, k_cache: Any, v_cache: Any, seqused: Any, block_table: Any,
+              return_lse: bool) -> tuple[Any, Any] | None:
+    """(out, lse) of a call by its plan; None where a base pointer is not 16-byte aligned (the full path says why)."""
+    import torch  # noqa: PLC0415
+
+    qp, kp, vp = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+    if (qp | kp | vp) & 15:
+        return None
+    out = q.new_empty(q.shape)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
+    _fire(plan.launch, (q, k_cache, v_cache, out, lse, None, None, seqused, block_table, None))
+    return out, lse
+
+
+def kvcache_launch(cfg: KernelConfig, splits: int, q: Any, k_cache: Any, v_cache: Any, out: Any, lse: Any,
+                   seqused: Any, block_table: Any, mods: Mods = Mods(),
+                   softmax_scale: float | None = None) -> "ServeLaunch | None":
+    """One KV-cache attention launch with a given kernel and split count (checked arguments; `seqused`: the keys
+    each sequence holds, int32 (batch,)): `attention_with_kvcache`'s and the decode tuner's (flashgen.tune_decode)."""
+    batch, seqlen_q, heads = q.shape[:3]
+    page_size = k_cache.shape[1] if block_table is not None else 0
+    capacity = block_table.shape[1] * page_size if block_table is not None else k_cache.shape[1]
+    return _launch(cfg, arch_and_slots(q.get_device())[0], q, k_cache, v_cache, out, lse, batch=batch, seqlen_q=seqlen_q,
+                   seqlen_k=capacity, total_rows=batch * seqlen_q, cu_q=None, cu_k=None, seqused_k=seqused,
+                   block_table=block_table, page_size=page_size, num_splits=splits, mods=mods,
+                   softmax_scale=softmax_scale, lse_strides=(heads * seqlen_q, seqlen_q),
+                   batch_strides=(q.stride(0), k_cache.stride(0), v_cache.stride(0)))
+
+
+def append_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, page_size: int) -> None:
+    """Write k, v at positions cache_seqlens[b] + [0, seqlen_new) of each sequence's cache, in place."""
+    import torch  # noqa: PLC0415
+
+    batch, n = k.shape[:2]
+    pos = cache_seqlens.long()[:, None] + torch.arange(n, device=k.device)[None, :]  # (batch, n)
+    if block_table is None:
+        rows = torch.arange(batch, device=k.device)[:, None].expand(batch, n)
+        k_cache[rows, pos] = k
+        v_cache[rows, pos] = v
+    else:
+        pages = torch.gather(block_table.long(), 1, pos // page_size)
+        k_cache[pages, pos % page_size] = k
+        v_cache[pages, pos % page_size] = v
+
+
+__all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "ServeLaunch", "append_kv",
+           "arch_and_slots", "call_features", "choose_splits", "decode_config", "has_mods", "kvcache_launch",
+           "launch_prefill", "run_plan", "serve_config", "serve_grids", "want_split"]
