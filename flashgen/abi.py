@@ -8,6 +8,7 @@ next multiple of its alignment, the struct padded to the largest alignment of it
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import struct
 from dataclasses import dataclass
@@ -129,6 +130,11 @@ class Block:
         """Packs the fields from `start` to the end: for a launcher that joins bytes it already holds (tensor
         maps, a nested block) with the rest."""
         return struct.Struct(self.format(start))
+
+    def ctypes_type(self) -> type[ctypes.Structure]:
+        """A ctypes mirror (for code that builds a block field by field; the launchers pack `struct`)."""
+        kinds = {"ptr": ctypes.c_void_p, "int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}
+        return type(self.name, (ctypes.Structure,), {"_fields_": [(f.path, kinds[f.kind]) for f in self.fields]})
 
     def cpp(self) -> str:
         """The C++ declaration, guarded, with static_asserts that keep it equal to this description."""

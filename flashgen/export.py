@@ -19,11 +19,12 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
+from . import abi
 from .__version__ import __version__
 from .compile import arch_flags, target_for
 from .config import BWD_ROW_WARPS, COMBINE_WARPS, FEATURES, BwdConfig, KernelConfig
-from .kernels.serving import MAX_SPLITS, SERVE_PARAMS
-from .launch import LOG2E, SM90_BYTES
+from .kernels.serving import MAX_SPLITS
+from .launch import LOG2E
 from .paths import tuned_dir as default_tuned_dir
 from .render import render, template_env
 from .store import config_from_entry, read_store
@@ -367,7 +368,7 @@ def serve_header(cfg: KernelConfig, tuned_on: list[str], target: str) -> str:
         arch_flags=" ".join(arch_flags(target)), plural="s" if combine else "", both="both" if combine else "it",
         grid=_serve_grid_text(cfg), combine_line=combine_line, combine_decl=combine_decl,
         combine_launch=combine_launch, params=params, tile_consts=_tile_consts(cfg),
-        feature_consts=consts, params_bytes=SERVE_PARAMS.size, combine_warps=COMBINE_WARPS, max_splits=MAX_SPLITS,
+        feature_consts=consts, params_bytes=abi.SERVE.size, combine_warps=COMBINE_WARPS, max_splits=MAX_SPLITS,
         log2e=LOG2E, notes="".join(f"// {line}\n" for line in notes),
         lse_packed=", packed (heads, total_q) is (0, total_q), i counted from cu_seqlens_q[b]"
         if cfg.varlen else "",
@@ -575,10 +576,10 @@ def _write_kernel(cfg: KernelConfig | BwdConfig, out_dir: Path, tuned_on: list[s
     if isinstance(cfg, BwdConfig):
         entry["kernels"] = cfg.kernel_names
     elif cfg.serving and cfg.family == "sm90":
-        entry.update(features=list(cfg.features), params="Sm90ServeFwdParams", params_bytes=SM90_BYTES)
+        entry.update(features=list(cfg.features), params="Sm90ServeFwdParams", params_bytes=abi.SM90_SERVE_FWD.size)
     elif cfg.serving:
         entry.update(kernels=cfg.kernel_names, features=list(cfg.features), params="ServeParams",
-                     params_bytes=SERVE_PARAMS.size)
+                     params_bytes=abi.SERVE.size)
         if cfg.split:
             entry.update(combine_grid=f"(ceil(total_rows * heads / {COMBINE_WARPS}), 1, 1)",
                          combine_threads=32 * COMBINE_WARPS)

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import functools
 import math
-import struct
 from typing import Any
+
+from . import abi
 
 E4M3_MAX = 448.0
 DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
-# struct Fp8Descale (templates/sm90/params.cuh.j2): pointer, batch stride, head stride; q, k, v in turn.
-_DESCALE = struct.Struct("=" + "Qqq" * 3)
+_DESCALE = abi.SM90_FP8_FWD.tail("q_descale.ptr")  # q's, k's and v's Fp8Descale, after FwdParams
 
 
 def hadamard(d: int, seed: int = 0, device: Any = "cpu") -> Any:

@@ -4,12 +4,12 @@ geometry, FP8 descale factors, torch's current stream, and the "no key at all" o
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 import struct
 from typing import Any
 
+from . import abi
 from .config import pack_rows
 from .fp8 import descale_bytes
 from .tensors import Problem, View
@@ -18,23 +18,9 @@ LOG2E = 1.4426950408889634
 _F32_MAX = 3.4028234663852886e38
 
 
-class FwdParams(ctypes.Structure):
-    """Mirror of `struct FwdParams` in templates/common/params.cuh.j2 (same order and types)."""
-
-    _fields_ = [
-        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
-        ("o", ctypes.c_void_p), ("lse", ctypes.c_void_p),
-        *[(f"{t}_{s}_stride", ctypes.c_int64) for t in "qkvo" for s in ("batch", "row", "head")],
-        ("batch", ctypes.c_int), ("heads", ctypes.c_int), ("heads_k", ctypes.c_int),
-        ("seqlen_q", ctypes.c_int), ("seqlen_k", ctypes.c_int),
-        ("softmax_scale", ctypes.c_float), ("scale_log2", ctypes.c_float),
-    ]
-
-
-# The same bytes as FwdParams, packed in one call (a ctypes Structure costs several microseconds).
-FWD = struct.Struct("=5Q12q5i2f4x")
-assert FWD.size == ctypes.sizeof(FwdParams)
-SM90_BYTES = -(-(3 * 128 + FWD.size) // 128) * 128  # sizeof(Sm90FwdParams): CUtensorMap's alignment pads the tail
+FwdParams = abi.FWD.ctypes_type()
+FWD = abi.FWD.struct  # the same bytes packed in one call (a ctypes Structure costs several microseconds)
+SM90_BYTES = abi.SM90_FWD.size
 STREAM_FOR_TORCH = ("stream= is for GPU arrays; torch tensors run on torch's current stream "
                     "(use `with torch.cuda.stream(s):`)")
 

@@ -6,7 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from flashgen.kernels.backward import _BWD, backward, pack_params
+from flashgen.abi import BWD, SM90_BWD
+from flashgen.kernels.backward import backward, pack_params
 from flashgen.compile import CompiledKernel, Resources, compile_kernel, parse_ptxas, target_for
 from flashgen.config import (
     ARCHS, HALF_DTYPES, HEAD_DIMS, SM90_BWD_HEAD_DIMS, BwdConfig, ConfigError, KernelConfig, bwd_space, bwd_warp_grid, default_bwd_config,
@@ -144,9 +145,9 @@ def test_sm90_params_tensor_maps(monkeypatch):
     q = torch.empty(2, 100, 6, 96, dtype=torch.bfloat16)
     k = torch.empty(2, 300, 3, 96, dtype=torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)
     prob = Problem(batch=2, seqlen_q=100, seqlen_k=300, heads=6, heads_k=3, head_dim=96, dtype="bf16")
-    raw = bwd._sm90_params(bytes(_BWD.size), cfg, prob, (q, k, k, q), 1234, 128, bwd.ServeArgs(window=(5, 7)),
+    raw = bwd._sm90_params(bytes(BWD.size), cfg, prob, (q, k, k, q), 1234, 128, bwd.ServeArgs(window=(5, 7)),
                            (2, 100, 300))
-    assert len(raw) == 896 and struct.unpack_from("=Qi", raw, 512 + _BWD.size) == (1234, 128)
+    assert len(raw) == 896 and struct.unpack_from("=Qi", raw, 512 + BWD.size) == (1234, 128)
     # the varlen and window fields where templates/sm90/bwd_params.cuh.j2's static_asserts pin them
     assert struct.unpack_from("=QQ2i3i", raw, 856) == (0, 0, 5, 7, 2, 100, 300)
     assert [m[2:] for m in maps] == [
@@ -158,11 +159,9 @@ def test_sm90_params_tensor_maps(monkeypatch):
 
 
 def test_sm90_params_match_the_struct_layout():
-    from flashgen.kernels.backward import _SM90_BWD_BYTES, _SM90_TAIL
-
     src = render(BwdConfig(64, "bf16", False, 128, 128, 12, family="sm90"))
-    assert "static_assert(sizeof(Sm90BwdParams) == 896" in src and _SM90_BWD_BYTES == 896
-    assert 4 * 128 + _BWD.size + _SM90_TAIL.size <= _SM90_BWD_BYTES
+    assert "static_assert(sizeof(Sm90BwdParams) == 896" in src and SM90_BWD.size == 896
+    assert 4 * 128 + BWD.size + SM90_BWD.tail("lse2").size == SM90_BWD.size
 
 
 def test_render_dispatches_on_the_config_type():
@@ -182,7 +181,7 @@ def test_pack_params_matches_the_struct_layout():
     ptrs = tuple(range(1000, 1013))
     strides = tuple(range(1, 25))
     raw = pack_params(ptrs, strides, prob, 0.125, 0.18)
-    assert len(raw) == _BWD.size == 328  # static_assert(sizeof(BwdParams) == 328) in the template
+    assert len(raw) == BWD.size == 328  # static_assert(sizeof(BwdParams) == 328) in the template
     assert struct.unpack_from("=13Q", raw, 0) == ptrs
     assert struct.unpack_from("=24q", raw, 104) == strides
     assert struct.unpack_from("=5i", raw, 296) == (2, 6, 2, 3, 4)

@@ -99,8 +99,7 @@ def test_mma_rowsum_kernels_compile_clean_and_sum_on_the_tensor_cores(d):
 
 def test_sm90_fp8_params_layout_matches_the_host_packing(tmp_path):
     """sizeof and offsets of Sm90Fp8FwdParams, by the host compiler, against what launch packs."""
-    from flashgen.fp8 import _DESCALE
-    from flashgen.launch import _SM90_BYTES
+    from flashgen.abi import SM90_FP8_FWD
     from flashgen.render import template_env
 
     cfg = default_config(128, DT, False, "sm90", "sm90")
@@ -112,9 +111,9 @@ int main() { printf("%zu %zu %zu %zu\\n", sizeof(Sm90Fp8FwdParams), offsetof(Sm9
     subprocess.run([nvcc_path(), "-o", str(tmp_path / "p"), str(tmp_path / "p.cu")], check=True, capture_output=True)
     size, p_off, q_off, v_off = map(int, subprocess.run([str(tmp_path / "p")], capture_output=True, text=True,
                                                         check=True).stdout.split())
-    assert (size, p_off) == (_SM90_BYTES, 384)
-    assert q_off == 384 + ctypes.sizeof(FwdParams) and v_off == q_off + 2 * _DESCALE.size // 3
-    assert q_off + _DESCALE.size <= size
+    assert (size, p_off) == (SM90_FP8_FWD.size, 384)
+    assert q_off == 384 + ctypes.sizeof(FwdParams) == SM90_FP8_FWD.offset("q_descale.ptr")
+    assert v_off == SM90_FP8_FWD.offset("v_descale.ptr")
 
 
 def test_descale_factors_are_checked_before_any_launch():

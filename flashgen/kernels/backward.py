@@ -17,27 +17,19 @@ expanded dK, dV), so dK and dV stay deterministic.
 """
 from __future__ import annotations
 
-import struct
 from typing import Any, NamedTuple
 
-from .. import driver
+from .. import abi, driver
 from ..checks import check_qkv, usable
 from ..compile import CompiledKernel, compile_kernel, target_for
 from ..config import ELEM_BYTES, BwdConfig, default_bwd_config, mod_features
 from ..launch import current_stream, scale_args, softcap_args, tmap_box
 from ..tensors import Problem, aligned, view
 
-# struct BwdParams (templates/common/bwd_params.cuh.j2): 13 pointers, 24 strides, 5 ints, 2 floats.
-_BWD = struct.Struct("=13Q24q5i2f4x")
-assert _BWD.size == 328
-# struct Sm90BwdParams (templates/sm90/bwd_params.cuh.j2): 4 tensor maps, BwdParams, lse2 pointer, seqlen_q_pad,
-# then what varlen and window read.
-_SM90_TAIL = struct.Struct("=Qi4xQQ2i3i")  # lse2, seqlen_q_pad; cu_seqlens_q/_k, window, num_seqs, max_seqlen_q/_k
-_SM90_BWD_BYTES = 896
-# struct BwdServeParams (templates/common/bwd_serve_params.cuh.j2): BwdParams, then cu_seqlens_q, cu_seqlens_k,
-# alibi_slopes, alibi_batch_stride, window_left, window_right, softcap_pre, num_seqs, max_seqlen_q, max_seqlen_k.
-_BWD_SERVE_TAIL = struct.Struct("=3Qq2if3i")
-assert _BWD.size + _BWD_SERVE_TAIL.size == 384
+_BWD = abi.BWD.struct
+_SM90_TAIL = abi.SM90_BWD.tail("lse2")  # what follows the tensor maps and BwdParams
+_SM90_BWD_BYTES = abi.SM90_BWD.size
+_BWD_SERVE_TAIL = abi.BWD_SERVE.tail("cu_seqlens_q")  # what follows BwdParams
 
 
 class ServeArgs(NamedTuple):

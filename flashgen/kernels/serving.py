@@ -9,23 +9,17 @@ from __future__ import annotations
 
 import functools
 import math
-import struct
 from typing import Any, NamedTuple
 
-from .. import driver
+from .. import abi, driver
 from ..checks import Mods
 from ..compile import target_for
 from ..config import ARCHS, COMBINE_WARPS, DEFAULT_TILES, ELEM_BYTES, KernelConfig, mod_features
 from ..launch import FWD, SM90_BYTES, current_stream, scale_args, softcap_args, tmap_box
 from .dense import compiled_kernel
 
-# FwdParams ("=5Q12q5i2f4x", launch.FWD), then ServeParams' own fields (templates/common/serve_params.cuh.j2).
-SERVE_PARAMS = struct.Struct("=5Q12q5i2f4x7Q4q5if")
-assert SERVE_PARAMS.size == 280
-# Sm90ServeFwdParams (templates/sm90/params.cuh.j2) after FwdParams: cu_seqlens_q, cu_seqlens_k, window_left,
-# window_right, num_seqs, max_seqlen_q.
-_SM90_SERVE_TAIL = struct.Struct("=2Q4i")
-assert 3 * 128 + FWD.size == 552 and 552 + _SM90_SERVE_TAIL.size <= SM90_BYTES == 640
+SERVE_PARAMS = abi.SERVE.struct
+_SM90_SERVE_TAIL = abi.SM90_SERVE_FWD.tail("cu_seqlens_q")  # what follows the tensor maps and FwdParams
 MAX_SPLITS = 128
 # Decode tiles (at most 32 query rows per sequence, packed): (block_m, block_n, num_warps, num_stages)
 # by head dim. Two warps even for 16 rows: one warp alone holds the K/V copies of a tile and its
@@ -133,8 +127,7 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
     return run
 
 
-# SERVE_PARAMS's pointer fields: q k v o lse (0-4), then cu_q cu_k seqused block_table alibi (24-28), o_accum lse_accum (29-30).
-_POINTERS = (0, 1, 2, 3, 4, 24, 25, 26, 27, 28, 29, 30)
+_POINTERS = abi.SERVE.pointers  # q k v o lse, cu_q cu_k seqused block_table alibi, o_accum lse_accum
 
 
 def _fire(run: "ServeLaunch", tensors: tuple) -> None:
