@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 from . import driver
 from .api import _compiled, refuse_grad
 from .compile import target_for
-from .config import (_DEFAULT_TILES, ARCHS, COMBINE_WARPS, ELEM_BYTES, HEAD_DIMS, SM90_DENSE_KNOBS, SM90_FEATURES,
-                     KernelConfig, mod_features)
+from .config import (_DEFAULT_TILES, ARCHS, COMBINE_WARPS, ELEM_BYTES, HEAD_DIMS, MAX_SPLITS, SM90_DENSE_KNOBS,
+                     SM90_FEATURES, KernelConfig, mod_features)
 from .launch import _FWD, _SM90_BYTES, _current_stream, scale_args, softcap_args, tmap_box
 from .tensors import _TORCH_DTYPES
 
@@ -29,7 +29,6 @@ assert _SERVE.size == 280
 # window_right, num_seqs, max_seqlen_q.
 _SM90_SERVE_TAIL = struct.Struct("=2Q4i")
 assert 3 * 128 + _FWD.size == 552 and 552 + _SM90_SERVE_TAIL.size <= _SM90_BYTES == 640
-MAX_SPLITS = 128
 # Decode tiles (at most 32 query rows per sequence, packed): (block_m, block_n, num_warps, num_stages)
 # by head dim. Two warps even for 16 rows: one warp alone holds the K/V copies of a tile and its
 # accumulators, and spills at d128 and d256 where pages are smaller than a tile.
