@@ -12,6 +12,7 @@ compile pool. `collect` reads the outcome of every study back from the storage.
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import threading
@@ -176,3 +177,19 @@ def collect(storage: str | None) -> dict[tuple[str, str], dict[str, dict[str, An
         if old is None or entry["median_ms"] < old["median_ms"]:
             entries[problem.key] = entry
     return found
+
+
+def dashboard_exposure(host: str) -> str | None:
+    """A warning when optuna-dashboard would serve on `host` beyond this machine (not localhost, 127.0.0.0/8 or
+    ::1): it has no authentication, and its routes can change or delete the studies. None for a loopback host."""
+    name = host.strip().strip("[]")
+    if name.lower() in ("localhost", "localhost."):
+        return None
+    try:
+        if ipaddress.ip_address(name).is_loopback:
+            return None
+    except ValueError:  # a host name: it may resolve to any interface
+        pass
+    return (f"warning: the dashboard serves on {host}, beyond this machine, without authentication: anyone who can "
+            "reach the port can change or delete the studies (and so what tune --collect stores). Serve on "
+            "127.0.0.1 and reach it through an SSH tunnel (ssh -L 8080:127.0.0.1:8080 host) instead.")
