@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--gpus", type=gpu_list, default=None,
                    help="tune on these GPUs, one tuner each (e.g. 0,1 or all; default: the current GPU only)")
     t.add_argument("--collect", action="store_true",
-                   help="tune nothing: write the winners of every study in --storage into the tuned store")
+                   help="tune nothing: write the winners of every study in --storage into the tuned store, each "
+                        "compiled and verified again on this host's GPU first (--simulate: the simulated backend)")
     t.add_argument("--heartbeat", type=int, default=30, help="seconds between heartbeats of held trials (default 30)")
     t.add_argument("--grace", type=int, default=120,
                    help="a trial without a heartbeat this many seconds was held by a dead tuner: failed and "
@@ -688,13 +689,24 @@ def collect(args: argparse.Namespace) -> int:
     found = fleet.collect(args.storage)
     if not found:
         print(f"no verified results in {describe(resolve(args.storage))}")
+        return 0
+    try:
+        backend, here = fleet.collect_backend(args.simulate)
+    except fleet.NoVerifier as e:
+        raise CliError(str(e)) from None
+    try:
+        found, refused = fleet.verify_winners(found, backend, here)
+    finally:
+        backend.close()
+    for key, why in refused:
+        print(f"not stored: {key}: {why}", file=sys.stderr)
     for (gpu, arch), entries in sorted(found.items()):
         path = store_path(gpu, arch, args.tuned_dir)
         actions = merge(path, gpu, arch, entries, args.force)
         rows = [[key, *entry_row(e)[:-1], e.get("trials", "?"), actions[key]] for key, e in sorted(entries.items())]
         print(f"{gpu} ({arch}) <- {describe(resolve(args.storage))} -> {path}")
         print(table(rows, ["problem", "kernel", "ms", "TFLOP/s", "default ms", "speedup", "trials", "store"]) + "\n")
-    return 0
+    return 1 if refused else 0
 
 
 def entry_row(e: dict) -> list:

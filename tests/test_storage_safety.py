@@ -71,3 +71,76 @@ def test_the_dashboard_command_prints_the_warning(monkeypatch, tmp_path, capsys)
     assert served == [("0.0.0.0", 1)] and "0.0.0.0" in err and "authentication" in err
     assert cli.main(["dashboard", "--storage", storage, "--port", "1"]) == 0
     assert "authentication" not in capsys.readouterr().err
+
+
+# -- tune --collect re-verifies each winner before storing it -----------------------------------------------------
+
+def tampered_study(tmp_path):
+    """A sqlite study whose fastest configuration failed verification, then edited to read as the verified best."""
+    import sqlite3
+
+    from flashgen.backend import SimulatedBackend
+    from flashgen.config import space
+    from flashgen.problem import TuneProblem
+    from flashgen.search import SearchOptions, search
+
+    p = TuneProblem("Simulated GPU", "sm80", "sm80", "bf16", 64, False, 1024)
+    cfgs = [c for c in space("sm80", 64, "bf16", False) if c.num_warps == 4 and c.block_n in (32, 64)][:4]
+    bad = cfgs[0]
+    failures = {bad.name: "verify_failed"}
+    db = tmp_path / "studies.db"
+    out = search(p, SimulatedBackend(failures), SearchOptions(storage=f"sqlite:///{db}", exhaustive=True,
+                                                               retime_top=0), cfgs)
+    assert out.best_config != bad
+    with sqlite3.connect(db) as con:
+        (trial_id,) = con.execute(
+            "SELECT t.trial_id FROM trials t JOIN trial_user_attributes a ON a.trial_id = t.trial_id "
+            "WHERE a.key = 'status' AND a.value_json = '\"verify_failed\"'").fetchone()
+        con.execute("UPDATE trial_user_attributes SET value_json = '\"ok\"' WHERE trial_id = ? AND key = 'status'",
+                    (trial_id,))
+        con.execute("INSERT INTO trial_user_attributes (trial_id, key, value_json) VALUES (?, 'ms', '0.0001')",
+                    (trial_id,))
+    found = fleet.collect(f"sqlite:///{db}")
+    assert found[("Simulated GPU", "sm80")][p.key]["kernel"] == bad.name  # the tampered trial reads as the winner
+    return f"sqlite:///{db}", p, bad, failures
+
+
+def test_collect_stores_only_winners_that_verify_again(tmp_path):
+    from flashgen.backend import SimulatedBackend
+
+    storage, p, bad, failures = tampered_study(tmp_path)
+    found, refused = fleet.verify_winners(fleet.collect(storage), SimulatedBackend(failures))
+    assert found == {} and [key for key, _ in refused] == [p.key]
+    assert bad.name in refused[0][1] and "verify_failed" in refused[0][1]
+    found, refused = fleet.verify_winners(fleet.collect(storage), SimulatedBackend())  # a winner that verifies
+    assert refused == [] and found[("Simulated GPU", "sm80")][p.key]["kernel"] == bad.name
+
+
+def test_collect_refuses_a_winner_of_another_gpu_model(tmp_path):
+    from flashgen.backend import SimulatedBackend
+
+    storage, p, _, _ = tampered_study(tmp_path)
+    found, refused = fleet.verify_winners(fleet.collect(storage), SimulatedBackend(), gpu=("NVIDIA H200", "sm90"))
+    assert found == {} and refused[0][0] == p.key and "Simulated GPU" in refused[0][1]
+
+
+def test_collect_without_a_gpu_refuses_rather_than_store_unverified(tmp_path, monkeypatch, capsys):
+
+    storage, _, _, _ = tampered_study(tmp_path)
+    monkeypatch.setattr(fleet, "current_gpu", lambda: None)
+    assert cli.main(["tune", "--collect", "--storage", storage, "--tuned-dir", str(tmp_path / "tuned")]) == 2
+    err = capsys.readouterr().err
+    assert "no GPU" in err and "verif" in err and "Traceback" not in err
+    assert not (tmp_path / "tuned").exists() or not list((tmp_path / "tuned").iterdir())
+
+
+def test_collect_names_what_it_refused_and_stores_nothing_of_it(tmp_path, monkeypatch, capsys):
+    from flashgen.backend import SimulatedBackend
+
+    storage, p, bad, failures = tampered_study(tmp_path)
+    monkeypatch.setattr(fleet, "SimulatedBackend", lambda: SimulatedBackend(failures))  # --simulate's verifier
+    assert cli.main(["tune", "--collect", "--simulate", "--storage", storage, "--tuned-dir",
+                     str(tmp_path / "tuned")]) == 1
+    err = capsys.readouterr().err
+    assert p.key in err and bad.name in err and "not stored" in err
+    assert not list((tmp_path / "tuned").glob("*.json"))
