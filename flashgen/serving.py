@@ -112,7 +112,9 @@ def _check_same(tensors: dict[str, Any], dtype: str, device: Any) -> None:
     import torch  # noqa: PLC0415
 
     for name, t in tensors.items():
-        if not (t.is_cuda or t.is_meta) or t.device != device:  # meta: shapes only, through the fake operators
+        if not (t.is_cuda or t.is_meta):  # meta: shapes only, through the fake operators
+            raise ValueError(f"{name} is on {t.device}; the serving kernels need CUDA tensors")
+        if t.device != device:
             raise ValueError(f"{name} is on {t.device}; q is on {device}")
         if _dtype(t, name) != dtype:
             raise TypeError(f"{name} has dtype {t.dtype}; q has {dtype}")
@@ -686,6 +688,8 @@ def _plan_key(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens:
 
     if validate or k is not None or v is not None or alibi_slopes is not None or not isinstance(cache_seqlens,
                                                                                                torch.Tensor):
+        return None
+    if block_table is not None and not isinstance(block_table, torch.Tensor):  # the full path says what is wrong
         return None
     if type(q) is not torch.Tensor or type(k_cache) is not torch.Tensor or type(v_cache) is not torch.Tensor:
         return None
