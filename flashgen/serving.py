@@ -113,7 +113,7 @@ def _check_same(tensors: dict[str, Any], dtype: str, device: Any) -> None:
 
     for name, t in tensors.items():
         if not (t.is_cuda or t.is_meta):  # meta: shapes only, through the fake operators
-            raise ValueError(f"{name} is on {t.device}; the serving kernels need CUDA tensors")
+            raise ValueError(f"{name} is on {t.device}; flashgen runs on CUDA tensors (move it with .cuda())")
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}; q is on {device}")
         if _dtype(t, name) != dtype:

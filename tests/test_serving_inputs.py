@@ -54,7 +54,7 @@ def test_a_valid_meta_varlen_call_passes_the_checks():
     (lambda: varlen(k=[[1.0]]), ValueError, r"k must be a 3-d torch tensor"),
     (lambda: varlen(q=meta(8, 8, 64, dtype=torch.float32)), TypeError, r"q has dtype torch.float32; supported"),
     (lambda: varlen(k=meta(8, 2, 64, dtype=torch.float16)), TypeError, r"k has dtype torch.float16; q has bf16"),
-    (lambda: varlen(k=torch.empty(8, 2, 64, dtype=BF16)), ValueError, r"^k is on cpu; the serving kernels need CUDA tensors$"),
+    (lambda: varlen(k=torch.empty(8, 2, 64, dtype=BF16)), ValueError, r"^k is on cpu; flashgen runs on CUDA tensors"),
     (lambda: varlen(q=meta(8, 64, 8).transpose(1, 2)), ValueError, r"q must be contiguous in its last dim"),
     (lambda: varlen(k=meta(8, 2, 66)[..., :64]), ValueError, r"k needs a 16-byte aligned base and strides that are "
                                                              r"multiples of 8 elements"),
