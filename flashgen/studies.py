@@ -64,24 +64,32 @@ def journal_path(url: str) -> Path | None:
 _USERINFO = re.compile(r"(?P<head>[A-Za-z][\w+.\- ]*://[^:/@\s'\"]*):(?P<password>[^\s'\"]*)@")
 
 
+def _masked(text: str) -> str:
+    return _USERINFO.sub(r"\g<head>:***@", text)
+
+
+def _at_in_password(url: str) -> bool:
+    """Whether the password holds an '@' (unquoted): SQLAlchemy would then split the URL at the first one."""
+    return _masked(url).count("@") < url.count("@")
+
+
 def redact(url: str) -> str:
     """`url` with its password masked (`user:***@`), whether or not SQLAlchemy can parse it."""
-    masked = _USERINFO.sub(r"\g<head>:***@", url)
-    if masked.count("@") < url.count("@"):  # an '@' inside the password: SQLAlchemy would split it elsewhere
-        return masked
+    if _at_in_password(url):
+        return _masked(url)
     try:
         import sqlalchemy  # noqa: PLC0415  (optuna's dependency, loaded only for a database URL)
 
         return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
     except Exception:  # noqa: BLE001 - any URL SQLAlchemy rejects: mask by pattern
-        return masked
+        return _masked(url)
 
 
 def redact_text(text: str, url: str) -> str:
     """`text` (say an error about opening `url`) with `url`'s password masked wherever it appears."""
     secrets = {m.group("password") for m in _USERINFO.finditer(url)}
-    if _USERINFO.sub("", url).count("@") == url.count("@") - len(secrets):  # one '@' each: SQLAlchemy agrees
-        try:  # its password decoded (%xx), as a driver's error may show it
+    if not _at_in_password(url):
+        try:  # the password decoded (%xx), as a driver's error may show it
             import sqlalchemy  # noqa: PLC0415
 
             secrets.add(sqlalchemy.engine.make_url(url).password or "")
@@ -89,7 +97,7 @@ def redact_text(text: str, url: str) -> str:
             pass
     for secret in sorted(filter(None, secrets), key=len, reverse=True):
         text = text.replace(secret, "***")
-    return _USERINFO.sub(r"\g<head>:***@", text)
+    return _masked(text)
 
 
 def describe(url: str) -> str:
