@@ -224,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("dashboard", help="open optuna-dashboard on the studies: trials, failures, importances "
                                          "(pip install -e '.[fleet]')")
     d.add_argument("--storage", default=None, help=STORAGE_HELP)
-    d.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1; the dashboard has no authentication: "
-                        "anyone who reaches another address can change the studies)")
+    d.add_argument("--host", default="127.0.0.1",
+                   help="address to serve on (default 127.0.0.1; the dashboard has no authentication: anyone who "
+                        "reaches another address can change the studies)")
     d.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     return ap
 

@@ -50,7 +50,8 @@ def test_a_valid_meta_varlen_call_passes_the_checks():
 # -- tensors: rank, dtype, device, layout -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("call, err, match", [
-    (lambda: varlen(q=meta(8, 64)), ValueError, r"q must be a 3-d torch tensor \(total, heads, head_dim\); got \(8, 64\)"),
+    (lambda: varlen(q=meta(8, 64)), ValueError,
+     r"q must be a 3-d torch tensor \(total, heads, head_dim\); got \(8, 64\)"),
     (lambda: varlen(k=[[1.0]]), ValueError, r"k must be a 3-d torch tensor"),
     (lambda: varlen(q=meta(8, 8, 64, dtype=torch.float32)), TypeError, r"q has dtype torch.float32; supported"),
     (lambda: varlen(k=meta(8, 2, 64, dtype=torch.float16)), TypeError, r"k has dtype torch.float16; q has bf16"),
