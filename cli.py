@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--gpus", type=gpu_list, default=None,
                    help="tune on these GPUs, one tuner each (e.g. 0,1 or all; default: the current GPU only)")
     t.add_argument("--collect", action="store_true",
-                   help="tune nothing: write the winners of every study in --storage into the tuned store")
+                   help="tune nothing: write the winners of every study in --storage into the tuned store, each "
+                        "compiled and verified again on this host's GPU first (--simulate: the simulated backend)")
     t.add_argument("--heartbeat", type=int, default=30, help="seconds between heartbeats of held trials (default 30)")
     t.add_argument("--grace", type=int, default=120,
                    help="a trial without a heartbeat this many seconds was held by a dead tuner: failed and "
@@ -223,7 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("dashboard", help="open optuna-dashboard on the studies: trials, failures, importances "
                                          "(pip install -e '.[fleet]')")
     d.add_argument("--storage", default=None, help=STORAGE_HELP)
-    d.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1; 0.0.0.0 for all)")
+    d.add_argument("--host", default="127.0.0.1",
+                   help="address to serve on (default 127.0.0.1; the dashboard has no authentication: anyone who "
+                        "reaches another address can change the studies)")
     d.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     return ap
 
@@ -392,16 +395,17 @@ def compile_only(args: argparse.Namespace) -> int:
 
 def open_storage(storage: str | None, heartbeat_s: int | None = None, grace_s: int | None = None):
     """The study storage, or one clear line on why it cannot be opened (server down, no driver, bad URL)."""
-    from flashgen.studies import describe, make_storage, resolve
+    from flashgen.studies import describe, make_storage, redact_text, resolve
 
     try:
         return make_storage(storage, heartbeat_s, grace_s)
     except ImportError as e:
-        raise CliError(f"cannot open {describe(resolve(storage))}: {e} (pip install -e '.[fleet]' brings the "
-                       "PostgreSQL driver)") from None
+        raise CliError(f"cannot open {describe(resolve(storage))}: {redact_text(str(e), resolve(storage))} "
+                       "(pip install -e '.[fleet]' brings the PostgreSQL driver)") from None
     except Exception as e:  # noqa: BLE001 - SQLAlchemy's and the journal's errors, as one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CliError(f"cannot open {describe(resolve(storage))}: {type(e).__name__}: {first}") from None
+        raise CliError(f"cannot open {describe(resolve(storage))}: {type(e).__name__}: "
+                       f"{redact_text(first, resolve(storage))}") from None
 
 
 def make_tuners(args: argparse.Namespace) -> list:
@@ -686,13 +690,24 @@ def collect(args: argparse.Namespace) -> int:
     found = fleet.collect(args.storage)
     if not found:
         print(f"no verified results in {describe(resolve(args.storage))}")
+        return 0
+    try:
+        backend, here = fleet.collect_backend(args.simulate)
+    except fleet.NoVerifier as e:
+        raise CliError(str(e)) from None
+    try:
+        found, refused = fleet.verify_winners(found, backend, here)
+    finally:
+        backend.close()
+    for key, why in refused:
+        print(f"not stored: {key}: {why}", file=sys.stderr)
     for (gpu, arch), entries in sorted(found.items()):
         path = store_path(gpu, arch, args.tuned_dir)
         actions = merge(path, gpu, arch, entries, args.force)
         rows = [[key, *entry_row(e)[:-1], e.get("trials", "?"), actions[key]] for key, e in sorted(entries.items())]
         print(f"{gpu} ({arch}) <- {describe(resolve(args.storage))} -> {path}")
         print(table(rows, ["problem", "kernel", "ms", "TFLOP/s", "default ms", "speedup", "trials", "store"]) + "\n")
-    return 0
+    return 1 if refused else 0
 
 
 def entry_row(e: dict) -> list:
@@ -755,9 +770,13 @@ def dashboard(args: argparse.Namespace) -> int:
         import optuna_dashboard
     except ImportError:
         raise CliError("the dashboard needs optuna-dashboard: pip install -e '.[fleet]'") from None
+    from flashgen import fleet
     from flashgen.studies import describe, resolve
 
     storage = open_storage(args.storage)
+    exposed = fleet.dashboard_exposure(args.host)
+    if exposed:
+        print(exposed, file=sys.stderr, flush=True)
     print(f"optuna-dashboard for {describe(resolve(args.storage))} on http://{args.host}:{args.port}/ "
           "(Ctrl-C stops it)", flush=True)
     optuna_dashboard.run_server(storage, host=args.host, port=args.port)

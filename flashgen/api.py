@@ -281,6 +281,8 @@ def _plan_key(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens:
     if validate or k is not None or v is not None or alibi_slopes is not None or not isinstance(cache_seqlens,
                                                                                                torch.Tensor):
         return None
+    if block_table is not None and not isinstance(block_table, torch.Tensor):  # the full path says what is wrong
+        return None
     if type(q) is not torch.Tensor or type(k_cache) is not torch.Tensor or type(v_cache) is not torch.Tensor:
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):

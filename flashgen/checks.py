@@ -134,7 +134,9 @@ def check_same(tensors: dict[str, Any], dtype: str, device: Any) -> None:
     import torch  # noqa: PLC0415  (torch tensors: torch is imported)
 
     for name, t in tensors.items():
-        if not (t.is_cuda or t.is_meta) or t.device != device:  # meta: shapes only, through the fake operators
+        if not (t.is_cuda or t.is_meta):  # meta: shapes only, through the fake operators
+            raise ValueError(f"{name} is on {t.device}; flashgen runs on CUDA tensors (move it with .cuda())")
+        if t.device != device:
             raise ValueError(f"{name} is on {t.device}; q is on {device}")
         if dtype_name(t, name) != dtype:
             raise TypeError(f"{name} has dtype {t.dtype}; q has {dtype}")

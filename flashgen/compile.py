@@ -6,9 +6,12 @@ the ptxas report and the cubin's sha256, where key hashes the source, the flags 
 NVCC_PREPEND_FLAGS/NVCC_APPEND_FLAGS. Where nvcc is absent (a GPU machine given a cache
 filled elsewhere), the newest entry of any nvcc version is served. Only a private cache is
 used: the directory and its entries must be ours and not writable by group or others.
+nvcc compiles each source from a path named by its content (paths.source_dir), so that one
+source builds byte-identical cubins whichever cache they go to.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -23,12 +26,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .config import KernelConfig
-from .paths import cache_dir, unsafe_reason
+from .paths import cache_dir, source_dir, unsafe_reason
 from .render import render
 
 NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas", "-v", "-lineinfo")
 NVCC_ENV_FLAGS = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")  # nvcc reads these itself: they change the cubin
 NVCC_TIMEOUT_S = 600.0  # FLASHGEN_NVCC_TIMEOUT overrides: one hung ptxas must not stall a tune
+SOURCE_MTIME_NS = 0  # the time every compiled source file carries (see _stable_source)
+DISASSEMBLE_TIMEOUT_S = 120.0  # a large cubin takes seconds; a hung disassembler must not stall a profile
 
 
 class CompileError(RuntimeError):
@@ -113,15 +118,19 @@ def disassembler() -> list[str] | None:
     return None
 
 
-def disassemble(cubin: bytes) -> str:
-    """The SASS of a cubin, as text (see disassembler)."""
+def disassemble(cubin: bytes, timeout_s: float = DISASSEMBLE_TIMEOUT_S) -> str:
+    """The SASS of a cubin, as text (see disassembler); CompileError past `timeout_s` seconds."""
     tool = disassembler()
     if tool is None:
         raise CompileError("no SASS disassembler: install nvidia-cuda-nvdisasm or put nvdisasm on PATH")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        done = subprocess.run([*tool, f.name], capture_output=True, text=True)
+        try:
+            done = subprocess.run([*tool, f.name], capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise CompileError(f"{Path(tool[0]).name} timed out after {timeout_s:g} s disassembling a "
+                               f"{len(cubin)}-byte cubin") from None
     if done.returncode:
         raise CompileError(f"{tool[0]} failed: {done.stderr.strip()[:500]}")
     return done.stdout
@@ -145,14 +154,14 @@ def nvcc_version() -> str:
     return known[ident]
 
 
-def _run(cmd: list[str], what: str) -> tuple[int, str]:
+def _run(cmd: list[str], what: str, cwd: Path | None = None) -> tuple[int, str]:
     """Exit code and output of an nvcc command, killed with its children (cicc, ptxas) past the timeout."""
     raw = os.environ.get("FLASHGEN_NVCC_TIMEOUT", str(NVCC_TIMEOUT_S))
     try:
         timeout = float(raw)
     except ValueError:
         raise CompileError(f"FLASHGEN_NVCC_TIMEOUT={raw} is not a number of seconds") from None
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
                           start_new_session=True) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -239,13 +248,40 @@ def compile_kernel(cfg: KernelConfig, target: str, use_cache: bool = True) -> Co
 
 def _compile(cfg: KernelConfig, target: str, source: str, flags: list[str]) -> CompiledKernel:
     with tempfile.TemporaryDirectory(prefix="flashgen-") as tmp:
-        src, out = Path(tmp) / f"{cfg.name}.cu", Path(tmp) / f"{cfg.name}.cubin"
-        src.write_text(source)
-        code, log = _run([nvcc_path(), "-cubin", *flags, "-o", str(out), str(src)], f"nvcc for {cfg.name} ({target})")
+        out = Path(tmp) / f"{cfg.name}.cubin"
+        src = _stable_source(cfg, source)
+        if src is None:  # no private source directory: a one-off path (the cubin then differs build to build)
+            src = Path(tmp) / f"{cfg.name}.cu"
+            src.write_text(source)
+        code, log = _run([nvcc_path(), "-cubin", *flags, "-o", str(out), str(src)], f"nvcc for {cfg.name} ({target})",
+                         cwd=src.parent)
         if code != 0:
             raise CompileError(f"nvcc failed for {cfg.name} ({target}):\n{log}")
         cubin = out.read_bytes()
     return CompiledKernel(cfg, target, source, cubin, parse_ptxas(log, cfg.name, cfg.smem_bytes), log)
+
+
+def _stable_source(cfg: KernelConfig, source: str) -> Path | None:
+    """`source` written at a path named by its content (source_dir()/<sha256>/<kernel>.cu), or None where that
+    directory is not private. nvcc puts the source's path and time in the cubin (-lineinfo; the path's hash in
+    internal names): one path and time per source makes one source build the same bytes, and leaves the file
+    that the line info names for a profiler to show."""
+    root = source_dir()
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if why := unsafe_reason(root):  # another user could swap the source between its write and nvcc's read
+            _refuse(root, why, "compile sources in", "FLASHGEN_SOURCE_DIR")
+            return None
+        d = root / hashlib.sha256(source.encode()).hexdigest()[:32]
+        d.mkdir(mode=0o700, exist_ok=True)
+        if unsafe_reason(d):
+            return None
+        path = d / f"{cfg.name}.cu"
+        # Every time, so the file is exactly this source, with a fixed time: the line info records it too.
+        _write(path, source.encode(), mtime_ns=SOURCE_MTIME_NS)
+    except OSError:
+        return None
+    return path
 
 
 def _load(cubin_path: Path, cfg: KernelConfig, target: str, source: str) -> CompiledKernel | None:
@@ -263,13 +299,13 @@ def _load(cubin_path: Path, cfg: KernelConfig, target: str, source: str) -> Comp
 _warned: set[str] = set()
 
 
-def _refuse(path: Path, why: str) -> None:
-    """Warn once per path that the cache at `path` is not used, and how to fix it."""
+def _refuse(path: Path, why: str, use: str = "load kernels from", env: str = "FLASHGEN_CACHE_DIR") -> None:
+    """Warn once per path that the directory at `path` is not used, and how to fix it."""
     if str(path) not in _warned:
         _warned.add(str(path))
-        warnings.warn(f"flashgen does not load kernels from {path}: it is {why}, so another user could plant code "
+        warnings.warn(f"flashgen does not {use} {path}: it is {why}, so another user could plant code "
                       f"there. Compiling without it; fix: `chmod go-w {path}` (and own it), or set "
-                      f"FLASHGEN_CACHE_DIR to a private directory.", stacklevel=3)
+                      f"{env} to a private directory.", stacklevel=3)
 
 
 def _private_cache() -> Path | None:
@@ -301,9 +337,17 @@ def _read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _write(path: Path, data: bytes) -> None:
-    # Write a private temp file (mkstemp: mode 0600) then rename, so concurrent compiles never see half a file.
+def _write(path: Path, data: bytes, mtime_ns: int | None = None) -> None:
+    # Write a private temp file (mkstemp: mode 0600) then rename, so concurrent compiles never see half a file;
+    # a failed write (disk full) leaves no temp file behind. `mtime_ns`: the file's time, set before the rename.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        if mtime_ns is not None:
+            os.utime(tmp, ns=(mtime_ns, mtime_ns))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

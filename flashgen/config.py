@@ -31,6 +31,7 @@ def elem_bytes(dtype: str) -> int:
 # consumer warpgroup per 64 rows of block_m (wgmma is m64), so num_warps follows block_m.
 FAMILY_BLOCK_MS = {"sm80": (16, 32, 64, 128, 256), "sm90": (64, 128, 192)}
 COMBINE_WARPS = 4  # (row, head) pairs per block of the split-KV combine kernel (a warp each)
+MAX_SPLITS = 128  # the most key ranges a split-KV launch splits into
 # Row blocks below 64 (and one-warp blocks) serve few query rows (decode); dense spaces keep to 64 and up.
 DENSE_MIN_BLOCK_M = 64
 # Serving features of a forward kernel (sm80 family): each a compile-time switch, off = not in the code.

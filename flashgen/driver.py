@@ -22,12 +22,59 @@ class CudaError(RuntimeError):
     """A CUDA driver call failed."""
 
 
+_c = ctypes
+_P = ctypes.POINTER
+# (restype, argtypes) of every driver function flashgen calls (cuda.h). Without them ctypes passes each Python
+# int as a C int, masked to 32 bits: a grid dimension or size past that would reach the driver as another value.
+PROTOTYPES: dict[str, tuple[type, list]] = {
+    "cuInit": (_c.c_int, [_c.c_uint]),
+    "cuGetErrorName": (_c.c_int, [_c.c_int, _P(_c.c_char_p)]),
+    "cuGetErrorString": (_c.c_int, [_c.c_int, _P(_c.c_char_p)]),
+    "cuDriverGetVersion": (_c.c_int, [_P(_c.c_int)]),
+    "cuDeviceGetCount": (_c.c_int, [_P(_c.c_int)]),
+    "cuDeviceGet": (_c.c_int, [_P(_c.c_int), _c.c_int]),
+    "cuDeviceGetName": (_c.c_int, [_c.c_char_p, _c.c_int, _c.c_int]),
+    "cuDeviceGetAttribute": (_c.c_int, [_P(_c.c_int), _c.c_int, _c.c_int]),
+    "cuDevicePrimaryCtxRetain": (_c.c_int, [_P(_c.c_void_p), _c.c_int]),
+    "cuCtxGetCurrent": (_c.c_int, [_P(_c.c_void_p)]),
+    "cuCtxSetCurrent": (_c.c_int, [_c.c_void_p]),
+    "cuCtxGetDevice": (_c.c_int, [_P(_c.c_int)]),
+    "cuCtxGetId": (_c.c_int, [_c.c_void_p, _P(_c.c_ulonglong)]),
+    "cuCtxSynchronize": (_c.c_int, []),
+    "cuPointerGetAttribute": (_c.c_int, [_c.c_void_p, _c.c_int, _c.c_ulonglong]),  # CUdeviceptr: 64-bit
+    "cuModuleLoadData": (_c.c_int, [_P(_c.c_void_p), _c.c_char_p]),
+    "cuModuleGetFunction": (_c.c_int, [_P(_c.c_void_p), _c.c_void_p, _c.c_char_p]),
+    "cuFuncSetAttribute": (_c.c_int, [_c.c_void_p, _c.c_int, _c.c_int]),
+    # f, grid x y z, block x y z, dynamic smem bytes, stream, kernelParams, extra
+    "cuLaunchKernel": (_c.c_int, [_c.c_void_p] + [_c.c_uint] * 7 + [_c.c_void_p, _P(_c.c_void_p), _P(_c.c_void_p)]),
+    # map, dtype, rank, base, dims, strides, box, element strides, interleave, swizzle, L2 promotion, OOB fill
+    "cuTensorMapEncodeTiled": (_c.c_int, [_c.c_void_p, _c.c_int, _c.c_uint, _c.c_void_p, _P(_c.c_uint64),
+                                          _P(_c.c_uint64), _P(_c.c_uint32), _P(_c.c_uint32)] + [_c.c_int] * 4),
+}
+
+
+def declare(cuda: ctypes.CDLL) -> ctypes.CDLL:
+    """`cuda` with PROTOTYPES set on each function it has (an older driver may lack some, e.g. cuCtxGetId)."""
+    for name, (restype, argtypes) in PROTOTYPES.items():
+        fn = getattr(cuda, name, None)
+        if fn is not None:
+            fn.restype, fn.argtypes = restype, argtypes
+    return cuda
+
+
 @functools.lru_cache(maxsize=1)
-def lib() -> ctypes.CDLL:
+def _bound() -> ctypes.CDLL:
+    """libcuda with its prototypes declared, not yet initialized."""
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError as e:
         raise CudaError(f"the CUDA driver (libcuda.so.1) is not available: {e}") from None
+    return declare(cuda)
+
+
+@functools.lru_cache(maxsize=1)
+def lib() -> ctypes.CDLL:
+    cuda = _bound()
     check(cuda.cuInit(0), "cuInit")
     return cuda
 
@@ -35,12 +82,28 @@ def lib() -> ctypes.CDLL:
 def check(rc: int, what: str) -> None:
     if rc != 0:
         name, text = ctypes.c_char_p(), ctypes.c_char_p()
-        cuda = ctypes.CDLL("libcuda.so.1")
+        cuda = _bound()
         cuda.cuGetErrorName(rc, ctypes.byref(name))
         cuda.cuGetErrorString(rc, ctypes.byref(text))
         n = name.value.decode() if name.value else str(rc)
         t = text.value.decode() if text.value else ""
         raise CudaError(f"{what} failed: {n} ({t})")
+
+
+# CUDA's launch limits (every architecture flashgen builds for).
+MAX_GRID_X = 2**31 - 1
+MAX_GRID_YZ = 65535
+MAX_BLOCK_THREADS = 1024
+
+
+def check_launch(name: str, grid: tuple[int, int, int], threads: int) -> None:
+    """Raise ValueError unless `grid` (x, y, z) and a 1-d block of `threads` are within CUDA's limits: the driver
+    takes 32-bit dimensions, and a larger problem must not launch a wrapped-around grid over part of its rows."""
+    x, y, z = grid  # every launch passes here: plain comparisons, a few dozen nanoseconds
+    if not (0 < x <= MAX_GRID_X and 0 < y <= MAX_GRID_YZ and 0 < z <= MAX_GRID_YZ and 0 < threads <= MAX_BLOCK_THREADS):
+        raise ValueError(f"cannot launch {name}: grid {tuple(grid)} with {threads} threads a block is past CUDA's "
+                         f"limits (grid x 1..{MAX_GRID_X}, y and z 1..{MAX_GRID_YZ}, 1..{MAX_BLOCK_THREADS} threads "
+                         "a block); the problem is too large for one launch")
 
 
 def current_context() -> int:
@@ -92,7 +155,7 @@ CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 def pointer_device(ptr: int) -> int:
     """The device ordinal that owns device memory at `ptr`."""
     dev = ctypes.c_int()
-    check(lib().cuPointerGetAttribute(ctypes.byref(dev), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ctypes.c_void_p(ptr)),
+    check(lib().cuPointerGetAttribute(ctypes.byref(dev), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr),
           "cuPointerGetAttribute(DEVICE_ORDINAL)")
     return dev.value
 
@@ -157,6 +220,7 @@ class Function:
         except AttributeError:
             buf = _tls.buf = ctypes.create_string_buffer(PARAMS_MAX)
             args = _tls.args = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
+        check_launch(self.name, grid, block)
         buf.raw = raw
         rc = lib().cuLaunchKernel(self.handle, grid[0], grid[1], grid[2], block, 1, 1, self.smem_bytes,
                                   ctypes.c_void_p(stream), args, None)

@@ -8,10 +8,13 @@ studies still running. A study whose last trials are held by other tuners (here 
 other hosts) is visited again after the rest until it is finished: if their tuner died,
 the trial goes stale and its retry is taken here. Each GPU's tuner is a thread of this
 process driving its own spawned GPU worker (fault isolation per GPU); all share the host's
-compile pool. `collect` reads the outcome of every study back from the storage.
+compile pool. `collect` reads the outcome of every study back from the storage; `verify_winners`
+compiles and verifies each winner again on this host's GPU before it may be stored: a study is shared
+and writable by every tuner, so its record of which trial passed is not proof that one did.
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import threading
@@ -22,12 +25,13 @@ from typing import Any, Callable, Iterator
 
 import optuna
 
-from .backend import Backend
+from .backend import Backend, SimulatedBackend
 from .config import KernelConfig
 from .problem import TuneProblem
-from .search import OWNER_WAIT_S, SearchOptions, SearchOutcome, TrialRecord, outcome, search
-from .store import make_entry
+from .search import OWNER_WAIT_S, SearchOptions, SearchOutcome, TrialRecord, evaluate, outcome, search
+from .store import config_from_entry, current_gpu, make_entry
 from .studies import make_storage
+from .worker import GpuBackend, NoGpuError
 
 REVISIT_S = 2.0  # how often a tuner with nothing else to do looks at studies other tuners still hold
 
@@ -176,3 +180,69 @@ def collect(storage: str | None) -> dict[tuple[str, str], dict[str, dict[str, An
         if old is None or entry["median_ms"] < old["median_ms"]:
             entries[problem.key] = entry
     return found
+
+
+Found = dict[tuple[str, str], dict[str, dict[str, Any]]]
+
+
+class NoVerifier(RuntimeError):
+    """tune --collect has no GPU here to verify the winners on."""
+
+
+def collect_backend(simulate: bool = False) -> tuple[Backend, tuple[str, str] | None]:
+    """The backend that verifies collected winners and the (GPU name, arch) it runs on: this host's GPU, or
+    (`simulate`, for tests) the simulated backend, for any GPU model. NoVerifier without a GPU: storing a
+    winner unverified would trust whatever the study says."""
+    why = "no GPU here"
+    if simulate:
+        return SimulatedBackend(), None
+    if current_gpu() is not None:
+        try:
+            gpu = GpuBackend()
+        except NoGpuError as e:
+            why = f"no GPU here ({e})"
+        else:
+            return gpu, (gpu.gpu_name, gpu.gpu_arch)
+    raise NoVerifier(f"tune --collect compiles and verifies each study's winner on this host's GPU before storing it, "
+                     f"and there is {why}: run it on a host with the studies' GPU model")
+
+
+def verify_winners(found: Found, backend: Backend,
+                   gpu: tuple[str, str] | None = None) -> tuple[Found, list[tuple[str, str]]]:
+    """The entries of `found` (collect's) whose configuration compiles and verifies again on `backend` (the
+    search's evaluate: compile, verify against the float64 reference, time), and (problem key, why) for each
+    refused one. `gpu`: the (name, arch) the backend runs on; a winner of another GPU model is refused (None:
+    any, the simulated backend)."""
+    kept: Found = {}
+    refused: list[tuple[str, str]] = []
+    for model, entries in sorted(found.items()):
+        for key, e in sorted(entries.items()):
+            problem = TuneProblem(**e["problem"])
+            cfg = config_from_entry(e)
+            if gpu is not None and model != gpu:
+                refused.append((key, f"tuned on {model[0]} ({model[1]}), cannot be verified on this {gpu[0]} "
+                                     f"({gpu[1]}): collect it on a {model[0]} host"))
+                continue
+            res = evaluate(backend, cfg, problem)
+            if not res.ok:
+                refused.append((key, f"{cfg.name}, the study's winner, does not pass here: {res.status}: "
+                                     f"{res.reason}"))
+                continue
+            kept.setdefault(model, {})[key] = e
+    return kept, refused
+
+
+def dashboard_exposure(host: str) -> str | None:
+    """A warning when optuna-dashboard would serve on `host` beyond this machine (not localhost, 127.0.0.0/8 or
+    ::1): it has no authentication, and its routes can change or delete the studies. None for a loopback host."""
+    name = host.strip().strip("[]")
+    if name.lower() in ("localhost", "localhost."):
+        return None
+    try:
+        if ipaddress.ip_address(name).is_loopback:
+            return None
+    except ValueError:  # a host name: it may resolve to any interface
+        pass
+    return (f"warning: the dashboard serves on {host}, beyond this machine, without authentication: anyone who can "
+            "reach the port can change or delete the studies (and so what tune --collect stores). Serve on "
+            "127.0.0.1 and reach it through an SSH tunnel (ssh -L 8080:127.0.0.1:8080 host) instead.")

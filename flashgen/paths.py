@@ -36,6 +36,14 @@ def cache_dir() -> Path:
     return Path(env) if env else Path(platformdirs.user_cache_dir("flashgen")) / "kernels"
 
 
+def source_dir() -> Path:
+    """Kernel sources as nvcc compiled them, by content: FLASHGEN_SOURCE_DIR if set, else the user cache dir.
+    Apart from the kernel cache: the path is in the cubin (line info, internal names), so one source builds the
+    same bytes whichever cache it goes to."""
+    env = os.environ.get("FLASHGEN_SOURCE_DIR")
+    return Path(env) if env else Path(platformdirs.user_cache_dir("flashgen")) / "sources"
+
+
 def unsafe_reason(path: Path) -> str | None:
     """Why another user could have put what is at `path` there (not ours, or group/other-writable); else None."""
     if os.name != "posix":

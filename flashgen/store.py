@@ -5,7 +5,9 @@ there (an entry is replaced only by a faster one, or when forced; the same winne
 study that has grown since updates it), and kept diff-friendly (indented, sorted keys),
 keeping the file's mode so a shared store stays readable. A file that is not valid JSON,
 not a flashgen store, or made for another GPU raises `StoreError` naming the file: never
-a reset. load()'s path (`tuned_config`) warns once instead and uses the defaults.
+a reset. load()'s path (`tuned_config`) warns once instead and uses the defaults. An entry
+that is not usable for its kind (fwd, bwd, decode, varlen: `entry_error`) is left out with one
+warning naming the file and the entry when the store is read; a merge refuses it by name.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import Any, Iterator
 
 from . import driver
 from .__version__ import __version__
-from .config import BwdConfig, ConfigError, KernelConfig
+from .config import MAX_SPLITS, BwdConfig, ConfigError, KernelConfig
 from .paths import tuned_dir as default_tuned_dir
 from .problem import BATCH_TOKENS, HEADS_DIM_TOTAL, gpu_slug
 
@@ -49,20 +51,81 @@ def config_from_entry(e: dict[str, Any]) -> KernelConfig | BwdConfig:
     return (BwdConfig if entry_pass(e) == "bwd" else KernelConfig).from_dict(e["config"])
 
 
-def _check_entry(path: Path, key: str, e: Any) -> None:
+# The problem fields each kind's lookup reads: name -> (type, least value or None). Decode and varlen entries
+# must have them all; fwd and bwd entries from before a field existed may lack it (the lookup's default applies).
+_PROBLEM_FIELDS: dict[str, dict[str, tuple[type, int | None]]] = {
+    "fwd": {"seqlen": (int, 1), "gqa_group": (int, 1), "batch_tokens": (int, 1), "heads_dim_total": (int, 1)},
+    "decode": {"head_dim": (int, 1), "dtype": (str, None), "heads": (int, 1), "heads_k": (int, 1), "batch": (int, 1),
+               "cache_len": (int, 1), "page_size": (int, 0)},
+    "varlen": {"head_dim": (int, 1), "dtype": (str, None), "causal": (bool, None), "packed": (bool, None),
+               "heads": (int, 1), "heads_k": (int, 1), "max_len": (int, 1), "window": (int, -1)},
+}
+_PROBLEM_FIELDS["bwd"] = _PROBLEM_FIELDS["fwd"]
+
+
+def _field_error(where: str, value: Any, kind: type, least: int | None) -> str | None:
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        return f"{where} is {value!r}, not an int"
+    if not isinstance(value, kind):
+        return f"{where} is {value!r}, not a {kind.__name__}"
+    if least is not None and value < least:
+        return f"{where} is {value}, below {least}"
+    return None
+
+
+def entry_error(e: Any) -> str | None:
+    """Why `e` is not a usable store entry of its kind (fwd, bwd, decode, varlen), or None: what the lookups of
+    that kind read from it must be there and of the right type, so that a damaged entry is found by name when the
+    store is read rather than failing every call that consults it."""
     if not isinstance(e, dict):
-        raise StoreError(f"{path}: entry {key!r} is not an object")
+        return f"is a {type(e).__name__}, not an object"
+    p = e.get("problem", {})
+    if not isinstance(p, dict):
+        return f"has a problem that is a {type(p).__name__}, not an object"
+    kind = p.get("pass_", "fwd")
+    if kind not in _PROBLEM_FIELDS:
+        return f"has problem.pass_ {kind!r}; expected one of {', '.join(_PROBLEM_FIELDS)}"
     try:
         config_from_entry(e)
         ms = float(e["median_ms"])
     except (KeyError, TypeError, ValueError, ConfigError) as err:
-        raise StoreError(f"{path}: entry {key!r} is damaged ({type(err).__name__}: {err}); fix or delete it") from None
+        return f"is damaged ({type(err).__name__}: {err})"
     if not (ms > 0 and math.isfinite(ms)):
-        raise StoreError(f"{path}: entry {key!r} has median_ms={ms}")
+        return f"has median_ms={ms}"
+    required = kind in ("decode", "varlen")
+    for name, (typ, least) in _PROBLEM_FIELDS[kind].items():
+        if name not in p:
+            if required:
+                return f"is damaged: its {kind} problem has no {name}"
+            continue
+        why = _field_error(f"problem.{name}", p[name], typ, least)
+        if why:
+            return f"is damaged: {why}"
+    if kind == "decode":
+        if "num_splits" not in e:
+            return "is damaged: a decode entry without num_splits"
+        splits = e["num_splits"]
+        why = _field_error("num_splits", splits, int, 1)
+        if why is None and splits > MAX_SPLITS:
+            why = f"num_splits is {splits}, above {MAX_SPLITS}"
+        if why:
+            return f"is damaged: {why}"
+    return None
 
 
-def read_store(path: Path, gpu_name: str | None = None, arch: str | None = None) -> dict[str, Any]:
-    """The store document at `path` (an empty one if missing), checked to be ours and for this GPU."""
+def _check_entry(path: Path, key: str, e: Any) -> None:
+    why = entry_error(e)
+    if why is not None:
+        raise StoreError(f"{path}: entry {key!r} {why}; fix or delete it")
+
+
+def read_store(path: Path, gpu_name: str | None = None, arch: str | None = None,
+               strict: bool = False) -> dict[str, Any]:
+    """The store document at `path` (an empty one if missing), checked to be ours and for this GPU.
+
+    An entry that is not usable (entry_error) raises StoreError with `strict` (a merge must not drop it);
+    otherwise it is left out of the document with one warning naming the file and the entry, and the rest
+    of the store is used."""
     path = Path(path)
     if not path.exists():
         return {"format": FORMAT, "gpu": {"name": gpu_name, "arch": arch}, "entries": {}}
@@ -80,8 +143,15 @@ def read_store(path: Path, gpu_name: str | None = None, arch: str | None = None)
         raise StoreError(f"{path}: a flashgen store without 'gpu' or 'entries'; fix or delete the file")
     if gpu_name is not None and (gpu.get("name"), gpu.get("arch")) != (gpu_name, arch):
         raise StoreError(f"{path}: made for {gpu.get('name')} ({gpu.get('arch')}), not {gpu_name} ({arch})")
-    for key, e in doc["entries"].items():
-        _check_entry(path, key, e)
+    for key, e in list(doc["entries"].items()):
+        why = entry_error(e)
+        if why is None:
+            continue
+        if strict:
+            raise StoreError(f"{path}: entry {key!r} {why}; fix or delete it")
+        del doc["entries"][key]
+        _warn_once(f"{path}\0{key}\0{why}", f"{path}: entry {key!r} {why}; ignored (the untuned choice stands in "
+                                             "for it) until it is fixed or deleted")
     return doc
 
 
@@ -130,7 +200,7 @@ def merge(path: Path, gpu_name: str, arch: str, entries: dict[str, dict[str, Any
     """Merge entries into the store at `path`; returns key -> "added" | "replaced" | "updated" | "kept"."""
     actions: dict[str, str] = {}
     with _locked(path):
-        doc = read_store(path, gpu_name, arch)
+        doc = read_store(path, gpu_name, arch, strict=True)
         doc["gpu"] = {"name": gpu_name, "arch": arch}
         for key, new in entries.items():
             _check_entry(path, key, new)

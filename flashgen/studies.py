@@ -16,6 +16,7 @@ beating host's clock (hosts sharing a journal need clocks within a few seconds, 
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
 import warnings
@@ -58,16 +59,52 @@ def journal_path(url: str) -> Path | None:
     return Path(url[len(JOURNAL_SCHEME):]) if url.startswith(JOURNAL_SCHEME) else None
 
 
+# scheme://user:password@ -> the password, up to the token's last '@' (a password may hold '@' or '/'): masks
+# too much rather than too little where SQLAlchemy cannot parse the URL.
+_USERINFO = re.compile(r"(?P<head>[A-Za-z][\w+.\- ]*://[^:/@\s'\"]*):(?P<password>[^\s'\"]*)@")
+
+
+def _masked(text: str) -> str:
+    return _USERINFO.sub(r"\g<head>:***@", text)
+
+
+def _at_in_password(url: str) -> bool:
+    """Whether the password holds an '@' (unquoted): SQLAlchemy would then split the URL at the first one."""
+    return _masked(url).count("@") < url.count("@")
+
+
+def redact(url: str) -> str:
+    """`url` with its password masked (`user:***@`), whether or not SQLAlchemy can parse it."""
+    if _at_in_password(url):
+        return _masked(url)
+    try:
+        import sqlalchemy  # noqa: PLC0415  (optuna's dependency, loaded only for a database URL)
+
+        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - any URL SQLAlchemy rejects: mask by pattern
+        return _masked(url)
+
+
+def redact_text(text: str, url: str) -> str:
+    """`text` (say an error about opening `url`) with `url`'s password masked wherever it appears."""
+    secrets = {m.group("password") for m in _USERINFO.finditer(url)}
+    if not _at_in_password(url):
+        try:  # the password decoded (%xx), as a driver's error may show it
+            import sqlalchemy  # noqa: PLC0415
+
+            secrets.add(sqlalchemy.engine.make_url(url).password or "")
+        except Exception:  # noqa: BLE001 - the pattern found what there is
+            pass
+    for secret in sorted(filter(None, secrets), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return _masked(text)
+
+
 def describe(url: str) -> str:
     """The storage for messages, without a password."""
     if journal_path(url):
         return f"journal file {journal_path(url)}"
-    try:
-        import sqlalchemy  # noqa: PLC0415
-
-        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - a URL SQLAlchemy cannot parse is reported when it is opened
-        return url
+    return redact(url)
 
 
 class JournalHeartbeatStorage(JournalStorage, BaseHeartbeat):

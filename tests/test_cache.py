@@ -18,6 +18,7 @@ CFG = KernelConfig(64, "fp16", False, 64, 64, 4, 1)
 def cache(tmp_path, monkeypatch):
     monkeypatch.setattr(comp, "render", lambda cfg: f'extern "C" __global__ void {cfg.name}(int *p) {{ *p = 1; }}\n')
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FLASHGEN_SOURCE_DIR", str(tmp_path / "sources"))
     for var in ("FLASHGEN_NVCC", "NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS"):
         monkeypatch.delenv(var, raising=False)
     forget_nvcc()
@@ -125,3 +126,44 @@ def test_a_writable_entry_is_not_served(cache, suffix):
     with pytest.warns(UserWarning, match="writable"):
         assert not compile_kernel(CFG, "sm_80").cached
     assert compile_kernel(CFG, "sm_80").cached  # replaced by a private entry
+
+
+def test_a_failed_cache_write_leaves_no_temp_file(cache, monkeypatch):
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(comp.os, "replace", full)
+    with pytest.raises(OSError, match="No space"):
+        compile_kernel(CFG, "sm_80")
+    assert [p.name for p in cache.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_a_hung_disassembler_times_out_with_a_clear_error(monkeypatch):
+    import sys
+
+    monkeypatch.setattr(comp, "disassembler", lambda: [sys.executable, "-c", "import time; time.sleep(60)"])
+    with pytest.raises(CompileError, match=r"timed out after 0.5 s"):
+        comp.disassemble(b"\x7fELF", timeout_s=0.5)
+
+
+SOURCE_WITH_INTERNAL_NAMES = ('static __device__ int twice(int x) {{ return 2 * x; }}\n'
+                              'extern "C" __global__ void {name}(int *p) {{ *p = twice(p[1]); }}\n')
+
+
+@pytest.mark.parametrize("real", [False, True])
+def test_one_source_builds_byte_identical_cubins_in_two_fresh_caches(monkeypatch, tmp_path, real):
+    """-lineinfo records the source's path and the internal names hash it: built from a random temp path, no two
+    builds of one source were the same bytes. Each build here starts from an empty cache."""
+    if real:
+        from flashgen.render import render
+
+        monkeypatch.setattr(comp, "render", render)
+    else:
+        monkeypatch.setattr(comp, "render", lambda cfg: SOURCE_WITH_INTERNAL_NAMES.format(name=cfg.name))
+    cubins = []
+    for name in ("a", "b"):
+        monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / name))
+        k = compile_kernel(CFG, "sm_80")
+        assert not k.cached
+        cubins.append(k.cubin)
+    assert cubins[0] == cubins[1]

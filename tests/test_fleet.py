@@ -130,7 +130,7 @@ def test_tuner_processes_share_studies_and_time_each_configuration_once(shared_s
     assert max(map(len, workers)) >= 2  # a study was tuned by several processes at once
     assert all(log.exists() for log in logs[:2])
     # the store each host wrote locally is the one collected from the storage
-    assert cli.main(["tune", "--collect", "--storage", shared_storage, "--tuned-dir", str(tmp_path / "collected")]) == 0
+    assert cli.main(["tune", "--collect", "--simulate", "--storage", shared_storage, "--tuned-dir", str(tmp_path / "collected")]) == 0
     assert store_doc(tmp_path / "tuned") == store_doc(tmp_path / "collected")
 
 
@@ -183,7 +183,7 @@ def test_gpus_run_one_tuner_each_on_shared_studies(tmp_path, capsys):
     assert workers == {"gpu0", "gpu1"}
     doc = store_doc(tmp_path / "tuned")
     assert len(doc["entries"]) == 4
-    assert cli.main(["tune", "--collect", "--storage", storage, "--tuned-dir", str(tmp_path / "collected")]) == 0
+    assert cli.main(["tune", "--collect", "--simulate", "--storage", storage, "--tuned-dir", str(tmp_path / "collected")]) == 0
     assert store_doc(tmp_path / "collected") == doc
 
 
@@ -200,7 +200,7 @@ def test_a_mixed_fleet_tunes_one_study_per_gpu_model_and_collects_a_store_per_mo
     names = optuna.get_all_study_names(studies.make_storage(postgres_url))
     assert len(names) == 4 and {n.split("/")[0] for n in names} == {"simulated-gpu-sm80", "simulated-gpu-sm90"}
     capsys.readouterr()
-    assert cli.main(["tune", "--collect", "--storage", postgres_url, "--tuned-dir", str(tmp_path / "all")]) == 0
+    assert cli.main(["tune", "--collect", "--simulate", "--storage", postgres_url, "--tuned-dir", str(tmp_path / "all")]) == 0
     assert sorted(p.name for p in (tmp_path / "all").glob("*.json")) == ["simulated-gpu-sm80.json",
                                                                           "simulated-gpu-sm90.json"]
     for arch in ("sm80", "sm90"):

@@ -97,7 +97,7 @@ def test_cli_tune_pass_bwd_stores_a_backward_entry(tmp_path, capsys):
     assert {problem("fwd").key, key} <= set(doc["entries"])
     assert isinstance(store.lookup(*GPU, 128, "bf16", True, 1000, tuned_dir=tuned), KernelConfig)
     # the studies' winners collected into another store: the backward's too, under the same key
-    assert cli.main(["tune", "--collect", "--storage", f"sqlite:///{tmp_path / 's.db'}",
+    assert cli.main(["tune", "--collect", "--simulate", "--storage", f"sqlite:///{tmp_path / 's.db'}",
                      "--tuned-dir", str(tmp_path / "collected")]) == 0
     collected = json.loads(store.store_path(*GPU, tmp_path / "collected").read_text())["entries"]
     assert collected[key]["kernel"] == doc["entries"][key]["kernel"]

@@ -14,13 +14,12 @@ from typing import Any, NamedTuple
 from .. import abi, driver
 from ..checks import Mods
 from ..compile import target_for
-from ..config import ARCHS, COMBINE_WARPS, DEFAULT_TILES, ELEM_BYTES, KernelConfig, mod_features
+from ..config import ARCHS, COMBINE_WARPS, DEFAULT_TILES, ELEM_BYTES, MAX_SPLITS, KernelConfig, mod_features
 from ..launch import FWD, SM90_BYTES, current_stream, scale_args, softcap_args, tmap_box
 from .dense import compiled_kernel
 
 SERVE_PARAMS = abi.SERVE.struct
 _SM90_SERVE_TAIL = abi.SM90_SERVE_FWD.tail("cu_seqlens_q")  # what follows the tensor maps and FwdParams
-MAX_SPLITS = 128
 # Decode tiles (at most 32 query rows per sequence, packed): (block_m, block_n, num_warps, num_stages)
 # by head dim. Two warps even for 16 rows: one warp alone holds the K/V copies of a tile and its
 # accumulators, and spills at d128 and d256 where pages are smaller than a tile.

@@ -1,0 +1,128 @@
+"""The ctypes driver layer without a GPU: prototypes on every driver function flashgen calls, and launch
+dimensions checked against CUDA's limits before the driver sees them (a C stub stands in for libcuda)."""
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from flashgen import driver
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A libcuda stand-in: the calls Function makes, recording the launch's dimensions as the C ABI delivers them.
+STUB_C = r"""
+typedef struct { unsigned gx, gy, gz, bx, by, bz, smem; int launches; } Last;
+static Last last;
+int cuInit(unsigned flags) { return 0; }
+int cuGetErrorName(int rc, const char **s) { *s = "CUDA_ERROR_STUB"; return 0; }
+int cuGetErrorString(int rc, const char **s) { *s = "stub"; return 0; }
+int cuModuleLoadData(void **m, const void *image) { *m = (void *)0x10; return 0; }
+int cuModuleGetFunction(void **f, void *m, const char *name) { *f = (void *)0x20; return 0; }
+int cuFuncSetAttribute(void *f, int attr, int value) { return 0; }
+int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                   unsigned smem, void *stream, void **params, void **extra) {
+    last.gx = gx; last.gy = gy; last.gz = gz; last.bx = bx; last.by = by; last.bz = bz; last.smem = smem;
+    last.launches++;
+    return 0;
+}
+void stub_last(Last *out) { *out = last; }
+"""
+
+
+class Last(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint) for n in ("gx", "gy", "gz", "bx", "by", "bz", "smem")] + [("launches", ctypes.c_int)]
+
+
+@pytest.fixture
+def stub(tmp_path, monkeypatch):
+    """driver.lib() answering with the C stub, its prototypes declared as for libcuda."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the stub driver")
+    src, so = tmp_path / "stub.c", tmp_path / "libcudastub.so"
+    src.write_text(STUB_C)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+    cuda = driver.declare(ctypes.CDLL(str(so)))
+    monkeypatch.setattr(driver, "lib", lambda: cuda)
+    monkeypatch.setattr(driver, "_bound", lambda: cuda)
+
+    def last() -> Last:
+        out = Last()
+        cuda.stub_last(ctypes.byref(out))
+        return out
+
+    return last
+
+
+def test_every_driver_function_flashgen_calls_has_a_prototype():
+    """Without argtypes ctypes passes each Python int as a C int and masks it to 32 bits: a 64-bit pointer or an
+    out-of-range size reaches the driver as another value. Every cu* call in the package must be declared."""
+    called = set()
+    for f in (ROOT / "flashgen").rglob("*.py"):
+        called |= set(re.findall(r"\b(cu[A-Z]\w+)\(", f.read_text()))
+    assert {"cuLaunchKernel", "cuTensorMapEncodeTiled", "cuModuleLoadData"} <= called
+    assert called <= set(driver.PROTOTYPES), sorted(called - set(driver.PROTOTYPES))
+    for name, (restype, argtypes) in driver.PROTOTYPES.items():
+        assert restype is ctypes.c_int and isinstance(argtypes, list), name
+
+
+def test_declare_sets_argtypes_and_restype(stub):
+    cuda = driver.lib()
+    assert cuda.cuLaunchKernel.argtypes == driver.PROTOTYPES["cuLaunchKernel"][1]
+    assert cuda.cuLaunchKernel.restype is ctypes.c_int
+    assert len(cuda.cuLaunchKernel.argtypes) == 11
+
+
+def test_the_largest_legal_grid_reaches_the_driver_intact(stub):
+    fn = driver.Function(b"cubin", "k", 1 << 17)
+    fn.launch((2**31 - 1, 65535, 65535), 1024, b"\0" * 8, stream=0)
+    last = stub()
+    assert (last.gx, last.gy, last.gz, last.bx, last.by, last.bz, last.smem) == (2**31 - 1, 65535, 65535, 1024, 1, 1,
+                                                                                 1 << 17)
+
+
+@pytest.mark.parametrize("grid, block", [
+    ((2**32 + 7, 1, 1), 128),  # masked to 32 bits this would launch 7 blocks
+    ((2**31, 1, 1), 128),
+    ((1, 65536, 1), 128),
+    ((1, 1, 65536), 128),
+    ((0, 1, 1), 128),
+    ((-1, 1, 1), 128),
+    ((1, 1, 1), 1025),
+    ((1, 1, 1), 0),
+])
+def test_a_grid_past_cudas_limits_is_refused_naming_the_kernel(stub, grid, block):
+    fn = driver.Function(b"cubin", "flash_fwd_kernel_x", 0)
+    with pytest.raises(ValueError, match=r"flash_fwd_kernel_x.*grid") as e:
+        fn.launch(grid, block, b"\0" * 8)
+    assert str(grid) in str(e.value)
+    assert stub().launches == 0  # nothing reached the driver
+
+
+def test_a_varlen_batch_too_large_for_one_grid_is_refused_before_the_driver(stub, monkeypatch):
+    """max_seqlen_q = 2^31 - 1 over 4,097 one-token sequences: the sm80 serving kernel's grid is past 2^31 - 1
+    blocks (masked to 32 bits it launched 2^30 blocks over a fraction of the rows)."""
+    torch = pytest.importorskip("torch")
+    from flashgen.kernels import serving
+
+    fn = driver.Function(b"cubin", "serve_main", 0)
+    monkeypatch.setattr(serving, "_functions", lambda cfg, arch, ctx: (fn, None))
+    monkeypatch.setattr(serving, "arch_and_slots", lambda device: ("sm80", 108))
+    monkeypatch.setattr(serving.driver, "use_device", lambda device: None)
+    monkeypatch.setattr(serving.driver, "primary_context_id", lambda device: 1)
+    monkeypatch.setattr(serving, "current_stream", lambda device: 0)
+    n = 4097
+    q = torch.zeros(n, 8, 128, dtype=torch.bfloat16)
+    cu = torch.arange(n + 1, dtype=torch.int32)
+    cfg = serving.serve_config(128, "bf16", False, 2**31 - 1, "sm80", varlen=True)
+    blocks = serving.serve_grids(cfg, n, 8, 8, 2**31 - 1, n, 1)[0]
+    assert blocks > 2**31 - 1
+    with pytest.raises(ValueError, match=r"serve_main.*grid"):
+        serving.launch_prefill(cfg, q, q, q, torch.empty_like(q), None, cu_q=cu, cu_k=cu, max_seqlen_q=2**31 - 1,
+                               max_seqlen_k=1, num_splits=1, mods=serving.Mods(), softmax_scale=None)
+    assert stub().launches == 0
