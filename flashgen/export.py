@@ -9,7 +9,7 @@ each kernel's grid, threads and shared memory, and a `launch()`.
 A serving kernel (a KernelConfig with any of config.FEATURES) comes from the store where `tune --kind
 decode` or `tune --kind varlen` put it (the manifest's "problems" give each tuned decode problem's
 num_splits; an sm90-family varlen / window kernel gets the dense sm90 header with Sm90ServeFwdParams), or from
-`export_configs` (cli.py export --features, the tiles flashgen.serving.serve_config picks): its `.cu`
+`export_configs` (flashgen export --features, the tiles flashgen.serving.serve_config picks): its `.cu`
 holds the kernel and, with split, its `_combine`; its `.h` the `ServeParams` struct, what each
 compiled-in feature needs in it, the grids of flashgen.serving.serve_grids in C++, and a `launch()`.
 """

@@ -319,6 +319,6 @@ def tuned_config(head_dim: int, dtype: str, causal: bool, arch: str, seqlen: int
         what = (f"{gpu_slug(*gpu)} d{head_dim} {dtype} {'causal' if causal else 'full'} family {family or 'any'}"
                 + (" backward" if pass_ == "bwd" else ""))
         _warn_once(what, f"no tuned configuration for {what} in {store_path(*gpu, tuned_dir)}; using the family "
-                         f"default (tune it: python cli.py tune --arch {family or 'sm80'} --head-dim {head_dim} "
+                         f"default (tune it: flashgen tune --arch {family or 'sm80'} --head-dim {head_dim} "
                          f"--dtype {dtype}{' --pass bwd' if pass_ == 'bwd' else ''})")
     return cfg

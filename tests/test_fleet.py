@@ -21,12 +21,10 @@ from optuna.trial import TrialState
 
 from fleet_fixtures import postgres_server, postgres_url, shared_storage  # noqa: F401 - fixtures
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-import cli  # noqa: E402
+from flashgen import cli, studies
+from flashgen.fleet import collect
 
-from flashgen import studies  # noqa: E402
-from flashgen.fleet import collect  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
