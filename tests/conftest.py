@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,16 @@ def gpu_missing_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU is visible"
     return None
+
+
+@pytest.fixture(scope="session")
+def run_kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A kernel cache of this run, one for all its xdist workers (each of which has its own basetemp below the
+    run's): a kernel compiled by one worker is loaded by the others. flashgen.compile writes each entry to a temp
+    file and renames it, so workers compiling the same kernel at once never read half a file."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return root / "kernel-cache"
 
 
 def tuner_missing_reason() -> str | None:

@@ -16,8 +16,8 @@ from flashgen.tensors import Problem
 
 
 @pytest.fixture(autouse=True)
-def fresh_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kernel-cache"))
+def fresh_cache(run_kernel_cache, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(run_kernel_cache))
 
 
 @pytest.mark.parametrize("field,value,allowed", [

@@ -13,8 +13,8 @@ from conftest import compile_sm90a_clean
 
 
 @pytest.fixture(autouse=True)
-def fresh_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kernel-cache"))
+def fresh_cache(run_kernel_cache, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(run_kernel_cache))
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])
