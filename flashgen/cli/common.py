@@ -122,9 +122,10 @@ def open_storage(storage: str | None, heartbeat_s: int | None = None, grace_s: i
 
     try:
         return make_storage(storage, heartbeat_s, grace_s)
-    except ImportError as e:
-        raise CliError(f"cannot open {describe(resolve(storage))}: {e} (pip install -e '.[fleet]' brings the "
-                       "PostgreSQL driver)") from None
+    except ImportError as e:  # the URL's database driver is not installed
+        fix = ("pip install -e '.[fleet]' installs it" if e.name == "psycopg2" else
+               "install it, or name no driver (postgresql://...) for psycopg2, which pip install -e '.[fleet]' installs")
+        raise CliError(f"cannot open {describe(resolve(storage))}: its driver is missing ({e}): {fix}") from None
     except Exception as e:  # noqa: BLE001 - SQLAlchemy's and the journal's errors, as one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CliError(f"cannot open {describe(resolve(storage))}: {type(e).__name__}: {first}") from None
