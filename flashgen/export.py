@@ -565,11 +565,25 @@ def _grid_text(cfg: KernelConfig | BwdConfig) -> str:
     return f"(ceil(seqlen_q / {cfg.block_m}) * heads * batch, 1, 1)"
 
 
+def arch_guard(name: str, target: str) -> str:
+    """The lines that open an exported `.cu` built for an arch-specific target (sm_90a: wgmma, setmaxnreg): a build
+    for the plain arch (nvcc -arch=sm_90, or 13.x's -arch=sm_90a, whose PTX is compute_90) stops at an #error naming
+    the flags, not at ptxas's "not supported on .target" errors. Empty for other targets."""
+    if not target.endswith("a"):
+        return ""
+    cc = target.removeprefix("sm_").removesuffix("a")
+    flags = " ".join(arch_flags(target))
+    return (f"// {name}: built for {target}; compile with  nvcc {flags} -c {name}.cu\n"
+            f"#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM{cc}_ALL)\n"
+            f'#error "{name} needs {target} instructions: compile it with {flags}"\n'
+            "#endif\n")
+
+
 def _write_kernel(cfg: KernelConfig | BwdConfig, out_dir: Path, tuned_on: list[str], targets: list[str],
                   uses: list[dict[str, Any]]) -> tuple[list[Path], dict[str, Any]]:
     """`<name>.cu` and `<name>.h` of one configuration; returns them and its manifest entry."""
     cu, h = out_dir / f"{cfg.name}.cu", out_dir / f"{cfg.name}.h"
-    cu.write_text(render(cfg))
+    cu.write_text(arch_guard(cfg.name, targets[0]) + render(cfg))
     h.write_text(header(cfg, tuned_on, targets[0]))
     entry = {"kernel": cfg.name, "config": cfg.to_dict(), "targets": targets, "threads": cfg.threads,
              "smem_bytes": cfg.smem_bytes, "grid": _grid_text(cfg), "problems": uses}
