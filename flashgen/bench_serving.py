@@ -1,4 +1,4 @@
-"""Bench of the serving paths on a GPU (`cli.py bench --kind decode|varlen|window|train`), each point beside
+"""Bench of the serving paths on a GPU (`flashgen bench --kind decode|varlen|window|train`), each point beside
 its same-run reference: decode reads K/V against a device-to-device copy of as many bytes and SDPA;
 varlen and window count useful FLOPs against flashgen's dense kernels at the same work; train times
 the backward of a packed batch and of a window against the dense backward kernels.

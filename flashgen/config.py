@@ -530,6 +530,11 @@ DEFAULT_TILES = {
 }
 
 
+def native_family(arch: str) -> str:
+    """The template family built for an `arch` GPU: sm90 on Hopper (its kernels need sm_90a), else sm80."""
+    return "sm90" if arch == "sm90" else "sm80"
+
+
 def default_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm80", family: str = "sm80") -> KernelConfig:
     """The untuned configuration `load()` uses for a problem on `arch` (FP8 only exists in family sm90)."""
     _check_choice("head_dim", head_dim, HEAD_DIMS)

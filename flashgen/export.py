@@ -9,7 +9,7 @@ each kernel's grid, threads and shared memory, and a `launch()`.
 A serving kernel (a KernelConfig with any of config.FEATURES) comes from the store where `tune --kind
 decode` or `tune --kind varlen` put it (the manifest's "problems" give each tuned decode problem's
 num_splits; an sm90-family varlen / window kernel gets the dense sm90 header with Sm90ServeFwdParams), or from
-`export_configs` (cli.py export --features, the tiles flashgen.kernels.serving.serve_config picks): its `.cu`
+`export_configs` (flashgen export --features, the tiles flashgen.kernels.serving.serve_config picks): its `.cu`
 holds the kernel and, with split, its `_combine`; its `.h` the `ServeParams` struct, what each
 compiled-in feature needs in it, the grids of flashgen.kernels.serving.serve_grids in C++, and a `launch()`.
 """
@@ -529,11 +529,25 @@ def _grid_text(cfg: KernelConfig | BwdConfig) -> str:
     return f"(ceil(seqlen_q / {cfg.block_m}) * heads * batch, 1, 1)"
 
 
+def arch_guard(name: str, target: str) -> str:
+    """The lines that open an exported `.cu` built for an arch-specific target (sm_90a: wgmma, setmaxnreg): a build
+    for the plain arch (nvcc -arch=sm_90, or 13.x's -arch=sm_90a, whose PTX is compute_90) stops at an #error naming
+    the flags, not at ptxas's "not supported on .target" errors. Empty for other targets."""
+    if not target.endswith("a"):
+        return ""
+    cc = target.removeprefix("sm_").removesuffix("a")
+    flags = " ".join(arch_flags(target))
+    return (f"// {name}: built for {target}; compile with  nvcc {flags} -c {name}.cu\n"
+            f"#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM{cc}_ALL)\n"
+            f'#error "{name} needs {target} instructions: compile it with {flags}"\n'
+            "#endif\n")
+
+
 def _write_kernel(cfg: KernelConfig | BwdConfig, out_dir: Path, tuned_on: list[str], targets: list[str],
                   uses: list[dict[str, Any]]) -> tuple[list[Path], dict[str, Any]]:
     """`<name>.cu` and `<name>.h` of one configuration; returns them and its manifest entry."""
     cu, h = out_dir / f"{cfg.name}.cu", out_dir / f"{cfg.name}.h"
-    cu.write_text(render(cfg))
+    cu.write_text(arch_guard(cfg.name, targets[0]) + render(cfg))
     h.write_text(header(cfg, tuned_on, targets[0]))
     entry = {"kernel": cfg.name, "config": cfg.to_dict(), "targets": targets, "threads": cfg.threads,
              "smem_bytes": cfg.smem_bytes, "grid": _grid_text(cfg), "problems": uses}
