@@ -5,13 +5,14 @@ driver, launch -> kernels (dense, backward, serving) -> store, resolve -> ops (t
 public entry points); verify, bench, search, the tuners and export sit on top.
 """
 from .__version__ import __version__
-from .api import Kernel, attention, attention_varlen, attention_with_kvcache, choose_config, load, reload
+from .api import (Kernel, attention, attention_varlen, attention_with_kvcache, check_errors, choose_config, load,
+                  reload)
 from .compile import CompileError, CompiledKernel, Resources, compile_kernel
 from .config import ConfigError, KernelConfig, default_config, space
 from .render import render
 from .store import StoreError
 
 __all__ = [
-    "__version__", "attention", "attention_varlen", "attention_with_kvcache", "load", "reload", "Kernel", "choose_config", "KernelConfig", "ConfigError", "default_config",
+    "__version__", "attention", "attention_varlen", "attention_with_kvcache", "check_errors", "load", "reload", "Kernel", "choose_config", "KernelConfig", "ConfigError", "default_config",
     "space", "render", "compile_kernel", "CompiledKernel", "CompileError", "Resources", "StoreError",
 ]

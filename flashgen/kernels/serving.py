@@ -16,6 +16,7 @@ from ..checks import Mods
 from ..compile import target_for
 from ..config import ARCHS, COMBINE_WARPS, DEFAULT_TILES, ELEM_BYTES, MAX_SPLITS, KernelConfig, mod_features
 from ..launch import FWD, SM90_BYTES, current_stream, scale_args, softcap_args, tmap_box
+from .bad_inputs import error_word
 from .dense import compiled_kernel
 
 SERVE_PARAMS = abi.SERVE.struct
@@ -100,7 +101,8 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
             batch_strides: tuple[int, int, int]) -> "ServeLaunch | None":
     """One serving launch (plus the combine when split); returns it with its pointers left out, for a plan to
     repeat. q/out rows: (.., rows, heads, d) views; k, v: (.., keys or page rows, heads_k, d). batch_strides:
-    (q/o, k, v) batch (or page) strides."""
+    (q/o, k, v) batch (or page) strides. The kernel's bounds come from the shapes: the pages of a paged k,
+    seqlen_k as a cache's capacity, the packed rows of q and k (varlen)."""
     heads, heads_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
     blocks, combine_blocks = serve_grids(cfg, batch, heads, heads_k, seqlen_q, total_rows, num_splits)
     if blocks == 0:
@@ -119,14 +121,16 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
         0, 0, 0, 0, 0, 0, 0,
         0 if block_table is None else block_table.stride(0),
         0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
-        lse_strides[0], lse_strides[1], total_rows, page_size, num_splits, mods.window[0], mods.window[1], softcap_pre)
+        lse_strides[0], lse_strides[1], total_rows, page_size, num_splits, mods.window[0], mods.window[1], softcap_pre,
+        k.shape[-4] if block_table is not None else 0, seqlen_k, q.shape[-3], k.shape[-3], error_word(dev))
     accum = ((num_splits, total_rows, heads, d), (num_splits, total_rows, heads)) if cfg.split else None
     run = ServeLaunch(dev, fn, comb, blocks, combine_blocks, cfg.threads, fields, accum)
     _fire(run, (q, k, v, out, lse, cu_q, cu_k, seqused_k, block_table, alibi))
     return run
 
 
-_POINTERS = abi.SERVE.pointers  # q k v o lse, cu_q cu_k seqused block_table alibi, o_accum lse_accum
+# q k v o lse, cu_q cu_k seqused block_table alibi, o_accum lse_accum: filled per call (the error word is per device)
+_POINTERS = tuple(i for i in abi.SERVE.pointers if abi.SERVE.fields[i].path != "error")
 
 
 def _fire(run: "ServeLaunch", tensors: tuple) -> None:
