@@ -115,10 +115,46 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     if is_torch(q):
         if stream is not None:
             raise TypeError(STREAM_FOR_TORCH)
+        if arch is None and _decode_shaped(q, k, v):
+            return attention_with_kvcache(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                          cache_seqlens=_full_lengths(q, k), return_lse=return_lse, validate=False)
         out, lse = _ops().attention(q, k, v, causal, softmax_scale, arch, return_lse, deterministic)
     else:
         out, lse = _forward_arrays(q, k, v, causal, softmax_scale, arch, stream)
     return (out, lse) if return_lse else out
+
+
+# A call with at most this many query tokens against at least DECODE_MIN_KEYS keys is a decode step (or a
+# speculative-decoding one): the split-KV decode kernels, which pack a KV head's query heads into one tile and
+# split the keys over the GPU, beat a dense kernel's 64-row and larger tiles there.
+DECODE_MAX_QUERIES = 16
+DECODE_MIN_KEYS = 512
+_lengths: dict[tuple, Any] = {}  # (device, batch, seqlen_k) -> int32 (batch,) filled with seqlen_k
+
+
+def _decode_shaped(q: Any, k: Any, v: Any) -> bool:
+    """Whether a plain attention() call is decode-shaped and can take the decode kernels: few queries, many keys,
+    16-bit CUDA tensors of one layout, no gradient wanted and not traced (the decode path has no backward)."""
+    if q.dim() != 4 or k.dim() != 4 or q.shape[1] > DECODE_MAX_QUERIES or k.shape[1] < DECODE_MIN_KEYS:
+        return False
+    if not (q.is_cuda and q.dtype == k.dtype == v.dtype and str(q.dtype) in ("torch.float16", "torch.bfloat16")):
+        return False
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return False
+    return not (wants_grad(q, k, v) or traced(q))
+
+
+def _full_lengths(q: Any, k: Any) -> Any:
+    """cache_seqlens of a cache that is full: one tensor per shape, kept, so that back-to-back calls repeat a plan."""
+    import torch  # noqa: PLC0415  (torch tensors: torch is imported)
+
+    key = (q.get_device(), k.shape[0], k.shape[1])
+    lengths = _lengths.get(key)
+    if lengths is None:
+        lengths = torch.full((k.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
+        if not torch.cuda.is_current_stream_capturing():  # a graph's own memory is not for later eager calls
+            _lengths[key] = lengths
+    return lengths
 
 
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,

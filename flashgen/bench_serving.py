@@ -1,4 +1,4 @@
-"""Bench of the serving paths on a GPU (`cli.py bench --kind decode|varlen|window|train`), each point beside
+"""Bench of the serving paths on a GPU (`flashgen bench --kind decode|varlen|window|train`), each point beside
 its same-run reference: decode reads K/V against a device-to-device copy of as many bytes and SDPA;
 varlen and window count useful FLOPs against flashgen's dense kernels at the same work; train times
 the backward of a packed batch and of a window against the dense backward kernels.
@@ -84,11 +84,14 @@ def decode_rows(head_dim: int = 128, dtype: str = "bf16", points: list[tuple[int
             b2b_checked = back_to_back_ms(lambda i: call(validate=True), calls=20)
             sweep = {s: median_ms(time_cuda(lambda i, s=s: call(s), warmup=3, reps=15)) for s in splits_sweep}
             host = host_us_per_call({"call": lambda: call()}, calls=50, loops=3)["call"] if batch * n <= 8192 else None
+            # the plain call on the same contiguous cache: flashgen.attention takes the decode kernels too
+            attn = None if page else back_to_back_ms(lambda i: api.attention(q, kc, vc), calls=50)
             row = {"batch": batch, "cache": n, "page": page, "kv_bytes": kv_bytes, "copy_tb_s": copy,
                    "kernel_us": kern_ms * 1e3, "b2b_us": b2b * 1e3, "b2b_validated_us": b2b_checked * 1e3,
                    "tb_s": kv_bytes / (kern_ms * 1e-3) / 1e12, "b2b_tb_s": kv_bytes / (b2b * 1e-3) / 1e12,
                    "sdpa_us": sdpa_ms * 1e3, "sdpa_tb_s": kv_bytes / (sdpa_ms * 1e-3) / 1e12,
-                   "splits_us": {s: t * 1e3 for s, t in sweep.items()}, "host_us": host}
+                   "splits_us": {s: t * 1e3 for s, t in sweep.items()}, "host_us": host,
+                   "attention_b2b_us": None if attn is None else attn * 1e3}
             row["of_copy"] = row["tb_s"] / copy
             rows.append(row)
             progress(f"decode b{batch} n{n} page{page}: {row['tb_s']:.2f} TB/s ({row['of_copy']:.0%} of copy "
@@ -254,12 +257,12 @@ def train_rows(head_dim: int = 128, dtype: str = "bf16", n_seqs: int = 64, lo: i
 
 def decode_table(rows: list[dict]) -> str:
     head = ["batch", "cache", "page", "kernel us", "TB/s", "% copy", "b2b us", "b2b TB/s", "validated b2b us",
-            "SDPA TB/s", "host us", "splits sweep us"]
+            "attention() b2b us", "SDPA TB/s", "host us", "splits sweep us"]
     lines = [head]
     for r in rows:
         lines.append([r["batch"], r["cache"], r["page"] or "-", f"{r['kernel_us']:.1f}", f"{r['tb_s']:.2f}",
                       f"{r['of_copy']:.0%}", f"{r['b2b_us']:.1f}", f"{r['b2b_tb_s']:.2f}", f"{r['b2b_validated_us']:.1f}",
-                      f"{r['sdpa_tb_s']:.2f}", "-" if r["host_us"] is None else f"{r['host_us']:.1f}",
+                      "-" if r.get("attention_b2b_us") is None else f"{r['attention_b2b_us']:.1f}", f"{r['sdpa_tb_s']:.2f}", "-" if r["host_us"] is None else f"{r['host_us']:.1f}",
                       " ".join(f"{s}:{t:.0f}" for s, t in r["splits_us"].items())])
     w = [max(len(str(x[i])) for x in lines) for i in range(len(head))]
     return "\n".join("  ".join(str(c).ljust(w[i]) for i, c in enumerate(x)).rstrip() for x in lines)

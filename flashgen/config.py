@@ -11,6 +11,8 @@ import itertools
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from . import grids
+
 FAMILIES = ("sm80", "sm90")
 HEAD_DIMS = (32, 64, 96, 128, 256)
 HALF_DTYPES = ("fp16", "bf16")
@@ -406,18 +408,29 @@ class KernelConfig(_AsDict):
         sm90 pack_gqa: m-blocks of packed rows x KV heads x batch (`heads_k` needed; see pack_tiles).
         Cluster: m-blocks rounded up to pairs (m_slots), so x is even, a whole number of 2-CTA clusters (persistent: at
         most the SM count rounded down to even)."""
-        if self.pack_gqa and self.family == "sm90":
+        base = self._grid_base()
+        if base is grids.FWD_PACKED:
             if heads_k is None:
                 raise ValueError(f"{self.name} packs GQA: its grid needs heads_k")
-            m_blocks, heads = pack_tiles(self.block_m, seqlen_q, heads, heads_k)
-            grid = _flat_grid(m_blocks, heads, batch, f"ceil(seqlen_q / ({self.block_m} // group))")
+            pack_tiles(self.block_m, seqlen_q, heads, heads_k)  # refuses a group the tile cannot hold
+            args, what = (seqlen_q, heads, heads_k, batch), f"ceil(seqlen_q / ({self.block_m} // group)) * heads_k * batch"
         else:
-            grid = _flat_grid(self.m_slots(seqlen_q), heads, batch, f"ceil(seqlen_q / {self.block_m})")
+            args, what = (seqlen_q, heads, batch), f"ceil(seqlen_q / {self.block_m}) * heads * batch"
+        grid = _flat_grid(base.bind(BLOCK_M=self.block_m)(*args), what)
         if not self.persistent:
             return grid
         if not sm_count or sm_count < 1:
             raise ValueError(f"{self.name} is persistent: its grid needs the GPU's SM count")
-        return (min(grid[0], max(2, sm_count - sm_count % 2) if self.cluster else sm_count), 1, 1)
+        return (grids.persistent(base, self.cluster).bind(BLOCK_M=self.block_m)(*args, sm_count), 1, 1)
+
+    def _grid_base(self) -> grids.Grid:
+        if self.pack_gqa and self.family == "sm90":
+            return grids.FWD_PACKED
+        return grids.FWD_CLUSTER if self.cluster else grids.FWD
+
+    def grid_formula(self) -> grids.Grid:
+        """The grid as launch headers compute it (flashgen.grids): what `grid` evaluates."""
+        return grids.persistent(self._grid_base(), self.cluster) if self.persistent else self._grid_base()
 
     def unfit_reason(self, arch: str) -> str | None:
         """Why this config cannot run on `arch`, or None if it fits."""
@@ -515,6 +528,11 @@ DEFAULT_TILES = {
     128: [(128, 64, 8, 2), (128, 64, 8, 1), (64, 64, 4, 2)],
     256: [(128, 64, 8, 2), (128, 64, 8, 1), (64, 32, 4, 2), (64, 32, 4, 1)],
 }
+
+
+def native_family(arch: str) -> str:
+    """The template family built for an `arch` GPU: sm90 on Hopper (its kernels need sm_90a), else sm80."""
+    return "sm90" if arch == "sm90" else "sm80"
 
 
 def default_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm80", family: str = "sm80") -> KernelConfig:
@@ -728,17 +746,20 @@ class BwdConfig(_AsDict):
 
     def grid(self, batch: int, heads: int, seqlen_k: int) -> tuple[int, int, int]:
         """Main kernel: one flat grid of n-blocks x heads x batch."""
-        return _flat_grid(-(-seqlen_k // self.block_n), heads, batch, f"ceil(seqlen_k / {self.block_n})")
+        return _flat_grid(grids.BWD_MAIN.bind(BLOCK_N=self.block_n)(seqlen_k, heads, batch),
+                          f"ceil(seqlen_k / {self.block_n}) * heads * batch")
 
     def dq_grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         """_dq kernel (deterministic): m-blocks x heads x batch."""
-        return _flat_grid(-(-seqlen_q // self.block_m), heads, batch, f"ceil(seqlen_q / {self.block_m})")
+        return _flat_grid(grids.BWD_DQ.bind(BLOCK_M=self.block_m)(seqlen_q, heads, batch),
+                          f"ceil(seqlen_q / {self.block_m}) * heads * batch")
 
     def rows_grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         """_pre and _convert kernels: groups of BWD_ROW_WARPS query rows x heads x batch (sm90: over
         seqlen_q_pad rows, and _convert takes convert_grid)."""
-        rows = self.seqlen_q_pad(seqlen_q) if self.family == "sm90" else seqlen_q
-        return _flat_grid(-(-rows // BWD_ROW_WARPS), heads, batch, f"ceil(seqlen_q / {BWD_ROW_WARPS})")
+        g = grids.SM90_BWD_ROWS if self.family == "sm90" else grids.BWD_ROWS
+        return _flat_grid(g.bind(BLOCK_M=self.block_m, ROW_WARPS=BWD_ROW_WARPS)(seqlen_q, heads, batch),
+                          f"ceil(seqlen_q / {BWD_ROW_WARPS}) * heads * batch")
 
     def seqlen_q_pad(self, seqlen_q: int) -> int:
         """sm90: the row count of the padded LSE, D and dQ-accumulator buffers (whole Q tiles)."""
@@ -746,7 +767,8 @@ class BwdConfig(_AsDict):
 
     def convert_grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         """sm90 _convert: one thread per 4 floats of the accumulator, 256 per block."""
-        return _flat_grid(self.seqlen_q_pad(seqlen_q) * self.head_dim // 1024, heads, batch, "seqlen_q * head_dim / 1024")
+        g = grids.SM90_BWD_CONVERT.bind(BLOCK_M=self.block_m, HEAD_DIM=self.head_dim)
+        return _flat_grid(g(seqlen_q, heads, batch), "seqlen_q * head_dim / 1024 * heads * batch")
 
     def unfit_reason(self, arch: str) -> str | None:
         """Why this config cannot run on `arch`, or None if it fits."""
@@ -770,11 +792,9 @@ class BwdConfig(_AsDict):
 
 
 
-def _flat_grid(tiles: int, heads: int, batch: int, what: str) -> tuple[int, int, int]:
-    blocks = tiles * heads * batch
+def _flat_grid(blocks: int, what: str) -> tuple[int, int, int]:
     if blocks > MAX_GRID_X:
-        raise ValueError(f"{blocks} blocks ({what} * heads * batch) exceed the {MAX_GRID_X} a launch may have; "
-                         "split the batch")
+        raise ValueError(f"{blocks} blocks ({what}) exceed the {MAX_GRID_X} a launch may have; split the batch")
     return (blocks, 1, 1)
 
 

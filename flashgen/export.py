@@ -9,7 +9,7 @@ each kernel's grid, threads and shared memory, and a `launch()`.
 A serving kernel (a KernelConfig with any of config.FEATURES) comes from the store where `tune --kind
 decode` or `tune --kind varlen` put it (the manifest's "problems" give each tuned decode problem's
 num_splits; an sm90-family varlen / window kernel gets the dense sm90 header with Sm90ServeFwdParams), or from
-`export_configs` (cli.py export --features, the tiles flashgen.kernels.serving.serve_config picks): its `.cu`
+`export_configs` (flashgen export --features, the tiles flashgen.kernels.serving.serve_config picks): its `.cu`
 holds the kernel and, with split, its `_combine`; its `.h` the `ServeParams` struct, what each
 compiled-in feature needs in it, the grids of flashgen.kernels.serving.serve_grids in C++, and a `launch()`.
 """
@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from . import abi
+from . import abi, grids
 from .__version__ import __version__
 from .compile import arch_flags, target_for
 from .config import BWD_ROW_WARPS, COMBINE_WARPS, FEATURES, BwdConfig, KernelConfig
@@ -107,11 +107,7 @@ constexpr int THREADS = {cfg.threads};
 constexpr int ROW_WARPS = {row_warps};
 constexpr int ROW_THREADS = {cfg.row_threads};
 constexpr int SMEM_BYTES = {cfg.smem_bytes};
-// Flat grids: each kernel unfolds blockIdx.x into (tile, head, batch).
-inline unsigned grid_x(int tiles, int heads, int batch) {{ return (unsigned)((int64_t)tiles * heads * batch); }}
-inline unsigned rows_grid_x(int seqlen_q, int heads, int batch) {{ return grid_x((seqlen_q + ROW_WARPS - 1) / ROW_WARPS, heads, batch); }}
-inline unsigned main_grid_x(int seqlen_k, int heads, int batch) {{ return grid_x((seqlen_k + BLOCK_N - 1) / BLOCK_N, heads, batch); }}
-inline unsigned dq_grid_x(int seqlen_q, int heads, int batch) {{ return grid_x((seqlen_q + BLOCK_M - 1) / BLOCK_M, heads, batch); }}
+{grid_fns}
 }}  // namespace {name}_launch
 }}  // namespace flashgen
 
@@ -173,11 +169,7 @@ constexpr int SMEM_BYTES = {cfg.smem_bytes};
 constexpr int SMEM_W = {smem_w};
 constexpr int SWIZZLE_BYTES = {swizzle};
 inline int seqlen_q_pad(int seqlen_q) {{ return (seqlen_q + BLOCK_M - 1) / BLOCK_M * BLOCK_M; }}
-// Flat grids: each kernel unfolds blockIdx.x into (tile, head, batch).
-inline unsigned grid_x(int tiles, int heads, int batch) {{ return (unsigned)((int64_t)tiles * heads * batch); }}
-inline unsigned pre_grid_x(int seqlen_q, int heads, int batch) {{ return grid_x(seqlen_q_pad(seqlen_q) / ROW_WARPS, heads, batch); }}
-inline unsigned main_grid_x(int seqlen_k, int heads, int batch) {{ return grid_x((seqlen_k + BLOCK_N - 1) / BLOCK_N, heads, batch); }}
-inline unsigned convert_grid_x(int seqlen_q, int heads, int batch) {{ return grid_x(seqlen_q_pad(seqlen_q) * HEAD_DIM / 1024, heads, batch); }}
+{grid_fns}
 }}  // namespace {name}_launch
 }}  // namespace flashgen
 
@@ -237,16 +229,7 @@ constexpr int COMBINE_WARPS = {combine_warps};
 constexpr int COMBINE_THREADS = 32 * COMBINE_WARPS;
 constexpr int PAGE_SIZE_MULTIPLE = 16;  // paged: page_size must be a multiple of this
 constexpr int MAX_SPLITS = {max_splits};  // the most key ranges flashgen itself splits into
-// The main kernel unfolds blockIdx.x into (m-block, head, batch, split), m-blocks fastest; with PACK_GQA a
-// sequence's rows are its seqlen_q * (heads / heads_k) (query row, head) pairs and heads are KV heads.
-inline unsigned grid_x(int seqlen_q, int heads, int heads_k, int batch, int num_splits) {{
-    const int64_t rows = (int64_t)seqlen_q * (PACK_GQA ? heads / heads_k : 1);
-    return (unsigned)((rows + BLOCK_M - 1) / BLOCK_M * (PACK_GQA ? heads_k : heads) * batch * (SPLIT ? num_splits : 1));
-}}
-// The combine (SPLIT): one warp per (row, head) of total_rows * heads; 0 without SPLIT.
-inline unsigned combine_grid_x(int total_rows, int heads) {{
-    return SPLIT ? (unsigned)(((int64_t)total_rows * heads + COMBINE_WARPS - 1) / COMBINE_WARPS) : 0u;
-}}
+{grid_fns}
 // Split-KV workspace, fp32, contiguous: o_accum (num_splits, total_rows, heads, HEAD_DIM), lse_accum
 // (num_splits, total_rows, heads). Nothing to initialise: every split writes each of its rows.
 inline int64_t o_accum_floats(int num_splits, int total_rows, int heads) {{
@@ -366,6 +349,7 @@ def serve_header(cfg: KernelConfig, tuned_on: list[str], target: str) -> str:
     consts = "\n".join(f"constexpr bool {f.upper()} = {str(getattr(cfg, f)).lower()};" for f in FEATURES)
     return _SERVE_HEADER.format(
         name=name, version=__version__, features=", ".join(cfg.features),
+        grid_fns="\n".join([grids.CPP_HELPERS, grids.SERVE.cpp("grid_x"), grids.COMBINE.cpp("combine_grid_x")]),
         tuned_on=", ".join(tuned_on) or "not tuned (serving tiles of flashgen.kernels.serving.serve_config)",
         arch_flags=" ".join(arch_flags(target)), plural="s" if combine else "", both="both" if combine else "it",
         grid=_serve_grid_text(cfg), combine_line=combine_line, combine_decl=combine_decl,
@@ -408,7 +392,10 @@ def bwd_header(cfg: BwdConfig, tuned_on: list[str], target: str) -> str:
     if cfg.family == "sm90":
         params = "\n".join(template_env().get_template(t).render()
                            for t in ("common/bwd_params.cuh.j2", "sm90/bwd_params.cuh.j2"))
+        fns = [grids.SM90_BWD_ROWS.cpp("pre_grid_x"), grids.BWD_MAIN.cpp("main_grid_x"),
+               grids.SM90_BWD_CONVERT.cpp("convert_grid_x")]
         return _SM90_BWD_HEADER.format(name=cfg.name, version=__version__, tuned_on=", ".join(tuned_on) or "untuned",
+                                       grid_fns="\n".join([grids.CPP_HELPERS, *fns]),
                                        arch_flags=" ".join(arch_flags(target)), params=params, cfg=cfg,
                                        causal=str(cfg.causal).lower(), row_warps=BWD_ROW_WARPS, smem_w=cfg.smem_w,
                                        swizzle=cfg.row_bytes)
@@ -425,8 +412,10 @@ def bwd_header(cfg: BwdConfig, tuned_on: list[str], target: str) -> str:
         last_launch = (f"    ::{cfg.name}_convert<<<dim3(rows_grid_x(p.seqlen_q, p.heads, p.batch)), ROW_THREADS, 0, "
                        f"stream>>>(p);")
         last_line = (f"{cfg.name}_convert  grid as _pre, block ROW_THREADS: the fp32 dQ accumulator to dq's dtype")
+    fns = [grids.BWD_ROWS.cpp("rows_grid_x"), grids.BWD_MAIN.cpp("main_grid_x"), grids.BWD_DQ.cpp("dq_grid_x")]
     return _BWD_HEADER.format(
         name=cfg.name, version=__version__, tuned_on=", ".join(tuned_on) or "untuned",
+        grid_fns="\n".join([grids.CPP_HELPERS, *fns]),
         arch_flags=" ".join(arch_flags(target)), params=template_env().get_template("common/bwd_params.cuh.j2").render(),
         cfg=cfg, causal=str(cfg.causal).lower(), deterministic=str(det).lower(), row_warps=BWD_ROW_WARPS,
         last=last, last_launch=last_launch, last_line=last_line,
@@ -457,6 +446,9 @@ def header(cfg: KernelConfig | BwdConfig, tuned_on: list[str], target: str) -> s
         if sm90 else "FwdParams"
     grid = (_PERSISTENT_CLUSTER_GRID if cfg.cluster else _PERSISTENT_PACKED_GRID if packed else _PERSISTENT_GRID) \
         if cfg.persistent else _CLUSTER_GRID if cfg.cluster else _PACKED_GRID if packed else _FLAT_GRID
+    formula = cfg.grid_formula()
+    grid = {**grid, "grid_fn": f"{grids.CPP_HELPERS}\n{formula.cpp('grid_x')}",
+            "grid_args": ", ".join(a if a == "sm_count" else f"f.{a}" for a in formula.args)}
     if cfg.serving:  # the grid runs over num_seqs sequences of up to max_seqlen_q rows (FwdParams: the packed tensors)
         grid = {**grid, "grid_doc": _grid_text(cfg),
                 "grid_args": grid["grid_args"].replace("f.seqlen_q", "p.max_seqlen_q").replace("f.batch", "p.num_seqs")}
@@ -468,13 +460,10 @@ def header(cfg: KernelConfig | BwdConfig, tuned_on: list[str], target: str) -> s
                           fwd_params="p.p" if sm90 else "p", extra_consts=extra, **grid)
 
 
-# The forward's grid, in the header's comment (grid_doc), as code (grid_fn) and at the launch.
+# The forward's grid in the header's comment, and what launch() asks the device first (the code is flashgen.grids').
 _FLAT_GRID = {
     "grid_doc": "(ceil(seqlen_q / BLOCK_M) * heads * batch, 1, 1)",
-    "grid_fn": "// One flat grid: the kernel unfolds blockIdx.x into (m-block, head, batch), so batch and heads may pass 65535.\n"
-               "inline unsigned grid_x(int seqlen_q, int heads, int batch) {\n"
-               "    return (unsigned)(((int64_t)(seqlen_q + BLOCK_M - 1) / BLOCK_M) * heads * batch);\n}",
-    "grid_prelude": "", "grid_args": "f.seqlen_q, f.heads, f.batch",
+    "grid_prelude": "",
 }
 # pack_gqa (sm90): tiles of BLOCK_M / group whole query positions of one KV head, over KV heads.
 _PACKED_Q_NOTE = """
@@ -484,45 +473,26 @@ _PACKED_Q_NOTE = """
 constexpr int pack_rows(int group) { return BLOCK_M / group; }  // query positions per tile (group <= BLOCK_M)"""
 _PACKED_GRID = {
     "grid_doc": "(ceil(seqlen_q / (BLOCK_M / group)) * heads_k * batch, 1, 1) (pack_gqa)",
-    "grid_fn": "// One flat grid over KV heads: a tile holds pack_rows(group) query positions of one KV head's query heads.\n"
-               "inline unsigned grid_x(int seqlen_q, int heads, int heads_k, int batch) {\n"
-               "    const int pos = pack_rows(heads / heads_k);\n"
-               "    return (unsigned)(((int64_t)(seqlen_q + pos - 1) / pos) * heads_k * batch);\n}",
-    "grid_prelude": "", "grid_args": "f.seqlen_q, f.heads, f.heads_k, f.batch",
+    "grid_prelude": "",
 }
 _PERSISTENT_PACKED_GRID = {
     "grid_doc": "(min(ceil(seqlen_q / (BLOCK_M / group)) * heads_k * batch, SM count), 1, 1) (pack_gqa, persistent:\n"
                 "// each CTA loops over tiles)",
-    "grid_fn": "// Persistent pack_gqa: one CTA per SM (fewer if fewer tiles); each walks the (m-block, KV head, batch) tiles.\n"
-               "inline unsigned grid_x(int seqlen_q, int heads, int heads_k, int batch, int sm_count) {\n"
-               "    const int pos = pack_rows(heads / heads_k);\n"
-               "    const int64_t tiles = ((int64_t)(seqlen_q + pos - 1) / pos) * heads_k * batch;\n"
-               "    return (unsigned)(tiles < sm_count ? tiles : sm_count);\n}",
     "grid_prelude": None,  # _PERSISTENT_GRID's
-    "grid_args": "f.seqlen_q, f.heads, f.heads_k, f.batch, sm_count",
 }
 # Clusters of two CTAs (the kernel's __cluster_dims__) on neighbouring m-blocks: m-blocks rounded up to pairs.
 _CLUSTER_GRID = {
     "grid_doc": "(m_slots * heads * batch, 1, 1), m_slots = ceil(seqlen_q / BLOCK_M) rounded up to even\n"
                 "// (2-CTA clusters, compiled in)",
-    "grid_fn": "// One flat grid of m-block pairs: the kernel runs in clusters of two CTAs on neighbouring m-blocks.\n"
-               "inline unsigned grid_x(int seqlen_q, int heads, int batch) {\n"
-               "    const int64_t m_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;\n"
-               "    return (unsigned)((m_blocks + (m_blocks & 1)) * heads * batch);\n}",
-    "grid_prelude": "", "grid_args": "f.seqlen_q, f.heads, f.batch",
+    "grid_prelude": "",
 }
 # A persistent kernel runs one CTA per SM (fewer if fewer tiles), each looping over tiles: launch() asks the device.
 _PERSISTENT_GRID = {
     "grid_doc": "(min(ceil(seqlen_q / BLOCK_M) * heads * batch, SM count), 1, 1) (persistent: each CTA\n"
                 "// loops over tiles)",
-    "grid_fn": "// Persistent: one CTA per SM (fewer if fewer tiles); each walks the (m-block, head, batch) tiles itself.\n"
-               "inline unsigned grid_x(int seqlen_q, int heads, int batch, int sm_count) {\n"
-               "    const int64_t tiles = ((int64_t)(seqlen_q + BLOCK_M - 1) / BLOCK_M) * heads * batch;\n"
-               "    return (unsigned)(tiles < sm_count ? tiles : sm_count);\n}",
     "grid_prelude": "    int device = 0, sm_count = 0;\n"
                     "    if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;\n"
                     "    if ((err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;\n",
-    "grid_args": "f.seqlen_q, f.heads, f.batch, sm_count",
 }
 _PERSISTENT_PACKED_GRID["grid_prelude"] = _PERSISTENT_GRID["grid_prelude"]
 # Persistent in 2-CTA clusters: whole clusters, one CTA per SM at most.
@@ -530,12 +500,6 @@ _PERSISTENT_CLUSTER_GRID = {
     **_PERSISTENT_GRID,
     "grid_doc": "(min(m_slots * heads * batch, SM count rounded down to even), 1, 1), m_slots = ceil(seqlen_q /\n"
                 "// BLOCK_M) rounded up to even (persistent 2-CTA clusters: each cluster loops over m-block pairs)",
-    "grid_fn": "// Persistent 2-CTA clusters: one CTA per SM (fewer if fewer tiles), an even count; each cluster walks the\n"
-               "// (m-block pair, head, batch) tiles itself.\n"
-               "inline unsigned grid_x(int seqlen_q, int heads, int batch, int sm_count) {\n"
-               "    const int64_t m_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M, slots = (m_blocks + (m_blocks & 1)) * heads * batch;\n"
-               "    const int64_t ctas = sm_count < 2 ? 2 : sm_count - sm_count % 2;\n"
-               "    return (unsigned)(slots < ctas ? slots : ctas);\n}",
 }
 
 
@@ -567,11 +531,25 @@ def _grid_text(cfg: KernelConfig | BwdConfig) -> str:
     return f"(ceil(seqlen_q / {cfg.block_m}) * heads * batch, 1, 1)"
 
 
+def arch_guard(name: str, target: str) -> str:
+    """The lines that open an exported `.cu` built for an arch-specific target (sm_90a: wgmma, setmaxnreg): a build
+    for the plain arch (nvcc -arch=sm_90, or 13.x's -arch=sm_90a, whose PTX is compute_90) stops at an #error naming
+    the flags, not at ptxas's "not supported on .target" errors. Empty for other targets."""
+    if not target.endswith("a"):
+        return ""
+    cc = target.removeprefix("sm_").removesuffix("a")
+    flags = " ".join(arch_flags(target))
+    return (f"// {name}: built for {target}; compile with  nvcc {flags} -c {name}.cu\n"
+            f"#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM{cc}_ALL)\n"
+            f'#error "{name} needs {target} instructions: compile it with {flags}"\n'
+            "#endif\n")
+
+
 def _write_kernel(cfg: KernelConfig | BwdConfig, out_dir: Path, tuned_on: list[str], targets: list[str],
                   uses: list[dict[str, Any]]) -> tuple[list[Path], dict[str, Any]]:
     """`<name>.cu` and `<name>.h` of one configuration; returns them and its manifest entry."""
     cu, h = out_dir / f"{cfg.name}.cu", out_dir / f"{cfg.name}.h"
-    cu.write_text(render(cfg))
+    cu.write_text(arch_guard(cfg.name, targets[0]) + render(cfg))
     h.write_text(header(cfg, tuned_on, targets[0]))
     entry = {"kernel": cfg.name, "config": cfg.to_dict(), "targets": targets, "threads": cfg.threads,
              "smem_bytes": cfg.smem_bytes, "grid": _grid_text(cfg), "problems": uses}

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 from . import driver
 from .__version__ import __version__
-from .config import MAX_SPLITS, BwdConfig, ConfigError, KernelConfig
+from .config import MAX_SPLITS, BwdConfig, ConfigError, KernelConfig, native_family
 from .paths import tuned_dir as default_tuned_dir
 from .problem import BATCH_TOKENS, HEADS_DIM_TOTAL, gpu_slug
 
@@ -394,6 +394,6 @@ def tuned_config(head_dim: int, dtype: str, causal: bool, arch: str, seqlen: int
         what = (f"{gpu_slug(*gpu)} d{head_dim} {dtype} {'causal' if causal else 'full'} family {family or 'any'}"
                 + (" backward" if pass_ == "bwd" else ""))
         _warn_once(what, f"no tuned configuration for {what} in {store_path(*gpu, tuned_dir)}; using the family "
-                         f"default (tune it: python cli.py tune --arch {family or 'sm80'} --head-dim {head_dim} "
+                         f"default (tune it: flashgen tune --arch {family or native_family(gpu[1])} --head-dim {head_dim} "
                          f"--dtype {dtype}{' --pass bwd' if pass_ == 'bwd' else ''})")
     return cfg

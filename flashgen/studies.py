@@ -32,6 +32,7 @@ from optuna.trial import FrozenTrial, TrialState
 SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
 JOURNAL_SCHEME = "journal://"
 SQLITE_TIMEOUT_S = 60  # several tuners of one host write one SQLite file: wait for its lock, not fail
+POSTGRES_DRIVER = "postgresql+psycopg2"  # a bare postgresql:// URL is opened with it: the fleet extra's driver
 
 
 def default_storage() -> str:
@@ -151,11 +152,17 @@ _opened: dict[tuple[str, int | None, int | None], BaseStorage] = {}
 _opened_lock = threading.Lock()
 
 
+def with_driver(url: str) -> str:
+    """`url` with PostgreSQL's driver named where it names none: psycopg2, the one the fleet extra installs
+    (SQLAlchemy 2.1 takes a bare postgresql:// to mean psycopg 3)."""
+    return POSTGRES_DRIVER + url[len("postgresql"):] if url.startswith("postgresql://") else url
+
+
 def make_storage(storage: str | None, heartbeat_s: int | None = None, grace_s: int | None = None) -> BaseStorage:
     """The storage named by `storage` (see the module doc), with heartbeats when `heartbeat_s` is
     given; a trial without one for `grace_s` is failed and queued again once. One object per
     storage and settings in a process, shared by its threads (both kinds are thread-safe)."""
-    url = resolve(storage)
+    url = with_driver(resolve(storage))
     key = (url, heartbeat_s, grace_s)
     with _opened_lock:
         if key not in _opened:

@@ -5,7 +5,7 @@
     python scripts/profile_grid.py --from DIR            (summarize a kept profile again, no GPU)
 
 One ncu session profiles one launch of the kernel `load()` picks at each point (batch*seqlen = 16384,
-heads*head_dim = 2048, as `cli.py bench`), clocks left alone, with the SpeedOfLight, ComputeWorkloadAnalysis,
+heads*head_dim = 2048, as `flashgen bench`), clocks left alone, with the SpeedOfLight, ComputeWorkloadAnalysis,
 WarpStateStats and SourceCounters sections. Keeps the report, its raw metrics and per-instruction samples under
 DIR, and prints a row per point: duration, SM / memory throughput, the tensor pipe's share of active cycles,
 issue slots busy, and where the sm90 consumer warpgroups' samples fall (profile_stalls.category: waiting for a

@@ -5,7 +5,7 @@
     python scripts/time_configs.py store:sm90_d128_bf16_full_s4096_g1_bt16384_hdt2048@4096 ...   (a tuned entry's kernel)
 
 For before/after checks of a template change on chosen configurations: batch = 16384 // seqlen,
-heads = 2048 // head_dim (as in `cli.py bench`), CUDA-event medians after warm-up, inputs
+heads = 2048 // head_dim (as in `flashgen bench`), CUDA-event medians after warm-up, inputs
 rotated past L2. A name may carry its own seqlens after `@`. Prints one line per configuration
 and seqlen; a kernel that fails to verify is reported and not timed.
 """

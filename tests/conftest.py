@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +19,39 @@ def gpu_missing_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU is visible"
     return None
+
+
+RAM_TMP = Path("/dev/shm")
+RAM_TMP_MIN_FREE = 2 << 30  # what a run writes there at most (kernel caches, studies, a wheel, a venv), with room
+
+
+@pytest.hookimpl(tryfirst=True)  # before the tmp_path plugin reads --basetemp
+def pytest_configure(config: pytest.Config) -> None:
+    """Without --basetemp, the run's temporary files go to RAM (/dev/shm) where it has room: the simulated tunes
+    commit to SQLite studies a thousand times, each commit an fsync, tens of ms on a disk and nothing in RAM.
+    xdist workers are given their basetemp below this one."""
+    if config.option.basetemp or os.environ.get("PYTEST_XDIST_WORKER") or not os.access(RAM_TMP, os.W_OK):
+        return
+    st = os.statvfs(RAM_TMP)
+    if st.f_bavail * st.f_frsize < RAM_TMP_MIN_FREE:
+        return
+    config.option.basetemp = config._flashgen_ram_tmp = tempfile.mkdtemp(prefix="flashgen-tests-", dir=RAM_TMP)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    ram_tmp = getattr(config, "_flashgen_ram_tmp", None)
+    if ram_tmp:  # RAM: not left behind as pytest leaves its runs on disk
+        shutil.rmtree(ram_tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def run_kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A kernel cache of this run, one for all its xdist workers (each of which has its own basetemp below the
+    run's): a kernel compiled by one worker is loaded by the others. flashgen.compile writes each entry to a temp
+    file and renames it, so workers compiling the same kernel at once never read half a file."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return root / "kernel-cache"
 
 
 def tuner_missing_reason() -> str | None:

@@ -17,8 +17,8 @@ from flashgen.tensors import Problem
 
 
 @pytest.fixture(autouse=True)
-def fresh_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kernel-cache"))
+def fresh_cache(run_kernel_cache, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(run_kernel_cache))
 
 
 @pytest.mark.parametrize("field,value,allowed", [
@@ -215,6 +215,7 @@ def _check_no_spills(kernels):
             assert not r.spills and r.stack_bytes == 0, f"{name} spills on {k.target}: {r}"
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])
 def test_defaults_compile_without_spills(arch):
     cfgs = [default_bwd_config(hd, dt, c, arch) for hd, dt, c in itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True))]
@@ -224,6 +225,7 @@ def test_defaults_compile_without_spills(arch):
     assert kernels[0].resources == parse_ptxas(kernels[0].ptxas_log, kernels[0].config.name, kernels[0].config.smem_bytes)
 
 
+@pytest.mark.sweep
 def test_deterministic_defaults_compile_without_spills():
     cfgs = [default_bwd_config(hd, "bf16", True, "sm80", deterministic=True) for hd in HEAD_DIMS]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
@@ -231,6 +233,7 @@ def test_deterministic_defaults_compile_without_spills():
     _check_no_spills(kernels)
 
 
+@pytest.mark.sweep
 def test_sm90_kernels_compile_without_spills_or_serialized_wgmma():
     """The sm90 backward's defaults (every head dim, dtype, mask) and each schedule knob at another tile:
     no spills, and none of ptxas's wgmma advisories (C7512/C7513: wgmma serialized for registers; C7519:

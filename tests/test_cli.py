@@ -1,7 +1,10 @@
-"""cli.py: help, errors as one clear line, --compile-only on a small space, and a simulated tune/show/export."""
+"""The `flashgen` command (flashgen.cli): help, errors as one clear line, --compile-only on a small space, a simulated
+tune/show/export, and the command as a checkout, `python -m flashgen` and an installed console script run it."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -9,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-import cli  # noqa: E402
+from flashgen import cli, worker
+from flashgen.cli import common
 
-from flashgen import worker  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def run(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "cli.py"), *args], capture_output=True, text=True,
+    """`python -m flashgen ARGS` from the checkout (whose flashgen it imports)."""
+    return subprocess.run([sys.executable, "-m", "flashgen", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env=env)
 
 
@@ -27,7 +30,7 @@ def test_help(cmd, capsys):
         cli.main([*cmd, "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert "usage: cli.py" in out
+    assert "usage: flashgen" in out
     if cmd == ["tune"]:
         for flag in ("--arch", "--head-dim", "--dtype", "--causal", "--seqlen", "--batch-tokens", "--heads-dim-total",
                      "--trials", "--timeout", "--storage", "--compile-only", "--force", "--exhaustive", "--sampler",
@@ -75,13 +78,13 @@ def test_bad_flag_values_are_argparse_errors(capsys):
 
 
 def test_gpu_lists():
-    assert cli.gpu_list("all") == "all" and cli.gpu_list("0,1") == [0, 1] and cli.gpu_list("0,0") == [0, 0]
+    assert common.gpu_list("all") == "all" and common.gpu_list("0,1") == [0, 1] and common.gpu_list("0,0") == [0, 0]
     with pytest.raises(Exception, match="GPU indices"):
-        cli.gpu_list("-1")
+        common.gpu_list("-1")
 
 
 def test_durations():
-    assert cli.duration("90") == 90 and cli.duration("10m") == 600 and cli.duration("1.5h") == 5400
+    assert common.duration("90") == 90 and common.duration("10m") == 600 and common.duration("1.5h") == 5400
 
 
 def test_tune_without_a_gpu_points_at_compile_only(monkeypatch, capsys):
@@ -95,9 +98,9 @@ def test_tune_without_a_gpu_points_at_compile_only(monkeypatch, capsys):
 
 
 def test_newer_family_on_an_older_gpu_is_refused():
-    with pytest.raises(cli.CliError, match="need an sm90 or newer GPU; NVIDIA A100 is sm80"):
-        cli.check_family("sm90", "NVIDIA A100", "sm80")
-    cli.check_family("sm80", "NVIDIA H200", "sm90")  # older families run on newer GPUs
+    with pytest.raises(common.CliError, match="need an sm90 or newer GPU; NVIDIA A100 is sm80"):
+        common.check_family("sm90", "NVIDIA A100", "sm80")
+    common.check_family("sm80", "NVIDIA H200", "sm90")  # older families run on newer GPUs
 
 
 def test_compile_only_on_a_small_space(tmp_path):
@@ -225,3 +228,73 @@ def test_export_of_serving_kernels(tmp_path, capsys):
     assert cli.main(["export", "--out", str(tmp_path / "r"), "--features", "varlen", "--rows", "8",
                      "--head-dim", "64", "--causal", "yes", "--dtype", "fp16"]) == 0
     assert [p.stem for p in (tmp_path / "r").glob("*.cu")] == [serve_config(64, "fp16", True, 8, "sm80", varlen=True).name]
+
+
+VERBS = ["tune", "show", "export", "check", "bench", "dashboard"]
+
+
+def test_python_m_flashgen_and_each_verb_help():
+    p = run("--help")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("usage: flashgen") and all(v in p.stdout for v in VERBS)
+    for verb in VERBS:
+        p = run(verb, "--help")
+        assert p.returncode == 0 and p.stdout.startswith(f"usage: flashgen {verb}"), (verb, p.stderr)
+
+
+def test_the_checkout_script_runs_the_same_command():
+    p = subprocess.run([sys.executable, str(REPO / "cli.py"), "show", "--help"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO.parent)
+    assert p.returncode == 0 and p.stdout.startswith("usage: flashgen show"), p.stderr
+
+
+def test_messages_name_the_flashgen_command():
+    """What flashgen tells a user to run names the installed command, not a script of the checkout."""
+    stale = [f"{path.relative_to(REPO)}:{n}" for path in sorted((REPO / "flashgen").rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if "cli.py" in line]
+    assert not stale, stale
+
+
+@pytest.mark.parametrize("kind", ["decode", "varlen"])
+def test_a_serving_tune_without_a_gpu_says_it_needs_one(kind, capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert cli.main(["tune", "--kind", kind, "--head-dim", "128"]) == 2
+    err = capsys.readouterr().err
+    assert f"tune --kind {kind} times kernels: it needs an NVIDIA GPU" in err and "pycuda" in err, err
+    assert "--compile-only" in err and "bench" not in err
+
+
+@pytest.mark.install
+def test_the_installed_console_script(tmp_path):
+    """`pip install` of the tree gives a `flashgen` command that runs from anywhere, on the package's own data."""
+    tree = tmp_path / "tree"
+    shutil.copytree(REPO, tree, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__",
+                                                              ".pytest_cache", "exported", "benchmarks"))
+    venv = tmp_path / "venv"
+    # without pip: the venv runs the system's pip and setuptools (ensurepip's setuptools may lack bdist_wheel)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps",
+                          "--no-build-isolation", str(tree)], capture_output=True, text=True, timeout=600)
+    assert pip.returncode == 0, pip.stdout + pip.stderr
+    shutil.rmtree(tree)  # what runs below is the installed copy, not a checkout
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FLASHGEN_TUNED_DIR")}
+    env["FLASHGEN_CACHE_DIR"] = str(tmp_path / "cache")
+
+    def flashgen(*args: str) -> str:
+        p = subprocess.run([str(venv / "bin" / "flashgen"), *args], capture_output=True, text=True, cwd=work,
+                           env=env, timeout=300)
+        assert p.returncode == 0, (args, p.stdout, p.stderr)
+        return p.stdout
+
+    assert flashgen("--help").startswith("usage: flashgen")
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import flashgen; print(flashgen.__file__)"],
+                           capture_output=True, text=True, cwd=work, env=env, check=True).stdout
+    assert where.startswith(str(venv)), where
+    assert "NVIDIA H200 (sm90)" in flashgen("show")  # the store shipped in the package
+    out = flashgen("export", "--arch", "sm90", "--out", "x")
+    assert out.startswith("wrote ") and not out.startswith("wrote 0 ")
+    assert list((work / "x").glob("*.cu")) and (work / "x" / "manifest.json").is_file()

@@ -13,10 +13,11 @@ from conftest import compile_sm90a_clean
 
 
 @pytest.fixture(autouse=True)
-def fresh_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kernel-cache"))
+def fresh_cache(run_kernel_cache, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(run_kernel_cache))
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])
 def test_defaults_compile_without_spills(arch):
     cfgs = [default_config(hd, dt, c, arch) for hd, dt, c in itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True))]
@@ -69,6 +70,7 @@ def test_parse_ptxas_report():
         parse_ptxas("nothing", "k1", 0)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("overlap,pingpong", [(False, False), (True, False), (False, True), (True, True)])
 def test_sm90_family_compiles_for_sm90a_without_spills_or_serialized_wgmma(overlap, pingpong, persistent):
@@ -77,6 +79,7 @@ def test_sm90_family_compiles_for_sm90a_without_spills_or_serialized_wgmma(overl
     compile_sm90a_clean(cfgs)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("pingpong", [False, True])
 def test_sm90_overlap_epilogue_compiles_without_spills_or_serialized_wgmma(pingpong):
     """The epilogue written while the next tile's first QK^T runs (d64/d128; d256 spills with it and is left to
@@ -108,6 +111,7 @@ def test_overlap_epilogue_rules_and_space():
     assert not any(c.overlap_epilogue for c in space("sm90", 128, "fp8_e4m3", False))
 
 
+@pytest.mark.sweep
 def test_sm90_lazy_rescale_compiles_without_spills_or_serialized_wgmma():
     """Lazy rescaling, 16-bit in the overlapped schedule (with and without ping-pong, persistent, overlap_epilogue)
     and FP8 in both schedules (with and without the row sums on the tensor cores), at the defaults' tiles: ptxas
@@ -177,6 +181,7 @@ def test_a_hung_nvcc_times_out(tmp_path, monkeypatch):
     assert time.monotonic() - start < 10
 
 
+@pytest.mark.sweep
 def test_three_consumer_warpgroups_get_32_registers_of_headroom():
     """Three 16-bit consumer warpgroups (160 registers each) may hold 128 accumulator registers: d64's 192 x 128 tile
     with overlap (FlashAttention-3's d64 tile) compiles spill-free there without a mask, so the space has it (with
@@ -192,6 +197,7 @@ def test_three_consumer_warpgroups_get_32_registers_of_headroom():
     assert fp8.max_accum_regs == 152 - 40 and fp8.unfit_reason("sm90") is not None
 
 
+@pytest.mark.sweep
 def test_q_regs_rules_name_space_and_clean_compiles():
     """Q in registers (q_regs): 16-bit sm90 only, named _qr, in the space beside every other knob, its A fragments
     counted with the accumulators; ptxas keeps the wgmmas asynchronous and spill-free at the defaults' tiles in
@@ -219,6 +225,7 @@ def test_q_regs_rules_name_space_and_clean_compiles():
     assert "wgmma_qk_rs" not in off and "load_q" not in off
 
 
+@pytest.mark.sweep
 def test_o_tma_rules_name_space_and_clean_compiles():
     """O through shared memory and bulk copies (o_tma): dense 16-bit sm90 only, named _ot, in the space, its staging
     rows (padded by 16 bytes) in the shared memory figure; ptxas keeps the wgmmas asynchronous and spill-free at the
@@ -250,6 +257,7 @@ def test_o_tma_rules_name_space_and_clean_compiles():
     assert "bulk_store" not in off and "stsm_x4" not in off
 
 
+@pytest.mark.sweep
 def test_lpt_by_head_rules_name_space_and_clean_compiles():
     """The causal persistent order head by head (lpt_by_head): 16-bit persistent causal dense sm90 only, named _hl,
     in the space beside each persistent causal configuration; the kernel takes tile_at_chunked over whole heads;
@@ -282,6 +290,7 @@ def test_lpt_by_head_rules_name_space_and_clean_compiles():
         assert "tile_at(t, m_blocks, p.heads, pairs, IS_CAUSAL)" not in k.source
 
 
+@pytest.mark.sweep
 def test_cluster_rules_name_space_grid_and_clean_compiles():
     """2-CTA clusters sharing K/V by TMA multicast (cluster): dense 16-bit sm90 only, named _cl, in the space, the same
     shared memory, K/V boxes of half a tile, m-blocks rounded up to pairs in the grid (persistent: an even grid); ptxas
@@ -401,6 +410,7 @@ def q_register_clobbers(sass: str) -> list[str]:
     return sorted(set(bad))
 
 
+@pytest.mark.sweep
 def test_q_regs_keeps_q_registers_through_the_key_loop():
     """With Q in registers, no instruction may reuse Q's registers while a later S = QK^T reads them. ptxas 13.0
     packed P into them in the loop without overlap (d128; wrong output from the second key tile on, on the H200);
@@ -419,6 +429,7 @@ def test_q_regs_keeps_q_registers_through_the_key_loop():
     assert not bad, bad
 
 
+@pytest.mark.sweep
 def test_p_smem_rules_name_space_and_clean_compiles():
     """P to the second GEMM from shared memory (p_smem): 16-bit sm90 with block_n a multiple of the swizzled row,
     named _psm, in the space, its P tile in the shared memory figure and no second P counted in registers; ptxas
@@ -448,6 +459,7 @@ def test_p_smem_rules_name_space_and_clean_compiles():
     assert "wgmma_pv_ss" not in off and "store_p" not in off
 
 
+@pytest.mark.sweep
 def test_pack_gqa_rules_name_space_and_clean_compiles():
     """sm90 pack_gqa: a dense-forward knob (not a serving feature there), named _pk, offered only in a GQA problem's
     space; ptxas keeps the wgmmas asynchronous and spill-free at d64/d128, both masks, persistent and not, 16-bit and

@@ -121,6 +121,18 @@ def test_exported_sm90_kernel_compiles_and_links_for_sm90a(tmp_path, persistent,
     link_app(out, SM90_MAIN.format(a=cfg.name), (cfg.name,), ("-gencode", "arch=compute_90a,code=sm_90a"))
 
 
+@needs_nvcc
+@pytest.mark.parametrize("arch_flag", ["-arch=sm_90", "-arch=sm_90a"])
+def test_an_exported_sm90_kernel_built_without_sm90a_stops_at_an_error_naming_the_flags(tmp_path, arch_flag):
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True)
+    out, _ = export_stored_sm90(tmp_path, cfg)
+    proc = subprocess.run([NVCC, arch_flag, "-std=c++17", "-c", "-o", str(out / "k.o"), str(out / f"{cfg.name}.cu")],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert f"{cfg.name} needs sm_90a instructions: compile it with -gencode arch=compute_90a,code=sm_90a" in proc.stderr
+    assert "not supported on .target" not in proc.stderr  # stopped before ptxas
+
+
 SM90_PACKED_MAIN = """\
 #include "{a}.h"
 int main() {{

@@ -21,12 +21,10 @@ from optuna.trial import TrialState
 
 from fleet_fixtures import postgres_server, postgres_url, shared_storage  # noqa: F401 - fixtures
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-import cli  # noqa: E402
+from flashgen import cli, studies
+from flashgen.fleet import collect
 
-from flashgen import studies  # noqa: E402
-from flashgen.fleet import collect  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -287,3 +285,26 @@ def test_gpus_all_starts_a_pinned_backend_per_gpu_sharing_one_compile_pool(tmp_p
     doc = store_doc(tmp_path / "tuned")
     assert doc["gpu"]["name"] == "Fake GPU" and all(e["nvcc"] == "12.9" for e in doc["entries"].values())
     assert sum(len(b.calls) > 0 for b in made) >= 2
+
+
+def test_a_postgresql_url_without_a_driver_opens_with_psycopg2_from_the_fleet_extra(monkeypatch):
+    import sqlalchemy
+
+    opened = []
+    monkeypatch.setattr(optuna.storages, "RDBStorage", lambda url, **kw: opened.append(url) or object())
+    studies.make_storage("postgresql://tuner@db-host/flashgen-driver-test")
+    studies.make_storage("postgresql+psycopg://tuner@db-host/flashgen-driver-test")  # a driver named: kept
+    assert [sqlalchemy.engine.make_url(u).get_dialect().driver for u in opened] == ["psycopg2", "psycopg"]
+
+
+@pytest.mark.parametrize("driver, words", [("psycopg2", "pip install -e '.[fleet]' installs it"),
+                                           ("psycopg", "name no driver (postgresql://...) for psycopg2")])
+def test_a_missing_database_driver_is_named_with_its_fix(driver, words, monkeypatch, capsys):
+    def no_driver(url, **kw):
+        raise ModuleNotFoundError(f"No module named '{driver}'", name=driver)
+
+    monkeypatch.setattr(optuna.storages, "RDBStorage", no_driver)
+    assert cli.main(["tune", "--simulate", "--head-dim", "64", "--storage",
+                     f"postgresql+{driver}://tuner@db-host/flashgen-missing-{driver}"]) == 2
+    err = capsys.readouterr().err
+    assert f"its driver is missing (No module named '{driver}')" in err and words in err, err

@@ -50,6 +50,7 @@ def test_fp8_configs_are_sm90_only_with_their_own_geometry():
     assert KernelConfig.from_dict(old).name == "fwd_sm90_d128_bf16_causal_bm128_bn128_w12_s2_ov0_pp0"
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("d", FP8_HEAD_DIMS)
 def test_fp8_kernels_compile_for_sm90a_without_spills_or_serialized_wgmma(d):
     # d256 at 128 keys holds 192 accumulators per thread: its plain schedule fits, ping-pong spills (listed
@@ -83,6 +84,7 @@ def test_mma_rowsum_is_an_fp8_knob_with_its_own_name_space_and_shared_memory():
     assert KernelConfig.from_dict(old) == base
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("d", FP8_HEAD_DIMS)
 def test_mma_rowsum_kernels_compile_clean_and_sum_on_the_tensor_cores(d):
     bn = 256 if d < 256 else 128  # the tiles the tune stores with it

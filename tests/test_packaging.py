@@ -2,6 +2,9 @@
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_wheel_carries_templates_and_tuned(tmp_path):
@@ -24,3 +27,11 @@ def test_wheel_carries_templates_and_tuned(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "fwd_sm80_d64_bf16_causal" in out.stdout
+
+
+def test_import_flashgen_gives_its_fp8_helpers_without_importing_torch():
+    """`import flashgen; flashgen.fp8.quantize(...)`, as the README writes it; torch stays an optional import."""
+    code = ("import sys, flashgen; assert callable(flashgen.fp8.quantize) and callable(flashgen.fp8.emulate); "
+            "assert 'torch' not in sys.modules, 'import flashgen imported torch'")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr

@@ -241,3 +241,12 @@ def test_the_same_winner_from_a_grown_study_updates_its_entry(path):
     assert read_store(path)["entries"][key()]["trials"] == 9
     assert merge(path, GPU, ARCH, {key(): entry(2.0)}) == {key(): "kept"}  # fewer trials: the entry stays
     assert read_store(path)["entries"][key()]["trials"] == 9
+
+
+@pytest.mark.parametrize("gpu, arch, family", [("NVIDIA H200", "sm90", "sm90"), ("NVIDIA A100", "sm80", "sm80"),
+                                               ("NVIDIA L40S", "sm89", "sm80")])
+def test_the_missing_entry_warning_suggests_the_tune_of_the_gpu_in_hand(tmp_path, monkeypatch, gpu, arch, family):
+    monkeypatch.setattr(store, "_warned", set())
+    with pytest.warns(UserWarning, match="no tuned configuration") as rec:
+        assert store.tuned_config(96, "bf16", True, arch, tuned_dir=tmp_path, gpu=(gpu, arch)) is None
+    assert f"tune it: flashgen tune --arch {family} --head-dim 96 --dtype bf16" in str(rec[0].message)

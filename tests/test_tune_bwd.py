@@ -1,5 +1,5 @@
 """Tuning the backward on the CPU: problem keys and study names, the search over BwdConfig, the
-exhaustive-by-default rule, `cli.py tune --pass bwd --simulate` into the store, the store lookup of a
+exhaustive-by-default rule, `flashgen tune --pass bwd --simulate` into the store, the store lookup of a
 tuned backward, and resolve.backward_kernel choosing it (the GPU parts faked)."""
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-import cli
-from flashgen import bench, search, store
+from flashgen import bench, cli, search, store
 from flashgen.backend import SimulatedBackend
 from flashgen.config import BwdConfig, KernelConfig, default_bwd_config
 from flashgen.problem import EXHAUSTIVE_MAX, TuneProblem

@@ -114,7 +114,7 @@ def test_stored_varlen_entries_stay_out_of_dense_lookups(tmp_path):
 
 
 def test_cli_refuses_fp8_for_varlen(capsys):
-    import cli
+    from flashgen import cli
 
     assert cli.main(["tune", "--kind", "varlen", "--arch", "sm90", "--dtype", "fp8", "--compile-only"]) == 2
     assert "bf16 and fp16" in capsys.readouterr().err
@@ -189,7 +189,7 @@ def test_points_from_the_command_line():
 
 
 def test_cli_compiles_the_spaces_of_the_points_it_is_given(monkeypatch, capsys):
-    import cli
+    from flashgen import cli
 
     seen = []
     monkeypatch.setattr(tv, "space", lambda p, compiled=None: seen.append(p) or [])

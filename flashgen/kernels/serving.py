@@ -11,7 +11,7 @@ import functools
 import math
 from typing import Any, NamedTuple
 
-from .. import abi, driver
+from .. import abi, driver, grids
 from ..checks import Mods
 from ..compile import target_for
 from ..config import ARCHS, COMBINE_WARPS, DEFAULT_TILES, ELEM_BYTES, MAX_SPLITS, KernelConfig, mod_features
@@ -77,9 +77,9 @@ def serve_grids(cfg: KernelConfig, batch: int, heads: int, heads_k: int, seqlen_
     unfolds blockIdx.x: m-blocks of seqlen_q rows (seqlen_q * heads / heads_k packed (row, head) pairs
     with pack_gqa) x heads (KV heads with pack_gqa) x batch x splits; the combine runs a warp per
     (row, head) of total_rows * heads. The exported launch header's grid_x and combine_grid_x are this rule in C++."""
-    rows = seqlen_q * (heads // heads_k if cfg.pack_gqa else 1)
-    main = -(-rows // cfg.block_m) * (heads_k if cfg.pack_gqa else heads) * batch * (num_splits if cfg.split else 1)
-    return main, (-(-total_rows * heads // COMBINE_WARPS) if cfg.split else 0)
+    main = grids.SERVE.bind(BLOCK_M=cfg.block_m, PACK_GQA=cfg.pack_gqa, SPLIT=cfg.split)
+    combine = grids.COMBINE.bind(SPLIT=cfg.split, COMBINE_WARPS=COMBINE_WARPS)
+    return main(seqlen_q, heads, heads_k, batch, num_splits), combine(total_rows, heads)
 
 
 def _slots(cfg: KernelConfig, sm_count: int, arch: str) -> int:

@@ -1,0 +1,78 @@
+"""`flashgen export`: tuned kernels (or serving kernels by feature set) as .cu + launch header for a C++ project."""
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+from typing import Any
+
+from flashgen import config as C
+from flashgen.export import export, export_configs
+from flashgen.kernels.serving import serve_config
+
+from .common import CliError, causal_list, check_choices, int_list, str_list
+
+
+def add_parser(sub: Any) -> None:
+    e = sub.add_parser("export", help="write tuned kernels as .cu + launch header for a C++ project")
+    e.add_argument("--arch", default="sm80", help="template family to export (default sm80)")
+    e.add_argument("--out", type=Path, required=True, help="output directory")
+    e.add_argument("--gpu", default=None, help="only kernels tuned on this GPU (name or file slug)")
+    e.add_argument("--tuned-dir", type=Path, default=None, help="tuned store directory")
+    # Serving kernels are not tuned (the store holds none): --features picks them the way
+    # attention_varlen / attention_with_kvcache do (flashgen.kernels.serving.serve_config).
+    e.add_argument("--features", type=str_list, action="append", default=None, metavar="F,F,...",
+                   help=f"export serving kernels with these features (of {','.join(C.FEATURES)}) instead of the "
+                        "tuned store, tiles as flashgen.kernels.serving chooses them; repeat for several sets")
+    e.add_argument("--head-dim", type=int_list, default=[64, 128], help="with --features: head dims (default 64,128)")
+    e.add_argument("--dtype", type=str_list, default=["bf16"], help="with --features: dtypes (default bf16)")
+    e.add_argument("--causal", choices=("yes", "no", "both"), default="both", help="with --features: masking (default both)")
+    e.add_argument("--rows", type=int, default=None,
+                   help="with --features: query rows per sequence the kernels serve (seqlen_q, times heads/heads_k "
+                        "with pack_gqa); up to 32 takes the decode tiles (default: 1 with paged or pack_gqa, else 1024)")
+    e.add_argument("--gpu-arch", default="sm80",
+                   help=f"with --features: the GPU to build and fit them for, one of {', '.join(C.ARCHS)} (default sm80)")
+    e.set_defaults(run=run)
+
+
+def serving_configs(args: argparse.Namespace) -> list[C.KernelConfig]:
+    """export --features: the serving kernel of each feature set x head dim x dtype x mask, chosen by
+    flashgen.kernels.serving.serve_config for --rows rows on --gpu-arch (what the runtime would launch)."""
+    if args.arch != "sm80":
+        raise CliError(f"--arch {args.arch}: serving kernels are family sm80 (they run on Hopper too: --gpu-arch sm90)")
+    if args.gpu or args.tuned_dir:
+        raise CliError("--features exports serving kernels, which are not tuned: drop --gpu and --tuned-dir")
+    check_choices("head-dim", args.head_dim, C.HEAD_DIMS)
+    check_choices("dtype", args.dtype, C.DTYPES)
+    check_choices("gpu-arch", [args.gpu_arch], tuple(C.ARCHS))
+    if args.rows is not None and args.rows < 1:
+        raise CliError(f"--rows must be at least 1; got {args.rows}")
+    cfgs = []
+    for feats in args.features:
+        check_choices("features", feats, C.FEATURES)
+        rows = args.rows if args.rows is not None else (1 if {"paged", "pack_gqa"} & set(feats) else 1024)
+        for d, dtype, causal in itertools.product(args.head_dim, args.dtype, causal_list(args.causal)):
+            try:
+                cfg = serve_config(d, dtype, causal, rows, args.gpu_arch, **{f: True for f in feats})
+            except ValueError as e:  # a feature rule (ConfigError) or no tile that fits
+                raise CliError(f"--features {','.join(feats)}: {e}") from None
+            cfgs.append(cfg)
+    return cfgs
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.features:
+        cfgs = serving_configs(args)
+        files = export_configs(cfgs, args.out, args.gpu_arch)
+        kernels = sum(1 for f in files if f.suffix == ".cu")
+        print(f"wrote {kernels} serving kernels ({len(files)} files) to {args.out}")
+        return 0
+    check_choices("arch", [args.arch], C.FAMILIES)
+    files = export(args.arch, args.out, args.tuned_dir, args.gpu)
+    kernels = sum(1 for f in files if f.suffix == ".cu")
+    print(f"wrote {kernels} kernels ({len(files)} files) to {args.out}")
+    if not kernels:
+        print("nothing tuned for this family yet: run flashgen tune first")
+    return 0
+
+
