@@ -228,8 +228,9 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     cache_seqlens and the sequence; nothing waits for the GPU. validate=True is a debugging aid: it also reads
     cache_seqlens and block_table back before the launch (one host sync per call) and raises there; CUDA-graph
     capture skips it. A call that repeats an earlier one's shapes, strides and options with validate=False (a
-    decode loop) reuses its checks and choices (a plan): pointers, then launch. The append (k, v) itself is
-    not bounded: appending past a cache's capacity or to a bad page needs trusted inputs or validate=True."""
+    decode loop) reuses its checks and choices (a plan): pointers, then launch. An append (k, v) with bad
+    values stays inside the cache too (positions and page ids clamped), but a bad page id can then overwrite
+    another sequence's page: validate=True refuses it before anything is written."""
     import torch  # noqa: PLC0415
 
     check_errors()

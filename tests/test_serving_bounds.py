@@ -83,6 +83,30 @@ def test_validate_is_an_opt_in():
         assert inspect.signature(fn).parameters["validate"].default is False
 
 
+# -- the append --------------------------------------------------------------------------------------------------
+
+def test_append_with_bad_lengths_or_pages_stays_inside_the_cache():
+    """Out-of-range positions or page ids (an IndexError on the CPU, a context-ending device assert on the GPU)
+    are clamped into the cache: the good sequences' appends are exact, a bad contiguous sequence writes only its
+    own row."""
+    torch = pytest.importorskip("torch")
+    from flashgen.kernels.serving import append_kv
+
+    kc = torch.zeros(3, 8, 1, 16)
+    new = torch.arange(3 * 2 * 16, dtype=torch.float32).view(3, 2, 1, 16) + 1
+    append_kv(kc, kc.clone(), new, new, torch.tensor([2, 7, -5], dtype=torch.int32), None, 0)
+    assert torch.equal(kc[0, 2:4], new[0]) and kc[0, :2].abs().sum() == 0 and kc[0, 4:].abs().sum() == 0
+    assert kc[1, :7].abs().sum() == 0  # sequence 1 ran past its 8 rows: only its own row 7 was written
+    assert kc[2, 1:].abs().sum() == 0  # sequence 2's negative length: its own row 0
+    pages = torch.zeros(4, 4, 1, 16)
+    table = torch.tensor([[0, 1], [2, -1], [3, 2]], dtype=torch.int32)  # sequence 1's second page is bad
+    append_kv(pages, pages.clone(), new, new, torch.tensor([3, 5, 0], dtype=torch.int32), table, 4)
+    assert torch.equal(pages[0, 3], new[0, 0]) and torch.equal(pages[1, 0], new[0, 1])
+    assert torch.equal(pages[3, :2], new[2])
+    table[1, 1] = 99
+    append_kv(pages, pages.clone(), new, new, torch.tensor([3, 5, 40], dtype=torch.int32), table, 4)  # no IndexError
+
+
 # -- window clamp ---------------------------------------------------------------------------------------------------
 
 def _seen(sq: int, sk: int, left: int, right: int) -> list[list[bool]]:

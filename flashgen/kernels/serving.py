@@ -293,17 +293,24 @@ def kvcache_launch(cfg: KernelConfig, splits: int, q: Any, k_cache: Any, v_cache
 
 
 def append_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, page_size: int) -> None:
-    """Write k, v at positions cache_seqlens[b] + [0, seqlen_new) of each sequence's cache, in place."""
+    """Write k, v at positions cache_seqlens[b] + [0, seqlen_new) of each sequence's cache, in place.
+
+    Positions and page ids are clamped into the cache (identity for valid inputs; no host sync): an index out of
+    range would stop the CUDA context with a device-side assert. A sequence whose cache_seqlens runs past its
+    cache writes into its own row (contiguous) or pages; a bad page id lands on a page in [0, num_pages). The
+    kernel then finds the same input out of bounds and reports it (flashgen.kernels.bad_inputs)."""
     import torch  # noqa: PLC0415
 
     batch, n = k.shape[:2]
     pos = cache_seqlens.long()[:, None] + torch.arange(n, device=k.device)[None, :]  # (batch, n)
     if block_table is None:
+        pos = pos.clamp_(0, k_cache.shape[1] - 1)
         rows = torch.arange(batch, device=k.device)[:, None].expand(batch, n)
         k_cache[rows, pos] = k
         v_cache[rows, pos] = v
     else:
-        pages = torch.gather(block_table.long(), 1, pos // page_size)
+        pos = pos.clamp_(0, block_table.shape[1] * page_size - 1)
+        pages = torch.gather(block_table.long(), 1, pos // page_size).clamp_(0, k_cache.shape[0] - 1)
         k_cache[pages, pos % page_size] = k
         v_cache[pages, pos % page_size] = v
 
