@@ -21,6 +21,7 @@ CASES = [
     ("page_past_split", "block_table", 1),
     ("seqlens_past", "cache_seqlens", 0),
     ("seqlens_past_paged_split", "cache_seqlens", 2),
+    ("seqlens_past_append", "cache_seqlens", 0),
     ("cu_q_past", "cu_seqlens_q", 2),
     ("cu_k_past", "cu_seqlens_k", 2),
     ("cu_k_decreasing", "cu_seqlens_k", 1),
@@ -28,7 +29,7 @@ CASES = [
 ]
 
 # One case of each input under memcheck (slower: the whole process is instrumented), split-KV included.
-SANITIZED = [c for c in CASES if c[0] in ("page_past_split", "page_negative", "seqlens_past", "cu_q_past",
+SANITIZED = [c for c in CASES if c[0] in ("page_past_split", "page_negative", "seqlens_past_append", "cu_q_past",
                                           "cu_k_decreasing")]
 
 
@@ -83,6 +84,7 @@ def _kvcache_case(torch, case: str):
     dev, dt = "cuda", torch.bfloat16
     paged = case.startswith("page") or "paged" in case
     splits = 3 if "split" in case else 1
+    append = "append" in case  # one new token per sequence written into the cache first
     batch, seqlen_q, page_size, max_pages = 3, 2, 16, 4
     capacity = max_pages * page_size
     num_pages = batch * max_pages
@@ -99,17 +101,24 @@ def _kvcache_case(torch, case: str):
         vc = torch.randn(batch, capacity, HEADS_K, D, generator=gen, device=dev, dtype=dt)
         table = None
 
+    k_new = torch.randn(batch, 1, HEADS_K, D, generator=gen, device=dev, dtype=dt) if append else None
+    v_new = torch.randn(batch, 1, HEADS_K, D, generator=gen, device=dev, dtype=dt) if append else None
+
     def keys(cache, b):
         if table is None:
-            return cache[b, :int(lens[b])]
-        return cache[table[b].long()].reshape(-1, HEADS_K, D)[:int(lens[b])]
+            rows = cache[b, :int(lens[b])]
+        else:
+            rows = cache[table[b].long()].reshape(-1, HEADS_K, D)[:int(lens[b])]
+        if append:
+            rows = torch.cat([rows, (k_new if cache is kc else v_new)[b]])
+        return rows
 
     refs = [attention_mods_ref(q[b], keys(kc, b), keys(vc, b), False, D ** -0.5) +
             attention_mods_ref(q[b], keys(kc, b), keys(vc, b), False, D ** -0.5, dtype=dt)[:1] for b in range(batch)]
     good_table = None if table is None else table.clone()
     good_lens = lens.clone()
     bad_seq = {"page_past": 1, "page_negative": 2, "page_past_split": 1, "seqlens_past": 0,
-               "seqlens_past_paged_split": 2}[case]
+               "seqlens_past_paged_split": 2, "seqlens_past_append": 0}[case]
 
     def setup(bad: bool) -> None:
         if table is not None:
@@ -121,8 +130,8 @@ def _kvcache_case(torch, case: str):
             lens[bad_seq] = capacity + 5
 
     def launch():
-        return attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, num_splits=splits,
-                                      return_lse=True)
+        return attention_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=lens, block_table=table,
+                                      num_splits=splits, return_lse=True)
 
     def rows(out, lse):
         return [(out[b], lse[b]) for b in range(batch)]
