@@ -461,16 +461,16 @@ def tune(args: argparse.Namespace) -> int:
 
     from flashgen.fleet import Job, run
     from flashgen.search import SearchOptions, exhaustive_for, viable_count
-    from flashgen.store import make_entry, merge, store_path
+    from flashgen.store import merge, store_path
+    from flashgen.tunable import entry_of, space_of
 
-    if args.kind == "decode":
-        return tune_decode(args)
-    if args.kind == "varlen":
-        return tune_varlen(args)
-    if args.compile_only:
-        return compile_only(args)
-    if args.collect:
+    if args.collect:  # every kind's studies
         return collect(args)
+    serving = {"decode": decode_problems, "varlen": varlen_problems}.get(args.kind)
+    if serving is not None:
+        serving(args, "-", args.gpu_arch or "sm90")  # the arguments checked before a GPU is sought
+    if args.compile_only:
+        return {"decode": tune_decode, "varlen": tune_varlen}.get(args.kind, compile_only)(args)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     open_storage(args.storage, args.heartbeat, args.grace)
     tuners = make_tuners(args)
@@ -478,7 +478,7 @@ def tune(args: argparse.Namespace) -> int:
     lock = threading.Lock()
     bars: dict = {}
     try:
-        for t in tuners:
+        for t in tuners if serving is None else ():  # a serving kind takes the family its calls take
             check_family(args.arch, t.gpu_name, t.gpu_arch)
         ahead = 1 if args.simulate else max(2, (args.jobs or 8) // len(tuners))
         # --exhaustive / --no-exhaustive decide; else --trials asks for a sampled search; else per problem
@@ -489,12 +489,16 @@ def tune(args: argparse.Namespace) -> int:
                              retime_top=args.retime)
         models = list(dict.fromkeys((t.gpu_name, t.gpu_arch) for t in tuners))
         stores: dict = {}
-        jobs = [Job(prob, around_store(args, prob, restricted_space(args, hd, dt, ca, p, g), stores))
-                for gpu, arch in models
-                for p, hd, dt, ca, sl, g in itertools.product(passes(args), args.head_dim, args.dtype,
-                                                              causal_list(args.causal), args.seqlen, args.gqa)
-                for prob in [TuneProblem(gpu, arch, pass_family(args, p, hd), dt, hd, ca, sl, g, args.batch_tokens,
-                                         args.heads_dim_total, p)]]
+        if serving is not None:  # decode / varlen: each problem's whole space (--max-configs: its first N)
+            jobs = [Job(prob, tuple(space_of(prob)[:args.max_configs or None]))
+                    for gpu, arch in models for prob in serving(args, gpu, arch)]
+        else:
+            jobs = [Job(prob, around_store(args, prob, restricted_space(args, hd, dt, ca, p, g), stores))
+                    for gpu, arch in models
+                    for p, hd, dt, ca, sl, g in itertools.product(passes(args), args.head_dim, args.dtype,
+                                                                  causal_list(args.causal), args.seqlen, args.gqa)
+                    for prob in [TuneProblem(gpu, arch, pass_family(args, p, hd), dt, hd, ca, sl, g,
+                                             args.batch_tokens, args.heads_dim_total, p)]]
         empty = [j.problem.key for j in jobs if not j.space]
         if empty:  # only --around-store can empty a problem's space here (validate checked the rest)
             raise CliError(f"--around-store {','.join(args.around_store)}: no configuration of the restricted space "
@@ -535,7 +539,7 @@ def tune(args: argparse.Namespace) -> int:
 
         def on_done(job, out) -> None:
             p = job.problem
-            entry = make_entry(out, out.versions or next(t.versions for t in tuners
+            entry = entry_of(out, out.versions or next(t.versions for t in tuners
                                                           if (t.gpu_name, t.gpu_arch) == (p.gpu_name, p.gpu_arch)))
             with lock:
                 if single:
@@ -552,9 +556,10 @@ def tune(args: argparse.Namespace) -> int:
             t.backend.close()
         if not args.simulate and tuners and args.gpus is not None:
             tuners[0].backend.compiler.close()  # the shared pool
+    head = [h.replace("TFLOP/s", "TB/s") for h in STORE_HEAD] if args.kind == "decode" else STORE_HEAD
     for (gpu, arch), model_rows in rows.items():
         print(f"\n{gpu} ({arch}) -> {store_path(gpu, arch, args.tuned_dir)}")
-        print(table(model_rows, STORE_HEAD))
+        print(table(model_rows, head))
     return 0
 
 
@@ -566,23 +571,6 @@ def store_row(key: str, out, action: str) -> list:
     return [key, out.best_config.name if out.best_config else "-", f"{out.best.ms:.4f}" if out.best else "-",
             f"{out.best.tflops:.1f}" if out.best else "-", f"{d.ms:.4f}" if d and d.ok else (d.status if d else "-"),
             speed, f"{out.trials}/{out.counts['pruned']}/{failed}", action]
-
-
-def tune_and_store(problems: list, tune_problem: Any, desc: str, info: Any,
-                   args: argparse.Namespace) -> tuple[dict, dict, Path]:
-    """Each serving problem measured in full (tune_problem(p, progress=...) -> entry or None), one progress bar;
-    the winners merged into this GPU's store. Returns (entries, merge actions, store path)."""
-    from tqdm import tqdm
-
-    from flashgen.store import merge, store_path
-
-    entries = {}
-    for p in tqdm(problems, desc=desc, unit="problem"):
-        e = tune_problem(p, progress=tqdm.write)
-        if e is not None:
-            entries[p.key] = e
-    path = store_path(info.name, info.arch, args.tuned_dir)
-    return entries, merge(path, info.name, info.arch, entries, args.force) if entries else {}, path
 
 
 def compile_all(cfgs: list, arch: str, args: argparse.Namespace, what: str) -> int:
@@ -606,8 +594,8 @@ def compile_all(cfgs: list, arch: str, args: argparse.Namespace, what: str) -> i
     return 0
 
 
-def tune_decode(args: argparse.Namespace) -> int:
-    """tune --kind decode: each (head dim, dtype, point, page size) measured in full, the winners merged into the store."""
+def decode_problems(args: argparse.Namespace, gpu_name: str, gpu_arch: str) -> list:
+    """tune --kind decode's problems on one GPU model: each (head dim, dtype, point, page size)."""
     from flashgen import tune_decode as td
 
     points = [tuple(int(x) for x in p.lower().split("x")) for p in args.points] if args.points else list(td.DECODE_POINTS)
@@ -618,66 +606,41 @@ def tune_decode(args: argparse.Namespace) -> int:
         raise CliError(f"--pages {','.join(map(str, pages))}: 0 (contiguous) or multiples of 16")
     if len(args.heads) != 2 or args.heads[0] % args.heads[1]:
         raise CliError("--heads: query heads, KV heads (a multiple of them), e.g. 32,8")
-    if args.compile_only:  # the whole space, for a GPU run to load from FLASHGEN_CACHE_DIR
-        arch = args.gpu_arch or "sm90"
-        return compile_all([c for hd, dt in itertools.product(args.head_dim, args.dtype) for pg in (False, True)
-                            for c, _ in td.space(hd, dt, arch, pg, max(n for _, n in points))], arch, args, "decode")
-    torch = _bench_torch(" (tune --kind decode times kernels)")
-    from flashgen.driver import device_info
-
-    info = device_info(torch.cuda.current_device())
-    problems = [td.DecodeProblem(hd, dt, args.heads[0], args.heads[1], b, n, pg, info.name, info.arch)
-                for hd, dt, (b, n), pg in itertools.product(args.head_dim, args.dtype, points, pages)
-                if not pg or n % pg == 0]
-    entries, actions, path = tune_and_store(problems, td.tune_problem, "decode problems", info, args)
-    rows = []
-    for key, e in entries.items():
-        d = e["default"]
-        rows.append([key, e["kernel"], e["num_splits"], f"{e['median_ms'] * 1e3:.1f}", f"{e['tb_s']:.2f}",
-                     f"{d['tb_s']:.2f}" if d.get("tb_s") else d["status"],
-                     f"{d['median_ms'] / e['median_ms']:.2f}x" if d.get("median_ms") else "-", actions[key]])
-    print(table(rows, ["problem", "kernel", "splits", "us", "TB/s", "untuned TB/s", "speedup", "store"]))
-    print(f"{len(entries)} of {len(problems)} problems stored in {path}")
-    return 0
+    return td.problems(args.head_dim, args.dtype, args.heads[0], args.heads[1], points, pages, gpu_name, gpu_arch)
 
 
-def tune_varlen(args: argparse.Namespace) -> int:
-    """tune --kind varlen: each (head dim, dtype, mask, point of tune_varlen.VARLEN_POINTS) measured over the
-    family's whole fitting space, the winners merged into the store."""
+def tune_decode(args: argparse.Namespace) -> int:
+    """tune --kind decode --compile-only: the whole space, for a GPU run to load from FLASHGEN_CACHE_DIR."""
+    from flashgen import tune_decode as td
+
+    arch = args.gpu_arch or "sm90"
+    n = max(p.cache_len for p in decode_problems(args, "-", arch))
+    return compile_all([c for hd, dt in itertools.product(args.head_dim, args.dtype) for pg in (False, True)
+                        for c, _ in td.space(hd, dt, arch, pg, n)], arch, args, "decode")
+
+
+def varlen_problems(args: argparse.Namespace, gpu_name: str, gpu_arch: str) -> list:
+    """tune --kind varlen's problems on one GPU model: each (head dim, dtype, mask, point of
+    tune_varlen.VARLEN_POINTS)."""
     from flashgen import tune_varlen as tv
 
     try:
         points = [tv.parse_point(p) for p in args.points] if args.points else list(tv.VARLEN_POINTS)
     except ValueError as e:
         raise CliError(f"--points: {e}") from None
-
-    def problems(name: str, arch: str) -> list:
-        return [tv.VarlenProblem(hd, dt, ca, args.heads_dim_total // hd, args.heads_dim_total // hd, packed, seqs, lo,
-                                 hi, win, name, arch)
-                for hd, dt, ca, (packed, seqs, lo, hi, win) in itertools.product(
-                    args.head_dim, args.dtype, causal_list(args.causal), points)
-                if packed or ca]  # a window point is a causal sliding window
-
     if any(dt == "fp8_e4m3" for dt in args.dtype):
         raise CliError("tune --kind varlen: varlen and window are built for bf16 and fp16")
-    if args.compile_only:  # the whole space, for a GPU run to load from FLASHGEN_CACHE_DIR
-        arch = args.gpu_arch or "sm90"
-        return compile_all([c for p in problems("-", arch) for c in tv.space(p)], arch, args, "varlen / window")
-    torch = _bench_torch(" (tune --kind varlen times kernels)")
-    from flashgen.driver import device_info
+    return tv.problems(args.head_dim, args.dtype, causal_list(args.causal), args.heads_dim_total, points, gpu_name,
+                       gpu_arch)
 
-    info = device_info(torch.cuda.current_device())
-    todo = problems(info.name, info.arch)
-    entries, actions, path = tune_and_store(todo, tv.tune_problem, "varlen problems", info, args)
-    rows = []
-    for key, e in entries.items():
-        d = e["default"]
-        rows.append([key, e["kernel"], f"{e['median_ms']:.3f}", f"{e['tflops']:.0f}",
-                     f"{d['tflops']:.0f}" if d.get("tflops") else d["status"],
-                     f"{d['median_ms'] / e['median_ms']:.2f}x" if d.get("median_ms") else "-", actions[key]])
-    print(table(rows, ["problem", "kernel", "ms", "TFLOP/s", "untuned TFLOP/s", "speedup", "store"]))
-    print(f"{len(entries)} of {len(todo)} problems stored in {path}")
-    return 0
+
+def tune_varlen(args: argparse.Namespace) -> int:
+    """tune --kind varlen --compile-only: the spaces of the problems, for a GPU run to load from FLASHGEN_CACHE_DIR."""
+    from flashgen import tune_varlen as tv
+
+    arch = args.gpu_arch or "sm90"
+    return compile_all([c for p in varlen_problems(args, "-", arch) for c in tv.space(p)], arch, args,
+                       "varlen / window")
 
 
 def collect(args: argparse.Namespace) -> int:
