@@ -1,4 +1,7 @@
-"""Step 7: an Optuna study per problem over the tile space, pruning what cannot fit.
+"""Step 7: an Optuna study per problem over its space of candidates, pruning what cannot fit.
+
+Problems of every kind (dense forward / backward, decode, varlen) are searched alike: what the search needs of
+one (its parameters, candidates, default, figures) is its kind's in flashgen.tunable.
 
 The loop uses Optuna's ask/tell so that `ahead` configurations are sampled (and handed
 to the backend to compile) while the previous one is timed. Every outcome is told to
@@ -33,7 +36,8 @@ from optuna.trial import FrozenTrial, TrialState
 from .backend import Backend, TrialResult, tflops
 from .config import SM90_KNOBS, BwdConfig, ConfigError, KernelConfig
 from .problem import DEFAULT_TRIALS, EXHAUSTIVE_MAX
-from .tunable import BWD_PARAMS, FAMILY_PARAMS, PARAMS, Candidate, Problem, kind_of, params_of  # noqa: F401 - re-exported
+from .tunable import BWD_PARAMS, FAMILY_PARAMS, PARAMS, params_of  # noqa: F401 - re-exported
+from .tunable import Candidate, Problem, kind_of
 from .studies import default_storage, make_storage as open_storage  # noqa: F401 - default_storage: re-exported
 
 SAMPLERS = ("tpe", "random")

@@ -1,6 +1,7 @@
 """Varlen / window tuning on the GPU: a few candidates measured through the pipeline on a packed GQA problem and
-on a dense window problem (each verified against float64 in the GPU worker first; a candidate with the wrong mask must fail and never win), the
-winner stored, and attention_varlen / attention(window_size=...) then launching exactly it, correctly."""
+on a dense window problem (each verified against float64 in the GPU worker first; a kernel with the wrong mask
+fails the worker's verification), the winner stored, and attention_varlen / attention(window_size=...) then
+launching exactly it, correctly."""
 from __future__ import annotations
 
 import itertools
