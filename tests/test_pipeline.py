@@ -115,7 +115,10 @@ def test_the_untuned_varlen_choice_is_measured_but_never_stored(tmp_path):
         def cost_ms(self, cand, problem):
             return speed[cand.name]
 
-    out = search(p, Fixed(), opts(tmp_path), cands)
+    backend = Fixed()
+    out = search(p, backend, opts(tmp_path), cands)
+    assert backend.retimed == [[cands[1].name, cands[0].name, tv.RULE.name]]  # the rule timed beside the leaders
+    assert out.default.info["first_ms"] == 1.0
     e = tunable.entry_of(out, {"nvcc": "n", "driver": "d"})
     assert set(e) == VARLEN_KEYS and entry_error(e) is None and e["problem"]["pass_"] == "varlen"
     assert e["kernel"] == cands[1].name and e["median_ms"] == 1.5
