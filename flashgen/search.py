@@ -34,7 +34,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from .backend import Backend, TrialResult, tflops
-from .config import SM90_KNOBS, BwdConfig, ConfigError, KernelConfig
+from .config import SM90_KNOBS, ConfigError
 from .problem import DEFAULT_TRIALS, EXHAUSTIVE_MAX, Rule
 from .tunable import BWD_PARAMS, FAMILY_PARAMS, PARAMS, params_of  # noqa: F401 - re-exported
 from .tunable import Candidate, Problem, kind_of
@@ -47,6 +47,7 @@ PARAMS_WAIT_S = 10.0  # a running trial without parameters is being sampled: wai
 OWNER_WAIT_S = 20 * 60.0  # an earlier trial of the same configuration that neither ends nor goes stale: ignored
 
 Params = tuple  # values of FAMILY_PARAMS[family], in order
+AnyConfig = Candidate  # a configuration, a decode (config, num_splits) pair, or a Rule (see flashgen.tunable)
 
 
 def _infeasible(t: FrozenTrial) -> list[float]:
@@ -99,7 +100,7 @@ class TrialRecord:
     """One told trial, as the progress display sees it."""
 
     number: int
-    config: KernelConfig | None
+    config: AnyConfig | None
     params: Params
     result: TrialResult
     duplicate_of: int | None = None
@@ -108,17 +109,14 @@ class TrialRecord:
 @dataclass
 class SearchOutcome:
     problem: Problem
-    best_config: KernelConfig | None
+    best_config: AnyConfig | None
     best: TrialResult | None
-    default_config: KernelConfig
+    default_config: AnyConfig
     default: TrialResult | None
     counts: Counter = field(default_factory=Counter)  # statuses of this study's trials
     trials: int = 0  # evaluated trials in the study (all runs)
     in_flight: int = 0  # trials other tuners still hold in an unfinished study: come back for it later
     versions: dict[str, str] = field(default_factory=dict)  # those the best trial was timed with
-
-
-AnyConfig = Candidate  # a configuration, a decode (config, num_splits) pair, or a Rule (see flashgen.tunable)
 
 
 def params_key(problem: Problem) -> str:
@@ -224,7 +222,7 @@ def _tell(study: optuna.Study, trial: optuna.Trial, res: TrialResult, duplicate_
         study.tell(trial, state=TrialState.PRUNED if res.status == "pruned" else TrialState.FAIL, skip_if_finished=True)
 
 
-def study_name(problem: Problem, space: list[KernelConfig]) -> str:
+def study_name(problem: Problem, space: list[AnyConfig]) -> str:
     """The problem's study, named by a digest of the space it samples: Optuna fixes the value sets
     of a study, so a restricted space or changed fit rules (arch limits, register or shared-memory
     formulas) open a study of their own instead of failing on resume."""
@@ -295,7 +293,7 @@ class _Heartbeat:
         self._thread.join()
 
 
-def evaluate(backend: Backend, cfg: KernelConfig, problem: Problem) -> TrialResult:
+def evaluate(backend: Backend, cfg: AnyConfig, problem: Problem) -> TrialResult:
     """The backend's result, with a transient failure (RETRIED) tried once more before it is final:
     a configuration is never timed twice, so a first error would otherwise stay for good."""
     res = backend.evaluate(cfg, problem)
@@ -349,7 +347,7 @@ def _owner(study: optuna.Study, trial: optuna.Trial, params: Params, family: str
             next_check = time.monotonic() + opts.heartbeat_s
 
 
-def distributions(problem: Problem, space: list[KernelConfig]) -> dict[str, CategoricalDistribution]:
+def distributions(problem: Problem, space: list[AnyConfig]) -> dict[str, CategoricalDistribution]:
     """What the study samples: per parameter, the values some fitting configuration of `space` has
     (fewer combinations to prune), or those of the whole space when none fits."""
     allowed = {params_for(problem, c) for c in space}
@@ -361,13 +359,13 @@ def distributions(problem: Problem, space: list[KernelConfig]) -> dict[str, Cate
 ASIDE = "default"  # the key of the default measured aside among the re-timed figures (the others: trial numbers)
 
 
-def default_aside(study: optuna.Study, default: KernelConfig) -> TrialResult | None:
+def default_aside(study: optuna.Study, default: AnyConfig) -> TrialResult | None:
     """The default's result measured outside a restricted space, as recorded in the study."""
     rec = study.user_attrs.get("default_aside")
     return TrialResult(**rec["result"]) if isinstance(rec, dict) and rec.get("kernel") == default.name else None
 
 
-def search(problem: Problem, backend: Backend, opts: SearchOptions, space: list[KernelConfig] | None = None,
+def search(problem: Problem, backend: Backend, opts: SearchOptions, space: list[AnyConfig] | None = None,
            on_trial: Callable[[TrialRecord], Any] | None = None) -> SearchOutcome:
     """Run (or continue, or join) the study of `problem` until it holds `opts.trials` evaluated trials
     (those other tuners hold count), the space is exhausted, or `opts.timeout_s` passes. When other
@@ -418,7 +416,7 @@ def search(problem: Problem, backend: Backend, opts: SearchOptions, space: list[
     def stopped() -> bool:
         return out_of_time() or (opts.stop is not None and opts.stop.is_set())
 
-    def tell(trial: optuna.Trial, cfg: KernelConfig | None, params: Params, res: TrialResult,
+    def tell(trial: optuna.Trial, cfg: AnyConfig | None, params: Params, res: TrialResult,
              duplicate_of: int | None = None) -> None:
         _tell(study, trial, res, duplicate_of, opts)
         heart.release(trial)
@@ -522,13 +520,13 @@ def _counts(t: FrozenTrial) -> bool:
     return t.user_attrs.get("status") != "pruned" and "duplicate_of" not in t.user_attrs
 
 
-def _report(on_trial: Callable[[TrialRecord], Any] | None, number: int, cfg: KernelConfig | None, params: Params,
+def _report(on_trial: Callable[[TrialRecord], Any] | None, number: int, cfg: AnyConfig | None, params: Params,
             res: TrialResult, duplicate_of: int | None = None) -> None:
     if on_trial is not None:
         on_trial(TrialRecord(number, cfg, params, res, duplicate_of))
 
 
-def outcome(study: optuna.Study, problem: Problem, default: KernelConfig,
+def outcome(study: optuna.Study, problem: Problem, default: AnyConfig,
             default_res: TrialResult | None = None) -> SearchOutcome:
     """The best verified trial of a study, with counts of every status."""
     finished = _finished(study)

@@ -27,7 +27,7 @@ from . import driver
 from .backend import SimulatedBackend, TrialResult, ok_result
 from .bench import kernel_timer, retime_best, time_backward, time_cuda, time_kernel
 from .compile import CompiledKernel, CompileError, compile_kernel, target_for
-from .config import BwdConfig, KernelConfig, default_config
+from .config import KernelConfig, default_config
 from .launch import FwdParams
 from .problem import TuneProblem
 from .tunable import Candidate, Problem, kind_of
