@@ -12,9 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from .bench import flops
-from .config import BwdConfig, KernelConfig
-from .problem import TuneProblem
+from .problem import Rule
+from .tunable import Candidate, Problem, kind_of
 
 STATUSES = ("ok", "pruned", "compile_failed", "verify_failed", "error", "faulted", "timeout")
 
@@ -39,23 +38,23 @@ class TrialResult:
         return asdict(self)
 
 
-def tflops(problem: TuneProblem, ms: float) -> float:
-    b, sq, sk, h, _ = problem.shape()
-    return flops(b, h, sq, sk, problem.head_dim, problem.causal, problem.pass_) / (ms * 1e-3) / 1e12
+def tflops(problem: Problem, ms: float) -> float:
+    """The figure a time gives for the problem's kind (TFLOP/s; a decode problem's: TB/s of K/V read)."""
+    return kind_of(problem).rate(problem, ms)
 
 
-def ok_result(problem: TuneProblem, ms: float, **info: Any) -> TrialResult:
+def ok_result(problem: Problem, ms: float, **info: Any) -> TrialResult:
     return TrialResult("ok", ms, tflops(problem, ms), info=info)
 
 
 class Backend(Protocol):
     """Evaluates configurations; `prefetch` lets a backend start work (compiles) ahead."""
 
-    def prefetch(self, configs: list[KernelConfig | BwdConfig], problem: TuneProblem) -> None: ...
+    def prefetch(self, configs: list[Candidate], problem: Problem) -> None: ...
 
-    def evaluate(self, config: KernelConfig | BwdConfig, problem: TuneProblem) -> TrialResult: ...
+    def evaluate(self, config: Candidate, problem: Problem) -> TrialResult: ...
 
-    def retime(self, configs: list[KernelConfig | BwdConfig], problem: TuneProblem, rounds: int) -> list[float | None]:
+    def retime(self, configs: list[Candidate], problem: Problem, rounds: int) -> list[float | None]:
         """Verified configurations timed again side by side: median ms each (None: not timed)."""
         ...
 
@@ -79,23 +78,35 @@ class SimulatedBackend:
         self.retimed: list[list[str]] = []  # the configurations of each retime call
         self.delay_s, self.log = delay_s, Path(log) if log else None
 
-    def _log(self, what: str, config: KernelConfig | BwdConfig, problem: TuneProblem) -> None:
+    def _log(self, what: str, config: Candidate, problem: Problem) -> None:
         if self.log is not None:
             with open(self.log, "a") as f:  # one short append per line: whole lines even with several writers
                 f.write(f"{what} {problem.study_name} {config.name} {os.getpid()}\n")
 
-    def prefetch(self, configs: list[KernelConfig | BwdConfig], problem: TuneProblem) -> None:
+    def prefetch(self, configs: list[Candidate], problem: Problem) -> None:
         pass
 
-    def cost_ms(self, cfg: KernelConfig | BwdConfig, problem: TuneProblem) -> float:
-        # Best at 128x128 tiles, 4-8 warps, 3 stages (not the default, so tuning has something to find).
-        b, s, _, h, _ = problem.shape()
-        work = b * h * s * s * cfg.head_dim * (0.5 if cfg.causal else 1.0) * 1e-12
+    def cost_ms(self, cand: Candidate, problem: Problem) -> float:
+        # Best at 128x128 tiles, 4-8 warps, 3 stages (not the default, so tuning has something to find); a decode
+        # candidate best at 32x64 tiles, 2 warps, split 8 ways; an untuned choice (Rule) 1.2 times the work.
+        if hasattr(problem, "shape"):
+            b, s, _, h, _ = problem.shape()
+            work = b * h * s * s * problem.head_dim * (0.5 if problem.causal else 1.0) * 1e-12
+        elif hasattr(problem, "kv_bytes"):
+            work = problem.kv_bytes * 1e-9
+        else:
+            work = problem.flops() * 1e-15
+        if isinstance(cand, Rule):
+            return work * 1.2
+        cfg, splits = getattr(cand, "config", cand), getattr(cand, "num_splits", None)
+        if splits is not None:
+            tile = abs(cfg.block_m - 32) / 16 + abs(cfg.block_n - 64) / 32 + abs(splits.bit_length() - 4) / 2
+            return work * (1.0 + 0.3 * tile + 0.1 * abs(cfg.num_warps - 2) + 0.15 * abs(cfg.num_stages - 3))
         tile = abs(cfg.block_m - 128) / 64 + abs(cfg.block_n - 128) / 64
         return work * (1.0 + 0.3 * tile + 0.1 * abs(cfg.num_warps - 6) / 2 + 0.15 * abs(getattr(cfg, "num_stages", 3) - 3))
         # a BwdConfig has no stages: its cost is the tiles' and warps' alone
 
-    def evaluate(self, config: KernelConfig | BwdConfig, problem: TuneProblem) -> TrialResult:
+    def evaluate(self, config: Candidate, problem: Problem) -> TrialResult:
         self.calls.append(config.name)
         self._log("start", config, problem)
         time.sleep(self.delay_s)
@@ -107,7 +118,7 @@ class SimulatedBackend:
         self._log("done", config, problem)
         return res
 
-    def retime(self, configs: list[KernelConfig | BwdConfig], problem: TuneProblem, rounds: int) -> list[float | None]:
+    def retime(self, configs: list[Candidate], problem: Problem, rounds: int) -> list[float | None]:
         self.retimed.append([c.name for c in configs])
         return [None if c.name in self.failures else self.cost_ms(c, problem) for c in configs]
 

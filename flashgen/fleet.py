@@ -26,11 +26,10 @@ from typing import Any, Callable, Iterator
 import optuna
 
 from .backend import Backend, SimulatedBackend
-from .config import KernelConfig
-from .problem import TuneProblem
 from .search import OWNER_WAIT_S, SearchOptions, SearchOutcome, TrialRecord, evaluate, outcome, search
-from .store import config_from_entry, current_gpu, make_entry
+from .store import current_gpu
 from .studies import make_storage
+from .tunable import Candidate, Problem, candidate_of_entry, entry_of, kind_of, problem_from_dict
 from .worker import GpuBackend, NoGpuError
 
 REVISIT_S = 2.0  # how often a tuner with nothing else to do looks at studies other tuners still hold
@@ -59,8 +58,8 @@ class Tuner:
 
 @dataclass(frozen=True)
 class Job:
-    problem: TuneProblem
-    space: tuple[KernelConfig, ...]
+    problem: Problem  # any kind (flashgen.tunable): dense, decode, varlen
+    space: tuple[Candidate, ...]
 
 
 def run(tuners: list[Tuner], jobs: list[Job], opts: SearchOptions,
@@ -152,14 +151,14 @@ def _tune(tuner: Tuner, order: list[Job], opts: SearchOptions, on_start: Callabl
             time.sleep(REVISIT_S)
 
 
-def studies(storage: str | None) -> Iterator[tuple[str, TuneProblem, optuna.Study]]:
-    """Every flashgen study in the storage (those that record their problem), by name."""
+def studies(storage: str | None) -> Iterator[tuple[str, Problem, optuna.Study]]:
+    """Every flashgen study in the storage (those that record their problem, of any kind), by name."""
     st = make_storage(storage)
     for name in sorted(optuna.get_all_study_names(st)):
         study = optuna.load_study(study_name=name, storage=st)
         p = study.user_attrs.get("problem")
         try:
-            problem = TuneProblem(**p) if isinstance(p, dict) else None
+            problem = problem_from_dict(p) if isinstance(p, dict) else None
         except TypeError:  # another version's problem record
             problem = None
         if problem is not None:
@@ -171,8 +170,8 @@ def collect(storage: str | None) -> dict[tuple[str, str], dict[str, dict[str, An
     several studies of one problem (restricted spaces), the fastest verified result."""
     found: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
     for _, problem, study in studies(storage):
-        out = outcome(study, problem, problem.default_config())
-        entry = make_entry(out, out.versions or {"nvcc": "unknown", "driver": "unknown"})
+        out = outcome(study, problem, kind_of(problem).default(problem))
+        entry = entry_of(out, out.versions or {"nvcc": "unknown", "driver": "unknown"})
         if entry is None:
             continue
         entries = found.setdefault((problem.gpu_name, problem.gpu_arch), {})
@@ -217,8 +216,8 @@ def verify_winners(found: Found, backend: Backend,
     refused: list[tuple[str, str]] = []
     for model, entries in sorted(found.items()):
         for key, e in sorted(entries.items()):
-            problem = TuneProblem(**e["problem"])
-            cfg = config_from_entry(e)
+            problem = problem_from_dict(e["problem"])
+            cfg = candidate_of_entry(e)
             if gpu is not None and model != gpu:
                 refused.append((key, f"tuned on {model[0]} ({model[1]}), cannot be verified on this {gpu[0]} "
                                      f"({gpu[1]}): collect it on a {model[0]} host"))

@@ -23,6 +23,18 @@ EXHAUSTIVE_MAX = 400
 DEFAULT_TRIALS = 60
 
 
+@dataclass(frozen=True)
+class Rule:
+    """A candidate that is no configuration: what a call takes without a stored entry (the serving problems'
+    untuned choice, chosen where it runs: attention_with_kvcache's split rule, the prefill's resolved tiles).
+    It is measured beside the search, never stored."""
+
+    name: str
+
+    def unfit_reason(self, arch: str) -> str | None:
+        return None
+
+
 def gpu_slug(gpu_name: str, arch: str) -> str:
     """File-system name of a GPU: "NVIDIA H200", "sm90" -> "nvidia-h200-sm90"."""
     return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") + f"-{arch}"

@@ -1,4 +1,7 @@
-"""Step 7: an Optuna study per problem over the tile space, pruning what cannot fit.
+"""Step 7: an Optuna study per problem over its space of candidates, pruning what cannot fit.
+
+Problems of every kind (dense forward / backward, decode, varlen) are searched alike: what the search needs of
+one (its parameters, candidates, default, figures) is its kind's in flashgen.tunable.
 
 The loop uses Optuna's ask/tell so that `ahead` configurations are sampled (and handed
 to the backend to compile) while the previous one is timed. Every outcome is told to
@@ -31,16 +34,12 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from .backend import Backend, TrialResult, tflops
-from .config import SM90_KNOBS, BwdConfig, ConfigError, KernelConfig, bwd_space, space as config_space
-from .problem import DEFAULT_TRIALS, EXHAUSTIVE_MAX, TuneProblem
+from .config import SM90_KNOBS, ConfigError
+from .problem import DEFAULT_TRIALS, EXHAUSTIVE_MAX, Rule
+from .tunable import BWD_PARAMS, FAMILY_PARAMS, PARAMS, params_of  # noqa: F401 - re-exported
+from .tunable import Candidate, Problem, kind_of
 from .studies import default_storage, make_storage as open_storage  # noqa: F401 - default_storage: re-exported
 
-PARAMS = ("block_m", "block_n", "num_warps", "num_stages")  # Optuna's parameter names = KernelConfig fields
-BWD_PARAMS = ("block_m", "block_n", "num_warps")  # = BwdConfig's tuned fields (deterministic is a choice, not a knob)
-# Keyed by `params_key`: the family for a forward problem, "bwd_<family>" for a backward one.
-FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, *SM90_KNOBS),
-                 "bwd_sm80": BWD_PARAMS,
-                 "bwd_sm90": (*BWD_PARAMS, "num_stages", "stagger")}
 SAMPLERS = ("tpe", "random")
 RETRIED = ("error", "timeout")  # may pass on a second try (a busy or restarted GPU worker)
 POLL_S = 0.25  # how often a tuner waiting for another's trial reads the study
@@ -48,6 +47,7 @@ PARAMS_WAIT_S = 10.0  # a running trial without parameters is being sampled: wai
 OWNER_WAIT_S = 20 * 60.0  # an earlier trial of the same configuration that neither ends nor goes stale: ignored
 
 Params = tuple  # values of FAMILY_PARAMS[family], in order
+AnyConfig = Candidate  # a configuration, a decode (config, num_splits) pair, or a Rule (see flashgen.tunable)
 
 
 def _infeasible(t: FrozenTrial) -> list[float]:
@@ -100,7 +100,7 @@ class TrialRecord:
     """One told trial, as the progress display sees it."""
 
     number: int
-    config: KernelConfig | None
+    config: AnyConfig | None
     params: Params
     result: TrialResult
     duplicate_of: int | None = None
@@ -108,10 +108,10 @@ class TrialRecord:
 
 @dataclass
 class SearchOutcome:
-    problem: TuneProblem
-    best_config: KernelConfig | None
+    problem: Problem
+    best_config: AnyConfig | None
     best: TrialResult | None
-    default_config: KernelConfig
+    default_config: AnyConfig
     default: TrialResult | None
     counts: Counter = field(default_factory=Counter)  # statuses of this study's trials
     trials: int = 0  # evaluated trials in the study (all runs)
@@ -119,40 +119,38 @@ class SearchOutcome:
     versions: dict[str, str] = field(default_factory=dict)  # those the best trial was timed with
 
 
-AnyConfig = KernelConfig | BwdConfig
+def params_key(problem: Problem) -> str:
+    """The FAMILY_PARAMS entry of a problem: its family (a forward or varlen problem), "bwd_<family>" (a backward
+    one) or "decode"."""
+    return kind_of(problem).key(problem)
 
 
-def params_key(problem: TuneProblem) -> str:
-    """The FAMILY_PARAMS entry of a problem: its family, prefixed "bwd_" for a backward problem."""
-    return problem.family if problem.pass_ == "fwd" else f"bwd_{problem.family}"
+def params_for(problem: Problem, cand: AnyConfig) -> Params:
+    """A candidate's parameter values in the problem's study."""
+    return kind_of(problem).params_of(problem, cand)
 
 
-def params_of(cfg: AnyConfig) -> Params:
-    key = f"bwd_{cfg.family}" if isinstance(cfg, BwdConfig) else cfg.family
-    return tuple(getattr(cfg, p) for p in FAMILY_PARAMS[key])
+def config_of(problem: Problem, params: Params) -> AnyConfig:
+    """The candidate of parameter values (raises ConfigError for values no configuration has)."""
+    return kind_of(problem).candidate(problem, params)
 
 
-def config_of(problem: TuneProblem, params: Params) -> AnyConfig:
-    make = BwdConfig if problem.pass_ == "bwd" else KernelConfig
-    return make(problem.head_dim, problem.dtype, problem.causal, family=problem.family,
-                **dict(zip(FAMILY_PARAMS[params_key(problem)], params)))
+def problem_space(problem: Problem) -> list[AnyConfig]:
+    """The whole space of a problem (arch fit not checked)."""
+    return kind_of(problem).space(problem)
 
 
-def problem_space(problem: TuneProblem) -> list[AnyConfig]:
-    """The whole space of a problem's pass (arch fit not checked)."""
-    if problem.pass_ == "bwd":
-        return bwd_space(problem.head_dim, problem.dtype, problem.causal, family=problem.family)  # type: ignore[return-value]
-    return config_space(problem.family, problem.head_dim, problem.dtype, problem.causal,  # type: ignore[return-value]
-                        problem.gqa_group)
+def _unfit(problem: Problem, cand: AnyConfig) -> str | None:
+    return kind_of(problem).unfit_reason(problem, cand)
 
 
-def viable_count(problem: TuneProblem, space: list[AnyConfig] | None = None) -> int:
+def viable_count(problem: Problem, space: list[AnyConfig] | None = None) -> int:
     """How many configurations of `space` (default: the problem's) fit the problem's GPU."""
     space = problem_space(problem) if space is None else space
-    return sum(1 for c in space if c.unfit_reason(problem.gpu_arch) is None)
+    return sum(1 for c in space if _unfit(problem, c) is None)
 
 
-def exhaustive_for(problem: TuneProblem, opts: SearchOptions, space: list[AnyConfig] | None = None) -> bool:
+def exhaustive_for(problem: Problem, opts: SearchOptions, space: list[AnyConfig] | None = None) -> bool:
     """Whether the search of `problem` enumerates its space: `opts.exhaustive` when given, else
     (None) when at most EXHAUSTIVE_MAX configurations fit, where sampling saves little and may miss the best."""
     if opts.exhaustive is not None:
@@ -160,7 +158,7 @@ def exhaustive_for(problem: TuneProblem, opts: SearchOptions, space: list[AnyCon
     return viable_count(problem, space) <= EXHAUSTIVE_MAX
 
 
-def static_reason(problem: TuneProblem, params: Params, allowed: set[Params]) -> str | None:
+def static_reason(problem: Problem, params: Params, allowed: set[Params]) -> str | None:
     """Why this configuration is pruned before compiling, or None."""
     try:
         cfg = config_of(problem, params)
@@ -168,7 +166,7 @@ def static_reason(problem: TuneProblem, params: Params, allowed: set[Params]) ->
         return str(e)
     if params not in allowed:
         return "outside the restricted search space"
-    return cfg.unfit_reason(problem.gpu_arch)
+    return _unfit(problem, cfg)
 
 
 def result_of(t: FrozenTrial) -> TrialResult:
@@ -224,12 +222,12 @@ def _tell(study: optuna.Study, trial: optuna.Trial, res: TrialResult, duplicate_
         study.tell(trial, state=TrialState.PRUNED if res.status == "pruned" else TrialState.FAIL, skip_if_finished=True)
 
 
-def study_name(problem: TuneProblem, space: list[KernelConfig]) -> str:
+def study_name(problem: Problem, space: list[AnyConfig]) -> str:
     """The problem's study, named by a digest of the space it samples: Optuna fixes the value sets
     of a study, so a restricted space or changed fit rules (arch limits, register or shared-memory
     formulas) open a study of their own instead of failing on resume."""
-    allowed = sorted(params_of(c) for c in space)
-    viable = [p for c, p in zip(space, map(params_of, space)) if c.unfit_reason(problem.gpu_arch) is None]
+    allowed = sorted(params_for(problem, c) for c in space)
+    viable = [params_for(problem, c) for c in space if _unfit(problem, c) is None]
     digest = hashlib.sha1(repr((allowed, sorted(viable))).encode()).hexdigest()[:8]
     return f"{problem.study_name}@space-{digest}"
 
@@ -246,7 +244,7 @@ def fail_stale_trials(study: optuna.Study) -> None:
         optuna.storages.fail_stale_trials(study)
 
 
-def open_study(problem: TuneProblem, opts: SearchOptions, name: str | None = None) -> optuna.Study:
+def open_study(problem: Problem, opts: SearchOptions, name: str | None = None) -> optuna.Study:
     """The problem's study (`name`, by default that of its whole space), created if new; trials
     of killed tuners (no heartbeat for `opts.grace_s`) are failed and queued again."""
     if name is None:
@@ -295,7 +293,7 @@ class _Heartbeat:
         self._thread.join()
 
 
-def evaluate(backend: Backend, cfg: KernelConfig, problem: TuneProblem) -> TrialResult:
+def evaluate(backend: Backend, cfg: AnyConfig, problem: Problem) -> TrialResult:
     """The backend's result, with a transient failure (RETRIED) tried once more before it is final:
     a configuration is never timed twice, so a first error would otherwise stay for good."""
     res = backend.evaluate(cfg, problem)
@@ -349,22 +347,25 @@ def _owner(study: optuna.Study, trial: optuna.Trial, params: Params, family: str
             next_check = time.monotonic() + opts.heartbeat_s
 
 
-def distributions(problem: TuneProblem, space: list[KernelConfig]) -> dict[str, CategoricalDistribution]:
+def distributions(problem: Problem, space: list[AnyConfig]) -> dict[str, CategoricalDistribution]:
     """What the study samples: per parameter, the values some fitting configuration of `space` has
     (fewer combinations to prune), or those of the whole space when none fits."""
-    allowed = {params_of(c) for c in space}
-    viable = {params_of(c) for c in space if c.unfit_reason(problem.gpu_arch) is None}
+    allowed = {params_for(problem, c) for c in space}
+    viable = {params_for(problem, c) for c in space if _unfit(problem, c) is None}
     return {p: CategoricalDistribution(sorted({v[i] for v in viable or allowed}))
             for i, p in enumerate(FAMILY_PARAMS[params_key(problem)])}
 
 
-def default_aside(study: optuna.Study, default: KernelConfig) -> TrialResult | None:
+ASIDE = "default"  # the key of the default measured aside among the re-timed figures (the others: trial numbers)
+
+
+def default_aside(study: optuna.Study, default: AnyConfig) -> TrialResult | None:
     """The default's result measured outside a restricted space, as recorded in the study."""
     rec = study.user_attrs.get("default_aside")
     return TrialResult(**rec["result"]) if isinstance(rec, dict) and rec.get("kernel") == default.name else None
 
 
-def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: list[KernelConfig] | None = None,
+def search(problem: Problem, backend: Backend, opts: SearchOptions, space: list[AnyConfig] | None = None,
            on_trial: Callable[[TrialRecord], Any] | None = None) -> SearchOutcome:
     """Run (or continue, or join) the study of `problem` until it holds `opts.trials` evaluated trials
     (those other tuners hold count), the space is exhausted, or `opts.timeout_s` passes. When other
@@ -373,14 +374,14 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
     opts = replace(opts, exhaustive=exhaustive_for(problem, opts, space))
     if not space:
         raise ValueError(f"the search space of {problem.key} is empty")
-    allowed = {params_of(c) for c in space}
-    viable = {params_of(c) for c in space if c.unfit_reason(problem.gpu_arch) is None}
+    allowed = {params_for(problem, c) for c in space}
+    viable = {params_for(problem, c) for c in space if _unfit(problem, c) is None}
     kind = params_key(problem)
     names = FAMILY_PARAMS[kind]
     dists = distributions(problem, space)
     study = open_study(problem, opts, study_name(problem, space))
     view = _view(study, kind)
-    default = problem.default_config()
+    default = kind_of(problem).default(problem)
     queued: set[Params] = set()
 
     def enqueue(params: Params) -> None:
@@ -388,10 +389,10 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
             study.enqueue_trial(dict(zip(names, params)), skip_if_exists=True)
             queued.add(params)
 
-    enqueue(params_of(default))  # the default is measured first: the figure tuned kernels are compared with
+    enqueue(params_for(problem, default))  # the default is measured first: the figure tuned kernels are compared with
     if opts.exhaustive:
         for c in space:
-            enqueue(params_of(c))
+            enqueue(params_for(problem, c))
 
     def open_configs(v: _View) -> set[Params]:  # viable, neither done nor held by any tuner
         return viable - set(v.done) - set(v.held.values())
@@ -415,7 +416,7 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
     def stopped() -> bool:
         return out_of_time() or (opts.stop is not None and opts.stop.is_set())
 
-    def tell(trial: optuna.Trial, cfg: KernelConfig | None, params: Params, res: TrialResult,
+    def tell(trial: optuna.Trial, cfg: AnyConfig | None, params: Params, res: TrialResult,
              duplicate_of: int | None = None) -> None:
         _tell(study, trial, res, duplicate_of, opts)
         heart.release(trial)
@@ -462,10 +463,10 @@ def search(problem: TuneProblem, backend: Backend, opts: SearchOptions, space: l
             study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
     # Trials other tuners still hold (budget met or not) will change the outcome: come back for them.
     in_flight = 0 if stopped() or asks >= max_asks else len(_view(study, kind).held)
-    default_res = view.done.get(params_of(default))
+    default_res = view.done.get(params_for(problem, default))
     if default_res is not None:
         default_value: TrialResult | None = result_of(default_res)
-    elif params_of(default) not in allowed:  # outside a restricted space: measured aside, once per study,
+    elif params_for(problem, default) not in allowed:  # outside a restricted space: measured aside, once per study,
         default_value = default_aside(study, default)  # by a tuner leaving it finished
         if default_value is None and not stopped() and not in_flight:
             default_value = evaluate(backend, default, problem)
@@ -489,7 +490,7 @@ def _retimed(study: optuna.Study, ok: list[FrozenTrial]) -> dict[str, float]:
     return rec["ms"] if isinstance(rec, dict) and rec.get("verified") == len(ok) else {}
 
 
-def retime_leaders(study: optuna.Study, problem: TuneProblem, backend: Backend, opts: SearchOptions,
+def retime_leaders(study: optuna.Study, problem: Problem, backend: Backend, opts: SearchOptions,
                    default: AnyConfig) -> None:
     """Time the `retime_top` fastest verified configurations (and the default, the figure they are compared
     with) again in interleaved rounds on one input set, and record the figures in the study (user attribute
@@ -501,11 +502,16 @@ def retime_leaders(study: optuna.Study, problem: TuneProblem, backend: Backend, 
         return
     lead = sorted(ok, key=lambda t: (t.user_attrs["ms"], t.number))[:opts.retime_top]
     kind = params_key(problem)
-    dflt = next((t for t in ok if _params(t, kind) == params_of(default)), None)
+    dflt = next((t for t in ok if _params(t, kind) == params_for(problem, default)), None)
     lead += [dflt] if dflt is not None and dflt not in lead else []
-    ms = backend.retime([config_of(problem, _params(t, kind)) for t in lead], problem, opts.retime_rounds)
+    # A serving problem's untuned choice (a Rule, always measured outside the space) is timed beside them too.
+    aside = default_aside(study, default) if dflt is None and isinstance(default, Rule) else None
+    cands = [config_of(problem, _params(t, kind)) for t in lead] + ([default] if aside is not None and aside.ok else [])
+    ms = backend.retime(cands, problem, opts.retime_rounds)
     timed = {str(t.number): m for t, m in zip(lead, ms) if m is not None}
-    if len(timed) >= 2:
+    if len(cands) > len(lead) and ms[-1] is not None:
+        timed[ASIDE] = ms[-1]
+    if len(timed) - (ASIDE in timed) >= 2:
         study.set_user_attr("retimed", {"verified": len(ok), "rounds": opts.retime_rounds, "ms": timed})
 
 
@@ -514,13 +520,13 @@ def _counts(t: FrozenTrial) -> bool:
     return t.user_attrs.get("status") != "pruned" and "duplicate_of" not in t.user_attrs
 
 
-def _report(on_trial: Callable[[TrialRecord], Any] | None, number: int, cfg: KernelConfig | None, params: Params,
+def _report(on_trial: Callable[[TrialRecord], Any] | None, number: int, cfg: AnyConfig | None, params: Params,
             res: TrialResult, duplicate_of: int | None = None) -> None:
     if on_trial is not None:
         on_trial(TrialRecord(number, cfg, params, res, duplicate_of))
 
 
-def outcome(study: optuna.Study, problem: TuneProblem, default: KernelConfig,
+def outcome(study: optuna.Study, problem: Problem, default: AnyConfig,
             default_res: TrialResult | None = None) -> SearchOutcome:
     """The best verified trial of a study, with counts of every status."""
     finished = _finished(study)
@@ -538,9 +544,13 @@ def outcome(study: optuna.Study, problem: TuneProblem, default: KernelConfig,
         ms = retimed[str(t.number)]
         return replace(res, ms=ms, tflops=tflops(problem, ms), info={**res.info, "first_ms": res.ms})
 
-    d = next((t for t in finished if _params(t, params_key(problem)) == params_of(default)), None)
+    d = next((t for t in finished if _params(t, params_key(problem)) == params_for(problem, default)), None)
+    aside = default_aside(study, default) if d is None and ASIDE in retimed else None
     if d is not None and str(d.number) in retimed:
         default_res = result(d)  # timed beside the leaders: the speed-up is a same-run ratio
+    elif aside is not None:  # measured outside the space, and timed beside the leaders too
+        ms = retimed[ASIDE]
+        default_res = replace(aside, ms=ms, tflops=tflops(problem, ms), info={**aside.info, "first_ms": aside.ms})
     elif default_res is None:
         default_res = result_of(d) if d is not None else default_aside(study, default)
     return SearchOutcome(problem, config_of(problem, _params(best, params_key(problem))) if best else None,

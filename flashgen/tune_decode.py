@@ -2,10 +2,11 @@
 
 The decode kernel (templates/sm80/serve.cuh.j2 with varlen, pack-GQA, and paged / split where used) has a
 small space: a tile (block_m, block_n, warps, stages) and the number of key ranges each row block is
-split into (split-KV). `tune_problem` measures all of it on one problem (head dim, dtype, heads, batch,
-cache length, page size): every candidate verified against float64 on the problem's own random inputs
-before it is timed (CUDA-event medians), and the fastest verified one becomes a store entry ("pass_":
-"decode"). flashgen.resolve.tuned_decode is what `attention_with_kvcache(num_splits=0)` asks: the entry of the
+split into (split-KV): a candidate is a (kernel, num_splits) pair. A problem (head dim, dtype, heads, batch,
+cache length, page size) is tuned by the one pipeline of every kind (flashgen.tunable, flashgen.search, the GPU
+worker): each candidate verified against float64 on the problem's own random inputs (`Inputs`, built once in
+the worker) before it is timed (CUDA-event medians), and the fastest verified one becomes a store entry
+("pass_": "decode", `entry`). flashgen.resolve.tuned_decode is what `attention_with_kvcache(num_splits=0)` asks: the entry of the
 nearest stored problem, or None (then the rule of flashgen.kernels.serving chooses).
 """
 from __future__ import annotations
@@ -19,10 +20,9 @@ from .__version__ import __version__
 from .api import attention_with_kvcache
 from .bench import median_ms, retime_best, time_cuda
 from .bench_serving import paged
-from .compile import nvcc_version
 from .config import ConfigError, KernelConfig
-from .driver import version as driver_version
 from .kernels.serving import decode_config, kvcache_launch
+from .problem import Rule, gpu_slug
 from .tensors import torch_dtype
 from .verify import packed_ref, poisoned_error
 
@@ -49,6 +49,11 @@ class DecodeProblem:
     def key(self) -> str:
         return (f"decode_d{self.head_dim}_{self.dtype}_h{self.heads}k{self.heads_k}_b{self.batch}_n{self.cache_len}"
                 f"_p{self.page_size}")
+
+    @property
+    def study_name(self) -> str:
+        """The problem's Optuna study (with the space's digest, see flashgen.search.study_name): GPU slug / key."""
+        return f"{gpu_slug(self.gpu_name, self.gpu_arch)}/{self.key}"
 
     @property
     def kv_bytes(self) -> int:
@@ -90,65 +95,119 @@ def reference(q: Any, k: Any, v: Any, dtype: Any) -> Any:
     return out[:, None]
 
 
-def tune_problem(problem: DecodeProblem, candidates: list[tuple[KernelConfig, int]] | None = None,
-                 progress: Callable[[str], None] | None = None) -> dict[str, Any] | None:
-    """Measure every candidate (default: the whole space) of `problem` on this GPU; the store entry of the fastest
-    verified one (None if none verified). The untuned choice (attention_with_kvcache's rule) is measured beside it."""
-    import torch  # noqa: PLC0415
+@dataclass(frozen=True)
+class DecodeCandidate:
+    """One point of a decode problem's space: a kernel and the number of key ranges each row block is split into."""
 
+    config: KernelConfig
+    num_splits: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.config.name}_x{self.num_splits}"
+
+    def unfit_reason(self, arch: str) -> str | None:
+        return self.config.unfit_reason(arch)
+
+
+RULE = Rule("rule (flashgen.serving)")  # attention_with_kvcache(num_splits=0) without an entry: the untuned choice
+
+
+def candidates(problem: DecodeProblem) -> list[DecodeCandidate]:
+    """The problem's whole space (`space`) as candidates."""
     p = problem
-    tdt = torch_dtype(p.dtype)
-    q = torch.randn(p.batch, 1, p.heads, p.head_dim, device="cuda", dtype=tdt)
-    kc, vc = (torch.randn(p.batch, p.cache_len, p.heads_k, p.head_dim, device="cuda", dtype=tdt) for _ in range(2))
-    ref = reference(q, kc, vc, torch.float64)
-    bound = 2 * (reference(q, kc, vc, tdt).double() - ref).abs().max().item() + 1e-5  # flash_attn's bar
-    k_arg, v_arg, table = kc, vc, None
-    if p.page_size:
-        k_arg, table = paged(kc, p.page_size)
-        v_arg = torch.empty_like(k_arg)
-        v_arg[table.view(-1).long()] = vc.view(-1, p.page_size, p.heads_k, p.head_dim)
-    lens = torch.full((p.batch,), p.cache_len, dtype=torch.int32, device="cuda")
-    candidates = candidates if candidates is not None else space(p.head_dim, p.dtype, p.gpu_arch, bool(p.page_size),
-                                                                 p.cache_len)
-    out = torch.empty_like(q)
+    return [DecodeCandidate(c, s) for c, s in space(p.head_dim, p.dtype, p.gpu_arch, bool(p.page_size), p.cache_len)]
 
-    def measure(call: Callable[[], Any]) -> tuple[float | None, str]:
-        err = poisoned_error(out, ref, call)
-        if not err <= bound:  # NaN (an unwritten element) fails too
-            return None, f"max error {err:.3g} > {bound:.3g}"
-        return median_ms(time_cuda(lambda i: call(), warmup=2, reps=15)), "ok"
 
-    def untuned() -> None:  # the rule's choice, as a caller without a tuned entry gets it
-        out.copy_(attention_with_kvcache(q, k_arg, v_arg, cache_seqlens=lens, block_table=table, validate=False))
+def problems(head_dims: list[int], dtypes: list[str], heads: int, heads_k: int, points: list[tuple[int, int]],
+             pages: list[int], gpu_name: str, gpu_arch: str) -> list[DecodeProblem]:
+    """Every (head dim, dtype, (batch, cache length), page size) on one GPU model; a paged cache only where the
+    cache length is a whole number of pages."""
+    return [DecodeProblem(hd, dt, heads, heads_k, b, n, pg, gpu_name, gpu_arch)
+            for hd, dt, (b, n), pg in itertools.product(head_dims, dtypes, points, pages) if not pg or n % pg == 0]
 
-    default_ms, default_status = measure(untuned)
-    results, failed = [], 0
-    for cfg, splits in candidates:
-        ms, status = measure(lambda: kvcache_launch(cfg, splits, q, k_arg, v_arg, out, None, lens, table))
-        if ms is None:
-            failed += 1
-            if progress:
-                progress(f"  {cfg.name} x{splits}: not verified ({status})")
-            continue
-        results.append((ms, (cfg, splits)))
-    if not results:
-        return None
-    # The leaders timed again side by side: the stored winner must beat noise, not one lucky pass.
-    ms, (cfg, splits) = retime_best(results, lambda c: time_cuda(
-        lambda i: kvcache_launch(c[0], c[1], q, k_arg, v_arg, out, None, lens, table), warmup=2, reps=15))[0]
-    tb_s = p.kv_bytes / (ms * 1e-3) / 1e12
-    if progress:
-        progress(f"{p.key}: {tb_s:.2f} TB/s ({ms * 1e3:.1f} us) {cfg.name} x{splits}; untuned "
-                 + (f"{p.kv_bytes / (default_ms * 1e-3) / 1e12:.2f} TB/s" if default_ms else default_status)
-                 + f"; {len(results)} verified, {failed} failed")
+
+class Inputs:
+    """A decode problem's random inputs on this GPU, the float64 reference and the bar a candidate must meet
+    (twice PyTorch's own error in the dtype, flash_attn's bar). Built once per problem in the GPU worker."""
+
+    def __init__(self, problem: DecodeProblem):
+        import torch  # noqa: PLC0415
+
+        p = self.problem = problem
+        tdt = torch_dtype(p.dtype)
+        self.q = torch.randn(p.batch, 1, p.heads, p.head_dim, device="cuda", dtype=tdt)
+        kc, vc = (torch.randn(p.batch, p.cache_len, p.heads_k, p.head_dim, device="cuda", dtype=tdt) for _ in range(2))
+        self.ref = reference(self.q, kc, vc, torch.float64)
+        self.bound = 2 * (reference(self.q, kc, vc, tdt).double() - self.ref).abs().max().item() + 1e-5
+        self.k, self.v, self.table = kc, vc, None
+        if p.page_size:
+            self.k, self.table = paged(kc, p.page_size)
+            self.v = torch.empty_like(self.k)
+            self.v[self.table.view(-1).long()] = vc.view(-1, p.page_size, p.heads_k, p.head_dim)
+        self.lens = torch.full((p.batch,), p.cache_len, dtype=torch.int32, device="cuda")
+        self.out = torch.empty_like(self.q)
+
+    def call(self, cand: DecodeCandidate | Rule) -> Callable[[], Any]:
+        """One launch of `cand` writing self.out; the rule's is the call a caller without a tuned entry makes."""
+        if isinstance(cand, Rule):
+            return lambda: self.out.copy_(attention_with_kvcache(self.q, self.k, self.v, cache_seqlens=self.lens,
+                                                                 block_table=self.table, validate=False))
+        return lambda: kvcache_launch(cand.config, cand.num_splits, self.q, self.k, self.v, self.out, None, self.lens,
+                                      self.table)
+
+    def trial(self, cand: DecodeCandidate | Rule, warmup: int, reps: int) -> dict[str, Any]:
+        """Verify (poisoned output against the float64 reference), then time: the worker's trial result."""
+        call = self.call(cand)
+        err = poisoned_error(self.out, self.ref, call)
+        if not err <= self.bound:  # NaN (an unwritten element) fails too
+            return {"status": "verify_failed", "reason": f"max error {err:.3g} > {self.bound:.3g}", "max_err": err}
+        return {"status": "ok", "ms": median_ms(time_cuda(lambda i: call(), warmup=warmup, reps=reps)), "max_err": err,
+                "reason": ""}
+
+    def retime(self, cands: list[DecodeCandidate | Rule], rounds: int, warmup: int, reps: int) -> list[float]:
+        """Median ms of each (verified) candidate over `rounds` interleaved rounds."""
+        calls = [self.call(c) for c in cands]
+        timed = retime_best([(0.0, i) for i in range(len(cands))], lambda i: time_cuda(
+            lambda j: calls[i](), warmup=warmup, reps=reps), top=len(cands), rounds=rounds)
+        return [ms for ms, _ in sorted(timed, key=lambda r: r[1])]
+
+
+_held: dict[DecodeProblem, Inputs] = {}  # the GPU worker's inputs of the problem it is tuning (one at a time)
+
+
+def inputs(problem: DecodeProblem) -> Inputs:
+    if problem not in _held:
+        _held.clear()  # give the last problem's memory back first
+        _held[problem] = Inputs(problem)
+    return _held[problem]
+
+
+def gpu_trial(problem: DecodeProblem, cand: DecodeCandidate | Rule, warmup: int, reps: int) -> dict[str, Any]:
+    """The GPU worker's task for one candidate (flashgen.worker.GpuBackend)."""
+    return inputs(problem).trial(cand, warmup, reps)
+
+
+def gpu_retime(problem: DecodeProblem, cands: list[DecodeCandidate | Rule], rounds: int, warmup: int,
+               reps: int) -> list[float]:
+    """The GPU worker's task timing the leaders again side by side."""
+    return inputs(problem).retime(cands, rounds, warmup, reps)
+
+
+def entry(problem: DecodeProblem, best: DecodeCandidate, ms: float, trials: int, default: Any,
+          versions: dict[str, str]) -> dict[str, Any]:
+    """The store entry ("pass_": "decode") of the fastest verified candidate; `default`: the rule's TrialResult."""
+    p = problem
+    dms = default.ms if default is not None and default.ok else None
     return {
-        "problem": p.to_dict(), "kernel": cfg.name, "config": cfg.to_dict(), "num_splits": splits,
-        "median_ms": ms, "tflops": None, "tb_s": tb_s, "trials": len(candidates),
-        "date": datetime.date.today().isoformat(), "flashgen": __version__, "nvcc": nvcc_version(),
-        "driver": driver_version(),
-        "default": {"kernel": "rule (flashgen.serving)", "status": default_status, "median_ms": default_ms,
-                    "tb_s": p.kv_bytes / (default_ms * 1e-3) / 1e12 if default_ms else None},
+        "problem": p.to_dict(), "kernel": best.config.name, "config": best.config.to_dict(),
+        "num_splits": best.num_splits, "median_ms": ms, "tflops": None, "tb_s": p.kv_bytes / (ms * 1e-3) / 1e12,
+        "trials": trials, "date": datetime.date.today().isoformat(), "flashgen": __version__, **versions,
+        "default": {"kernel": RULE.name,
+                    "status": "not measured" if default is None else "ok" if dms else (default.reason or default.status),
+                    "median_ms": dms, "tb_s": p.kv_bytes / (dms * 1e-3) / 1e12 if dms else None},
     }
 
 
-__all__ = ["DECODE_POINTS", "DecodeProblem", "PAGE_SIZES", "decode_config", "decode_tiles", "space", "tune_problem"]
+__all__ = ["DECODE_POINTS", "RULE", "DecodeCandidate", "DecodeProblem", "Inputs", "PAGE_SIZES", "candidates", "decode_config",
+           "decode_tiles", "entry", "gpu_retime", "gpu_trial", "problems", "space"]

@@ -3,11 +3,12 @@
 A varlen call and a dense call with a window run the serving forward (on Hopper the sm90 family with the
 varlen / window features compiled in, elsewhere the sm80 family's). Which tiles and schedule suit them is
 not the dense problem's answer: a packed batch is many short loops of different lengths, a window a short
-key loop per row block at any N. `tune_problem` measures the family's whole fitting space (every tile and,
-on sm90, overlap / ping-pong and, for a window alone, the persistent schedule; configurations whose
-features make them spill are left out) on one problem's own random inputs: each candidate verified against
-float64 built sequence by sequence with poisoned outputs before it is timed (CUDA-event medians), the
-fastest verified one stored ("pass_": "varlen"). flashgen.resolve.tuned_prefill is what those calls ask: the
+key loop per row block at any N. A problem is tuned by the one pipeline of every kind (flashgen.tunable,
+flashgen.search, the GPU worker) over the family's whole fitting space (every tile and, on sm90, overlap /
+ping-pong and, for a window alone, the persistent schedule; configurations whose features make them spill are
+refused as they compile) on the problem's own random inputs (`Inputs`, built once in the worker): each
+candidate verified against float64 built sequence by sequence with poisoned outputs before it is timed
+(CUDA-event medians), the fastest verified one stored ("pass_": "varlen", `entry`). flashgen.resolve.tuned_prefill is what those calls ask: the
 kernel of the nearest stored problem with the same head dim, dtype, mask and features, or None (then the dense
 tuned tiles apply, see flashgen.resolve.sm90_config).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -22,11 +24,9 @@ from .__version__ import __version__
 from .bench import median_ms, retime_best, time_cuda
 from .bench_serving import lengths, seen_pairs
 from .checks import Mods
-from .compile import nvcc_version, target_for
 from .config import ConfigError, KernelConfig, space as dense_space
-from .driver import version as driver_version
 from .kernels import serving as serve_kernels
-from .kernels.dense import compiled_kernel
+from .problem import Rule, gpu_slug
 from .resolve import untuned_prefill_config
 from .tensors import torch_dtype
 from .verify import packed_ref, poisoned_error
@@ -82,6 +82,11 @@ class VarlenProblem:
                 f"_n{self.min_len}-{self.max_len}_w{self.window}")
 
     @property
+    def study_name(self) -> str:
+        """The problem's Optuna study (with the space's digest, see flashgen.search.study_name): GPU slug / key."""
+        return f"{gpu_slug(self.gpu_name, self.gpu_arch)}/{self.key}"
+
+    @property
     def features(self) -> dict[str, bool]:
         return {"varlen": self.packed, "window": self.window >= 0}
 
@@ -99,16 +104,25 @@ class VarlenProblem:
         return {**asdict(self), "pass_": "varlen"}
 
 
-def space(problem: VarlenProblem, compiled: Callable[[KernelConfig], Any] | None = None) -> list[KernelConfig]:
-    """Every configuration of the family a call on problem.gpu_arch takes (sm90 on Hopper, else sm80) with
-    the problem's features that fits the GPU; with `compiled` (cfg -> Kernel), those that spill registers or
-    serialize their wgmmas are left out (the features' extra live registers tip some wide tiles over)."""
+def spill_reason(kernel: Any) -> str | None:
+    """Why a compiled candidate is left out of the space: it spills registers or serializes its wgmmas (the
+    features' extra live registers tip some wide tiles over); None to keep it."""
     import re  # noqa: PLC0415
 
+    if kernel.resources.spills:
+        return "spills registers with the problem's features"
+    if re.search(r"C751[239]", kernel.ptxas_log):
+        return "serializes its wgmmas with the problem's features (ptxas C751x)"
+    return None
+
+
+def space(problem: VarlenProblem, compiled: Callable[[KernelConfig], Any] | None = None) -> list[KernelConfig]:
+    """Every configuration of the family a call on problem.gpu_arch takes (sm90 on Hopper, else sm80) with
+    the problem's features that fits the GPU; with `compiled` (cfg -> Kernel), those `spill_reason` refuses are
+    left out (the GPU backend refuses them as it compiles them, see flashgen.tunable)."""
     p = problem
-    family = "sm90" if p.gpu_arch == "sm90" else "sm80"
     out: dict[KernelConfig, None] = {}
-    for base in dense_space(family, p.head_dim, p.dtype, p.causal):
+    for base in dense_space(family_of(p), p.head_dim, p.dtype, p.causal):
         if p.packed and base.persistent:  # varlen is built non-persistent: its flat twin is in the space too
             continue
         try:
@@ -119,92 +133,118 @@ def space(problem: VarlenProblem, compiled: Callable[[KernelConfig], Any] | None
             out[cfg] = None
     cfgs = list(out)
     if compiled is not None:
-        kept = []
-        for cfg in cfgs:
-            k = compiled(cfg)
-            if not k.resources.spills and not re.search(r"C751[239]", k.ptxas_log):
-                kept.append(cfg)
-        cfgs = kept
+        cfgs = [c for c in cfgs if spill_reason(compiled(c)) is None]
     return cfgs
 
 
-def tune_problem(problem: VarlenProblem, candidates: list[KernelConfig] | None = None,
-                 progress: Callable[[str], None] | None = None) -> dict[str, Any] | None:
-    """Measure every candidate (default: the whole fitting space, spilling ones left out) of `problem` on this GPU;
-    the store entry of the fastest verified one (None if none verified). The untuned choice (what the call takes
-    without a stored entry) is measured beside it."""
-    import itertools  # noqa: PLC0415
+def family_of(problem: VarlenProblem) -> str:
+    """The template family a varlen / window call takes on the problem's GPU."""
+    return "sm90" if problem.gpu_arch == "sm90" else "sm80"
 
-    import torch  # noqa: PLC0415
 
-    p = problem
-    tdt = torch_dtype(p.dtype)
-    lens = p.lengths()
-    cu = [0, *itertools.accumulate(lens)]
-    total = cu[-1]
-    q = torch.randn(total, p.heads, p.head_dim, device="cuda", dtype=tdt)
-    k, v = (torch.randn(total, p.heads_k, p.head_dim, device="cuda", dtype=tdt) for _ in range(2))
-    ref = packed_ref(q, k, v, cu, cu, p.causal, p.window, torch.float64)
-    same = packed_ref(q, k, v, cu, cu, p.causal, p.window, tdt).double()
-    bound = 2 * (same - ref).abs().max().item() + 1e-5  # flash_attn's bar: twice PyTorch's own error in the dtype
-    del same
-    out = torch.empty_like(q)
-    mods = Mods(window=(p.window, -1))
-    if p.packed:
-        cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
-        views, cus = (q, k, v, out), dict(cu_q=cu_t, cu_k=cu_t)
-    else:
-        views = tuple(t.view(p.num_seqs, p.max_len, *t.shape[1:]) for t in (q, k, v, out))
-        cus = dict(cu_q=None, cu_k=None)
-    n_max = max(lens)
-    dev = q.get_device()
-    if candidates is None:
-        candidates = space(p, lambda c: compiled_kernel(c, target_for(p.gpu_arch, c.family)))
+RULE = Rule("untuned (flashgen.resolve)")  # what the call takes without a stored entry, resolved in the worker
 
-    def launch(cfg: KernelConfig) -> None:
-        serve_kernels.launch_prefill(cfg, *views, None, **cus, max_seqlen_q=n_max, max_seqlen_k=n_max, num_splits=1,
-                                     mods=mods, softmax_scale=None)
 
-    def timer(cfg: KernelConfig) -> list[float]:
-        return time_cuda(lambda i: launch(cfg), warmup=3, reps=20)
+def problems(head_dims: list[int], dtypes: list[str], causals: list[bool], heads_dim_total: int,
+             points: list[tuple[bool, int, int, int, int]], gpu_name: str, gpu_arch: str) -> list[VarlenProblem]:
+    """Every (head dim, dtype, mask, point) on one GPU model; a window point only causal (a sliding window)."""
+    return [VarlenProblem(hd, dt, ca, heads_dim_total // hd, heads_dim_total // hd, packed, seqs, lo, hi, win,
+                          gpu_name, gpu_arch)
+            for hd, dt, ca, (packed, seqs, lo, hi, win) in itertools.product(head_dims, dtypes, causals, points)
+            if packed or ca]
 
-    def measure(cfg: KernelConfig) -> tuple[float | None, str]:
-        err = poisoned_error(out, ref, lambda: launch(cfg))
-        if not err <= bound:  # NaN (an unwritten element) fails too
-            return None, f"max error {err:.3g} > {bound:.3g}"
-        return median_ms(timer(cfg)), "ok"
 
-    default = untuned_prefill_config(dev, p.head_dim, p.dtype, p.causal, n_max, n_max, p.features)
-    default_ms, default_status = measure(default)
-    results, failed = [], 0
-    for cfg in candidates:
-        ms, status = measure(cfg)
-        if ms is None:
-            failed += 1
-            if progress:
-                progress(f"  {cfg.name}: not verified ({status})")
-            continue
-        results.append((ms, cfg))
-    if not results:
-        return None
-    # The leaders and the untuned choice timed again side by side: the stored winner must beat noise.
-    final = retime_best(results, timer, keep=(default,) if default_ms else ())
-    verified = {c for _, c in results}
-    ms, cfg = next((m, c) for m, c in final if c in verified)  # the untuned choice, timed beside, wins only as a candidate
-    default_ms = next((m for m, c in final if c == default), default_ms)
-    flops = p.flops()
-    tflops = flops / (ms * 1e-3) / 1e12
-    if progress:
-        progress(f"{p.key}: {tflops:.0f} TFLOP/s useful ({ms:.3f} ms) {cfg.name}; untuned {default.name} "
-                 + (f"{flops / (default_ms * 1e-3) / 1e12:.0f}" if default_ms else default_status)
-                 + f"; {len(results)} verified, {failed} failed")
+class Inputs:
+    """A varlen / window problem's random inputs on this GPU, its float64 reference built sequence by sequence,
+    and the bar a candidate must meet (twice PyTorch's own error in the dtype). Built once in the GPU worker."""
+
+    def __init__(self, problem: VarlenProblem):
+        import torch  # noqa: PLC0415
+
+        p = self.problem = problem
+        tdt = torch_dtype(p.dtype)
+        lens = p.lengths()
+        cu = [0, *itertools.accumulate(lens)]
+        total = cu[-1]
+        q = torch.randn(total, p.heads, p.head_dim, device="cuda", dtype=tdt)
+        k, v = (torch.randn(total, p.heads_k, p.head_dim, device="cuda", dtype=tdt) for _ in range(2))
+        self.ref = packed_ref(q, k, v, cu, cu, p.causal, p.window, torch.float64)
+        same = packed_ref(q, k, v, cu, cu, p.causal, p.window, tdt).double()
+        self.bound = 2 * (same - self.ref).abs().max().item() + 1e-5
+        del same
+        self.out = torch.empty_like(q)
+        self.mods = Mods(window=(p.window, -1))
+        if p.packed:
+            cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+            self.views, self.cus = (q, k, v, self.out), dict(cu_q=cu_t, cu_k=cu_t)
+        else:
+            self.views = tuple(t.view(p.num_seqs, p.max_len, *t.shape[1:]) for t in (q, k, v, self.out))
+            self.cus = dict(cu_q=None, cu_k=None)
+        self.n_max = max(lens)
+        self.untuned = untuned_prefill_config(q.get_device(), p.head_dim, p.dtype, p.causal, self.n_max, self.n_max,
+                                              p.features)
+
+    def config(self, cand: KernelConfig | Rule) -> KernelConfig:
+        return self.untuned if isinstance(cand, Rule) else cand
+
+    def launch(self, cfg: KernelConfig) -> None:
+        serve_kernels.launch_prefill(cfg, *self.views, None, **self.cus, max_seqlen_q=self.n_max,
+                                     max_seqlen_k=self.n_max, num_splits=1, mods=self.mods, softmax_scale=None)
+
+    def trial(self, cand: KernelConfig | Rule, warmup: int, reps: int) -> dict[str, Any]:
+        """Verify (poisoned output against the float64 reference), then time: the worker's trial result. It names
+        the kernel it ran (the rule's is resolved here)."""
+        cfg = self.config(cand)
+        err = poisoned_error(self.out, self.ref, lambda: self.launch(cfg))
+        if not err <= self.bound:  # NaN (an unwritten element) fails too
+            return {"status": "verify_failed", "reason": f"max error {err:.3g} > {self.bound:.3g}", "max_err": err,
+                    "kernel": cfg.name}
+        ms = median_ms(time_cuda(lambda i: self.launch(cfg), warmup=warmup, reps=reps))
+        return {"status": "ok", "ms": ms, "max_err": err, "reason": "", "kernel": cfg.name}
+
+    def retime(self, cands: list[KernelConfig | Rule], rounds: int, warmup: int, reps: int) -> list[float]:
+        cfgs = [self.config(c) for c in cands]
+        timed = retime_best([(0.0, i) for i in range(len(cfgs))], lambda i: time_cuda(
+            lambda j: self.launch(cfgs[i]), warmup=warmup, reps=reps), top=len(cfgs), rounds=rounds)
+        return [ms for ms, _ in sorted(timed, key=lambda r: r[1])]
+
+
+_held: dict[VarlenProblem, Inputs] = {}  # the GPU worker's inputs of the problem it is tuning (one at a time)
+
+
+def inputs(problem: VarlenProblem) -> Inputs:
+    if problem not in _held:
+        _held.clear()  # give the last problem's memory back first
+        _held[problem] = Inputs(problem)
+    return _held[problem]
+
+
+def gpu_trial(problem: VarlenProblem, cand: KernelConfig | Rule, warmup: int, reps: int) -> dict[str, Any]:
+    """The GPU worker's task for one candidate (flashgen.worker.GpuBackend)."""
+    return inputs(problem).trial(cand, warmup, reps)
+
+
+def gpu_retime(problem: VarlenProblem, cands: list[KernelConfig | Rule], rounds: int, warmup: int,
+               reps: int) -> list[float]:
+    """The GPU worker's task timing the leaders again side by side."""
+    return inputs(problem).retime(cands, rounds, warmup, reps)
+
+
+def entry(problem: VarlenProblem, best: KernelConfig, ms: float, trials: int, default: Any,
+          versions: dict[str, str]) -> dict[str, Any]:
+    """The store entry ("pass_": "varlen") of the fastest verified candidate; `default`: the untuned choice's
+    TrialResult (its info names the kernel the worker resolved)."""
+    flops = problem.flops()
+    dms = default.ms if default is not None and default.ok else None
     return {
-        "problem": p.to_dict(), "kernel": cfg.name, "config": cfg.to_dict(), "median_ms": ms, "tflops": tflops,
-        "trials": len(candidates), "date": datetime.date.today().isoformat(), "flashgen": __version__,
-        "nvcc": nvcc_version(), "driver": driver_version(),
-        "default": {"kernel": default.name, "status": default_status, "median_ms": default_ms,
-                    "tflops": flops / (default_ms * 1e-3) / 1e12 if default_ms else None},
+        "problem": problem.to_dict(), "kernel": best.name, "config": best.to_dict(), "median_ms": ms,
+        "tflops": flops / (ms * 1e-3) / 1e12, "trials": trials, "date": datetime.date.today().isoformat(),
+        "flashgen": __version__, **versions,
+        "default": {"kernel": default.info.get("kernel", RULE.name) if default is not None else RULE.name,
+                    "status": "not measured" if default is None else "ok" if dms else (default.reason or default.status),
+                    "median_ms": dms, "tflops": flops / (dms * 1e-3) / 1e12 if dms else None},
     }
 
 
-__all__ = ["VARLEN_POINTS", "VarlenProblem", "parse_point", "space", "tune_problem"]
+__all__ = ["RULE", "VARLEN_POINTS", "Inputs", "VarlenProblem", "entry", "family_of", "gpu_retime", "gpu_trial",
+           "parse_point", "problems", "space", "spill_reason"]

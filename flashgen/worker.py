@@ -24,12 +24,13 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from . import driver
-from .backend import TrialResult, ok_result
+from .backend import SimulatedBackend, TrialResult, ok_result
 from .bench import kernel_timer, retime_best, time_backward, time_cuda, time_kernel
 from .compile import CompiledKernel, CompileError, compile_kernel, target_for
-from .config import BwdConfig, KernelConfig, default_config
+from .config import KernelConfig, default_config
 from .launch import FwdParams
 from .problem import TuneProblem
+from .tunable import Candidate, Problem, kind_of
 from .verify import verify, verify_backward
 
 FAULT_HOOK_ENV = "FLASHGEN_TEST_FAULT"  # a config name: the worker launches it on an illegal address (tests)
@@ -275,13 +276,18 @@ class GpuBackend:
     def target(self, cfg: KernelConfig) -> str:
         return target_for(self.gpu_arch, cfg.family)
 
-    def prefetch(self, configs: list[KernelConfig | BwdConfig], problem: TuneProblem) -> None:
-        if problem.pass_ == "bwd":
+    def prefetch(self, configs: list[Candidate], problem: Problem) -> None:
+        kind = kind_of(problem)
+        if kind.trial_task is not None:  # a serving problem: its candidates' kernels
+            configs = [k for c in configs for k in kind.kernels(problem, c)]
+        elif problem.pass_ == "bwd":
             configs = [fwd_config_for(problem), *configs]
         for cfg in configs:
             self.compiler.submit(cfg, self.target(cfg))
 
-    def evaluate(self, config: KernelConfig | BwdConfig, problem: TuneProblem) -> TrialResult:
+    def evaluate(self, config: Candidate, problem: Problem) -> TrialResult:
+        if kind_of(problem).trial_task is not None:
+            return self.evaluate_serving(config, problem)
         try:
             kernel = self.compiler.get(config, self.target(config))
             fwd = None
@@ -308,9 +314,45 @@ class GpuBackend:
             return TrialResult(value["status"], reason=value["reason"], info=info)
         return ok_result(problem, value["ms"], **info)
 
-    def retime(self, configs: list[KernelConfig | BwdConfig], problem: TuneProblem, rounds: int) -> list[float | None]:
+    def evaluate_serving(self, cand: Candidate, problem: Problem) -> TrialResult:
+        """A decode or varlen trial: its kernels compiled here (ahead), then the kind's worker task verifies the
+        candidate against float64 on the problem's inputs and times it through the launcher the calls use."""
+        kind = kind_of(problem)
+        info: dict[str, Any] = {}
+        try:
+            for cfg in kind.kernels(problem, cand):
+                kernel = self.compiler.get(cfg, self.target(cfg))
+                r = kernel.resources
+                info = {"registers": r.registers, "spill_bytes": r.spill_stores + r.spill_loads,
+                        "smem_bytes": r.smem_bytes}
+                why = kind.compile_reason(problem, kernel)
+                if why is not None:
+                    return TrialResult("pruned", reason=why, info=info)
+        except CompileError as e:
+            return TrialResult("compile_failed", reason=compile_reason(e))
+        try:
+            status, value = self.worker.call(kind.trial_task, problem, cand, self.warmup, self.reps,
+                                             deadline_s=self.deadline_s)
+        except NoGpuError as e:
+            return TrialResult("error", reason=str(e), info=info)
+        if status != "ok":
+            return TrialResult(status, reason=value, info=info)
+        info.update({k: value[k] for k in ("max_err", "kernel") if k in value})
+        if value["status"] != "ok":
+            return TrialResult(value["status"], reason=value["reason"], info=info)
+        return ok_result(problem, value["ms"], **info)
+
+    def retime(self, configs: list[Candidate], problem: Problem, rounds: int) -> list[float | None]:
         """Each configuration's median ms over `rounds` rounds that time them all in turn on one input set
         (None where it cannot be timed: a backward problem, a compile error, a worker error)."""
+        kind = kind_of(problem)
+        if kind.retime_task is not None and configs:
+            try:
+                status, value = self.worker.call(kind.retime_task, problem, configs, rounds, self.warmup, self.reps,
+                                                 deadline_s=self.deadline_s * rounds)
+            except NoGpuError:
+                return [None] * len(configs)
+            return value if status == "ok" else [None] * len(configs)
         if problem.pass_ != "fwd" or not configs:
             return [None] * len(configs)
         try:
@@ -417,3 +459,30 @@ def gpu_trial_bwd(kernel: CompiledKernel, fwd_kernel: CompiledKernel, problem: T
 def gpu_check(kernel: CompiledKernel, shapes: list[tuple[int, int, int, int, int]]) -> list[dict[str, Any]]:
     """Verify one kernel on several (batch, seqlen_q, seqlen_k, heads, heads_k) shapes."""
     return [{"shape": s, **verify(kernel, *s).__dict__} for s in shapes]  # fresh random inputs per shape
+
+
+class IsolatedSimulatedBackend(SimulatedBackend):
+    """The simulated backend with each evaluation run in a worker process, as GpuBackend runs its trials (fault
+    isolation tested without a GPU): a candidate named in `crash` takes the worker down as a faulting kernel
+    does; the tuner gets a "faulted" value and the next trial a fresh worker."""
+
+    def __init__(self, crash: tuple[str, ...] = (), deadline_s: float = 60.0, **kw: Any):
+        super().__init__(**kw)
+        self.crash, self.deadline_s = set(crash), deadline_s
+        self.worker = Worker()
+
+    def evaluate(self, config: Candidate, problem: Problem) -> TrialResult:
+        self.calls.append(config.name)
+        status, value = self.worker.call("flashgen.worker:simulated_trial", config, problem, self.failures,
+                                         config.name in self.crash, deadline_s=self.deadline_s)
+        return value if status == "ok" else TrialResult(status, reason=value)
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def simulated_trial(config: Candidate, problem: Problem, failures: dict[str, str], crash: bool) -> TrialResult:
+    """The worker's task for IsolatedSimulatedBackend: the simulated result, or (`crash`) a fault."""
+    if crash:
+        raise RuntimeError(f"CUDA error: an illegal memory access was encountered (simulated, {config.name})")
+    return SimulatedBackend(failures).evaluate(config, problem)

@@ -262,7 +262,7 @@ def test_a_serving_tune_without_a_gpu_says_it_needs_one(kind, capsys):
         pytest.skip("a GPU is visible")
     assert cli.main(["tune", "--kind", kind, "--head-dim", "128"]) == 2
     err = capsys.readouterr().err
-    assert f"tune --kind {kind} times kernels: it needs an NVIDIA GPU" in err and "pycuda" in err, err
+    assert "tuning needs an NVIDIA GPU" in err and "pycuda" in err, err
     assert "--compile-only" in err and "bench" not in err
 
 

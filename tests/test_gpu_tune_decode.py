@@ -1,5 +1,5 @@
-"""Decode tuning on the GPU: a small space measured on one paged problem (every candidate verified against
-float64 first), the winner stored, and attention_with_kvcache(num_splits=0) then launching exactly it, correctly."""
+"""Decode tuning on the GPU: a small space measured on one paged problem through the pipeline (every candidate
+verified against float64 in the GPU worker first), the winner stored, and attention_with_kvcache(num_splits=0) then launching exactly it, correctly."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +14,22 @@ TILES = [((16, 32, 1, 2), 1), ((16, 32, 1, 2), 4), ((32, 64, 2, 3), 2)]
 
 
 def candidates():
-    return [(td.decode_config(128, "bf16", t, True, s > 1), s) for t, s in TILES]
+    return [td.DecodeCandidate(td.decode_config(128, "bf16", t, True, s > 1), s) for t, s in TILES]
+
+
+def tune(p, cands, tmp_path):
+    """The pipeline on this GPU: a study in a SQLite file, every candidate verified and timed in the GPU worker."""
+    from flashgen.search import SearchOptions, search
+    from flashgen.tunable import entry_of
+    from flashgen.worker import GpuBackend
+
+    backend = GpuBackend()
+    try:
+        out = search(p, backend, SearchOptions(exhaustive=True, storage=f"sqlite:///{tmp_path / 'studies.db'}"),
+                     cands)
+    finally:
+        backend.close()
+    return entry_of(out, {"nvcc": "test", "driver": backend.driver_version})
 
 
 def test_tuned_decode_entry_is_verified_stored_and_used(tmp_path, monkeypatch):
@@ -27,7 +42,7 @@ def test_tuned_decode_entry_is_verified_stored_and_used(tmp_path, monkeypatch):
     resolve.clear()
     info = device_info(torch.cuda.current_device())
     p = td.DecodeProblem(128, "bf16", 32, 8, 4, 2048, 16, info.name, info.arch)
-    e = td.tune_problem(p, candidates())
+    e = tune(p, candidates(), tmp_path)
     assert e is not None and e["trials"] == len(TILES) and e["median_ms"] > 0 and e["default"]["status"] == "ok"
     path = store_path(info.name, info.arch)
     assert merge(path, info.name, info.arch, {p.key: e}) == {p.key: "added"}
@@ -53,4 +68,4 @@ def test_tuned_decode_entry_is_verified_stored_and_used(tmp_path, monkeypatch):
 
 def tune_decode_configs(arch: str) -> set:
     """The kernels this module loads (scripts/fill_kernel_cache.py), beside the rule's (test_gpu_serving)."""
-    return {c for c, _ in candidates()} if arch else set()
+    return {c.config for c in candidates()} if arch else set()

@@ -1,6 +1,7 @@
-"""Varlen / window tuning on the GPU: a few candidates measured on a packed GQA problem and on a dense window
-problem (each verified against float64 first; a candidate with the wrong mask must fail and never win), the
-winner stored, and attention_varlen / attention(window_size=...) then launching exactly it, correctly."""
+"""Varlen / window tuning on the GPU: a few candidates measured through the pipeline on a packed GQA problem and
+on a dense window problem (each verified against float64 in the GPU worker first; a kernel with the wrong mask
+fails the worker's verification), the winner stored, and attention_varlen / attention(window_size=...) then
+launching exactly it, correctly."""
 from __future__ import annotations
 
 import itertools
@@ -31,6 +32,21 @@ def window_candidates() -> list[KernelConfig]:
 def wrong_mask() -> KernelConfig:
     """A non-causal kernel offered for a causal problem: it must fail verification."""
     return packed_candidates(causal=False)[0]
+
+
+def tune(p, cands, tmp_path):
+    """The pipeline on this GPU: a study in a SQLite file, every candidate verified and timed in the GPU worker."""
+    from flashgen.search import SearchOptions, search
+    from flashgen.tunable import entry_of
+    from flashgen.worker import GpuBackend
+
+    backend = GpuBackend()
+    try:
+        out = search(p, backend, SearchOptions(exhaustive=True, storage=f"sqlite:///{tmp_path / 'studies.db'}"),
+                     cands)
+    finally:
+        backend.close()
+    return entry_of(out, {"nvcc": "test", "driver": backend.driver_version})
 
 
 @pytest.fixture
@@ -67,11 +83,11 @@ def test_tuned_varlen_entry_is_verified_stored_and_used(store, monkeypatch):
 
     info = device_info(torch.cuda.current_device())
     p = tv.VarlenProblem(128, "bf16", True, 8, 2, True, 12, 1, 700, -1, info.name, info.arch)
-    failed = []
-    e = tv.tune_problem(p, [wrong_mask(), *packed_candidates()], progress=failed.append)
-    assert e is not None and e["trials"] == 4 and e["default"]["status"] == "ok" and e["tflops"] > 0
+    wrong = tv.Inputs(p).trial(wrong_mask(), 1, 3)  # the worker's trial, here: the wrong mask fails verification
+    assert wrong["status"] == "verify_failed" and "max error" in wrong["reason"]
+    e = tune(p, packed_candidates(), store)
+    assert e is not None and e["trials"] == 3 and e["default"]["status"] == "ok" and e["tflops"] > 0
     assert e["kernel"] in {c.name for c in packed_candidates()}
-    assert any(wrong_mask().name in line and "not verified" in line for line in failed)
     seen = _store_and_spy(p, e, monkeypatch)
 
     torch.manual_seed(3)
@@ -91,7 +107,7 @@ def test_tuned_window_entry_is_verified_stored_and_used(store, monkeypatch):
 
     info = device_info(torch.cuda.current_device())
     p = tv.VarlenProblem(128, "bf16", True, 8, 2, False, 2, 1023, 1023, 100, info.name, info.arch)
-    e = tv.tune_problem(p, window_candidates())
+    e = tune(p, window_candidates(), store)
     assert e is not None and e["kernel"] in {c.name for c in window_candidates()}
     seen = _store_and_spy(p, e, monkeypatch)
 

@@ -1,6 +1,7 @@
 """tune --kind varlen without a GPU: problems, their spaces, FLOP counts, the lookup's choice of entry, the store
-and export of its entries, and the CLI's refusals. The GPU side (tune_problem, the calls taking the stored
-kernels) is tests/test_gpu_tune_varlen.py."""
+and export of its entries, and the CLI's refusals. Tuning through the pipeline is
+tests/test_pipeline.py; the GPU side (the worker's trials, the calls taking the stored kernels) is
+tests/test_gpu_tune_varlen.py."""
 from __future__ import annotations
 
 import pytest
@@ -134,49 +135,6 @@ def test_retime_best_times_the_leaders_and_kept_ones_again():
     final = retime_best([(0.8, "a"), (0.95, "b"), (2.0, "c"), (5.0, "d")], timer, top=2, rounds=2, keep=("d",))
     assert final == [(0.9, "b"), (1.0, "a"), (5.0, "d")]
     assert calls == ["a", "b", "d", "a", "b", "d"]  # interleaved rounds, c not timed again
-
-
-def test_tune_problem_picks_its_winner_among_the_candidates(monkeypatch):
-    """The untuned choice is timed beside the leaders (its figure in the entry) but, outside the candidate list,
-    never stored: a restricted search stays restricted. CPU stand-ins for the GPU parts."""
-    import sys
-    import types
-
-    from flashgen import tune_varlen as tv
-
-    cand = [KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", varlen=True),
-            KernelConfig(128, "bf16", True, 128, 64, 12, 2, "sm90", varlen=True)]
-    default = KernelConfig(128, "bf16", True, 192, 128, 16, 2, "sm90", varlen=True)
-    speed = {cand[0]: 2.0, cand[1]: 1.5, default: 1.0}  # the untuned choice is fastest
-    current = []
-
-    class FakeTensor:
-        shape = (0,)
-
-        def __getattr__(self, name):
-            return lambda *a, **k: self
-
-        def __sub__(self, other):
-            return self
-
-        def max(self):
-            return types.SimpleNamespace(item=lambda: 0.0)
-
-    fake_torch = types.SimpleNamespace(
-        randn=lambda *a, **k: FakeTensor(), empty_like=lambda t: FakeTensor(), tensor=lambda *a, **k: FakeTensor(),
-        cat=lambda xs, dim=0: FakeTensor(), float64="f64", int32="i32", bfloat16="bf16",
-        cuda=types.SimpleNamespace(synchronize=lambda: None))
-    monkeypatch.setitem(sys.modules, "torch", fake_torch)
-    monkeypatch.setattr(tv, "packed_ref", lambda *a, **k: FakeTensor())
-    monkeypatch.setattr(tv.serve_kernels, "launch_prefill", lambda cfg, *a, **k: current.append(cfg))
-    monkeypatch.setattr(tv, "untuned_prefill_config", lambda *a: default)
-    monkeypatch.setattr(tv, "time_cuda", lambda fn, **k: (fn(0), [speed[current[-1]]] * 3)[1])
-    monkeypatch.setattr(tv, "driver_version", lambda: "13.0")
-    monkeypatch.setattr(tv, "nvcc_version", lambda: "13.0")
-    p = tv.VarlenProblem(128, "bf16", True, 8, 2, True, 4, 16, 64, -1, "NVIDIA H200", "sm90")
-    e = tv.tune_problem(p, cand)
-    assert e["kernel"] == cand[1].name and e["median_ms"] == 1.5
-    assert e["default"]["kernel"] == default.name and e["default"]["median_ms"] == 1.0
 
 
 def test_points_from_the_command_line():

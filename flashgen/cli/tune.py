@@ -20,7 +20,8 @@ from flashgen.backend import SimulatedBackend
 from flashgen.compile import CompileError, target_for
 from flashgen.problem import (BATCH_TOKENS, DEFAULT_TRIALS, EXHAUSTIVE_MAX, HEADS_DIM_TOTAL, SEQLEN_BUCKETS,
                               TuneProblem)
-from flashgen.store import config_from_entry, current_gpu, make_entry, merge, read_store, store_path
+from flashgen.store import config_from_entry, current_gpu, merge, read_store, store_path
+from flashgen.tunable import entry_of, space_of
 
 from flashgen import fleet
 from flashgen.fleet import Job, Tuner, worker_names
@@ -259,8 +260,9 @@ def make_tuners(args: argparse.Namespace) -> list:
                 raise failed[0]
             backends = [f.result() for f in started]
     except worker.NoGpuError as e:
-        raise CliError(f"no GPU to time kernels on ({e}). Without a GPU, use --compile-only to render and "
-                       "compile the space and see each configuration's resources.") from None
+        raise CliError(f"no GPU to time kernels on ({e}): tuning needs an NVIDIA GPU, with torch built for CUDA and "
+                       "pycuda (pip install -e '.[gpu]'). Without a GPU, use --compile-only to render and compile the "
+                       "space and see each configuration's resources.") from None
     nvcc = kernel_compile.nvcc_version()
     return [Tuner(name, b, b.gpu_name, b.gpu_arch, {"nvcc": nvcc, "driver": b.driver_version})
             for name, b in zip(worker_names(devices), backends)]
@@ -271,19 +273,19 @@ STORE_HEAD = ["problem", "best kernel", "ms", "TFLOP/s", "default ms", "speedup"
 
 def run(args: argparse.Namespace) -> int:
     validate(args)
-    if args.kind == "decode":
-        return tune_serving.decode(args)
-    if args.kind == "varlen":
-        return tune_serving.varlen(args)
-    if args.compile_only:
-        return compile_only(args)
-    if args.collect:
+    if args.collect:  # every kind's studies
         return collect(args)
+    serving = tune_serving.PROBLEMS.get(args.kind)
+    if serving is not None:
+        serving(args, "-", args.gpu_arch or "sm90")  # the arguments checked before a GPU is sought
+    if args.compile_only:
+        return tune_serving.COMPILE.get(args.kind, compile_only)(args)
     return tune(args)
 
 
 def tune(args: argparse.Namespace) -> int:
-    """The dense search on --gpus (or --simulate), each problem's winner merged into the store."""
+    """The search on --gpus (or --simulate), each problem's winner merged into the store: dense problems, or a
+    serving kind's (decode, varlen) through the same pipeline."""
     import optuna  # heavy: imported when a search runs, not for --help
     from tqdm import tqdm
 
@@ -295,7 +297,8 @@ def tune(args: argparse.Namespace) -> int:
     lock = threading.Lock()
     bars: dict = {}
     try:
-        for t in tuners:
+        serving = tune_serving.PROBLEMS.get(args.kind)
+        for t in tuners if serving is None else ():  # a serving kind takes the family its calls take
             check_family(args.arch, t.gpu_name, t.gpu_arch)
         ahead = 1 if args.simulate else max(2, (args.jobs or 8) // len(tuners))
         # --exhaustive / --no-exhaustive decide; else --trials asks for a sampled search; else per problem
@@ -306,12 +309,16 @@ def tune(args: argparse.Namespace) -> int:
                              retime_top=args.retime)
         models = list(dict.fromkeys((t.gpu_name, t.gpu_arch) for t in tuners))
         stores: dict = {}
-        jobs = [Job(prob, around_store(args, prob, restricted_space(args, hd, dt, ca, p, g), stores))
-                for gpu, arch in models
-                for p, hd, dt, ca, sl, g in itertools.product(passes(args), args.head_dim, args.dtype,
-                                                              causal_list(args.causal), args.seqlen, args.gqa)
-                for prob in [TuneProblem(gpu, arch, pass_family(args, p, hd), dt, hd, ca, sl, g, args.batch_tokens,
-                                         args.heads_dim_total, p)]]
+        if serving is not None:  # decode / varlen: each problem's whole space (--max-configs: its first N)
+            jobs = [Job(prob, tuple(space_of(prob)[:args.max_configs or None]))
+                    for gpu, arch in models for prob in serving(args, gpu, arch)]
+        else:
+            jobs = [Job(prob, around_store(args, prob, restricted_space(args, hd, dt, ca, p, g), stores))
+                    for gpu, arch in models
+                    for p, hd, dt, ca, sl, g in itertools.product(passes(args), args.head_dim, args.dtype,
+                                                                  causal_list(args.causal), args.seqlen, args.gqa)
+                    for prob in [TuneProblem(gpu, arch, pass_family(args, p, hd), dt, hd, ca, sl, g,
+                                             args.batch_tokens, args.heads_dim_total, p)]]
         empty = [j.problem.key for j in jobs if not j.space]
         if empty:  # only --around-store can empty a problem's space here (validate checked the rest)
             raise CliError(f"--around-store {','.join(args.around_store)}: no configuration of the restricted space "
@@ -352,8 +359,8 @@ def tune(args: argparse.Namespace) -> int:
 
         def on_done(job, out) -> None:
             p = job.problem
-            entry = make_entry(out, out.versions or next(t.versions for t in tuners
-                                                          if (t.gpu_name, t.gpu_arch) == (p.gpu_name, p.gpu_arch)))
+            entry = entry_of(out, out.versions or next(t.versions for t in tuners
+                                                        if (t.gpu_name, t.gpu_arch) == (p.gpu_name, p.gpu_arch)))
             with lock:
                 if single:
                     bars.pop(job).close()
@@ -369,9 +376,10 @@ def tune(args: argparse.Namespace) -> int:
             t.backend.close()
         if not args.simulate and tuners and args.gpus is not None:
             tuners[0].backend.compiler.close()  # the shared pool
+    head = [h.replace("TFLOP/s", "TB/s") for h in STORE_HEAD] if args.kind == "decode" else STORE_HEAD
     for (gpu, arch), model_rows in rows.items():
         print(f"\n{gpu} ({arch}) -> {store_path(gpu, arch, args.tuned_dir)}")
-        print(table(model_rows, STORE_HEAD))
+        print(table(model_rows, head))
     return 0
 
 
