@@ -87,7 +87,7 @@ def test_sm90_overlap_epilogue_compiles_without_spills_or_serialized_wgmma(pingp
             for hd in (64, 128) for dt, causal in (("bf16", True), ("fp16", False))]
     compile_sm90a_clean(cfgs)
     plain = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, pingpong, True)
-    assert "flush" in render(cfgs[2]) and "flush" not in render(plain)
+    assert "flush();" in render(cfgs[2]) and "flush();" not in render(plain)  # plain: only comments name it
 
 
 def test_overlap_epilogue_rules_and_space():
