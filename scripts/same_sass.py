@@ -3,6 +3,7 @@ templates and by the working tree's, compared instruction by instruction (no GPU
 
     mkdir .ab-base && git archive HEAD templates | tar -x -C .ab-base
     python scripts/same_sass.py --base .ab-base/templates --tests fwd fp8 --store
+    python scripts/same_sass.py --base .ab-base/templates --tests fwd fp8 --sample 60   # a quick spread of them
 
 A refactor of the templates (a helper, a renamed local) whose kernels all compile to identical SASS needs no new
 GPU run; one that changes any is a kernel change. Prints how many are identical and names the others. Needs
@@ -45,8 +46,12 @@ def main() -> None:
     ap.add_argument("--tests", nargs="*", choices=SUITES, default=None, help="the GPU suites' kernels (all if bare)")
     ap.add_argument("--store", action="store_true", help="every tuned kernel")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--sample", type=int, default=None, metavar="N",
+                    help="only N of the chosen kernels, evenly spread over them by name (the same N every run)")
     args = ap.parse_args()
     cfgs = sorted(chosen_configs(args.arch, args.tests, args.store) or default_configs(args.arch), key=lambda c: c.name)
+    if args.sample is not None and args.sample < len(cfgs):
+        cfgs = [cfgs[i * len(cfgs) // args.sample] for i in range(args.sample)]
     if disassembler() is None:
         raise SystemExit("neither nvdisasm nor cuobjdump found (pip install nvidia-cuda-nvdisasm)")
     render = importlib.import_module("flashgen.render")

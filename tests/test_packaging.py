@@ -14,8 +14,9 @@ def test_wheel_carries_templates_and_tuned(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for part in ("flashgen/templates/sm80/fwd.cu.j2", "flashgen/templates/common/params.cuh.j2",
                  "flashgen/templates/sm80/ptx.cuh.j2", "flashgen/templates/sm90/fwd.cu.j2",
-                 "flashgen/templates/sm90/params.cuh.j2", "flashgen/tuned/nvidia-h200-sm90.json", "flashgen/data/peers.json",
-                 "flashgen/__init__.py"):
+                 "flashgen/templates/sm90/params.cuh.j2", "flashgen/templates/sm90/fwd/mainloop.cuh.j2",
+                 "flashgen/templates/sm90/bwd/mainloop.cuh.j2", "flashgen/tuned/nvidia-h200-sm90.json",
+                 "flashgen/data/peers.json", "flashgen/__init__.py"):
         assert part in names, f"{part} missing from {wheel.name}"
     # Installed elsewhere, the package renders from its own copy of the templates.
     site = tmp_path / "site"
