@@ -142,7 +142,7 @@ class TorchRunner:
             q, k, v, descale = ours[i]
             return kern(q, k, v, **descale)
 
-        def api(i: int) -> Any:
+        def public_call(i: int) -> Any:
             q, k, v, descale = ours[i]
             return api.attention(q, k, v, causal=point.causal, arch=self.arch, **descale)
 
@@ -170,7 +170,7 @@ class TorchRunner:
         timed = retime_best([(0.0, who) for who in alone], lambda who: time_cuda(
             alone[who], self.warmup, self.reps, len(sets)), top=len(alone), rounds=self.rounds)
         row.ms.update({who: ms for ms, who in timed})
-        row.ms["api"] = back_to_back_ms(api, self.reps, len(sets))
+        row.ms["api"] = back_to_back_ms(public_call, self.reps, len(sets))
         # The same kernel back to back: api vs this is the host's share; this vs "flashgen" is what
         # sustained running (clocks under a steady power draw) costs the GPU itself.
         row.ms["kernel_b2b"] = back_to_back_ms(call, self.reps, len(sets))

@@ -43,7 +43,8 @@ PROTOTYPES: dict[str, tuple[type, list]] = {
     "cuCtxSynchronize": (_c.c_int, []),
     "cuPointerGetAttribute": (_c.c_int, [_c.c_void_p, _c.c_int, _c.c_ulonglong]),  # CUdeviceptr: 64-bit
     "cuMemHostAlloc": (_c.c_int, [_P(_c.c_void_p), _c.c_size_t, _c.c_uint]),
-    "cuMemHostGetDevicePointer": (_c.c_int, [_P(_c.c_ulonglong), _c.c_void_p, _c.c_uint]),
+    # cuda.h maps the name to its _v2 (64-bit device pointers); the unversioned symbol refuses current contexts
+    "cuMemHostGetDevicePointer_v2": (_c.c_int, [_P(_c.c_ulonglong), _c.c_void_p, _c.c_uint]),
     "cuModuleLoadData": (_c.c_int, [_P(_c.c_void_p), _c.c_char_p]),
     "cuModuleGetFunction": (_c.c_int, [_P(_c.c_void_p), _c.c_void_p, _c.c_char_p]),
     "cuFuncSetAttribute": (_c.c_int, [_c.c_void_p, _c.c_int, _c.c_int]),
@@ -288,7 +289,7 @@ def host_mapped(device: int, nbytes: int) -> tuple[int, int]:
     check(lib().cuMemHostAlloc(ctypes.byref(host), nbytes, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP),
           f"cuMemHostAlloc({nbytes})")
     ctypes.memset(host.value, 0, nbytes)
-    check(lib().cuMemHostGetDevicePointer(ctypes.byref(dev), host, 0), "cuMemHostGetDevicePointer")
+    check(lib().cuMemHostGetDevicePointer_v2(ctypes.byref(dev), host, 0), "cuMemHostGetDevicePointer")
     return host.value, dev.value
 
 

@@ -32,7 +32,7 @@ int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
     return 0;
 }
 int cuMemHostAlloc(void **p, size_t n, unsigned flags) { *p = calloc(1, n); return 0; }
-int cuMemHostGetDevicePointer(unsigned long long *d, void *p, unsigned flags) { *d = (unsigned long long)p; return 0; }
+int cuMemHostGetDevicePointer_v2(unsigned long long *d, void *p, unsigned flags) { *d = (unsigned long long)p; return 0; }
 void stub_last(Last *out) { *out = last; }
 """
 
