@@ -85,7 +85,8 @@ def main() -> None:
     best: dict[str, dict[str, float]] = {label: {} for label, _ in revs}
     for rnd in range(args.rounds):
         for label, path in revs:
-            env = dict(os.environ, PYTHONPATH=str(Path(path).resolve()))
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(  # the checkout first, then what the caller had
+                [str(Path(path).resolve()), *filter(None, [os.environ.get("PYTHONPATH")])]))
             res = subprocess.run([sys.executable, __file__, "--worker", path, "--points", args.points,
                                   "--calls", str(args.calls), "--loops", str(args.loops)],
                                  capture_output=True, text=True, env=env, cwd=path)
