@@ -7,6 +7,7 @@ a second, or after `reload()`) and runs it (flashgen.kernels); torch tensors go 
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from . import driver, resolve
@@ -24,6 +25,16 @@ def _ops() -> Any:
     from . import ops  # noqa: PLC0415  (the torch operators need torch: a torch tensor in the call proves it is there)
 
     return ops
+
+
+def _check_options(causal: Any, softmax_scale: Any) -> None:
+    """The call's flags, before anything else reads them: a string or a tensor there is a caller's mistake that
+    would otherwise surface as a wrong mask or an error from deep inside a launch."""
+    if not isinstance(causal, (bool, numbers.Integral)) or isinstance(causal, str):
+        raise TypeError(f"causal must be a bool, not {type(causal).__name__} ({causal!r})")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)):
+        raise TypeError(f"softmax_scale must be a number or None, not {type(softmax_scale).__name__} "
+                        f"({softmax_scale!r})")
 
 
 def reload() -> None:
@@ -95,6 +106,7 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     v_descale of shape (1,) or (batch, heads_k) (None: 1; `flashgen.fp8.quantize` makes them);
     out in bf16, or out_dtype="fp16"; block_quant_p quantizes P with a scale per key tile.
     Forward only; through the `flashgen::attention_fp8` operator when traced (torch.compile)."""
+    _check_options(causal, softmax_scale)
     descale = descale_dict(q_descale, k_descale, v_descale)
     if window_size != (-1, -1) or softcap or alibi_slopes is not None:
         if has_mods(window_size, softcap, alibi_slopes, causal):
@@ -173,6 +185,7 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     host sync per call): for loops over trusted inputs; CUDA-graph capture skips them by itself."""
     import torch  # noqa: PLC0415
 
+    _check_options(causal, softmax_scale)
     checked_dtype({"q": q, "k": k, "v": v}, "(total, heads, head_dim)")
     total_q, heads, d = q.shape
     total_k, heads_k, _ = k.shape
@@ -220,6 +233,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     options with validate=False (a decode loop) reuses its checks and choices (a plan): pointers, then launch."""
     import torch  # noqa: PLC0415
 
+    _check_options(causal, softmax_scale)
     key = _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size,
                     softcap, alibi_slopes, num_splits, return_lse, validate)
     plan = _kv_plans.get(key) if key is not None else None

@@ -373,6 +373,29 @@ def current_gpu() -> tuple[str, str] | None:
     return info.name, info.arch
 
 
+def stored_gpu(arch: str, tuned_dir: Path | str | None = None) -> tuple[str, str] | None:
+    """(name, arch) of the GPU whose store a kernel for an `arch` GPU that is not here comes from: the only store
+    of that arch, else the first by name (one warning naming the others); None, with one warning, when the store
+    holds no GPU of that arch."""
+    found = []
+    for path in sorted(Path(tuned_dir or default_tuned_dir()).glob("*.json")):
+        try:
+            gpu = json.loads(path.read_text()).get("gpu", {})
+        except (OSError, ValueError, AttributeError):
+            continue  # read_store warns about a broken file where it is used
+        if gpu.get("arch") == arch and gpu.get("name"):
+            found.append((gpu["name"], arch))
+    if not found:
+        _warn_once(f"no store {arch}", f"no tuned store for an {arch} GPU in {tuned_dir or default_tuned_dir()}; "
+                                       f"using the family default (tune on one: flashgen tune --arch "
+                                       f"{native_family(arch)})")
+        return None
+    if len(found) > 1:
+        _warn_once(f"stores {arch}", f"several {arch} GPUs have tuned stores ({', '.join(n for n, _ in found)}); "
+                                     f"using {found[0][0]}'s")
+    return found[0]
+
+
 def tuned_config(head_dim: int, dtype: str, causal: bool, arch: str, seqlen: int | None = None,
                  family: str | None = None, tuned_dir: Path | str | None = None,
                  gpu: tuple[str, str] | None = None, pass_: str = "fwd",
@@ -380,11 +403,13 @@ def tuned_config(head_dim: int, dtype: str, causal: bool, arch: str, seqlen: int
     """What load() uses before the family default: the stored result for `gpu` (name, arch;
     default the current GPU) for a call of GQA group `gqa_group` (heads // heads_k).
 
-    None, silently, without a GPU or when the GPU is not an `arch` one (there is no store to
-    consult); None with one warning per problem when the store has nothing for it."""
+    Without `gpu` and with no `arch` GPU here (compiling for another GPU), the store of an `arch` GPU
+    (stored_gpu); None with one warning per problem when the store has nothing for it."""
     gpu = gpu or current_gpu()
-    if gpu is None or gpu[1] != arch:
-        return None
+    if gpu is None or gpu[1] != arch:  # compiling for a GPU that is not here: the store of a GPU of that arch
+        gpu = stored_gpu(arch, tuned_dir)
+        if gpu is None:
+            return None
     try:
         cfg = lookup(gpu[0], arch, head_dim, dtype, causal, seqlen, family, tuned_dir, pass_, gqa_group)
     except StoreError as e:  # one warning, not an error in every attention() call

@@ -62,3 +62,16 @@ def test_load_checks_config_matches_problem():
     big = flashgen.KernelConfig(256, "bf16", False, 128, 64, 8, 2)
     with pytest.raises(ValueError, match="cannot run on sm86"):
         flashgen.load(256, "bf16", False, config=big, gpu_arch="sm86")
+
+
+@pytest.mark.parametrize("call", ["attention", "attention_varlen", "attention_with_kvcache"])
+def test_flags_of_the_wrong_type_are_refused_first(call):
+    """softmax_scale="0.1" or causal="yes" is refused by name before any tensor is looked at."""
+    import flashgen
+
+    fn = getattr(flashgen, call)
+    args = (None,) * (7 if call == "attention_varlen" else 3)
+    with pytest.raises(TypeError, match=r"causal must be a bool, not str \('yes'\)"):
+        fn(*args, causal="yes")
+    with pytest.raises(TypeError, match=r"softmax_scale must be a number or None, not str \('0.1'\)"):
+        fn(*args, softmax_scale="0.1")

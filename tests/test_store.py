@@ -13,7 +13,7 @@ import flashgen
 from flashgen import store
 from flashgen.config import KernelConfig, default_config
 from flashgen.problem import BATCH_TOKENS, HEADS_DIM_TOTAL, TuneProblem
-from flashgen.store import StoreError, lookup, merge, read_store, store_path
+from flashgen.store import StoreError, config_from_entry, lookup, merge, read_store, store_path
 
 GPU, ARCH = "NVIDIA H200", "sm90"
 
@@ -140,13 +140,14 @@ def test_choose_config_reads_the_store_for_the_current_gpu(tmp_path, path, monke
     assert len(rec) == 1 and cfg == default_config(128, "bf16", True, ARCH)
 
 
-def test_choose_config_without_a_gpu_uses_the_default_silently(tmp_path, path, monkeypatch):
+def test_choose_config_without_a_gpu_takes_the_store_of_that_arch(tmp_path, path, monkeypatch):
+    """Compiling for an sm90 GPU that is not here (load(gpu_arch="sm90")) takes the sm90 store's kernel."""
     monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
     monkeypatch.setattr(store, "current_gpu", lambda: None)
     merge(path, GPU, ARCH, {key(): entry(1.0, stages=3)})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert flashgen.choose_config(128, "bf16", False, ARCH) == default_config(128, "bf16", False, ARCH)
+        assert flashgen.choose_config(128, "bf16", False, ARCH) == config_from_entry(entry(1.0, stages=3))
 
 
 def test_choose_config_on_another_gpu_arch_does_not_use_this_store(tmp_path, path, monkeypatch):

@@ -138,3 +138,22 @@ def test_valid_entries_of_every_kind_pass(tuned):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert set(store.read_store(tuned, GPU, ARCH)["entries"]) == set(entries)
+
+
+def test_load_for_an_absent_gpu_takes_the_store_of_that_arch(tmp_path, monkeypatch):
+    """load(gpu_arch="sm90") with no Hopper GPU here takes the sm90 store's kernel, not a silent sm80 default."""
+    import flashgen
+    from flashgen.config import default_config
+
+    monkeypatch.setattr(store, "_warned", set())
+    monkeypatch.setattr(store, "current_gpu", lambda: None)
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True)
+    e = {"config": cfg.to_dict(), "kernel": cfg.name, "median_ms": 1.0, "trials": 3,
+         "problem": {"seqlen": 4096, "gqa_group": 1, "head_dim": 128}}
+    write(store_path("NVIDIA H200", "sm90", tmp_path), {"sm90_d128_bf16_causal_s4096_g1": e})
+    assert store.tuned_config(128, "bf16", True, "sm90", 4096, tuned_dir=tmp_path) == cfg
+    assert flashgen.choose_config(128, "bf16", True, "sm90", 4096, tuned_dir=tmp_path) == cfg
+    with pytest.warns(UserWarning, match="no tuned store for an sm80 GPU"):
+        assert store.tuned_config(128, "bf16", True, "sm80", 4096, tuned_dir=tmp_path) is None
+    assert flashgen.choose_config(128, "bf16", True, "sm80", 4096, tuned_dir=tmp_path) == default_config(
+        128, "bf16", True, "sm80")
