@@ -34,8 +34,9 @@ def wrong_mask() -> KernelConfig:
     return packed_candidates(causal=False)[0]
 
 
-def tune(p, cands, tmp_path):
-    """The pipeline on this GPU: a study in a SQLite file, every candidate verified and timed in the GPU worker."""
+def tune(p, cands, tmp_path, counts=None):
+    """The pipeline on this GPU: a study in a SQLite file, every candidate verified and timed in the GPU worker
+    (`counts`, a dict, receives the study's trial statuses)."""
     from flashgen.search import SearchOptions, search
     from flashgen.tunable import entry_of
     from flashgen.worker import GpuBackend
@@ -46,6 +47,8 @@ def tune(p, cands, tmp_path):
                      cands)
     finally:
         backend.close()
+    if counts is not None:
+        counts.update(out.counts)
     return entry_of(out, {"nvcc": "test", "driver": backend.driver_version})
 
 
@@ -85,8 +88,11 @@ def test_tuned_varlen_entry_is_verified_stored_and_used(store, monkeypatch):
     p = tv.VarlenProblem(128, "bf16", True, 8, 2, True, 12, 1, 700, -1, info.name, info.arch)
     wrong = tv.Inputs(p).trial(wrong_mask(), 1, 3)  # the worker's trial, here: the wrong mask fails verification
     assert wrong["status"] == "verify_failed" and "max error" in wrong["reason"]
-    e = tune(p, packed_candidates(), store)
-    assert e is not None and e["trials"] == 3 and e["default"]["status"] == "ok" and e["tflops"] > 0
+    counts = {}
+    e = tune(p, packed_candidates(), store, counts)
+    # the 192-row tile spills with the varlen feature: pruned at compile time, never timed or stored
+    assert counts == {"ok": 2, "pruned": 1}, counts
+    assert e is not None and e["trials"] == 2 and e["default"]["status"] == "ok" and e["tflops"] > 0
     assert e["kernel"] in {c.name for c in packed_candidates()}
     seen = _store_and_spy(p, e, monkeypatch)
 
