@@ -104,7 +104,7 @@ def nvcc_path() -> str:
 
 def disassembler() -> list[str] | None:
     """A SASS disassembler's command (nvdisasm or cuobjdump on PATH, beside nvcc, or from the
-    nvidia-cuda-nvdisasm wheel the test extra installs), or None where there is none."""
+    nvidia-cuda-nvdisasm wheel of the sass extra), or None where there is none."""
     import importlib.util
 
     dirs = [Path(nvcc_path()).parent]
