@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
+from typing import Any, Callable
 
 from .config import BwdConfig, KernelConfig, default_bwd_config, default_config
 
@@ -33,6 +34,20 @@ class Rule:
 
     def unfit_reason(self, arch: str) -> str | None:
         return None
+
+
+class HeldInputs:
+    """A GPU worker's inputs of the serving problem it is tuning: made at the problem's first trial, kept for its
+    later ones, and dropped (memory back first) when the next problem starts; one problem at a time."""
+
+    def __init__(self, make: Callable[[Any], Any]):
+        self._make, self._held = make, {}
+
+    def __call__(self, problem: Any) -> Any:
+        if problem not in self._held:
+            self._held.clear()
+            self._held[problem] = self._make(problem)
+        return self._held[problem]
 
 
 def gpu_slug(gpu_name: str, arch: str) -> str:

@@ -22,7 +22,7 @@ from .bench import median_ms, retime_best, time_cuda
 from .bench_serving import paged
 from .config import ConfigError, KernelConfig
 from .kernels.serving import decode_config, kvcache_launch
-from .problem import Rule, gpu_slug
+from .problem import HeldInputs, Rule, gpu_slug
 from .tensors import torch_dtype
 from .verify import packed_ref, poisoned_error
 
@@ -173,14 +173,7 @@ class Inputs:
         return [ms for ms, _ in sorted(timed, key=lambda r: r[1])]
 
 
-_held: dict[DecodeProblem, Inputs] = {}  # the GPU worker's inputs of the problem it is tuning (one at a time)
-
-
-def inputs(problem: DecodeProblem) -> Inputs:
-    if problem not in _held:
-        _held.clear()  # give the last problem's memory back first
-        _held[problem] = Inputs(problem)
-    return _held[problem]
+inputs = HeldInputs(Inputs)  # the GPU worker's, of the problem it is tuning
 
 
 def gpu_trial(problem: DecodeProblem, cand: DecodeCandidate | Rule, warmup: int, reps: int) -> dict[str, Any]:

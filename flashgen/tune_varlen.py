@@ -26,7 +26,7 @@ from .bench_serving import lengths, seen_pairs
 from .checks import Mods
 from .config import ConfigError, KernelConfig, space as dense_space
 from .kernels import serving as serve_kernels
-from .problem import Rule, gpu_slug
+from .problem import HeldInputs, Rule, gpu_slug
 from .resolve import untuned_prefill_config
 from .tensors import torch_dtype
 from .verify import packed_ref, poisoned_error
@@ -209,14 +209,7 @@ class Inputs:
         return [ms for ms, _ in sorted(timed, key=lambda r: r[1])]
 
 
-_held: dict[VarlenProblem, Inputs] = {}  # the GPU worker's inputs of the problem it is tuning (one at a time)
-
-
-def inputs(problem: VarlenProblem) -> Inputs:
-    if problem not in _held:
-        _held.clear()  # give the last problem's memory back first
-        _held[problem] = Inputs(problem)
-    return _held[problem]
+inputs = HeldInputs(Inputs)  # the GPU worker's, of the problem it is tuning
 
 
 def gpu_trial(problem: VarlenProblem, cand: KernelConfig | Rule, warmup: int, reps: int) -> dict[str, Any]:

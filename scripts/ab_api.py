@@ -40,30 +40,18 @@ def worker(points: list[tuple[int, int, bool]], calls: int, loops: int) -> dict[
     import torch  # noqa: PLC0415  (the GPU side only)
 
     import flashgen  # noqa: PLC0415  (the checkout on sys.path, chosen by the caller)
+    from flashgen.bench import l2_rotation  # noqa: PLC0415  (the same checkout's)
+    from flashgen.compare import back_to_back_ms  # noqa: PLC0415
 
     out = {}
     for head_dim, seqlen, causal in points:
         batch, heads = BATCH_TOKENS // seqlen, HEADS_DIM // head_dim
-        set_bytes = 4 * batch * seqlen * heads * head_dim * 2
-        sets = max(1, -(-2 * 60 * 2**20 // set_bytes))
+        sets = l2_rotation(4 * batch * seqlen * heads * head_dim * 2)
         gen = torch.Generator(device="cuda").manual_seed(0)
         inputs = [tuple(torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16,
                                     generator=gen) for _ in range(3)) for _ in range(sets)]
-        for i in range(5):
-            flashgen.attention(*inputs[i % sets], causal=causal)
-        torch.cuda.synchronize()
-        per_call = []
-        for _ in range(loops):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for i in range(calls):
-                flashgen.attention(*inputs[i % sets], causal=causal)
-            end.record()
-            end.synchronize()
-            per_call.append(start.elapsed_time(end) / calls)
-        ms = sorted(per_call)[len(per_call) // 2]
+        ms = back_to_back_ms(lambda i: flashgen.attention(*inputs[i], causal=causal), calls, sets, loops)
         out[f"d{head_dim} N{seqlen} {'causal' if causal else 'full'}"] = flops(head_dim, seqlen, causal) / ms / 1e9
-        del inputs
     return out
 
 

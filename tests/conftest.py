@@ -129,3 +129,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def tune_on_gpu(p, cands, tmp_path, counts: dict | None = None) -> dict | None:
+    """The tuning pipeline on this GPU: a study in a SQLite file, every candidate verified and timed in the GPU
+    worker; the store entry of the winner (`counts`, a dict, receives the study's trial statuses)."""
+    from flashgen.search import SearchOptions, search  # noqa: PLC0415
+    from flashgen.tunable import entry_of  # noqa: PLC0415
+    from flashgen.worker import GpuBackend  # noqa: PLC0415
+
+    backend = GpuBackend()
+    try:
+        out = search(p, backend, SearchOptions(exhaustive=True, storage=f"sqlite:///{tmp_path / 'studies.db'}"),
+                     cands)
+    finally:
+        backend.close()
+    if counts is not None:
+        counts.update(out.counts)
+    return entry_of(out, {"nvcc": "test", "driver": backend.driver_version})

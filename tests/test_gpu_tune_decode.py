@@ -8,6 +8,7 @@ pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 
+from conftest import tune_on_gpu  # noqa: E402
 from flashgen import api, resolve, tune_decode as td  # noqa: E402
 
 TILES = [((16, 32, 1, 2), 1), ((16, 32, 1, 2), 4), ((32, 64, 2, 3), 2)]
@@ -15,21 +16,6 @@ TILES = [((16, 32, 1, 2), 1), ((16, 32, 1, 2), 4), ((32, 64, 2, 3), 2)]
 
 def candidates():
     return [td.DecodeCandidate(td.decode_config(128, "bf16", t, True, s > 1), s) for t, s in TILES]
-
-
-def tune(p, cands, tmp_path):
-    """The pipeline on this GPU: a study in a SQLite file, every candidate verified and timed in the GPU worker."""
-    from flashgen.search import SearchOptions, search
-    from flashgen.tunable import entry_of
-    from flashgen.worker import GpuBackend
-
-    backend = GpuBackend()
-    try:
-        out = search(p, backend, SearchOptions(exhaustive=True, storage=f"sqlite:///{tmp_path / 'studies.db'}"),
-                     cands)
-    finally:
-        backend.close()
-    return entry_of(out, {"nvcc": "test", "driver": backend.driver_version})
 
 
 def test_tuned_decode_entry_is_verified_stored_and_used(tmp_path, monkeypatch):
@@ -42,7 +28,7 @@ def test_tuned_decode_entry_is_verified_stored_and_used(tmp_path, monkeypatch):
     resolve.clear()
     info = device_info(torch.cuda.current_device())
     p = td.DecodeProblem(128, "bf16", 32, 8, 4, 2048, 16, info.name, info.arch)
-    e = tune(p, candidates(), tmp_path)
+    e = tune_on_gpu(p, candidates(), tmp_path)
     assert e is not None and e["trials"] == len(TILES) and e["median_ms"] > 0 and e["default"]["status"] == "ok"
     path = store_path(info.name, info.arch)
     assert merge(path, info.name, info.arch, {p.key: e}) == {p.key: "added"}

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 
+from conftest import tune_on_gpu  # noqa: E402
 from flashgen import ops, resolve, tune_varlen as tv  # noqa: E402
 from flashgen.config import KernelConfig  # noqa: E402
 
@@ -32,24 +33,6 @@ def window_candidates() -> list[KernelConfig]:
 def wrong_mask() -> KernelConfig:
     """A non-causal kernel offered for a causal problem: it must fail verification."""
     return packed_candidates(causal=False)[0]
-
-
-def tune(p, cands, tmp_path, counts=None):
-    """The pipeline on this GPU: a study in a SQLite file, every candidate verified and timed in the GPU worker
-    (`counts`, a dict, receives the study's trial statuses)."""
-    from flashgen.search import SearchOptions, search
-    from flashgen.tunable import entry_of
-    from flashgen.worker import GpuBackend
-
-    backend = GpuBackend()
-    try:
-        out = search(p, backend, SearchOptions(exhaustive=True, storage=f"sqlite:///{tmp_path / 'studies.db'}"),
-                     cands)
-    finally:
-        backend.close()
-    if counts is not None:
-        counts.update(out.counts)
-    return entry_of(out, {"nvcc": "test", "driver": backend.driver_version})
 
 
 @pytest.fixture
@@ -89,7 +72,7 @@ def test_tuned_varlen_entry_is_verified_stored_and_used(store, monkeypatch):
     wrong = tv.Inputs(p).trial(wrong_mask(), 1, 3)  # the worker's trial, here: the wrong mask fails verification
     assert wrong["status"] == "verify_failed" and "max error" in wrong["reason"]
     counts = {}
-    e = tune(p, packed_candidates(), store, counts)
+    e = tune_on_gpu(p, packed_candidates(), store, counts)
     # the 192-row tile spills with the varlen feature: pruned at compile time, never timed or stored
     assert counts == {"ok": 2, "pruned": 1}, counts
     assert e is not None and e["trials"] == 2 and e["default"]["status"] == "ok" and e["tflops"] > 0
@@ -113,7 +96,7 @@ def test_tuned_window_entry_is_verified_stored_and_used(store, monkeypatch):
 
     info = device_info(torch.cuda.current_device())
     p = tv.VarlenProblem(128, "bf16", True, 8, 2, False, 2, 1023, 1023, 100, info.name, info.arch)
-    e = tune(p, window_candidates(), store)
+    e = tune_on_gpu(p, window_candidates(), store)
     assert e is not None and e["kernel"] in {c.name for c in window_candidates()}
     seen = _store_and_spy(p, e, monkeypatch)
 
