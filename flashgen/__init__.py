@@ -6,13 +6,14 @@ public entry points); verify, bench, search, the tuners and export sit on top.
 """
 from . import fp8  # flashgen.fp8.quantize / emulate after `import flashgen` (torch imported on call)
 from .__version__ import __version__
-from .api import Kernel, attention, attention_varlen, attention_with_kvcache, choose_config, load, reload
+from .api import (Kernel, attention, attention_varlen, attention_with_kvcache, check_errors, choose_config, load,
+                  reload)
 from .compile import CompileError, CompiledKernel, Resources, compile_kernel
 from .config import ConfigError, KernelConfig, default_config, space
 from .render import render
 from .store import StoreError
 
 __all__ = [
-    "__version__", "fp8", "attention", "attention_varlen", "attention_with_kvcache", "load", "reload", "Kernel", "choose_config", "KernelConfig", "ConfigError", "default_config",
+    "__version__", "fp8", "attention", "attention_varlen", "attention_with_kvcache", "check_errors", "load", "reload", "Kernel", "choose_config", "KernelConfig", "ConfigError", "default_config",
     "space", "render", "compile_kernel", "CompiledKernel", "CompileError", "Resources", "StoreError",
 ]

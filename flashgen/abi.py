@@ -217,7 +217,17 @@ SERVE = Block("ServeParams", "FLASHGEN_SERVE_PARAMS", (
     Line("int", ("num_splits",), "key ranges per row block (split-KV)"),
     _WINDOW,
     Line("float", ("softcap_pre",), _SOFTCAP),
+    # Bounds of the index inputs: a sequence whose offsets, length or pages fall outside them reads and
+    # writes nothing outside the buffers; its rows become NaN and the error word names it.
+    Line("int", ("num_pages",), "paged: pages in the cache (block_table entries lie in [0, num_pages))"),
+    Line("int", ("k_capacity",), "keys a sequence can hold: seqused_k <= k_capacity (contiguous or paged cache)"),
+    Line("int", ("total_q", "total_k"), "varlen: rows of the packed q and k (cu_seqlens_q/_k end at or below them)"),
+    Line("unsigned long long*", ("error",),
+         "null, or a word set once to (code << 32) | sequence at the first bad input (SERVE_INPUTS)"),
 ))
+
+# The index inputs the serving kernels check, by code (1-based; 0 in the error word: no error).
+SERVE_INPUTS = ("block_table", "cache_seqlens", "cu_seqlens_q", "cu_seqlens_k")
 
 BWD = Block("BwdParams", "FLASHGEN_BWD_PARAMS", (
     "Runtime arguments of every backward kernel, passed by value. Strides are in elements; the last",
@@ -301,5 +311,5 @@ SM90_BWD = Block("Sm90BwdParams", "FLASHGEN_SM90_BWD_PARAMS", (
 BLOCKS: dict[str, Block] = {b.name: b for b in (FWD, SERVE, BWD, BWD_SERVE, SM90_FWD, SM90_SERVE_FWD, FP8_DESCALE,
                                                  SM90_FP8_FWD, SM90_BWD)}
 
-__all__ = ["BLOCKS", "BWD", "BWD_SERVE", "Block", "FP8_DESCALE", "FWD", "Field", "Line", "SERVE", "SM90_BWD",
-           "SM90_FP8_FWD", "SM90_FWD", "SM90_SERVE_FWD"]
+__all__ = ["BLOCKS", "BWD", "BWD_SERVE", "Block", "FP8_DESCALE", "FWD", "Field", "Line", "SERVE", "SERVE_INPUTS",
+           "SM90_BWD", "SM90_FP8_FWD", "SM90_FWD", "SM90_SERVE_FWD"]

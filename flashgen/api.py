@@ -12,7 +12,8 @@ from typing import Any
 
 from . import driver, resolve
 from .checks import (check_cache, check_dense, check_grad_scale, check_heads, check_int32, check_mods,
-                     check_offsets, checked_dtype, dtype_name, refuse_grad, traced, wants_grad)
+                     check_offsets, checked_dtype, clamp_window, dtype_name, refuse_grad, traced, wants_grad)
+from .kernels.bad_inputs import check_errors
 from .kernels.dense import Kernel, checked, descale_dict, run_views
 from .kernels.serving import (NO_BACKWARD, KVPlan, append_kv, arch_and_slots, call_features, has_mods, kvcache_launch,
                               run_plan, serve_config, serve_grids, want_split)
@@ -171,7 +172,7 @@ def _full_lengths(q: Any, k: Any) -> Any:
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
                      max_seqlen_k: int, causal: bool = False, softmax_scale: float | None = None,
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
-                     return_lse: bool = False, num_splits: int = 1, validate: bool = True,
+                     return_lse: bool = False, num_splits: int = 1, validate: bool = False,
                      deterministic: bool = False) -> Any:
     """Attention over a packed batch of sequences of different lengths (flash_attn_varlen_func).
 
@@ -181,11 +182,17 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     are allowed. Returns out like q, and with return_lse also lse (heads, total_q) fp32.
     Differentiable (packed training): with autograd the call goes through the `flashgen::attention_varlen`
     operator, whose backward has the same features (window, softcap, ALiBi); deterministic=True gives
-    bit-identical gradients run to run. validate=False skips the checks that read the offsets back (one
-    host sync per call): for loops over trusted inputs; CUDA-graph capture skips them by itself."""
+    bit-identical gradients run to run.
+
+    Bad offsets (decreasing, or past the packed lengths) never make the kernels (family sm80) read or write outside
+    the tensors: that sequence's rows of out and lse become NaN, and the call after (or `flashgen.check_errors()`)
+    raises a ValueError naming cu_seqlens_q or cu_seqlens_k and the sequence; nothing waits for the GPU. validate=True
+    is a debugging aid: it also reads the offsets back before the launch (one host sync per call) and raises
+    there; CUDA-graph capture skips it."""
     import torch  # noqa: PLC0415
 
     _check_options(causal, softmax_scale)
+    check_errors()
     checked_dtype({"q": q, "k": k, "v": v}, "(total, heads, head_dim)")
     total_q, heads, d = q.shape
     total_k, heads_k, _ = k.shape
@@ -202,7 +209,8 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     if validate and not torch.cuda.is_current_stream_capturing():  # one small copy: offsets sound before any launch
         check_offsets(cu_seqlens_q, "cu_seqlens_q", total_q, max_seqlen_q)
         check_offsets(cu_seqlens_k, "cu_seqlens_k", total_k, max_seqlen_k)
-    mods = check_mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device)
+    mods = clamp_window(check_mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device), total_q,
+                        total_k)
     if wants_grad(q, k, v) or traced(q):
         check_grad_scale(softmax_scale, q, k, v)
         out, lse = _ops().attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -218,7 +226,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
                            cache_seqlens: Any = None, block_table: Any = None, causal: bool = False,
                            softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
                            softcap: float = 0.0, alibi_slopes: Any = None, num_splits: int = 0,
-                           return_lse: bool = False, validate: bool = True) -> Any:
+                           return_lse: bool = False, validate: bool = False) -> Any:
     """Attention of new queries against a KV cache (flash_attn_with_kvcache).
 
     q: (batch, seqlen_q, heads, head_dim). k_cache, v_cache: (batch, seqlen_cache, heads_k, head_dim),
@@ -227,13 +235,19 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     cache). k, v (batch, seqlen_new, heads_k, head_dim), if given, are written into the cache in place
     at cache_seqlens before attending. num_splits: key ranges per query block (split-KV); 0 lets
     flashgen choose. Returns out like q, and with return_lse also lse (batch, heads, seqlen_q) fp32.
-    validate=False skips the checks that read cache_seqlens and block_table back (one host sync per
-    call; out-of-range values then read or write outside the cache): for decode loops over trusted
-    inputs; CUDA-graph capture skips them by itself. A call that repeats an earlier one's shapes, strides and
-    options with validate=False (a decode loop) reuses its checks and choices (a plan): pointers, then launch."""
+    A page id outside the cache or a cache_seqlens past its capacity never makes the kernel read or write
+    outside the cache: that sequence's rows of out and lse become NaN, and the call after (or
+    `flashgen.check_errors()`, e.g. after a CUDA-graph replay) raises a ValueError naming block_table or
+    cache_seqlens and the sequence; nothing waits for the GPU. validate=True is a debugging aid: it also reads
+    cache_seqlens and block_table back before the launch (one host sync per call) and raises there; CUDA-graph
+    capture skips it. A call that repeats an earlier one's shapes, strides and options with validate=False (a
+    decode loop) reuses its checks and choices (a plan): pointers, then launch. An append (k, v) with bad
+    values stays inside the cache too (positions and page ids clamped), but a bad page id can then overwrite
+    another sequence's page: validate=True refuses it before anything is written."""
     import torch  # noqa: PLC0415
 
     _check_options(causal, softmax_scale)
+    check_errors()
     key = _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size,
                     softcap, alibi_slopes, num_splits, return_lse, validate)
     plan = _kv_plans.get(key) if key is not None else None
@@ -278,7 +292,8 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
         if dtype_name(k, "k") != dtype or dtype_name(v, "v") != dtype or k.device != q.device or v.device != q.device:
             raise TypeError("k and v to append must have q's dtype and device")
         seqlen_new = k.shape[1]
-    mods = check_mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device)
+    mods = clamp_window(check_mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device), seqlen_q,
+                        capacity)
     longest = capacity  # the most keys a sequence has: bounds the split-KV choice
     if validate and not torch.cuda.is_current_stream_capturing():  # one small copy: no access outside the cache
         longest = check_cache(cache_seqlens, seqlen_new, capacity, block_table, k_cache.shape[0])
@@ -352,5 +367,5 @@ def _plan_key(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens:
             num_splits, bool(return_lse), stamp)
 
 
-__all__ = ["Kernel", "STORE_CHECK_S", "attention", "attention_varlen", "attention_with_kvcache", "choose_config",
-           "current_arch", "load", "reload"]
+__all__ = ["Kernel", "STORE_CHECK_S", "attention", "attention_varlen", "attention_with_kvcache", "check_errors",
+           "choose_config", "current_arch", "load", "reload"]

@@ -220,6 +220,15 @@ def check_mods(window_size: Any, softcap: float, alibi_slopes: Any, causal: bool
     return Mods((left, right), softcap, alibi_slopes)
 
 
+def clamp_window(mods: Mods, seqlen_q: int, seqlen_k: int) -> Mods:
+    """`mods` with window edges past seqlen_q + seqlen_k (bounds of every sequence's lengths) lowered to that sum:
+    the same keys are seen (a row's diagonal key i + seqlen_k - seqlen_q lies in (-seqlen_q, seqlen_k)), and the
+    kernels' edge sums (i + shift + right) stay far from int32's end."""
+    bound = max(0, seqlen_q) + max(0, seqlen_k)
+    window = (min(mods.window[0], bound), min(mods.window[1], bound))
+    return mods if window == mods.window else mods._replace(window=window)
+
+
 def check_cache(cache_seqlens: Any, seqlen_new: int, capacity: int, block_table: Any, num_pages: int) -> int:
     """Raise if a sequence would read or write outside its cache; returns the longest sequence after the append."""
     import torch  # noqa: PLC0415  (torch tensors: torch is imported)
@@ -251,4 +260,5 @@ def check_dense(q: Any, k: Any, v: Any, window_size: Any, softcap: float, alibi_
     if tuple(v.shape) != tuple(k.shape) or k.shape[0] != batch:
         raise ValueError(f"k and v must have one shape (batch={batch}, seqlen_k, heads_k, head_dim={d}); got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
-    return check_mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device)
+    return clamp_window(check_mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device), q.shape[1],
+                        k.shape[1])

@@ -42,6 +42,9 @@ PROTOTYPES: dict[str, tuple[type, list]] = {
     "cuCtxGetId": (_c.c_int, [_c.c_void_p, _P(_c.c_ulonglong)]),
     "cuCtxSynchronize": (_c.c_int, []),
     "cuPointerGetAttribute": (_c.c_int, [_c.c_void_p, _c.c_int, _c.c_ulonglong]),  # CUdeviceptr: 64-bit
+    "cuMemHostAlloc": (_c.c_int, [_P(_c.c_void_p), _c.c_size_t, _c.c_uint]),
+    # cuda.h maps the name to its _v2 (64-bit device pointers); the unversioned symbol refuses current contexts
+    "cuMemHostGetDevicePointer_v2": (_c.c_int, [_P(_c.c_ulonglong), _c.c_void_p, _c.c_uint]),
     "cuModuleLoadData": (_c.c_int, [_P(_c.c_void_p), _c.c_char_p]),
     "cuModuleGetFunction": (_c.c_int, [_P(_c.c_void_p), _c.c_void_p, _c.c_char_p]),
     "cuFuncSetAttribute": (_c.c_int, [_c.c_void_p, _c.c_int, _c.c_int]),
@@ -271,6 +274,23 @@ def tensor_map(dtype: str, ptr: int, dims: tuple[int, ...], strides_bytes: tuple
         0, TMA_SWIZZLE[swizzle_bytes], TMA_L2_PROMOTION_128B, 0)
     check(rc, f"cuTensorMapEncodeTiled(dims={dims}, strides={strides_bytes}, box={box})")
     return bytes(out)
+
+
+CU_MEMHOSTALLOC_PORTABLE = 1
+CU_MEMHOSTALLOC_DEVICEMAP = 2
+
+
+def host_mapped(device: int, nbytes: int) -> tuple[int, int]:
+    """(host address, device address) of `nbytes` of zeroed pinned host memory that kernels on `device` read and
+    write directly (cuMemHostAlloc with DEVICEMAP): the host sees their writes with a plain read, no sync. Never
+    freed; callers allocate once per device."""
+    use_device(device)
+    host, dev = ctypes.c_void_p(), ctypes.c_ulonglong()
+    check(lib().cuMemHostAlloc(ctypes.byref(host), nbytes, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP),
+          f"cuMemHostAlloc({nbytes})")
+    ctypes.memset(host.value, 0, nbytes)
+    check(lib().cuMemHostGetDevicePointer_v2(ctypes.byref(dev), host, 0), "cuMemHostGetDevicePointer")
+    return host.value, dev.value
 
 
 def version() -> str:

@@ -213,6 +213,8 @@ _SERVE_HEADER = """\
 //   f.lse (null: not written), fp32: lse[b * lse_batch_stride + h * lse_head_stride + i], not FwdParams' layout;
 //       (batch, heads, seqlen_q) is strides (heads * seqlen_q, seqlen_q){lse_packed}.
 //   total_rows: rows of q and o: {total_rows}.
+//   num_pages, k_capacity, total_q, total_k: the bounds the kernel holds the index inputs to (a sequence past
+//       them gets NaN rows); error: null, or a zeroed 64-bit word that records the first bad input.
 {notes}#pragma once
 #include <math.h>
 #include <stdint.h>

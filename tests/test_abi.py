@@ -11,7 +11,7 @@ from flashgen import abi
 
 def test_layouts_are_the_c_layouts():
     # Sizes and offsets a kernel reads, by C's rules (CUtensorMap aligned to 128 bytes).
-    assert (abi.FWD.size, abi.SERVE.size, abi.BWD.size, abi.BWD_SERVE.size) == (168, 280, 328, 384)
+    assert (abi.FWD.size, abi.SERVE.size, abi.BWD.size, abi.BWD_SERVE.size) == (168, 304, 328, 384)
     assert (abi.SM90_FWD.size, abi.SM90_SERVE_FWD.size, abi.SM90_FP8_FWD.size, abi.SM90_BWD.size) == (640, 640, 640, 896)
     assert abi.SM90_FWD.offset("p.q") == 384 and abi.SM90_BWD.offset("p.q") == 512
     assert abi.SM90_SERVE_FWD.offset("cu_seqlens_q") == 552
@@ -33,10 +33,19 @@ def test_tail_packs_from_a_field_to_the_end():
 
 def test_pointer_positions():
     # q k v o lse, then the serving pointers: what a serving launch fills per call.
-    assert abi.SERVE.pointers == (0, 1, 2, 3, 4, 24, 25, 26, 27, 28, 29, 30)
+    assert abi.SERVE.pointers == (0, 1, 2, 3, 4, 24, 25, 26, 27, 28, 29, 30, 45)
     assert [abi.SERVE.fields[i].path for i in abi.SERVE.pointers[5:]] == [
-        "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "alibi_slopes", "o_accum", "lse_accum"]
+        "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "alibi_slopes", "o_accum", "lse_accum", "error"]
     assert abi.BWD.pointers == tuple(range(13))
+
+
+def test_serve_bounds_follow_the_older_fields():
+    # The bounds and the error word come after every earlier field, whose offsets stay where they were.
+    assert abi.SERVE.offset("softcap_pre") == 276
+    assert [abi.SERVE.offset(f) for f in ("num_pages", "k_capacity", "total_q", "total_k", "error")] == [
+        280, 284, 288, 292, 296]
+    assert abi.SERVE.size == 304 and abi.SERVE.fields[-1].kind == "ptr"
+    assert abi.SERVE_INPUTS == ("block_table", "cache_seqlens", "cu_seqlens_q", "cu_seqlens_k")
 
 
 def test_whole_block_packs_by_position():

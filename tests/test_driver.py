@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # A libcuda stand-in: the calls Function makes, recording the launch's dimensions as the C ABI delivers them.
 STUB_C = r"""
+#include <stdlib.h>
 typedef struct { unsigned gx, gy, gz, bx, by, bz, smem; int launches; } Last;
 static Last last;
 int cuInit(unsigned flags) { return 0; }
@@ -30,6 +31,8 @@ int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
     last.launches++;
     return 0;
 }
+int cuMemHostAlloc(void **p, size_t n, unsigned flags) { *p = calloc(1, n); return 0; }
+int cuMemHostGetDevicePointer_v2(unsigned long long *d, void *p, unsigned flags) { *d = (unsigned long long)p; return 0; }
 void stub_last(Last *out) { *out = last; }
 """
 

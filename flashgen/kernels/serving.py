@@ -16,6 +16,7 @@ from ..checks import Mods
 from ..compile import target_for
 from ..config import ARCHS, COMBINE_WARPS, DEFAULT_TILES, ELEM_BYTES, MAX_SPLITS, KernelConfig, mod_features
 from ..launch import FWD, SM90_BYTES, current_stream, scale_args, softcap_args, tmap_box
+from .bad_inputs import error_word
 from .dense import compiled_kernel
 
 SERVE_PARAMS = abi.SERVE.struct
@@ -100,7 +101,8 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
             batch_strides: tuple[int, int, int]) -> "ServeLaunch | None":
     """One serving launch (plus the combine when split); returns it with its pointers left out, for a plan to
     repeat. q/out rows: (.., rows, heads, d) views; k, v: (.., keys or page rows, heads_k, d). batch_strides:
-    (q/o, k, v) batch (or page) strides."""
+    (q/o, k, v) batch (or page) strides. The kernel's bounds come from the shapes: the pages of a paged k,
+    seqlen_k as a cache's capacity, the packed rows of q and k (varlen)."""
     heads, heads_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
     blocks, combine_blocks = serve_grids(cfg, batch, heads, heads_k, seqlen_q, total_rows, num_splits)
     if blocks == 0:
@@ -119,14 +121,16 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
         0, 0, 0, 0, 0, 0, 0,
         0 if block_table is None else block_table.stride(0),
         0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
-        lse_strides[0], lse_strides[1], total_rows, page_size, num_splits, mods.window[0], mods.window[1], softcap_pre)
+        lse_strides[0], lse_strides[1], total_rows, page_size, num_splits, mods.window[0], mods.window[1], softcap_pre,
+        k.shape[-4] if block_table is not None else 0, seqlen_k, q.shape[-3], k.shape[-3], error_word(dev))
     accum = ((num_splits, total_rows, heads, d), (num_splits, total_rows, heads)) if cfg.split else None
     run = ServeLaunch(dev, fn, comb, blocks, combine_blocks, cfg.threads, fields, accum)
     _fire(run, (q, k, v, out, lse, cu_q, cu_k, seqused_k, block_table, alibi))
     return run
 
 
-_POINTERS = abi.SERVE.pointers  # q k v o lse, cu_q cu_k seqused block_table alibi, o_accum lse_accum
+# q k v o lse, cu_q cu_k seqused block_table alibi, o_accum lse_accum: filled per call (the error word is per device)
+_POINTERS = tuple(i for i in abi.SERVE.pointers if abi.SERVE.fields[i].path != "error")
 
 
 def _fire(run: "ServeLaunch", tensors: tuple) -> None:
@@ -289,17 +293,24 @@ def kvcache_launch(cfg: KernelConfig, splits: int, q: Any, k_cache: Any, v_cache
 
 
 def append_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, page_size: int) -> None:
-    """Write k, v at positions cache_seqlens[b] + [0, seqlen_new) of each sequence's cache, in place."""
+    """Write k, v at positions cache_seqlens[b] + [0, seqlen_new) of each sequence's cache, in place.
+
+    Positions and page ids are clamped into the cache (identity for valid inputs; no host sync): an index out of
+    range would stop the CUDA context with a device-side assert. A sequence whose cache_seqlens runs past its
+    cache writes into its own row (contiguous) or pages; a bad page id lands on a page in [0, num_pages). The
+    kernel then finds the same input out of bounds and reports it (flashgen.kernels.bad_inputs)."""
     import torch  # noqa: PLC0415
 
     batch, n = k.shape[:2]
     pos = cache_seqlens.long()[:, None] + torch.arange(n, device=k.device)[None, :]  # (batch, n)
     if block_table is None:
+        pos = pos.clamp_(0, k_cache.shape[1] - 1)
         rows = torch.arange(batch, device=k.device)[:, None].expand(batch, n)
         k_cache[rows, pos] = k
         v_cache[rows, pos] = v
     else:
-        pages = torch.gather(block_table.long(), 1, pos // page_size)
+        pos = pos.clamp_(0, block_table.shape[1] * page_size - 1)
+        pages = torch.gather(block_table.long(), 1, pos // page_size).clamp_(0, k_cache.shape[0] - 1)
         k_cache[pages, pos % page_size] = k
         v_cache[pages, pos % page_size] = v
 
