@@ -172,7 +172,7 @@ def _full_lengths(q: Any, k: Any) -> Any:
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
                      max_seqlen_k: int, causal: bool = False, softmax_scale: float | None = None,
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
-                     return_lse: bool = False, num_splits: int = 1, validate: bool = False,
+                     return_lse: bool = False, num_splits: int = 1, validate: bool = True,
                      deterministic: bool = False) -> Any:
     """Attention over a packed batch of sequences of different lengths (flash_attn_varlen_func).
 
@@ -184,11 +184,12 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     operator, whose backward has the same features (window, softcap, ALiBi); deterministic=True gives
     bit-identical gradients run to run.
 
-    Bad offsets (decreasing, or past the packed lengths) never make the kernels (family sm80) read or write outside
-    the tensors: that sequence's rows of out and lse become NaN, and the call after (or `flashgen.check_errors()`)
-    raises a ValueError naming cu_seqlens_q or cu_seqlens_k and the sequence; nothing waits for the GPU. validate=True
-    is a debugging aid: it also reads the offsets back before the launch (one host sync per call) and raises
-    there; CUDA-graph capture skips it."""
+    validate (default True) reads the offsets back before the launch (one host sync per call) and raises a
+    ValueError on offsets that decrease or run past the packed lengths; CUDA-graph capture skips it. The sm80-family
+    kernels also check the offsets themselves: a bad sequence's rows of out and lse become NaN, nothing outside
+    the tensors is read or written, and the call after (or `flashgen.check_errors()`) raises naming cu_seqlens_q or
+    cu_seqlens_k and the sequence. The sm90 varlen forward and the varlen backward do not check them yet, so
+    validate=False is for offsets the caller trusts."""
     import torch  # noqa: PLC0415
 
     _check_options(causal, softmax_scale)
