@@ -62,9 +62,10 @@ def test_bad_input_is_contained_and_reported(case, name, seq, mode):
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpu_reason() is not None, reason=f"needs a GPU: {_gpu_reason()}")
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer is not on PATH")
+@pytest.mark.parametrize("mode", ["eager", "graph"])
 @pytest.mark.parametrize("case, name, seq", SANITIZED, ids=[c[0] for c in SANITIZED])
-def test_bad_input_makes_no_invalid_access(case, name, seq):
-    res = _child(case, "eager", sanitizer=True)
+def test_bad_input_makes_no_invalid_access(case, name, seq, mode):
+    res = _child(case, mode, sanitizer=True)
     out = res.stdout + res.stderr
     assert res.returncode == 0 and f"OK {name} {seq}" in res.stdout, out
     assert "ERROR SUMMARY: 0 errors" in out, out
@@ -182,7 +183,8 @@ def _varlen_case(torch, case: str):
         cu_k.copy_(offsets[bad][1])
 
     def launch():
-        return attention_varlen(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), num_splits=splits, return_lse=True)
+        return attention_varlen(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), num_splits=splits, return_lse=True,
+                                validate=False)
 
     def rows(out, lse):
         return [(out[cq[b]:cq[b + 1]], lse[:, cq[b]:cq[b + 1]]) for b in range(3)]
