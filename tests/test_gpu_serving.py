@@ -250,18 +250,20 @@ def test_sm90_persistent_window(cfg):
 
 
 def test_bad_arguments_raise_before_launch():
+    # validate=True: the host checks (one sync) refuse these before anything is launched or written
     q = _rand(2, 1, 8, 128, dtype=torch.bfloat16)
     kc = _rand(2, 64, 2, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="do not fit"):
         attention_with_kvcache(q, kc, kc.clone(), _rand(2, 8, 2, 128, dtype=torch.bfloat16),
-                               _rand(2, 8, 2, 128, dtype=torch.bfloat16), cache_seqlens=60)
+                               _rand(2, 8, 2, 128, dtype=torch.bfloat16), cache_seqlens=60, validate=True)
     with pytest.raises(TypeError, match="int32"):
         attention_with_kvcache(q, kc, kc.clone(), cache_seqlens=torch.tensor([1, 2], device="cuda"))
     pool = _rand(4, 16, 2, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="block_table entries"):
         attention_with_kvcache(q, pool, pool.clone(), cache_seqlens=torch.tensor([20, 3], dtype=torch.int32,
                                                                                   device="cuda"),
-                               block_table=torch.tensor([[0, 9], [1, 2]], dtype=torch.int32, device="cuda"))
+                               block_table=torch.tensor([[0, 9], [1, 2]], dtype=torch.int32, device="cuda"),
+                               validate=True)
     qv = _rand(10, 8, 128, dtype=torch.bfloat16)
     kv = _rand(10, 2, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="non-decreasing"):
