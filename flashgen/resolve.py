@@ -60,10 +60,18 @@ def gpu(device: int) -> tuple[str, str]:
     return info.name, info.arch
 
 
+_device_stamps: dict[int, tuple[float, tuple[tuple[str, str], tuple | None]]] = {}  # device -> (when, gpu_stamp)
+
+
 def gpu_stamp(device: int) -> tuple[tuple[str, str], tuple | None]:
-    """The device's (name, arch) and the stamp of its store file (store_stamp)."""
-    name, arch = gpu(device)
-    return (name, arch), store_stamp(store.store_path(name, arch))
+    """The device's (name, arch) and the stamp of its store file (store_stamp). Between looks on disk it is one
+    dict read: a decode step asks for it on every call, and building the store's path costs more than the step."""
+    now = time.monotonic()
+    hit = _device_stamps.get(device)
+    if hit is None or now - hit[0] >= STORE_CHECK_S:
+        name, arch = gpu(device)
+        hit = _device_stamps[device] = (now, ((name, arch), store_stamp(store.store_path(name, arch))))
+    return hit[1]
 
 
 # -- the nearest stored problem ------------------------------------------------------------
@@ -427,6 +435,7 @@ def clear() -> None:
     resolver.clear()
     store.forget()
     _looked.clear()
+    _device_stamps.clear()
     _tuned_backwards.cache_clear()
     _decode.cache_clear()
     _prefill.cache_clear()

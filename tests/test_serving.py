@@ -166,6 +166,7 @@ def test_a_plan_launches_the_struct_the_full_path_packed(monkeypatch):
     monkeypatch.setattr(serving.driver, "primary_context_id", lambda device: 1)
     monkeypatch.setattr(serving, "current_stream", lambda device: 7)
     monkeypatch.setattr(serving, "error_word", lambda device: 0x5000)
+    monkeypatch.setattr(serving, "_workspace", lambda device, stream, floats: torch.empty(floats))
     q = torch.randn(3, 1, 8, 128, dtype=torch.bfloat16)
     lens = torch.tensor([5, 64, 200], dtype=torch.int32)
     fresh = {3, 4, 29, 30}  # out, lse, o_accum, lse_accum

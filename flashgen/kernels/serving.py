@@ -135,25 +135,45 @@ _POINTERS = tuple(i for i in abi.SERVE.pointers if abi.SERVE.fields[i].path != "
 
 def _fire(run: "ServeLaunch", tensors: tuple) -> None:
     """Launch `run` (and its combine) on the current stream with the pointers of `tensors` (q, k, v, out, lse,
-    cu_q, cu_k, seqused, block_table, alibi; None: 0) and, split, fresh fp32 accumulators."""
-    import torch  # noqa: PLC0415
-
+    cu_q, cu_k, seqused, block_table, alibi; None: 0) and, split, fp32 accumulators (_workspace)."""
     ptrs = [0 if t is None else t.data_ptr() for t in tensors]
-    if run.accum is not None:  # freed after the launch: the caching allocator orders reuse on this stream
-        o_accum = torch.empty(run.accum[0], dtype=torch.float32, device=tensors[0].device)
-        lse_accum = torch.empty(run.accum[1], dtype=torch.float32, device=tensors[0].device)
-        ptrs += [o_accum.data_ptr(), lse_accum.data_ptr()]
+    driver.use_device(run.device)
+    stream = current_stream(run.device)
+    if run.accum is not None:
+        o_floats = math.prod(run.accum[0])
+        scratch = _workspace(run.device, stream, o_floats + math.prod(run.accum[1]))  # alive past the launches
+        ptrs += [scratch.data_ptr(), scratch.data_ptr() + 4 * o_floats]
     else:
         ptrs += [0, 0]
     fields = list(run.fields)
     for i, ptr in zip(_POINTERS, ptrs):
         fields[i] = ptr
     params = SERVE_PARAMS.pack(*fields)
-    driver.use_device(run.device)
-    stream = current_stream(run.device)
     run.fn.launch((run.blocks, 1, 1), run.threads, params, stream)
     if run.comb is not None:
         run.comb.launch((run.combine_blocks, 1, 1), 32 * COMBINE_WARPS, params, stream)
+
+
+# Split-KV accumulators kept per (device, stream): the launches on one stream run in order, so each call's
+# combine has read them before the next call's main kernel writes them. One allocation less per decode step,
+# which is most of a small step's cost. Inside a CUDA-graph capture each launch gets its own (the graph's pool
+# keeps it), so a replay never shares them with eager calls.
+_WORKSPACE_KEEP = 64 << 20  # bytes: larger accumulators are allocated per call, not held
+_workspaces: dict[tuple[int, int], Any] = {}
+
+
+def _workspace(device: int, stream: int, floats: int) -> Any:
+    """`floats` fp32 of scratch for a launch on `stream`: held for the next launches there, or (capture, large)
+    fresh, freed once the caller's launches are queued (the caching allocator orders its reuse on the stream)."""
+    import torch  # noqa: PLC0415
+
+    if torch.cuda.is_current_stream_capturing() or 4 * floats > _WORKSPACE_KEEP:
+        return torch.empty(floats, dtype=torch.float32, device=torch.device("cuda", device))
+    held = _workspaces.get((device, stream))
+    if held is None or held.numel() < floats:
+        held = _workspaces[device, stream] = torch.empty(floats, dtype=torch.float32,
+                                                        device=torch.device("cuda", device))
+    return held
 
 
 class ServeLaunch(NamedTuple):
