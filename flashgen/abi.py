@@ -278,6 +278,8 @@ SM90_SERVE_FWD = Block("Sm90ServeFwdParams", "FLASHGEN_SM90_SERVE_FWD_PARAMS", (
     Line("const int*", ("cu_seqlens_k",)),
     _WINDOW,
     Line("int", ("num_seqs", "max_seqlen_q"), "the grid: m-blocks of the longest sequence x heads x num_seqs"),
+    Line("unsigned long long*", ("error",),
+         "null, or the word a sequence with offsets out of bounds is recorded in (as ServeParams.error)"),
 ))
 
 FP8_DESCALE = Block("Fp8Descale", "FLASHGEN_FP8_DESCALE", (

@@ -172,7 +172,7 @@ def _full_lengths(q: Any, k: Any) -> Any:
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
                      max_seqlen_k: int, causal: bool = False, softmax_scale: float | None = None,
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
-                     return_lse: bool = False, num_splits: int = 1, validate: bool = True,
+                     return_lse: bool = False, num_splits: int = 1, validate: bool | None = None,
                      deterministic: bool = False) -> Any:
     """Attention over a packed batch of sequences of different lengths (flash_attn_varlen_func).
 
@@ -184,12 +184,12 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     operator, whose backward has the same features (window, softcap, ALiBi); deterministic=True gives
     bit-identical gradients run to run.
 
-    validate (default True) reads the offsets back before the launch (one host sync per call) and raises a
-    ValueError on offsets that decrease or run past the packed lengths; CUDA-graph capture skips it. The sm80-family
-    kernels also check the offsets themselves: a bad sequence's rows of out and lse become NaN, nothing outside
-    the tensors is read or written, and the call after (or `flashgen.check_errors()`) raises naming cu_seqlens_q or
-    cu_seqlens_k and the sequence. The sm90 varlen forward and the varlen backward do not check them yet, so
-    validate=False is for offsets the caller trusts."""
+    Bad offsets (decreasing, or past the packed lengths) never make the forward kernels read or write outside the
+    tensors: that sequence's rows of out and lse become NaN, and the next flashgen call (or
+    `flashgen.check_errors()`, e.g. after a CUDA-graph replay) raises a ValueError naming cu_seqlens_q or
+    cu_seqlens_k and the sequence; nothing waits for the GPU. The backward kernels do not check the offsets, so a
+    call that wants gradients reads them back first (one host sync) and raises there. validate=True asks for that
+    host check on every call (a debugging aid), validate=False never; CUDA-graph capture skips it."""
     import torch  # noqa: PLC0415
 
     _check_options(causal, softmax_scale)
@@ -207,12 +207,14 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     check_int32(cu_seqlens_k, "cu_seqlens_k", (batch + 1,), q.device)
     if max_seqlen_q < 0 or max_seqlen_k < 0:
         raise ValueError("max_seqlen_q and max_seqlen_k must be >= 0")
-    if validate and not torch.cuda.is_current_stream_capturing():  # one small copy: offsets sound before any launch
+    grad = wants_grad(q, k, v) or traced(q)
+    if (grad if validate is None else validate) and not torch.cuda.is_current_stream_capturing():
+        # one small copy: offsets sound before any launch (the backward's kernels take them as they are)
         check_offsets(cu_seqlens_q, "cu_seqlens_q", total_q, max_seqlen_q)
         check_offsets(cu_seqlens_k, "cu_seqlens_k", total_k, max_seqlen_k)
     mods = clamp_window(check_mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device), total_q,
                         total_k)
-    if wants_grad(q, k, v) or traced(q):
+    if grad:
         check_grad_scale(softmax_scale, q, k, v)
         out, lse = _ops().attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                               causal, softmax_scale, *mods.window, mods.softcap, mods.alibi,

@@ -26,11 +26,15 @@ CASES = [
     ("cu_k_past", "cu_seqlens_k", 2),
     ("cu_k_decreasing", "cu_seqlens_k", 1),
     ("cu_q_decreasing_split", "cu_seqlens_q", 2),
+    # Longer sequences (more query rows than a decode tile): on Hopper the sm90 family's varlen kernel.
+    ("cu_q_past_long", "cu_seqlens_q", 2),
+    ("cu_k_past_long", "cu_seqlens_k", 2),
+    ("cu_k_decreasing_long", "cu_seqlens_k", 1),
 ]
 
 # One case of each input under memcheck (slower: the whole process is instrumented), split-KV included.
 SANITIZED = [c for c in CASES if c[0] in ("page_past_split", "page_negative", "seqlens_past_append", "cu_q_past",
-                                          "cu_k_decreasing")]
+                                          "cu_k_decreasing", "cu_q_past_long", "cu_k_past_long")]
 
 
 def _child(case: str, mode: str, sanitizer: bool = False) -> subprocess.CompletedProcess:
@@ -146,24 +150,25 @@ def _varlen_case(torch, case: str):
 
     dev, dt = "cuda", torch.bfloat16
     splits = 2 if "split" in case else 1
-    q_lens, k_lens = [5, 9, 7], [12, 30, 17]
+    q_lens, k_lens = ([40, 70, 50], [60, 100, 80]) if case.endswith("_long") else ([5, 9, 7], [12, 30, 17])
     total_q, total_k = sum(q_lens), sum(k_lens)
     gen = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(total_q, HEADS, D, generator=gen, device=dev, dtype=dt)
     k = torch.randn(total_k, HEADS_K, D, generator=gen, device=dev, dtype=dt)
     v = torch.randn(total_k, HEADS_K, D, generator=gen, device=dev, dtype=dt)
-    cq = [0, 5, 14, 21]
-    ck = [0, 12, 42, 59]
-    bad_seq = {"cu_q_past": 2, "cu_k_past": 2, "cu_k_decreasing": 1, "cu_q_decreasing_split": 2}[case]
+    cq = [0, q_lens[0], q_lens[0] + q_lens[1], total_q]
+    ck = [0, k_lens[0], k_lens[0] + k_lens[1], total_k]
+    kind = case.removesuffix("_long")
+    bad_seq = {"cu_q_past": 2, "cu_k_past": 2, "cu_k_decreasing": 1, "cu_q_decreasing_split": 2}[kind]
     bad_q, bad_k = list(cq), list(ck)
-    if case == "cu_q_past":
-        bad_q[3] = total_q + 6  # sequence 2's rows [14, 21) stay in the packed q: they become NaN
-    elif case == "cu_k_past":
+    if kind == "cu_q_past":
+        bad_q[3] = total_q + 6  # sequence 2's rows stay in the packed q: they become NaN
+    elif kind == "cu_k_past":
         bad_k[3] = total_k + 40
-    elif case == "cu_k_decreasing":
-        bad_k[2] = 8  # sequence 1: keys [12, 8); sequence 2: keys [8, 59), in bounds, its own reference
+    elif kind == "cu_k_decreasing":
+        bad_k[2] = ck[1] - 4  # sequence 1's keys decrease; sequence 2's keys [ck[1] - 4, total_k): its own reference
     else:
-        bad_q[3] = 10  # sequence 2: rows [14, 10), none to write; the other two unchanged
+        bad_q[3] = cq[2] - 4  # sequence 2: rows decrease, none to write; the other two unchanged
     cu_q = torch.tensor(cq, dtype=torch.int32, device=dev)
     cu_k = torch.tensor(ck, dtype=torch.int32, device=dev)
     offsets = {False: (cu_q.clone(), cu_k.clone()),

@@ -76,13 +76,28 @@ def test_an_unknown_code_is_still_reported():
     assert "code 9" in bad_inputs.describe(1, (9 << 32) | 2) and "sequence 2" in bad_inputs.describe(1, (9 << 32) | 2)
 
 
-def test_validate_is_an_opt_in_where_the_kernels_check():
-    """The KV-cache kernels (family sm80 on every GPU) check their inputs: no host sync by default. Packed batches
-    may run in the sm90 varlen forward or the varlen backward, which do not: their host check stays on."""
+def test_validate_is_an_opt_in_where_the_kernels_check(monkeypatch):
+    """The forward kernels check their index inputs, so neither serving call reads them back by default (no host
+    sync). The backward kernels do not check the offsets: a packed call that wants gradients reads them back."""
     import inspect
 
+    torch = pytest.importorskip("torch")
+    from flashgen import api, ops
+
     assert inspect.signature(flashgen.attention_with_kvcache).parameters["validate"].default is False
-    assert inspect.signature(flashgen.attention_varlen).parameters["validate"].default is True
+    read_back = []
+    monkeypatch.setattr(api, "check_offsets", lambda *a: read_back.append(a[1]))
+    monkeypatch.setattr(api, "checked_dtype", lambda *a: "bf16")  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(ops, "varlen_forward", lambda q, *a: (q, None))
+    monkeypatch.setattr(ops, "attention_varlen_op", lambda q, *a: (q, None))
+    q, k = torch.zeros(6, 2, 64, dtype=torch.bfloat16), torch.zeros(6, 1, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    for want_grad, validate, expected in ((False, None, []), (True, None, ["cu_seqlens_q", "cu_seqlens_k"]),
+                                          (False, True, ["cu_seqlens_q", "cu_seqlens_k"]), (True, False, [])):
+        read_back.clear()
+        flashgen.attention_varlen(q.clone().requires_grad_(want_grad), k, k, cu, cu, 4, 4, validate=validate)
+        assert read_back == expected, (want_grad, validate)
 
 
 # -- the append --------------------------------------------------------------------------------------------------
@@ -174,9 +189,29 @@ QUICK = COMBOS[-2]
 def test_the_checks_are_in_the_serving_source_only():
     src = render(COMBOS[-1])
     for needle in ("BAD_BLOCK_TABLE = 1", "BAD_CU_SEQLENS_K = 4", "(unsigned)id < (unsigned)sp.num_pages",
-                   "atomicCAS(sp.error", "if constexpr (VARLEN)", "if constexpr (PAGED)"):
+                   "record_bad(sp.error", "atomicCAS(error", "if constexpr (VARLEN)", "if constexpr (PAGED)"):
         assert needle in src, needle
     assert "sp.error" not in render(KernelConfig(128, "bf16", False, 128, 64, 4, 2))
+
+
+SM90_VARLEN = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", overlap=True, varlen=True)
+
+
+def test_the_sm90_varlen_forward_checks_its_offsets():
+    """The sm90 family's varlen kernel checks each sequence's offsets against the packed lengths (seq_view); a
+    bad one records the error and writes NaN rows. The dense sm90 kernels carry none of it."""
+    src = render(SM90_VARLEN)
+    for needle in ("BAD_CU_SEQLENS_Q", "q_end > total_q", "k_end > total_k", "record_bad(P.error", "pack2(NAN, NAN)",
+                   "unsigned long long* error;"):
+        assert needle in src, needle
+    dense = render(KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", overlap=True))
+    assert "record_bad" not in dense and "BAD_CU_SEQLENS_Q" not in dense
+
+
+def test_the_sm90_varlen_forward_compiles_without_spills(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path))
+    res = compile_kernel(SM90_VARLEN, "sm_90a").resources
+    assert not res.spills and not res.stack_bytes, res
 
 
 @pytest.mark.parametrize("target", ["sm_80", "sm_90a"])

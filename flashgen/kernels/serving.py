@@ -231,7 +231,7 @@ def _launch_sm90(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, 
                                                                            cfg.smem_w, rows), cfg.row_bytes)
                     for t, n, heads, rows in ((q, sq, h, cfg.block_m), (k, sk, hk, cfg.block_n), (v, sk, hk, cfg.block_n)))
     tail = _SM90_SERVE_TAIL.pack(0 if cu_q is None else cu_q.data_ptr(), 0 if cu_k is None else cu_k.data_ptr(),
-                                 *mods.window, num_seqs, max_seqlen_q)
+                                 *mods.window, num_seqs, max_seqlen_q, error_word(dev))
     params = (maps + fwd + tail).ljust(SM90_BYTES, b"\0")
     if max_seqlen_q * h * num_seqs:
         grid = cfg.grid(num_seqs, h, max_seqlen_q, arch_and_slots(dev)[1] if cfg.persistent else None)
