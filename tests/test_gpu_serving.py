@@ -268,10 +268,14 @@ def test_bad_arguments_raise_before_launch():
     kv = _rand(10, 2, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="non-decreasing"):
         attention_varlen(qv, kv, kv, torch.tensor([0, 6, 4, 10], dtype=torch.int32, device="cuda"),
-                         torch.tensor([0, 3, 6, 10], dtype=torch.int32, device="cuda"), 6, 4)
+                         torch.tensor([0, 3, 6, 10], dtype=torch.int32, device="cuda"), 6, 4, validate=True)
     with pytest.raises(ValueError, match="longer than max_seqlen"):
         attention_varlen(qv, kv, kv, torch.tensor([0, 5, 10], dtype=torch.int32, device="cuda"),
-                         torch.tensor([0, 5, 10], dtype=torch.int32, device="cuda"), 4, 5)
+                         torch.tensor([0, 5, 10], dtype=torch.int32, device="cuda"), 4, 5, validate=True)
+    import flashgen
+
+    torch.cuda.synchronize()
+    flashgen.check_errors()  # nothing was launched, so no kernel recorded a bad input
 
 
 def serving_configs(arch: str) -> set:
