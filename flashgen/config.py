@@ -511,11 +511,11 @@ def space(family: str, head_dim: int, dtype: str, causal: bool, gqa_group: int =
                                                                 lpt_by_head=hl))
                                     except ConfigError:
                                         continue
+    if family == "sm90" and dtype not in FP8_DTYPES and head_dim <= EXP2_FMA_MAX_HEAD_DIM:
+        out += [replace(c, exp2_fma=e) for e in EXP2_FMA_SHARES[1:] for c in out]  # after the rest: its order stays
     if family == "sm90" and gqa_group > 1:
         out += [replace(c, pack_gqa=True) for c in out
                 if gqa_group <= c.block_m and not c.o_tma and not c.cluster and not c.lpt_by_head]
-    if family == "sm90" and dtype not in FP8_DTYPES and head_dim <= EXP2_FMA_MAX_HEAD_DIM:
-        out += [replace(c, exp2_fma=e) for e in EXP2_FMA_SHARES[1:] for c in out]  # after the rest: its order stays
     return out
 
 
