@@ -47,7 +47,7 @@ def test_default_render_has_none_of_it():
         src = render(c)
         assert "exp2_fma" not in src and "exp2_p" not in src and "max.NaN" not in src
         on = render(dataclasses.replace(c, exp2_fma=1)) if c.family == "sm90" else None
-        assert on is None or ("exp2_fma(x)" in on and "i % 4 < 1 ?" in on)
+        assert on is None or ("exp2_fma(x)" in on and "i % 4 == 3 ?" in on)
 
 
 def test_tune_restricts_it_as_on_or_off():
