@@ -41,9 +41,13 @@ FEATURES = ("varlen", "paged", "split", "pack_gqa", "window", "softcap", "alibi"
 SM90_FEATURES = ("varlen", "window")  # the sm90 family's forward and backward have these
 # The sm90 forward's schedule knobs (KernelConfig fields; tuned beside the tile, `tune --<knob> yes/no` restricts them).
 SM90_KNOBS = ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum", "lazy_rescale", "q_regs", "p_smem",
-              "o_tma", "pack_gqa", "cluster", "lpt_by_head")
+              "o_tma", "pack_gqa", "cluster", "lpt_by_head", "exp2_fma")
 # The sm90 knobs of the dense forward only: a serving kernel built from a dense configuration drops them.
 SM90_DENSE_KNOBS = ("pack_gqa", "o_tma", "cluster", "lpt_by_head")
+# exp2_fma's choices: quarters of P's exponentials on the FMA pipe (0: all on the MUFU unit). The tuning space has them
+# up to EXP2_FMA_MAX_HEAD_DIM, where the MUFU unit rather than the GEMMs bounds the softmax.
+EXP2_FMA_SHARES = (0, 1, 2)
+EXP2_FMA_MAX_HEAD_DIM = 128
 BWD_FEATURES = ("varlen", "window", "softcap", "alibi")  # the ones a training call uses: the backward has them
 
 
@@ -176,6 +180,11 @@ class KernelConfig(_AsDict):
     # m-block by m-block over all heads: the CTAs running together read the K/V of a few heads, which stay in L2,
     # where the all-heads order reads one head's K/V from HBM once per m-block when all heads' K/V exceed L2.
     lpt_by_head: bool = False
+    # sm90, 16-bit: this many quarters of each thread's exponentials of P (EXP2_FMA_SHARES) are computed on the FMA pipe
+    # by a polynomial (exp2_fma, templates/common/softmax.cuh.j2) instead of the MUFU unit's ex2, which bounds the
+    # softmax at small head dims (FlashAttention-4's exp2 emulation). Picked by each element's column in the thread's
+    # fragment, fixed at compile time.
+    exp2_fma: int = 0
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
@@ -245,6 +254,10 @@ class KernelConfig(_AsDict):
                               f"pack_gqa or cluster (they order their own tiles), not {self.dtype} "
                               f"{'persistent' if self.persistent else 'plain'} "
                               f"{'causal' if self.causal else 'full'} / family {self.family} / {kind}")
+        _check_choice("exp2_fma", self.exp2_fma, EXP2_FMA_SHARES)
+        if self.exp2_fma and (self.family != "sm90" or self.fp8):
+            raise ConfigError(f"exp2_fma is an sm90 knob for 16-bit inputs (their softmax), not {self.dtype} / family "
+                              f"{self.family}")
         for f in FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
         if self.pack_gqa and self.family == "sm90" and self.serving:
@@ -301,6 +314,7 @@ class KernelConfig(_AsDict):
             name += "_ot" if self.o_tma else ""
             name += "_cl" if self.cluster else ""
             name += "_hl" if self.lpt_by_head else ""
+            name += f"_ef{self.exp2_fma}" if self.exp2_fma else ""
         return name + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
 
     @property
@@ -497,6 +511,8 @@ def space(family: str, head_dim: int, dtype: str, causal: bool, gqa_group: int =
                                                                 lpt_by_head=hl))
                                     except ConfigError:
                                         continue
+    if family == "sm90" and dtype not in FP8_DTYPES and head_dim <= EXP2_FMA_MAX_HEAD_DIM:
+        out += [replace(c, exp2_fma=e) for e in EXP2_FMA_SHARES[1:] for c in out]  # after the rest: its order stays
     if family == "sm90" and gqa_group > 1:
         out += [replace(c, pack_gqa=True) for c in out
                 if gqa_group <= c.block_m and not c.o_tma and not c.cluster and not c.lpt_by_head]

@@ -26,7 +26,7 @@ import time
 import warnings
 import zlib
 from collections import Counter, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
 import optuna
@@ -34,7 +34,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from .backend import Backend, TrialResult, tflops
-from .config import SM90_KNOBS, ConfigError
+from .config import SM90_KNOBS, ConfigError, KernelConfig
 from .problem import DEFAULT_TRIALS, EXHAUSTIVE_MAX, Rule
 from .tunable import BWD_PARAMS, FAMILY_PARAMS, PARAMS, params_of  # noqa: F401 - re-exported
 from .tunable import Candidate, Problem, kind_of
@@ -175,8 +175,9 @@ def result_of(t: FrozenTrial) -> TrialResult:
 
 
 # Knobs added after studies may have been stored (every sm90 knob after the first three): a finished trial without
-# one ran with its default, off.
-LATE_KNOBS = dict.fromkeys(SM90_KNOBS[SM90_KNOBS.index("overlap_epilogue"):], False)
+# one ran with its default (off: False, or 0 for a knob of several choices).
+LATE_KNOBS = {f.name: f.default for f in fields(KernelConfig)
+              if f.name in SM90_KNOBS[SM90_KNOBS.index("overlap_epilogue"):]}
 
 
 def _params(t: FrozenTrial, family: str) -> Params:

@@ -92,7 +92,7 @@ def add_parser(sub: Any) -> None:
                        f"of {','.join(map(str, choices))}")
     for knob in C.SM90_KNOBS:
         t.add_argument(f"--{knob.replace('_', '-')}", choices=("yes", "no"), default=None,
-                       help=f"sm90: restrict {knob} to on or off (default: both)")
+                       help=f"sm90: restrict {knob} to on (any nonzero choice) or off (default: both)")
     t.add_argument("--around-store", type=str_list, default=None, metavar="FIELD,...",
                    help="forward: each problem's space is its stored configuration with only these fields free (e.g. "
                         "lazy_rescale after a new knob: a re-tune of the stored tile, not of the whole space); "
@@ -131,7 +131,7 @@ def restricted_space(args: argparse.Namespace, head_dim: int, dtype: str, causal
             cfgs = [c for c in cfgs if getattr(c, field) in keep]
     for knob in C.SM90_KNOBS if pass_ == "fwd" else ():
         if getattr(args, knob) is not None:
-            cfgs = [c for c in cfgs if getattr(c, knob) == (getattr(args, knob) == "yes")]
+            cfgs = [c for c in cfgs if bool(getattr(c, knob)) == (getattr(args, knob) == "yes")]  # exp2_fma: any share
     return cfgs[: args.max_configs] if args.max_configs else cfgs
 
 
