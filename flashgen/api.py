@@ -108,6 +108,11 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     out in bf16, or out_dtype="fp16"; block_quant_p quantizes P with a scale per key tile.
     Forward only; through the `flashgen::attention_fp8` operator when traced (torch.compile)."""
     _check_options(causal, softmax_scale)
+    if (arch is None and stream is None and out_dtype is None and q_descale is None and k_descale is None
+            and v_descale is None and not block_quant_p and alibi_slopes is None and not softcap
+            and window_size == (-1, -1) and is_torch(q) and _decode_shaped(q, k, v)):  # first: a decode step is short
+        return attention_with_kvcache(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                      cache_seqlens=_full_lengths(q, k), return_lse=return_lse)
     descale = descale_dict(q_descale, k_descale, v_descale)
     if window_size != (-1, -1) or softcap or alibi_slopes is not None:
         if has_mods(window_size, softcap, alibi_slopes, causal):
@@ -127,9 +132,6 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     if is_torch(q):
         if stream is not None:
             raise TypeError(STREAM_FOR_TORCH)
-        if arch is None and _decode_shaped(q, k, v):
-            return attention_with_kvcache(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                          cache_seqlens=_full_lengths(q, k), return_lse=return_lse, validate=False)
         out, lse = _ops().attention(q, k, v, causal, softmax_scale, arch, return_lse, deterministic)
     else:
         out, lse = _forward_arrays(q, k, v, causal, softmax_scale, arch, stream)
@@ -149,7 +151,8 @@ def _decode_shaped(q: Any, k: Any, v: Any) -> bool:
     16-bit CUDA tensors of one layout, no gradient wanted and not traced (the decode path has no backward)."""
     if q.dim() != 4 or k.dim() != 4 or q.shape[1] > DECODE_MAX_QUERIES or k.shape[1] < DECODE_MIN_KEYS:
         return False
-    if not (q.is_cuda and q.dtype == k.dtype == v.dtype and str(q.dtype) in ("torch.float16", "torch.bfloat16")):
+    dtype = q.dtype  # 16-bit floats: float16 and bfloat16
+    if not (q.is_cuda and dtype == k.dtype == v.dtype and dtype.itemsize == 2 and dtype.is_floating_point):
         return False
     if k.shape != v.shape or k.shape[0] != q.shape[0] or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         return False

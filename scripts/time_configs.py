@@ -3,6 +3,7 @@
     python scripts/time_configs.py --seqlen 1024,4096 fwd_sm90_d128_bf16_full_bm128_bn128_w12_s2_ov1_pp0 ...
     python scripts/time_configs.py fwd_sm90_d64_bf16_full_bm128_bn128_w12_s2_ov0_pp0_ps@1024,16384 ...
     python scripts/time_configs.py store:sm90_d128_bf16_full_s4096_g1_bt16384_hdt2048@4096 ...   (a tuned entry's kernel)
+    python scripts/time_configs.py store:sm90_d64_bf16_full_s4096_g1_bt16384_hdt2048+exp2_fma=1 ...  (one knob changed)
 
 For before/after checks of a template change on chosen configurations: batch = 16384 // seqlen,
 heads = 2048 // head_dim (as in `flashgen bench`), CUDA-event medians after warm-up, inputs
@@ -12,6 +13,7 @@ and seqlen; a kernel that fails to verify is reported and not timed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -51,6 +53,18 @@ def parse(name: str) -> KernelConfig:
     return cfg
 
 
+def with_knobs(spec: str) -> KernelConfig:
+    """parse()'s configuration with `+field=value` changes after the name (ints, or true/false)."""
+    name, *changes = spec.split("+")
+    cfg = parse(name)
+    for change in changes:
+        field, _, value = change.partition("=")
+        if not hasattr(cfg, field):
+            raise SystemExit(f"{spec}: KernelConfig has no field {field}")
+        cfg = dataclasses.replace(cfg, **{field: value == "true" if value in ("true", "false") else int(value)})
+    return cfg
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="+")
@@ -64,7 +78,7 @@ def main() -> None:
     shape = tuple(int(x) for x in args.shape.split(",")) if args.shape else None
     for arg in args.names:
         name, _, seqlens = arg.partition("@")
-        cfg = parse(name)
+        cfg = with_knobs(name)
         kern = compile_kernel(cfg, target_for(args.gpu_arch, cfg.family))
         ns = [None] if shape else [int(x) for x in (seqlens or args.seqlen).split(",")]
         for n in ns:
