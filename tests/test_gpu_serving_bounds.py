@@ -30,6 +30,8 @@ CASES = [
     ("cu_q_past_long", "cu_seqlens_q", 2),
     ("cu_k_past_long", "cu_seqlens_k", 2),
     ("cu_k_decreasing_long", "cu_seqlens_k", 1),
+    ("cu_q_past_max", "cu_seqlens_q", 1),  # a sequence longer than max_seqlen_q
+    ("cu_q_past_max_long", "cu_seqlens_q", 1),
 ]
 
 # One case of each input under memcheck (slower: the whole process is instrumented), split-KV included.
@@ -159,7 +161,7 @@ def _varlen_case(torch, case: str):
     cq = [0, q_lens[0], q_lens[0] + q_lens[1], total_q]
     ck = [0, k_lens[0], k_lens[0] + k_lens[1], total_k]
     kind = case.removesuffix("_long")
-    bad_seq = {"cu_q_past": 2, "cu_k_past": 2, "cu_k_decreasing": 1, "cu_q_decreasing_split": 2}[kind]
+    bad_seq = {"cu_q_past": 2, "cu_k_past": 2, "cu_k_decreasing": 1, "cu_q_decreasing_split": 2, "cu_q_past_max": 1}[kind]
     bad_q, bad_k = list(cq), list(ck)
     if kind == "cu_q_past":
         bad_q[3] = total_q + 6  # sequence 2's rows stay in the packed q: they become NaN
@@ -167,6 +169,8 @@ def _varlen_case(torch, case: str):
         bad_k[3] = total_k + 40
     elif kind == "cu_k_decreasing":
         bad_k[2] = ck[1] - 4  # sequence 1's keys decrease; sequence 2's keys [ck[1] - 4, total_k): its own reference
+    elif kind == "cu_q_past_max":
+        pass  # the offsets are sound; max_seqlen_q below is one short of sequence 1's rows
     else:
         bad_q[3] = cq[2] - 4  # sequence 2: rows decrease, none to write; the other two unchanged
     cu_q = torch.tensor(cq, dtype=torch.int32, device=dev)
@@ -183,19 +187,25 @@ def _varlen_case(torch, case: str):
     good_refs = [ref(b, ck) for b in range(3)]
     bad_refs = [ref(b, bad_k) if b != bad_seq else None for b in range(3)]
 
+    max_q = [max(q_lens)]  # the call's max_seqlen_q (one short of the longest sequence for cu_q_past_max)
+
     def setup(bad: bool) -> None:
         cu_q.copy_(offsets[bad][0])
         cu_k.copy_(offsets[bad][1])
+        max_q[0] = max(q_lens) - (bad and kind == "cu_q_past_max")
 
     def launch():
-        return attention_varlen(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), num_splits=splits, return_lse=True,
+        return attention_varlen(q, k, v, cu_q, cu_k, max_q[0], max(k_lens), num_splits=splits, return_lse=True,
                                 validate=False)
 
     def rows(out, lse):
         return [(out[cq[b]:cq[b + 1]], lse[:, cq[b]:cq[b + 1]]) for b in range(3)]
 
-    def rows_bad(out, lse):  # a decreasing cu_seqlens_q leaves the bad sequence no rows to write
-        return [(o[:0], lv[:, :0]) if b == bad_seq and case == "cu_q_decreasing_split" else (o, lv)
+    def rows_bad(out, lse):
+        # A decreasing cu_seqlens_q leaves the bad sequence no rows to write; past max_seqlen_q, the rows the grid
+        # covers are NaN (the ones past it are not computed).
+        keep = {"cu_q_decreasing_split": 0, "cu_q_past_max": max(q_lens) - 1}.get(kind)
+        return [(o[:keep], lv[:, :keep]) if b == bad_seq and keep is not None else (o, lv)
                 for b, (o, lv) in enumerate(rows(out, lse))]
 
     return setup, launch, rows, good_refs, bad_refs, bad_seq, rows_bad

@@ -23,7 +23,8 @@ _lock = threading.Lock()
 _BOUNDS = {
     "block_table": "a page id outside [0, num_pages) of the paged cache",
     "cache_seqlens": "a length below 0 or past the cache's capacity (max_pages * page_size for a paged cache)",
-    "cu_seqlens_q": "offsets that decrease or fall outside [0, total_q] (the packed q's rows)",
+    "cu_seqlens_q": "offsets that decrease or fall outside [0, total_q] (the packed q's rows), or a sequence "
+                    "longer than max_seqlen_q (rows past it are not computed)",
     "cu_seqlens_k": "offsets that decrease or fall outside [0, total_k] (the packed k's rows)",
 }
 
