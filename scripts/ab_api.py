@@ -6,7 +6,8 @@ checkouts, alternated round by round on one GPU.
 
 Each round runs every checkout in its own process (its own `flashgen` package, the same kernel cache), times
 each point as CUDA events around loops of calls issued back to back over input sets larger than L2, and keeps
-the median loop. The checkouts' order turns from round to round, so that neither always runs first. The table gives the best round per point and checkout, and each checkout's ratio to the first.
+the median loop. The checkouts' order turns from round to round, so that neither always runs first. The table
+gives the best round per point and checkout, and each checkout's ratio to the first.
 """
 from __future__ import annotations
 
