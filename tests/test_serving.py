@@ -184,3 +184,29 @@ def test_a_plan_launches_the_struct_the_full_path_packed(monkeypatch):
             assert (role_a, grid_a, thr_a) == (role_b, grid_b, thr_b)
             assert [x for i, x in enumerate(a) if i not in fresh] == [x for i, x in enumerate(b) if i not in fresh]
             assert all(b[i] != 0 for i in (3, 4)) and (splits == 1 or all(b[i] != 0 for i in (29, 30)))
+
+
+def test_split_accumulators_are_held_per_stream(monkeypatch):
+    """Split-KV scratch: one allocation per (device, stream), grown when a larger launch needs more; fresh (not held)
+    inside a CUDA-graph capture, where the graph's pool owns it, and above the size flashgen keeps."""
+    torch = pytest.importorskip("torch")
+    from flashgen.kernels import serving
+
+    made = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda n, dtype, device: made.append(n) or real_empty(n, dtype=dtype))
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(serving, "_workspaces", {})
+    a = serving._workspace(0, 7, 100)
+    assert serving._workspace(0, 7, 50) is a and made == [100]  # held on stream 7
+    assert serving._workspace(0, 8, 100) is not a and made == [100, 100]  # another stream, its own
+    grown = serving._workspace(0, 7, 300)
+    assert grown.numel() == 300 and serving._workspace(0, 7, 100) is grown and made == [100, 100, 300]
+    capturing[0] = True
+    assert serving._workspace(0, 7, 10) is not serving._workspace(0, 7, 10) and made[-2:] == [10, 10]
+    assert serving._workspaces[0, 7] is grown  # a capture's scratch is not held for eager calls
+    capturing[0] = False
+    big = serving._WORKSPACE_KEEP // 4 + 1
+    serving._workspace(0, 7, big)
+    assert made[-1] == big and serving._workspaces[0, 7] is grown
