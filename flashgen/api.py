@@ -61,14 +61,14 @@ def _attention_mods(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
     """`attention` with a window, softcap, ALiBi or attention sinks: the serving kernels (flashgen.resolve picks the
     family: sm90 for a window on Hopper, sm80 otherwise), torch tensors only."""
     if not is_torch(q):
-        raise TypeError("window_size, softcap, alibi_slopes and sinks take torch tensors")
+        raise TypeError("window_size, softcap, alibi_slopes and learnable_sink take torch tensors")
     if stream is not None:
         raise TypeError(STREAM_FOR_TORCH)
     if descale is not None or out_dtype is not None or block_quant_p or str(q.dtype) == "torch.float8_e4m3fn":
-        raise ValueError("window_size, softcap, alibi_slopes and sinks are not built for FP8 inputs")
+        raise ValueError("window_size, softcap, alibi_slopes and learnable_sink are not built for FP8 inputs")
     if arch not in (None, "sm80"):
-        raise ValueError(f"window_size, softcap, alibi_slopes and sinks are built in family sm80 (it runs on Hopper "
-                         f"too), not arch={arch!r}")
+        raise ValueError(f"window_size, softcap, alibi_slopes and learnable_sink are built in family sm80 (it runs on "
+                         f"Hopper too), not arch={arch!r}")
     mods = check_dense(q, k, v, window_size, softcap, alibi_slopes, causal, sinks)
     if wants_grad(q, k, v, mods.sinks) or traced(q):
         check_grad_scale(softmax_scale, q, k, v)
@@ -83,7 +83,7 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
               return_lse: bool = False, stream: Any = None, arch: str | None = None, *, q_descale: Any = None,
               k_descale: Any = None, v_descale: Any = None, out_dtype: str | None = None,
               block_quant_p: bool = False, deterministic: bool = False, window_size: tuple[int, int] = (-1, -1),
-              softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None) -> Any:
+              softcap: float = 0.0, alibi_slopes: Any = None, learnable_sink: Any = None) -> Any:
     """FlashAttention forward with flash_attn's conventions.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim) with
@@ -103,21 +103,23 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     |i + shift - j|). They run in kernels generated with exactly those features (a window on Hopper: the sm90
     family; softcap and ALiBi: sm80's, which runs on Hopper too), forward and backward (through the
     `flashgen::attention_mods` operator under autograd or torch.compile); arch stays None with them.
-    sinks (heads,) fp32 or q's dtype: attention sinks (gpt-oss; flash_attn's learnable_sink), a logit per head in
-    the units of softmax_scale * q.k that joins every row's softmax denominator as a key of value 0 (out_i =
-    sum_j exp(s_ij) v_j / (sum_j exp(s_ij) + exp(sinks[h])); a row without keys: out 0, lse sinks[h]); with
-    autograd its gradient comes beside dq, dk, dv.
+    learnable_sink (heads,) fp32 or q's dtype: attention sinks (gpt-oss's `sinks`, flash_attn's name), a logit per
+    query head in the units of softmax_scale * q.k that joins every row's softmax denominator as a key of value 0
+    (out_i = sum_j exp(s_ij) v_j / (sum_j exp(s_ij) + exp(sink_h)), lse_i = log(sum_j exp(s_ij) + exp(sink_h)); a
+    row without keys: out 0, lse sink_h); with autograd its gradient comes beside dq, dk, dv.
 
     FP8 (Hopper): q, k, v in torch.float8_e4m3fn with fp32 descale factors q_descale, k_descale,
     v_descale of shape (1,) or (batch, heads_k) (None: 1; `flashgen.fp8.quantize` makes them);
     out in bf16, or out_dtype="fp16"; block_quant_p quantizes P with a scale per key tile.
     Forward only; through the `flashgen::attention_fp8` operator when traced (torch.compile)."""
     _check_options(causal, softmax_scale)
+    sinks = learnable_sink
     if (arch is None and stream is None and out_dtype is None and q_descale is None and k_descale is None
             and v_descale is None and not block_quant_p and alibi_slopes is None and not softcap
             and window_size == (-1, -1) and is_torch(q) and _decode_shaped(q, k, v, sinks)):  # first: a decode step
         return attention_with_kvcache(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                      cache_seqlens=_full_lengths(q, k), return_lse=return_lse, sinks=sinks)
+                                      cache_seqlens=_full_lengths(q, k), return_lse=return_lse,
+                                      learnable_sink=sinks)
     descale = descale_dict(q_descale, k_descale, v_descale)
     if window_size != (-1, -1) or softcap or alibi_slopes is not None or sinks is not None:
         if has_mods(window_size, softcap, alibi_slopes, causal, sinks):
@@ -184,14 +186,14 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
                      max_seqlen_k: int, causal: bool = False, softmax_scale: float | None = None,
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
                      return_lse: bool = False, num_splits: int = 1, validate: bool | None = None,
-                     deterministic: bool = False, sinks: Any = None) -> Any:
+                     deterministic: bool = False, learnable_sink: Any = None) -> Any:
     """Attention over a packed batch of sequences of different lengths (flash_attn_varlen_func).
 
     q: (total_q, heads, head_dim); k, v: (total_k, heads_k, head_dim); cu_seqlens_q/_k: int32
     (batch + 1,) offsets, from 0 to total; sequence b is q[cu_q[b]:cu_q[b+1]] against
     k[cu_k[b]:cu_k[b+1]], each with its own bottom-right causal alignment; empty sequences
-    are allowed. Returns out like q, and with return_lse also lse (heads, total_q) fp32. sinks: attention sinks,
-    (heads,), as in `attention` (differentiable too).
+    are allowed. Returns out like q, and with return_lse also lse (heads, total_q) fp32. learnable_sink: attention
+    sinks, (heads,), as in `attention` (differentiable too).
     Differentiable (packed training): with autograd the call goes through the `flashgen::attention_varlen`
     operator, whose backward has the same features (window, softcap, ALiBi); deterministic=True gives
     bit-identical gradients run to run.
@@ -219,7 +221,7 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     check_int32(cu_seqlens_k, "cu_seqlens_k", (batch + 1,), q.device)
     if max_seqlen_q < 0 or max_seqlen_k < 0:
         raise ValueError("max_seqlen_q and max_seqlen_k must be >= 0")
-    sinks = check_sinks(sinks, heads, q)
+    sinks = check_sinks(learnable_sink, heads, q)
     grad = wants_grad(q, k, v, sinks) or traced(q)
     if (grad if validate is None else validate) and not torch.cuda.is_current_stream_capturing():
         # one small copy: offsets sound before any launch (the backward's kernels take them as they are)
@@ -242,7 +244,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
                            cache_seqlens: Any = None, block_table: Any = None, causal: bool = False,
                            softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
                            softcap: float = 0.0, alibi_slopes: Any = None, num_splits: int = 0,
-                           return_lse: bool = False, validate: bool = False, sinks: Any = None) -> Any:
+                           return_lse: bool = False, validate: bool = False, learnable_sink: Any = None) -> Any:
     """Attention of new queries against a KV cache (flash_attn_with_kvcache).
 
     q: (batch, seqlen_q, heads, head_dim). k_cache, v_cache: (batch, seqlen_cache, heads_k, head_dim),
@@ -251,7 +253,8 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     cache). k, v (batch, seqlen_new, heads_k, head_dim), if given, are written into the cache in place
     at cache_seqlens before attending. num_splits: key ranges per query block (split-KV); 0 lets
     flashgen choose. Returns out like q, and with return_lse also lse (batch, heads, seqlen_q) fp32.
-    sinks: attention sinks, (heads,), as in `attention` (added once per row, after split-KV's merge).
+    learnable_sink: attention sinks, (heads,), as in `attention` (added once per row, after split-KV's merge;
+    inference only, like the rest of this call).
     A page id outside the cache or a cache_seqlens past its capacity never makes the kernel read or write
     outside the cache: that sequence's rows of out and lse become NaN, and the call after (or
     `flashgen.check_errors()`, e.g. after a CUDA-graph replay) raises a ValueError naming block_table or
@@ -265,6 +268,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
 
     _check_options(causal, softmax_scale)
     check_errors()
+    sinks = learnable_sink
     key = _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size,
                     softcap, alibi_slopes, num_splits, return_lse, validate) if sinks is None else None
     plan = _kv_plans.get(key) if key is not None else None

@@ -225,20 +225,21 @@ def check_mods(window_size: Any, softcap: float, alibi_slopes: Any, causal: bool
 
 
 def check_sinks(sinks: Any, heads: int, q: Any) -> Any:
-    """Attention sinks (flash_attn's `learnable_sink`, gpt-oss's `sinks`): a (heads,) tensor of logits, fp32 or
-    q's dtype, on q's device; returned as given (its gradient is the caller's dtype)."""
+    """Attention sinks (the public calls' `learnable_sink`, flash_attn's name; gpt-oss's `sinks`): a (heads,) tensor
+    of logits, fp32 or q's dtype, on q's device; returned as given (its gradient is the caller's dtype)."""
     import torch  # noqa: PLC0415  (torch tensors: torch is imported)
 
     if sinks is None:
         return None
     if not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"sinks must be a torch tensor of shape ({heads},), not {type(sinks).__name__}")
+        raise TypeError(f"learnable_sink must be a torch tensor of shape ({heads},), not {type(sinks).__name__}")
     if sinks.dtype not in (torch.float32, q.dtype):
-        raise TypeError(f"sinks must be torch.float32 or q's dtype {q.dtype}; got {sinks.dtype}")
+        raise TypeError(f"learnable_sink must be torch.float32 or q's dtype {q.dtype}; got {sinks.dtype}")
     if tuple(sinks.shape) != (heads,):
-        raise ValueError(f"sinks must have shape ({heads},) (one logit per query head); got {tuple(sinks.shape)}")
+        raise ValueError(f"learnable_sink must have shape ({heads},) (one logit per query head); got "
+                         f"{tuple(sinks.shape)}")
     if sinks.device != q.device:
-        raise ValueError(f"sinks must be on q's device {q.device}; got {sinks.device}")
+        raise ValueError(f"learnable_sink must be on q's device {q.device}; got {sinks.device}")
     return sinks
 
 

@@ -224,10 +224,11 @@ def sinks_grad(sinks: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: 
     d sink_h = -sum_i p_i (D_i - dLSE_i) over all rows of head h (dq, dk, dv need nothing more: the forward's LSE
     holds the sink). out, dout: (..., rows, heads, head_dim); lse, dlse: (..., heads, rows) (dense (batch, ...),
     varlen without)."""
-    d = (dout.float() * out.float()).sum(-1).transpose(-1, -2)  # (..., heads, rows): lse's layout
+    acc = torch.promote_types(sinks.dtype, torch.float32)  # fp32 at least (a float64 reference keeps its own)
+    d = (dout.to(acc) * out.to(acc)).sum(-1).transpose(-1, -2)  # (..., heads, rows): lse's layout
     if dlse is not None:
-        d = d - dlse.float()
-    p = torch.exp(sinks.float()[:, None] - lse.float())  # an LSE of +inf (a row without keys or sink): 0
+        d = d - dlse.to(acc)
+    p = torch.exp(sinks.to(acc)[:, None] - lse.to(acc))  # an LSE of +inf (a row without keys or sink): 0
     return (-(p * d).sum(-1)).reshape(-1, sinks.shape[0]).sum(0).to(sinks.dtype)
 
 
