@@ -38,7 +38,7 @@ MAX_SPLITS = 128  # the most key ranges a split-KV launch splits into
 DENSE_MIN_BLOCK_M = 64
 # Serving features of a forward kernel (sm80 family): each a compile-time switch, off = not in the code.
 FEATURES = ("varlen", "paged", "split", "pack_gqa", "window", "softcap", "alibi", "sinks")
-SM90_FEATURES = ("varlen", "window")  # the sm90 family's forward and backward have these
+SM90_FEATURES = ("varlen", "window", "sinks")  # the sm90 family's forward has these (its backward: varlen, window)
 # The sm90 forward's schedule knobs (KernelConfig fields; tuned beside the tile, `tune --<knob> yes/no` restricts them).
 SM90_KNOBS = ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum", "lazy_rescale", "q_regs", "p_smem",
               "o_tma", "pack_gqa", "cluster", "lpt_by_head", "exp2_fma")
@@ -272,7 +272,7 @@ class KernelConfig(_AsDict):
         if self.serving and self.family != "sm80":
             if not set(self.features) <= set(SM90_FEATURES):
                 raise ConfigError(f"serving features ({', '.join(self.features)}) are built in family sm80 (it runs on "
-                                  f"Hopper too); family {self.family} has {' and '.join(SM90_FEATURES)}")
+                                  f"Hopper too); family {self.family} has {', '.join(SM90_FEATURES)}")
             if self.fp8:
                 raise ConfigError("varlen and window are built in the sm90 family's 16-bit kernels")
             if self.persistent and self.varlen:

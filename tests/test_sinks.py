@@ -15,6 +15,8 @@ from flashgen.checks import Mods
 from flashgen.ops import sinks_grad
 from flashgen.render import render
 
+from conftest import compile_sm90a_clean
+
 
 @pytest.fixture(autouse=True)
 def fresh_cache(run_kernel_cache, monkeypatch):
@@ -194,6 +196,29 @@ def test_sm80_sink_kernels_compile_without_spills(cfg):
     for target in ("sm_80", "sm_90"):
         r = compile_kernel(cfg, target).resources
         assert 0 < r.registers <= 255 and not r.spills and r.stack_bytes == 0, (cfg.name, target, r)
+
+
+def test_sm90_family_has_sinks_in_its_serving_forward():
+    cfg = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", sinks=True)
+    assert cfg.serving and cfg.name.endswith("_snk")
+    src = render(cfg)
+    assert "inline constexpr bool SINKS = true;" in src and "struct Sm90ServeFwdParams" in src
+    assert "inline constexpr bool SINKS = false;" in render(KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90",
+                                                                         window=True))
+    with pytest.raises(ConfigError, match="16-bit"):
+        KernelConfig(128, "fp8_e4m3", True, 128, 128, 12, 2, "sm90", sinks=True)
+
+
+def test_sm90_sink_kernels_compile_clean():
+    # each epilogue the sink joins: the plain kernel's (O staged through Q's buffer), the persistent one's (from
+    # registers) and the overlapped epilogue's (under the next tile's first wgmma: branch-free)
+    compile_sm90a_clean([
+        KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", varlen=True, window=True, sinks=True),
+        KernelConfig(64, "fp16", False, 128, 128, 12, 2, "sm90", overlap=True, persistent=True,
+                     overlap_epilogue=True, sinks=True),
+        KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", overlap=True, persistent=True, window=True,
+                     sinks=True),
+    ])
 
 
 # -- host checks ----------------------------------------------------------------------------------------------
