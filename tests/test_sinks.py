@@ -221,6 +221,19 @@ def test_sm90_sink_kernels_compile_clean():
     ])
 
 
+def test_a_tuned_prefill_tile_serves_calls_with_sinks():
+    # the stored varlen / window tiles match a call with sinks too (its key loop is theirs); the sink is added after
+    import flashgen.tune_varlen as tv
+    from flashgen import resolve
+
+    a = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", varlen=True)
+    p = tv.VarlenProblem(128, "bf16", True, 16, 16, True, 64, 64, 8192, -1, "NVIDIA H200", "sm90")
+    e = {"problem": p.to_dict(), "config": a.to_dict(), "kernel": a.name, "median_ms": 1.0, "tflops": 1.0}
+    got = resolve.prefill_entry([e], 128, "bf16", True, {"varlen": True, "sinks": True}, p.max_len, -1)
+    assert got is not None and got["kernel"] == a.name
+    assert resolve.prefill_entry([e], 128, "bf16", True, {"varlen": True, "softcap": True}, p.max_len, -1) is None
+
+
 # -- host checks ----------------------------------------------------------------------------------------------
 
 def test_check_sinks_refuses_bad_tensors():
