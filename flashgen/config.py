@@ -837,8 +837,9 @@ def bwd_space(head_dim: int, dtype: str, causal: bool, deterministic: bool = Fal
               family: str = "sm80") -> list[BwdConfig]:
     """Every valid backward configuration of one family for one problem (arch fit not checked: see unfit_reason)."""
     if family == "sm90":
-        grid = [(bm, bn, 4 * (1 + bn // 64 * sm90_bwd_kv_split(head_dim)), s, st, dqt) for bm in SM90_BWD_BLOCK_MS
-                for bn in SM90_BWD_BLOCK_NS for s in SM90_BWD_STAGES for st in (False, True) for dqt in (False, True)]
+        # dq_tma outermost: the configurations without it keep their order, those with it follow
+        grid = [(bm, bn, 4 * (1 + bn // 64 * sm90_bwd_kv_split(head_dim)), s, st, dqt) for dqt in (False, True)
+                for bm in SM90_BWD_BLOCK_MS for bn in SM90_BWD_BLOCK_NS for s in SM90_BWD_STAGES for st in (False, True)]
     else:
         grid = [(bm, bn, w, 2, False, False) for bm in BWD_BLOCK_MS for bn in BWD_BLOCK_NS for w in BWD_NUM_WARPS]
     out = []
