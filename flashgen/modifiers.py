@@ -163,8 +163,8 @@ def _binary(kind: str, op: str, a: Node, b: Node) -> Node:
         return Node(op, (a, b), "float")
     if op in ("floordiv", "mod"):
         if a.type != "int" or b.type != "int":
-            raise ModifierError(f"{kind}_mod uses {SPELLING[op]} on a {'float' if 'float' in (a.type, b.type) else 'bool'}"
-                                f" value; flashgen compiles {SPELLING[op]} on integer indices only")
+            what = "float" if "float" in (a.type, b.type) else "bool"
+            raise ModifierError(f"{kind}_mod uses {SPELLING[op]} on a {what} value; flashgen compiles {SPELLING[op]} on integer indices only")
         return Node(op, (a, b), "int")
     if op in COMPARE:
         return Node(op, (a, b), "bool")
@@ -204,7 +204,7 @@ def _where(kind: str, c: Node, x: Node, y: Node) -> Node:
 
 # ---------------------------------------------------------------------------------------------------- tracing
 
-_TRACE_LOCK = threading.Lock()
+_TRACE_LOCK = threading.RLock()  # a modifier may trace another inside itself
 _BUILTIN_MIN, _BUILTIN_MAX = builtins.min, builtins.max
 
 
@@ -250,7 +250,7 @@ class _Tracer:
         items = index if isinstance(index, tuple) else (index,)
         nodes = list(prefix)
         for item in items:
-            if item is None or item is Ellipsis or isinstance(item, slice) or _is_tensor(item) or isinstance(item, list):
+            if item is None or item is Ellipsis or isinstance(item, (slice, list)) or _is_tensor(item):
                 raise ModifierError(f"{self.kind}_mod indexes the captured tensor {self.name(tensor)!r} with "
                                     f"{type(item).__name__}; index it with integer expressions only")
             node = self.lift(item)
@@ -439,6 +439,8 @@ class _Proxy:
         raise ModifierError(f"{self.tracer.kind}_mod iterates over a traced value, a scalar")
 
     def __getattr__(self, name: str):
+        if name.startswith("__"):  # protocol probes (hasattr) must see an ordinary AttributeError
+            raise AttributeError(name)
         raise ModifierError(f"{self.tracer.kind}_mod uses Tensor.{name}, which flashgen cannot compile; "
                             f"supported: {SUPPORTED}")
 
@@ -573,10 +575,10 @@ def _positive_constant(node: Node) -> bool:
 
 def emit(root: Node, captured: tuple[Captured, ...] = ()) -> str:
     """The CUDA expression of the graph, fully parenthesized."""
-    memo: dict[tuple[Node, str], str] = {}
+    memo: dict[tuple[Node, str, bool], str] = {}
 
-    def as_type(node: Node, t: str) -> str:
-        key = (node, t)
+    def as_type(node: Node, t: str, wide: bool = False) -> str:
+        key = (node, t, wide)
         if key in memo:
             return memo[key]
         if node.op == "const":
@@ -584,64 +586,64 @@ def emit(root: Node, captured: tuple[Captured, ...] = ()) -> str:
             text = (_float_literal(float(v)) if t == "float" else _int_literal(int(v)) if t == "int"
                     else ("true" if v else "false"))
         else:
-            text = raw(node)
+            text = raw(node, wide)
             if node.type != t:
                 text = (f"static_cast<float>({text})" if t == "float" else f"static_cast<long long>({text})"
                         if t == "int" else f"({text} != 0)")
         memo[key] = text
         return text
 
-    def raw(node: Node) -> str:
+    def raw(node: Node, wide: bool) -> str:
         op, args = node.op, node.args
-        if op == "input":
-            return node.value
+        if op == "input":  # inside a captured read's index, all arithmetic is 64-bit
+            return f"static_cast<long long>({node.value})" if wide and node.type == "int" else node.value
         if op == "read":
             c = captured[node.value]
-            offset = " + ".join(f"static_cast<long long>({as_type(a, 'int')}) * {c.arg}_s{k}"
+            offset = " + ".join(f"{as_type(a, 'int', True)} * {c.arg}_s{k}"
                                 for k, a in enumerate(args)) or "0"
             element = f"{c.arg}[({offset})]" if args else f"{c.arg}[0]"
             return {"float": f"static_cast<float>({element})", "int": f"static_cast<long long>({element})",
                     "bool": f"({element})"}[node.type]
         if op in ARITH:
             t = node.type
-            return f"({as_type(args[0], t)} {ARITH[op]} {as_type(args[1], t)})"
+            return f"({as_type(args[0], t, wide)} {ARITH[op]} {as_type(args[1], t, wide)})"
         if op == "truediv":
-            return f"({as_type(args[0], 'float')} / {as_type(args[1], 'float')})"
+            return f"({as_type(args[0], 'float', wide)} / {as_type(args[1], 'float', wide)})"
         if op == "floordiv":  # Python's floor division: C++'s truncates toward zero
-            a, b = as_type(args[0], "int"), as_type(args[1], "int")
+            a, b = as_type(args[0], "int", wide), as_type(args[1], "int", wide)
             if _positive_constant(args[1]):
                 return f"(({a} - ((({a} % {b}) + {b}) % {b})) / {b})"
             return f"(({a} / {b}) - ((({a} % {b}) != 0) && (({a} < 0) != ({b} < 0))))"
         if op == "mod":  # Python's remainder takes the divisor's sign
-            a, b = as_type(args[0], "int"), as_type(args[1], "int")
+            a, b = as_type(args[0], "int", wide), as_type(args[1], "int", wide)
             if _positive_constant(args[1]):
                 return f"((({a} % {b}) + {b}) % {b})"
             r = f"({a} % {b})"
             return f"({r} + ((({r} != 0) && (({r} < 0) != ({b} < 0))) ? {b} : 0))"
         if op in COMPARE:
             t = "bool" if args[0].type == args[1].type == "bool" else _common(args[0].type, args[1].type)
-            return f"({as_type(args[0], t)} {COMPARE[op]} {as_type(args[1], t)})"
+            return f"({as_type(args[0], t, wide)} {COMPARE[op]} {as_type(args[1], t, wide)})"
         if op in LOGIC:
-            return f"({as_type(args[0], 'bool')} {LOGIC[op]} {as_type(args[1], 'bool')})"
+            return f"({as_type(args[0], 'bool', wide)} {LOGIC[op]} {as_type(args[1], 'bool', wide)})"
         if op == "not":
-            return f"(!{as_type(args[0], 'bool')})"
+            return f"(!{as_type(args[0], 'bool', wide)})"
         if op == "neg":
-            return f"(-{as_type(args[0], node.type)})"
+            return f"(-{as_type(args[0], node.type, wide)})"
         if op == "where":
             t = node.type
-            return f"({as_type(args[0], 'bool')} ? {as_type(args[1], t)} : {as_type(args[2], t)})"
+            return f"({as_type(args[0], 'bool', wide)} ? {as_type(args[1], t, wide)} : {as_type(args[2], t, wide)})"
         if op in FLOAT_FNS:
-            return f"{FLOAT_FNS[op]}({as_type(args[0], 'float')})"
+            return f"{FLOAT_FNS[op]}({as_type(args[0], 'float', wide)})"
         if op == "abs":
-            x = as_type(args[0], node.type)
+            x = as_type(args[0], node.type, wide)
             return f"fabsf({x})" if node.type == "float" else f"(({x} < 0) ? (-{x}) : {x})"
         if op in ("minimum", "maximum"):
-            a, b = as_type(args[0], node.type), as_type(args[1], node.type)
+            a, b = as_type(args[0], node.type, wide), as_type(args[1], node.type, wide)
             if node.type == "float":
                 return f"{'fminf' if op == 'minimum' else 'fmaxf'}({a}, {b})"
             return f"(({a} {'<' if op == 'minimum' else '>'} {b}) ? {a} : {b})"
         if op in ("to_float", "to_int", "to_bool"):
-            return as_type(args[0], node.type)
+            return as_type(args[0], node.type, wide)
         raise AssertionError(op)
 
     return as_type(root, root.type)
@@ -735,12 +737,14 @@ def _evaluate(root: Node, inputs: dict[str, Any], tensors: tuple) -> Any:
     dtypes = {"float": torch.float32, "int": torch.int64, "bool": torch.bool}
     values = {name: torch.as_tensor(v, dtype=torch.float32 if name == "score" else torch.int64)
               for name, v in inputs.items()}
+    device = next(iter(values.values())).device
+    values = {name: v.to(device) for name, v in values.items()}
     memo: dict[tuple[Node, str], Any] = {}
 
     def as_type(node: Node, t: str) -> Any:
         key = (node, t)
         if key not in memo:
-            x = torch.tensor(node.value, dtype=dtypes[t]) if node.op == "const" else run(node)
+            x = torch.tensor(node.value, dtype=dtypes[t], device=device) if node.op == "const" else run(node)
             memo[key] = x if node.op == "const" else (x != 0 if t == "bool" and x.dtype != torch.bool
                                                       else x.to(dtypes[t]))
         return memo[key]
@@ -753,7 +757,7 @@ def _evaluate(root: Node, inputs: dict[str, Any], tensors: tuple) -> Any:
             tensor = tensors[node.value]
             index = tuple(as_type(a, "int").to(tensor.device) for a in args)
             x = tensor[index] if index else tensor
-            return (x != 0 if t == "bool" and x.dtype != torch.bool else x.to(dtypes[t])).cpu()
+            return (x != 0 if t == "bool" and x.dtype != torch.bool else x.to(dtypes[t])).to(device)
         if op in ("add", "sub", "mul"):
             a, b = as_type(args[0], t), as_type(args[1], t)
             return a + b if op == "add" else a - b if op == "sub" else a * b

@@ -152,6 +152,8 @@ def test_captured_tensors_are_described():
     m = trace_score_mod(relative_bias)
     assert m.captured == (Captured("REL", "score_mod_t0", "float32", (HEADS, 2 * N - 1), (2 * N - 1, 1)),)
     assert "score_mod_t0[" in m.expr and "score_mod_t0_s1" in m.expr and "REL" not in m.expr
+    index = m.expr.partition("score_mod_t0[")[2]  # the offset is computed in 64 bits from the inputs up
+    assert "static_cast<long long>(q_idx) - static_cast<long long>(kv_idx)" in index
     assert m.params == "const float* __restrict__ score_mod_t0, long long score_mod_t0_s0, long long score_mod_t0_s1"
     doc = trace_mask_mod(document)
     assert [(c.name, c.dtype, c.rank) for c in doc.captured] == [("DOC", "int32", 1)]  # read twice, one argument
