@@ -30,6 +30,7 @@ SUPPORTED = ("+ - * / (true division), unary -, < <= > >= == !=, & | ^ ~ on bool
              "full_like, casts (.float() .long() .int() .bool() .to(dtype)), "
              "captured tensors indexed by integer expressions")
 DIGEST_CHARS = 12
+MAX_EXPR_CHARS = 200_000  # far above any real modifier; a DAG written out as a tree can grow exponentially
 LN2 = math.log(2.0)
 
 # torch dtype name -> (graph type, CUDA element type of the kernel argument)
@@ -52,6 +53,13 @@ class Node:
     args: tuple["Node", ...]
     type: str
     value: Any = None
+
+    def __hash__(self) -> int:  # cached: shared subgraphs would otherwise be hashed once per path through them
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.op, self.args, self.type, self.value))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
 
 @dataclass(frozen=True)
@@ -590,6 +598,9 @@ def emit(root: Node, captured: tuple[Captured, ...] = ()) -> str:
             if node.type != t:
                 text = (f"static_cast<float>({text})" if t == "float" else f"static_cast<long long>({text})"
                         if t == "int" else f"({text} != 0)")
+        if len(text) > MAX_EXPR_CHARS:
+            raise ModifierError(f"the modifier's CUDA expression passes {MAX_EXPR_CHARS} characters (each use of a "
+                                "shared subexpression is written out in full); simplify the function")
         memo[key] = text
         return text
 

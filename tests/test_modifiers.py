@@ -265,6 +265,16 @@ def test_captured_tensor_indexed_by_a_float_is_refused():
         trace_score_mod(lambda score, b, h, q_idx, kv_idx: score + REL[h, :][q_idx])
 
 
+def test_a_graph_too_large_to_write_out_is_refused_quickly():
+    def doubling(score, b, h, q_idx, kv_idx):
+        for _ in range(40):
+            score = score + score * 0.5
+        return score
+
+    with pytest.raises(ModifierError, match="passes 200000 characters"):
+        trace_score_mod(doubling)
+
+
 def test_wrong_result_types_are_refused():
     with pytest.raises(ModifierError, match="mask_mod returns a int value"):
         trace_mask_mod(lambda b, h, q_idx, kv_idx: q_idx - kv_idx)
