@@ -341,7 +341,12 @@ def test_emitted_expressions_compile_for_sm90a(tmp_path):
     except fcompile.CompileError:
         pytest.skip("nvcc is not installed")
     kernels = []
-    for i, fn in enumerate([document, block_sparse, softcap, t5_bias, leaky]):
+    half = SLOPES.to(torch.float16)
+
+    def half_slopes(score, b, h, q_idx, kv_idx):
+        return score * half[h]
+
+    for i, fn in enumerate([document, block_sparse, softcap, t5_bias, leaky, masked_score, half_slopes]):
         m = trace_mask_mod(fn) if fn in MASKS else trace_score_mod(fn)
         params = ", " + m.params if m.captured else ""
         kernels.append(KERNEL.format(name=f"k{i}", params=params, value=f"({m.expr}) ? 1.0f : 0.0f"
