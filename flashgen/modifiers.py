@@ -233,7 +233,8 @@ class _Tracer:
         return len(self.tensors) - 1
 
     def name(self, tensor: Any) -> str:
-        return self.names.get(id(tensor), f"tensor{self.capture(tensor)}")
+        known = self.names.get(id(tensor))
+        return known if known is not None else f"tensor{self.capture(tensor)}"
 
     def lift(self, x: Any) -> Node:
         if isinstance(x, _Proxy):
