@@ -109,7 +109,7 @@ class Modifier:
         if kind not in KINDS:
             raise ModifierError(f"modifier kind {kind!r} is not one of {KINDS}")
         source = f"cuda {kind}: {expr}" + (f"\ngrad: {grad_expr}" if grad_expr is not None else "")
-        return cls(kind, expr, tuple(captured), source, _digest(kind, source, captured), grad_expr)
+        return register(cls(kind, expr, tuple(captured), source, _digest(kind, source, captured), grad_expr))
 
     @property
     def params(self) -> str:
@@ -126,6 +126,32 @@ class Modifier:
         if len(inputs) != len(names):
             raise ModifierError(f"{self.kind}_mod takes {len(names)} inputs ({', '.join(names)}), got {len(inputs)}")
         return _evaluate(root, dict(zip(names, inputs)), self.tensors if tensors is None else tuple(tensors))
+
+
+# Every modifier traced or given as CUDA in this process, by digest: a KernelConfig names its modifiers by digest
+# only (it stays small, hashable and serializable), and the render finds their text here. The entry keeps no live
+# tensors, so the registry holds no device memory.
+_REGISTRY: dict[str, Modifier] = {}
+_REGISTRY_LOCK = threading.Lock()
+MAX_CAPTURED = 4  # captured tensors one kernel takes (score_mod's and mask_mod's together): ModTensor slots
+MAX_RANK = 4  # dimensions of one captured tensor: a ModTensor's strides
+
+
+def register(mod: Modifier) -> Modifier:
+    """Record `mod` under its digest (for the render) and return it."""
+    entry = Modifier(mod.kind, mod.expr, mod.captured, mod.source, mod.digest, mod.grad_expr)
+    with _REGISTRY_LOCK:
+        _REGISTRY.setdefault(mod.digest, entry)
+    return mod
+
+
+def lookup(digest: str, kind: str) -> Modifier:
+    """The registered modifier with this digest; ModifierError where this process has not traced it."""
+    mod = _REGISTRY.get(digest)
+    if mod is None or mod.kind != kind:
+        raise ModifierError(f"no {kind}_mod with digest {digest!r} was traced in this process (trace it with "
+                            f"trace_{kind}_mod, or give it with Modifier.from_cuda, before rendering its kernel)")
+    return mod
 
 
 def trace_score_mod(fn: Callable, captured: dict[str, Any] | None = None) -> Modifier:
@@ -526,8 +552,9 @@ def _trace(fn: Callable, kind: str, captured: dict[str, Any] | None) -> Modifier
                   for i, t in enumerate(tracer.tensors))
     source = canonical(root)
     grad_root = derivative(root) if kind == "score" else None
-    return Modifier(kind, emit(root, descs), descs, source, _digest(kind, source, descs),
-                    emit(grad_root, descs) if grad_root is not None else None, root, grad_root, tuple(tracer.tensors))
+    return register(Modifier(kind, emit(root, descs), descs, source, _digest(kind, source, descs),
+                             emit(grad_root, descs) if grad_root is not None else None, root, grad_root,
+                             tuple(tracer.tensors)))
 
 
 def _digest(kind: str, source: str, captured: tuple[Captured, ...]) -> str:
