@@ -26,6 +26,9 @@ _SM90_SERVE_TAIL = abi.SM90_SERVE_FWD.tail("cu_seqlens_q")  # what follows the t
 # accumulators, and spills at d128 and d256 where pages are smaller than a tile.
 _DECODE_TILES = {32: (32, 128, 2, 3), 64: (32, 128, 2, 3), 96: (32, 32, 2, 3), 128: (32, 64, 2, 3), 256: (32, 32, 2, 3)}
 DECODE_ROWS = 32
+# Dense tiles of a kernel with a score_mod or mask_mod, by head dim where they differ from DEFAULT_TILES: a
+# modifier's reads and arithmetic per score element need registers that d256's 64-key tiles do not have left.
+_MODIFIER_TILES = {256: [(64, 32, 4, 2), (64, 32, 4, 1)]}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -46,9 +49,10 @@ def choose_splits(tiles: int, slots: int, n_blocks: int, max_splits: int = MAX_S
 
 
 @functools.lru_cache(maxsize=1024)
-def serve_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, **features: bool) -> KernelConfig:
+def serve_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, **features: Any) -> KernelConfig:
     """The configuration for a serving call: decode tiles when a sequence has at most 32 (packed)
-    rows, else the dense default tiles of the sm80 family, with exactly `features` compiled in."""
+    rows, else the dense default tiles of the sm80 family, with exactly `features` compiled in (and the
+    score_mod / mask_mod digests given there)."""
     reason = ""
     if rows <= DECODE_ROWS:  # fewer stages where the GPU's shared memory is smaller (sm86/sm89: 99 KB)
         bm, bn, w, stages = _DECODE_TILES[head_dim]
@@ -57,7 +61,8 @@ def serve_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, 
             reason = cfg.unfit_reason(arch)
             if reason is None:
                 return cfg
-    for bm, bn, w, s in DEFAULT_TILES[head_dim]:
+    modified = bool(features.get("score_mod") or features.get("mask_mod"))
+    for bm, bn, w, s in (_MODIFIER_TILES.get(head_dim, DEFAULT_TILES[head_dim]) if modified else DEFAULT_TILES[head_dim]):
         cfg = KernelConfig(head_dim, dtype, causal, bm, bn, w, s, "sm80", **features)
         reason = cfg.unfit_reason(arch)
         if reason is None:

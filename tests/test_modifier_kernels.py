@@ -1,0 +1,111 @@
+"""Traced score_mod / mask_mod compiled into the sm80 family's serving forward, without a GPU: configuration
+rules, names, rendering, and nvcc builds for sm_80 and sm_90a without spills."""
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from flashgen import abi
+from flashgen.compile import compile_kernel
+from flashgen.config import ConfigError, KernelConfig
+from flashgen.kernels.serving import serve_config
+from flashgen.modifiers import Modifier, ModifierError, trace_mask_mod, trace_score_mod
+from flashgen.render import render
+
+torch = pytest.importorskip("torch")
+from modifier_examples import examples  # noqa: E402
+
+EXAMPLES = examples()
+
+
+def traced(name: str) -> tuple[Modifier | None, Modifier | None]:
+    ex = EXAMPLES[name]
+    return (trace_score_mod(ex.score_mod) if ex.score_mod else None,
+            trace_mask_mod(ex.mask_mod) if ex.mask_mod else None)
+
+
+def config_of(name: str, head_dim: int = 128, dtype: str = "bf16", rows: int = 4096, **features: bool) -> KernelConfig:
+    score, mask = traced(name)
+    return serve_config(head_dim, dtype, False, rows, "sm80", score_mod=score.digest if score else "",
+                        mask_mod=mask.digest if mask else "", **features)
+
+
+def test_names_carry_the_digests_and_other_names_stay():
+    score, mask = traced("alibi_causal")
+    plain = KernelConfig(128, "bf16", False, 128, 64, 8, 2)
+    assert plain.name == "fwd_sm80_d128_bf16_full_bm128_bn64_w8_s2" and not plain.serving and not plain.modified
+    cfg = KernelConfig(128, "bf16", False, 128, 64, 8, 2, score_mod=score.digest, mask_mod=mask.digest)
+    assert cfg.name == f"{plain.name}_sm{score.digest[:8]}_mm{mask.digest[:8]}"
+    assert cfg.serving and cfg.modified and cfg.features == ()
+    only_mask = KernelConfig(128, "bf16", False, 128, 64, 8, 2, varlen=True, mask_mod=mask.digest)
+    assert only_mask.name == f"{plain.name}_vl_mm{mask.digest[:8]}"
+    assert KernelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_config_rules():
+    score, mask = traced("alibi_causal")
+    with pytest.raises(ConfigError, match="family sm80"):
+        KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", mask_mod=mask.digest)
+    with pytest.raises(ConfigError, match="softcap or alibi"):
+        KernelConfig(128, "bf16", False, 128, 64, 8, 2, score_mod=score.digest, softcap=True)
+    with pytest.raises(ConfigError, match="digest"):
+        KernelConfig(128, "bf16", False, 128, 64, 8, 2, mask_mod="not a digest")
+    # a mask_mod goes with softcap, ALiBi and the window: its -inf is applied before theirs
+    KernelConfig(128, "bf16", False, 128, 64, 8, 2, mask_mod=mask.digest, softcap=True, window=True)
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_render_pastes_the_expressions(name):
+    score, mask = traced(name)
+    src = render(config_of(name))
+    assert "struct ServeModParams" in src and "apply_modifiers(acc_s, sp, mp, sq" in src
+    for mod in (score, mask):
+        if mod is not None:
+            assert mod.expr in src
+            for slot, c in enumerate(c for m in (score, mask) if m for c in m.captured):
+                assert f"{c.arg} = static_cast<const {c.c_type}*>(mp.t{slot}.ptr)" in src
+    assert ("from_score" in src) == (score is not None)
+
+
+def test_kernels_without_modifiers_render_without_them():
+    src = render(serve_config(128, "bf16", False, 4096, "sm80", softcap=True))
+    assert "ServeModParams" not in src and "apply_modifiers" not in src
+
+
+def test_unknown_digest_and_too_many_tensors_are_refused():
+    with pytest.raises(ModifierError, match="was traced"):
+        render(KernelConfig(64, "fp16", False, 128, 64, 4, 2, mask_mod="0123456789ab"))
+    tabs = [torch.zeros(8, dtype=torch.int32) for _ in range(4)]
+    mask = trace_mask_mod(lambda b, h, q, k: (tabs[0][q] == tabs[1][k]) & (tabs[2][q] >= tabs[3][k]))
+    render(KernelConfig(64, "fp16", False, 128, 64, 4, 2, mask_mod=mask.digest))  # four: the most a kernel takes
+    score = trace_score_mod(lambda s, b, h, q, k: s + torch.zeros(8, 8)[q, k])
+    with pytest.raises(ModifierError, match="at most 4"):
+        render(KernelConfig(64, "fp16", False, 128, 64, 4, 2, score_mod=score.digest, mask_mod=mask.digest))
+    deep = trace_score_mod(lambda s, b, h, q, k: s + torch.zeros(2, 2, 2, 2, 2)[b, h, q, k, k])
+    with pytest.raises(ModifierError, match="dimensions"):
+        render(KernelConfig(64, "fp16", False, 128, 64, 4, 2, score_mod=deep.digest))
+
+
+def test_abi_slots():
+    assert abi.SERVE_MOD.offset("t0.ptr") == abi.SERVE.size  # ServeParams first: the combine reads that prefix
+    assert abi.SERVE_MOD.size == abi.SERVE.size + 4 * abi.MOD_TENSOR.size
+
+
+# Every example in one of a few kernels (a score_mod with a mask_mod where both), over head dims and dtypes, at the
+# tiles serve_config gives them: dense (the largest register footprint of each head dim) and decode (few rows).
+BUILDS = [("alibi_causal", 128, "bf16", 4096), ("softcap_document", 64, "fp16", 4096),
+          ("relative_bias", 256, "bf16", 4096), ("sliding_window", 128, "fp16", 4096), ("prefix_lm", 96, "bf16", 4096),
+          ("softcap_document", 256, "bf16", 4096), ("alibi_causal", 256, "fp16", 16)]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("target", ["sm_80", "sm_90a"])
+def test_modifier_kernels_compile_without_spills(target):
+    cfgs = [config_of(name, d, dt, rows) for name, d, dt, rows in BUILDS]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        kernels = list(pool.map(lambda c: compile_kernel(c, target), cfgs))
+    for k in kernels:
+        r = k.resources
+        assert not r.spills and r.stack_bytes == 0, f"{k.config.name} ({target}) spills: {r}"
