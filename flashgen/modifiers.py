@@ -19,6 +19,7 @@ import hashlib
 import math
 import numbers
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -163,6 +164,59 @@ def trace_score_mod(fn: Callable, captured: dict[str, Any] | None = None) -> Mod
 def trace_mask_mod(fn: Callable, captured: dict[str, Any] | None = None) -> Modifier:
     """Trace `fn(b, h, q_idx, kv_idx) -> bool` (true: the score is kept)."""
     return _trace(fn, "mask", captured)
+
+
+# fn -> {kind: (what fn saw when traced, its Modifier)}: a call passing the same function again skips the trace.
+_TRACES: "weakref.WeakKeyDictionary[Callable, dict[str, tuple[tuple, Modifier]]]" = weakref.WeakKeyDictionary()
+
+
+def trace_cached(fn: Callable, kind: str) -> Modifier:
+    """`trace_score_mod(fn)` (kind "score") or `trace_mask_mod(fn)` ("mask"), reused while `fn` is the same
+    function and what it sees through its closure and globals is unchanged: the same tensor objects at the same
+    addresses, shapes, strides and dtypes, the same numbers (a number is a constant of the graph). A tensor's
+    values may change in place: the kernel reads them at each launch. Functions `fn` calls are not looked into: a
+    helper whose own globals change needs a new `fn` (or trace_score_mod / trace_mask_mod each time)."""
+    if kind not in KINDS:
+        raise ModifierError(f"modifier kind {kind!r} is not one of {KINDS}")
+    seen = _seen(fn)
+    try:
+        held = _TRACES.get(fn)
+    except TypeError:  # not weak-referenceable (a builtin, a partial of one): traced every time
+        return _trace(fn, kind, None)
+    if held is not None and kind in held and held[kind][0] == seen:
+        return held[kind][1]
+    mod = _trace(fn, kind, None)
+    try:
+        _TRACES.setdefault(fn, {})[kind] = (seen, mod)
+    except TypeError:
+        pass
+    return mod
+
+
+def _seen(fn: Callable) -> tuple:
+    """What `fn` reads from outside itself, as comparable values (tensors by identity and layout)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return (id(fn),)
+    values: list[tuple[str, Any]] = []
+    for name in code.co_names:
+        if name in getattr(fn, "__globals__", {}):
+            values.append((name, fn.__globals__[name]))
+    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        try:
+            values.append((name, cell.cell_contents))
+        except ValueError:  # an empty cell
+            values.append((name, None))
+    out: list[Any] = [code, getattr(fn, "__defaults__", None)]
+    for name, value in values:
+        if _is_tensor(value):
+            out.append((name, id(value), value.data_ptr(), tuple(value.shape), tuple(value.stride()),
+                        str(value.dtype), str(value.device)))
+        elif isinstance(value, (numbers.Number, str, bool)) or value is None:
+            out.append((name, type(value).__name__, value))
+        else:
+            out.append((name, id(value)))  # modules, functions, classes: by identity
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------- graph building

@@ -18,7 +18,8 @@ import torch
 from .checks import Mods, check_grad_scale, check_shapes, dtype_name, refuse_grad
 from .kernels.backward import ServeArgs, backward
 from .kernels.dense import checked, descale_dict, launch_torch, signature
-from .kernels.serving import arch_and_slots, call_features, launch_prefill, serve_config, serve_grids, want_split
+from .kernels.serving import (arch_and_slots, call_features, launch_prefill, modifier_config, serve_config, serve_grids,
+                              want_split)
 from .resolve import backward_kernel, load, prefill_config, resolver, serve_backward_kernel
 
 _HALF = {torch.float16: "fp16", torch.bfloat16: "bf16"}  # the dtypes with a backward
@@ -292,7 +293,8 @@ def varlen_forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
 def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, mods: Mods,
                        want_lse: bool = True) -> tuple[Any, Any]:
     """(out, lse or None) of dense (batch, seqlen, heads, head_dim) q, k, v with score modifiers (window,
-    softcap, ALiBi): the serving kernel without varlen; `flashgen.attention`'s body for such calls."""
+    softcap, ALiBi, a traced score_mod or mask_mod): the serving kernel without varlen; `flashgen.attention`'s
+    body for such calls."""
     batch, seqlen_q, heads, d = q.shape
     seqlen_k = k.shape[1]
     dtype = dtype_name(q, "q")
@@ -300,8 +302,11 @@ def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: floa
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device) if want_lse else None
     if batch * seqlen_q * heads == 0:
         return out, lse
-    cfg = prefill_config(q.get_device(), d, dtype, causal, seqlen_q, seqlen_k, call_features(mods, causal),
-                         mods.window[0])
+    if mods.score_mod is not None or mods.mask_mod is not None:  # untuned: the modifier is part of the kernel
+        cfg = modifier_config(d, dtype, causal, seqlen_q, arch_and_slots(q.get_device())[0], mods)
+    else:
+        cfg = prefill_config(q.get_device(), d, dtype, causal, seqlen_q, seqlen_k, call_features(mods, causal),
+                             mods.window[0])
     launch_prefill(cfg, q, k, v, out, lse, cu_q=None, cu_k=None, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
                    num_splits=1, mods=mods, softmax_scale=softmax_scale)
     return out, lse

@@ -109,3 +109,80 @@ def test_modifier_kernels_compile_without_spills(target):
     for k in kernels:
         r = k.resources
         assert not r.spills and r.stack_bytes == 0, f"{k.config.name} ({target}) spills: {r}"
+
+
+# -- the launch's captured-tensor slots and the public call's routing (no GPU: stand-ins and refusals) ----------
+
+class _FakeCuda:
+    """Stands for a CUDA tensor where only its address and layout are read."""
+
+    def __init__(self, ptr: int, strides: tuple[int, ...]):
+        self.ptr, self.strides = ptr, strides
+        self.device = type("Device", (), {"type": "cuda"})()
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def stride(self) -> tuple[int, ...]:
+        return self.strides
+
+    def dim(self) -> int:
+        return len(self.strides)
+
+    def get_device(self) -> int:
+        return 0
+
+
+def test_modifier_tail_packs_score_then_mask_tensors():
+    import dataclasses
+
+    from flashgen.checks import Mods
+    from flashgen.kernels.serving import modifier_tail
+
+    score, mask = traced("alibi_causal")
+    doc = traced("document")[1]
+    score = dataclasses.replace(score, tensors=(_FakeCuda(0x1000, (1,)),))
+    doc = dataclasses.replace(doc, tensors=(_FakeCuda(0x2000, (2048, 1)),))
+    cfg = KernelConfig(128, "bf16", False, 128, 64, 8, 2, score_mod=score.digest, mask_mod=doc.digest)
+    tail = modifier_tail(cfg, Mods(score_mod=score, mask_mod=doc), 0)
+    assert len(tail) == 4 * abi.MOD_TENSOR.size
+    values = abi.SERVE_MOD.tail("t0.ptr").unpack(tail)
+    assert values == (0x1000, 1, 0, 0, 0, 0x2000, 2048, 1, 0, 0) + (0,) * 10
+    with pytest.raises(ValueError, match="not the one"):
+        modifier_tail(cfg, Mods(score_mod=score, mask_mod=mask), 0)
+    with pytest.raises(ValueError, match="must be on cuda:0"):
+        modifier_tail(cfg, Mods(score_mod=traced("alibi_causal")[0], mask_mod=doc), 0)  # the CPU slopes
+
+
+def test_attention_with_a_modifier_is_forward_only_and_eager():
+    import flashgen
+
+    q = torch.randn(1, 8, 2, 64, dtype=torch.float16, requires_grad=True)
+    k = v = torch.randn(1, 8, 2, 64, dtype=torch.float16)
+    causal = EXAMPLES["causal"].mask_mod
+    with pytest.raises(NotImplementedError, match="no backward"):
+        flashgen.attention(q, k, v, mask_mod=causal)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="eagerly"):
+        flashgen.attention(q.to("meta"), k.to("meta"), v.to("meta"), mask_mod=causal)
+    with torch.no_grad(), pytest.raises(ValueError, match="family sm80"):
+        flashgen.attention(q, k, v, mask_mod=causal, arch="sm90")
+
+
+def test_traces_are_reused_while_what_the_function_reads_is_unchanged():
+    from flashgen.modifiers import trace_cached
+
+    table = torch.zeros(16)
+    scale = 2.0
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score * scale + table[kv_idx]
+
+    first = trace_cached(mod, "score")
+    assert trace_cached(mod, "score") is first and first.tensors[0] is table
+    table.add_(1.0)  # values change in place: the kernel reads them at launch
+    assert trace_cached(mod, "score") is first
+    table = torch.zeros(16)  # another tensor: its address goes to the kernel
+    again = trace_cached(mod, "score")
+    assert again is not first and again.tensors[0] is table and again.digest == first.digest
+    scale = 3.0  # a constant of the graph
+    assert trace_cached(mod, "score").digest != first.digest

@@ -20,6 +20,9 @@ from .bad_inputs import error_word
 from .dense import compiled_kernel
 
 SERVE_PARAMS = abi.SERVE.struct
+_MOD_TAIL = abi.SERVE_MOD.tail("t0.ptr")  # the captured tensors' slots after ServeParams (ServeModParams)
+_MOD_SLOTS = 4  # ModTensor t0..t3
+_MOD_RANK = 4  # strides s0..s3 of a ModTensor
 _SM90_SERVE_TAIL = abi.SM90_SERVE_FWD.tail("cu_seqlens_q")  # what follows the tensor maps and FwdParams
 # Decode tiles (at most 32 query rows per sequence, packed): (block_m, block_n, num_warps, num_stages)
 # by head dim. Two warps even for 16 rows: one warp alone holds the K/V copies of a tile and its
@@ -129,7 +132,8 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
         lse_strides[0], lse_strides[1], total_rows, page_size, num_splits, mods.window[0], mods.window[1], softcap_pre,
         k.shape[-4] if block_table is not None else 0, seqlen_k, q.shape[-3], k.shape[-3], error_word(dev))
     accum = ((num_splits, total_rows, heads, d), (num_splits, total_rows, heads)) if cfg.split else None
-    run = ServeLaunch(dev, fn, comb, blocks, combine_blocks, cfg.threads, fields, accum)
+    run = ServeLaunch(dev, fn, comb, blocks, combine_blocks, cfg.threads, fields, accum,
+                      modifier_tail(cfg, mods, dev) if cfg.modified else b"")
     _fire(run, (q, k, v, out, lse, cu_q, cu_k, seqused_k, block_table, alibi))
     return run
 
@@ -154,8 +158,8 @@ def _fire(run: "ServeLaunch", tensors: tuple) -> None:
     for i, ptr in zip(_POINTERS, ptrs):
         fields[i] = ptr
     params = SERVE_PARAMS.pack(*fields)
-    run.fn.launch((run.blocks, 1, 1), run.threads, params, stream)
-    if run.comb is not None:
+    run.fn.launch((run.blocks, 1, 1), run.threads, params + run.tail, stream)
+    if run.comb is not None:  # the combine takes ServeParams alone: ServeModParams's prefix
         run.comb.launch((run.combine_blocks, 1, 1), 32 * COMBINE_WARPS, params, stream)
 
 
@@ -192,6 +196,28 @@ class ServeLaunch(NamedTuple):
     threads: int
     fields: tuple  # SERVE_PARAMS's fields, pointers 0 (_POINTERS)
     accum: tuple | None  # split-KV: shapes of o_accum and lse_accum
+    tail: bytes = b""  # a kernel with a score_mod or mask_mod: its captured tensors' slots (ServeModParams)
+
+
+def modifier_tail(cfg: KernelConfig, mods: Mods, device: int) -> bytes:
+    """The ModTensor slots of ServeModParams: the tensors of mods.score_mod, then of mods.mask_mod, each its
+    pointer and strides (in elements; 0 past its rank), the rest null. The call's modifiers must be the ones
+    `cfg` was generated with (by digest), their tensors on `device`."""
+    values: list[int] = []
+    for kind, mod in (("score_mod", mods.score_mod), ("mask_mod", mods.mask_mod)):
+        digest = mod.digest if mod is not None else ""
+        if digest != getattr(cfg, kind):
+            raise ValueError(f"the call's {kind} (digest {digest!r}) is not the one {cfg.name} was generated with "
+                             f"({getattr(cfg, kind)!r})")
+        for c, t in zip(mod.captured if mod is not None else (), mod.tensors if mod is not None else ()):
+            if t.device.type != "cuda" or t.get_device() != device:
+                raise ValueError(f"{kind} reads tensor {c.name!r} on {t.device}; it must be on cuda:{device}, "
+                                 "with q, k and v")
+            values += [t.data_ptr(), *t.stride(), *(0,) * (_MOD_RANK - t.dim())]
+    slots = len(values) // (1 + _MOD_RANK)
+    if slots > _MOD_SLOTS:
+        raise ValueError(f"score_mod and mask_mod read {slots} tensors; a kernel takes at most {_MOD_SLOTS}")
+    return _MOD_TAIL.pack(*values, *(0,) * ((_MOD_SLOTS - slots) * (1 + _MOD_RANK)))
 
 
 def launch_prefill(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, cu_q: Any, cu_k: Any,
@@ -283,6 +309,15 @@ def call_features(mods: Mods, causal: bool) -> dict[str, bool]:
     return mod_features(mods.window, mods.softcap, mods.alibi is not None, causal)
 
 
+def modifier_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, mods: Mods,
+                    **features: bool) -> KernelConfig:
+    """serve_config's kernel for a call with a score_mod or mask_mod (family sm80 on every GPU: the sm90 family has
+    no modifier slot), generated with the call's modifiers and other score modifiers."""
+    return serve_config(head_dim, dtype, causal, rows, arch, **call_features(mods, causal), **features,
+                        score_mod=mods.score_mod.digest if mods.score_mod is not None else "",
+                        mask_mod=mods.mask_mod.digest if mods.mask_mod is not None else "")
+
+
 class KVPlan(NamedTuple):
     launch: ServeLaunch
     lse_shape: tuple | None
@@ -342,4 +377,4 @@ def append_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, bl
 
 __all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "ServeLaunch", "append_kv",
            "arch_and_slots", "call_features", "choose_splits", "decode_config", "has_mods", "kvcache_launch",
-           "launch_prefill", "run_plan", "serve_config", "serve_grids", "want_split"]
+           "launch_prefill", "modifier_config", "modifier_tail", "run_plan", "serve_config", "serve_grids", "want_split"]
