@@ -50,5 +50,6 @@ def examples(device: str | torch.device = "cpu", batch: int = 2, heads: int = 4,
            Example("prefix_lm", None, prefix_lm), Example("document", None, document),
            Example("alibi", alibi, None), Example("softcap", softcap, None),
            Example("relative_bias", relative_bias, None),
-           Example("alibi_causal", alibi, causal), Example("softcap_document", softcap, document)]
+           Example("alibi_causal", alibi, causal), Example("softcap_document", softcap, document),
+           Example("relative_prefix_lm", relative_bias, prefix_lm)]
     return {e.name: e for e in out}

@@ -93,11 +93,16 @@ def test_abi_slots():
     assert abi.SERVE_MOD.size == abi.SERVE.size + 4 * abi.MOD_TENSOR.size
 
 
-# Every example in one of a few kernels (a score_mod with a mask_mod where both), over head dims and dtypes, at the
-# tiles serve_config gives them: dense (the largest register footprint of each head dim) and decode (few rows).
-BUILDS = [("alibi_causal", 128, "bf16", 4096), ("softcap_document", 64, "fp16", 4096),
-          ("relative_bias", 256, "bf16", 4096), ("sliding_window", 128, "fp16", 4096), ("prefix_lm", 96, "bf16", 4096),
-          ("softcap_document", 256, "bf16", 4096), ("alibi_causal", 256, "fp16", 16)]
+# Every example in one of a few kernels (a score_mod with a mask_mod where both), at the tiles serve_config gives
+# them: the two heaviest combinations at every head dim, short and long queries (one tile choice for both).
+BUILDS = [(name, d, dt, rows) for d, dt in ((32, "fp16"), (64, "bf16"), (96, "fp16"), (128, "bf16"), (256, "fp16"))
+          for name, rows in (("softcap_document", 4096), ("relative_prefix_lm", 1))] + [
+    ("alibi_causal", 128, "fp16", 4096), ("sliding_window", 64, "fp16", 4096)]
+
+
+def test_short_queries_take_the_dense_tiles():
+    assert config_of("document", 128, "bf16", rows=1) == config_of("document", 128, "bf16", rows=4096)
+    assert config_of("document", 256, "bf16").block_n == 32
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")

@@ -30,8 +30,10 @@ _SM90_SERVE_TAIL = abi.SM90_SERVE_FWD.tail("cu_seqlens_q")  # what follows the t
 _DECODE_TILES = {32: (32, 128, 2, 3), 64: (32, 128, 2, 3), 96: (32, 32, 2, 3), 128: (32, 64, 2, 3), 256: (32, 32, 2, 3)}
 DECODE_ROWS = 32
 # Dense tiles of a kernel with a score_mod or mask_mod, by head dim where they differ from DEFAULT_TILES: a
-# modifier's reads and arithmetic per score element need registers that d256's 64-key tiles do not have left.
-_MODIFIER_TILES = {256: [(64, 32, 4, 2), (64, 32, 4, 1)]}
+# modifier's reads and arithmetic per score element need registers that d64's four-warp tiles (32 rows a warp)
+# and the 64-key tiles from d96 up do not have left (FlexAttention's examples spill there).
+_MODIFIER_TILES = {64: [(128, 64, 8, 2)], 96: [(128, 32, 8, 2)], 128: [(128, 32, 8, 2)],
+                   256: [(64, 32, 4, 2), (64, 32, 4, 1)]}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -54,17 +56,19 @@ def choose_splits(tiles: int, slots: int, n_blocks: int, max_splits: int = MAX_S
 @functools.lru_cache(maxsize=1024)
 def serve_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, **features: Any) -> KernelConfig:
     """The configuration for a serving call: decode tiles when a sequence has at most 32 (packed)
-    rows, else the dense default tiles of the sm80 family, with exactly `features` compiled in (and the
-    score_mod / mask_mod digests given there)."""
+    rows, else the dense default tiles of the sm80 family, with exactly `features` compiled in. With a
+    score_mod / mask_mod digest among them: the dense tiles (_MODIFIER_TILES at d256) at every length."""
     reason = ""
-    if rows <= DECODE_ROWS:  # fewer stages where the GPU's shared memory is smaller (sm86/sm89: 99 KB)
+    # A kernel with a modifier takes the dense tiles at every length: the decode tiles' two warps have no registers
+    # left for a modifier's reads and arithmetic at most head dims (ptxas spills).
+    modified = bool(features.get("score_mod") or features.get("mask_mod"))
+    if rows <= DECODE_ROWS and not modified:  # fewer stages where the GPU's shared memory is smaller (sm86/sm89: 99 KB)
         bm, bn, w, stages = _DECODE_TILES[head_dim]
         for s in range(stages, 0, -1):
             cfg = KernelConfig(head_dim, dtype, causal, bm, bn, w, s, "sm80", **features)
             reason = cfg.unfit_reason(arch)
             if reason is None:
                 return cfg
-    modified = bool(features.get("score_mod") or features.get("mask_mod"))
     for bm, bn, w, s in (_MODIFIER_TILES.get(head_dim, DEFAULT_TILES[head_dim]) if modified else DEFAULT_TILES[head_dim]):
         cfg = KernelConfig(head_dim, dtype, causal, bm, bn, w, s, "sm80", **features)
         reason = cfg.unfit_reason(arch)
