@@ -60,7 +60,11 @@ def test_config_rules():
 def test_render_pastes_the_expressions(name):
     score, mask = traced(name)
     src = render(config_of(name))
-    assert "struct ServeModParams" in src and "apply_modifiers(acc_s, sp, mp, sq" in src
+    assert "struct ServeModParams" in src
+    assert ("apply_score_mod(acc_s, sp, mp, sq" in src) == (score is not None)
+    assert ("apply_mask_mod(acc_s, sp, mp, sq" in src) == (mask is not None)
+    if mask is not None:  # after modify_scores: softcap's tanh must not turn its -inf back into a score
+        assert src.index("apply_mask_mod(acc_s") > src.index("modify_scores(acc_s")
     for mod in (score, mask):
         if mod is not None:
             assert mod.expr in src
@@ -71,7 +75,7 @@ def test_render_pastes_the_expressions(name):
 
 def test_kernels_without_modifiers_render_without_them():
     src = render(serve_config(128, "bf16", False, 4096, "sm80", softcap=True))
-    assert "ServeModParams" not in src and "apply_modifiers" not in src
+    assert "ServeModParams" not in src and "apply_score_mod" not in src and "apply_mask_mod" not in src
 
 
 def test_unknown_digest_and_too_many_tensors_are_refused():
