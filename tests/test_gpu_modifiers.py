@@ -117,11 +117,15 @@ def test_scales_and_other_modifiers_combine():
     for scale in (0.3, 0.0, -0.2):  # the score the modifier sees is q.k * scale, sign included
         check(q, k, v, scale, ex["alibi"].score_mod, ex["document"].mask_mod)
     check(q, k, v, 0.125, ex["relative_bias"].score_mod, ex["prefix_lm"].mask_mod, causal=True)  # bottom-right causal
-    # a mask_mod with the built-in softcap and window: their masks after the mask_mod
-    out = flashgen.attention(q, k, v, softmax_scale=0.125, mask_mod=ex["document"].mask_mod, window_size=(50, 10),
-                             softcap=15.0)
-    plain = flashgen.attention(q, k, v, softmax_scale=0.125, window_size=(50, 10), softcap=15.0)
-    assert out.shape == plain.shape and not torch.isnan(out).any()
+    # a mask_mod with the built-in softcap and window (bottom-right aligned, as flash_attn's): checked against the
+    # same written as a score_mod and a mask_mod; softcap's tanh must not undo the mask_mod's -inf
+    doc, shift = ex["document"].mask_mod, 211 - 113
+    out, lse = flashgen.attention(q, k, v, softmax_scale=0.125, mask_mod=doc, window_size=(50, 10), softcap=15.0,
+                                  return_lse=True)
+    ref, ref_lse = flex_reference(q, k, v, 0.125, lambda s, b, h, qi, ki: 15.0 * torch.tanh(s / 15.0),
+                                  lambda b, h, qi, ki: doc(b, h, qi, ki) & (ki >= qi + shift - 50) & (ki <= qi + shift + 10))
+    assert (out.double() - ref).abs().max().item() < 2e-2 and not torch.isnan(out).any()
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse))
     with pytest.raises(ValueError, match="does not combine"):
         flashgen.attention(q, k, v, score_mod=ex["alibi"].score_mod, softcap=30.0)
 
