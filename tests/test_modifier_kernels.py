@@ -93,8 +93,11 @@ def test_unknown_digest_and_too_many_tensors_are_refused():
 
 
 def test_abi_slots():
+    from flashgen.modifiers import MAX_CAPTURED, MAX_RANK
+
     assert abi.SERVE_MOD.offset("t0.ptr") == abi.SERVE.size  # ServeParams first: the combine reads that prefix
-    assert abi.SERVE_MOD.size == abi.SERVE.size + 4 * abi.MOD_TENSOR.size
+    assert abi.SERVE_MOD.size == abi.SERVE.size + MAX_CAPTURED * abi.MOD_TENSOR.size
+    assert abi.MOD_TENSOR.size == 8 * (1 + MAX_RANK)
 
 
 # Every example in one of a few kernels (a score_mod with a mask_mod where both), at the tiles serve_config gives

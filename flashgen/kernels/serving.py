@@ -16,13 +16,12 @@ from ..checks import Mods
 from ..compile import target_for
 from ..config import ARCHS, COMBINE_WARPS, DEFAULT_TILES, ELEM_BYTES, MAX_SPLITS, KernelConfig, mod_features
 from ..launch import FWD, SM90_BYTES, current_stream, scale_args, softcap_args, tmap_box
+from ..modifiers import MAX_CAPTURED, MAX_RANK
 from .bad_inputs import error_word
 from .dense import compiled_kernel
 
 SERVE_PARAMS = abi.SERVE.struct
 _MOD_TAIL = abi.SERVE_MOD.tail("t0.ptr")  # the captured tensors' slots after ServeParams (ServeModParams)
-_MOD_SLOTS = 4  # ModTensor t0..t3
-_MOD_RANK = 4  # strides s0..s3 of a ModTensor
 _SM90_SERVE_TAIL = abi.SM90_SERVE_FWD.tail("cu_seqlens_q")  # what follows the tensor maps and FwdParams
 # Decode tiles (at most 32 query rows per sequence, packed): (block_m, block_n, num_warps, num_stages)
 # by head dim. Two warps even for 16 rows: one warp alone holds the K/V copies of a tile and its
@@ -218,11 +217,11 @@ def modifier_tail(cfg: KernelConfig, mods: Mods, device: int) -> bytes:
             if t.device.type != "cuda" or t.get_device() != device:
                 raise ValueError(f"{kind} reads tensor {c.name!r} on {t.device}; it must be on cuda:{device}, "
                                  "with q, k and v")
-            values += [t.data_ptr(), *t.stride(), *(0,) * (_MOD_RANK - t.dim())]
-    slots = len(values) // (1 + _MOD_RANK)
-    if slots > _MOD_SLOTS:
-        raise ValueError(f"score_mod and mask_mod read {slots} tensors; a kernel takes at most {_MOD_SLOTS}")
-    return _MOD_TAIL.pack(*values, *(0,) * ((_MOD_SLOTS - slots) * (1 + _MOD_RANK)))
+            values += [t.data_ptr(), *t.stride(), *(0,) * (MAX_RANK - t.dim())]
+    slots = len(values) // (1 + MAX_RANK)
+    if slots > MAX_CAPTURED:
+        raise ValueError(f"score_mod and mask_mod read {slots} tensors; a kernel takes at most {MAX_CAPTURED}")
+    return _MOD_TAIL.pack(*values, *(0,) * ((MAX_CAPTURED - slots) * (1 + MAX_RANK)))
 
 
 def launch_prefill(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, cu_q: Any, cu_k: Any,
