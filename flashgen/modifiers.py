@@ -19,6 +19,7 @@ import hashlib
 import math
 import numbers
 import threading
+import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -172,51 +173,61 @@ _TRACES: "weakref.WeakKeyDictionary[Callable, dict[str, tuple[tuple, Modifier]]]
 
 def trace_cached(fn: Callable, kind: str) -> Modifier:
     """`trace_score_mod(fn)` (kind "score") or `trace_mask_mod(fn)` ("mask"), reused while `fn` is the same
-    function and what it sees through its closure and globals is unchanged: the same tensor objects at the same
-    addresses, shapes, strides and dtypes, the same numbers (a number is a constant of the graph). A tensor's
-    values may change in place: the kernel reads them at each launch. Functions `fn` calls are not looked into: a
-    helper whose own globals change needs a new `fn` (or trace_score_mod / trace_mask_mod each time)."""
+    function and what it sees through its closure, defaults and globals is unchanged: the same tensor objects at the
+    same addresses, shapes, strides and dtypes, the same numbers (a number is a constant of the graph), lists,
+    tuples and dicts of those compared by content. A tensor's values may change in place: the kernel reads them at
+    each launch. A function that reads anything else (an object's attributes), or a callable that is not a plain
+    function, is traced every time. Functions `fn` calls are not looked into: a helper whose own globals change
+    needs a new `fn` (or trace_score_mod / trace_mask_mod each time)."""
     if kind not in KINDS:
         raise ModifierError(f"modifier kind {kind!r} is not one of {KINDS}")
     seen = _seen(fn)
-    try:
-        held = _TRACES.get(fn)
-    except TypeError:  # not weak-referenceable (a builtin, a partial of one): traced every time
+    if seen is None:
         return _trace(fn, kind, None)
+    held = _TRACES.get(fn)
     if held is not None and kind in held and held[kind][0] == seen:
         return held[kind][1]
     mod = _trace(fn, kind, None)
-    try:
-        _TRACES.setdefault(fn, {})[kind] = (seen, mod)
-    except TypeError:
-        pass
+    _TRACES.setdefault(fn, {})[kind] = (seen, mod)
     return mod
 
 
-def _seen(fn: Callable) -> tuple:
-    """What `fn` reads from outside itself, as comparable values (tensors by identity and layout)."""
+class _Uncacheable(Exception):
+    pass
+
+
+def _seen(fn: Callable) -> tuple | None:
+    """What plain function `fn` reads from outside itself, as comparable values (tensors by identity and layout);
+    None where that cannot be told (not a plain function, or it reads an object whose contents may change)."""
     code = getattr(fn, "__code__", None)
-    if code is None:
-        return (id(fn),)
-    values: list[tuple[str, Any]] = []
-    for name in code.co_names:
-        if name in getattr(fn, "__globals__", {}):
-            values.append((name, fn.__globals__[name]))
-    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+    if code is None or not hasattr(fn, "__globals__") or hasattr(fn, "__self__"):
+        return None
+    values: list[tuple[str, Any]] = [(name, fn.__globals__[name]) for name in code.co_names if name in fn.__globals__]
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
         try:
             values.append((name, cell.cell_contents))
         except ValueError:  # an empty cell
             values.append((name, None))
-    out: list[Any] = [code, getattr(fn, "__defaults__", None)]
-    for name, value in values:
-        if _is_tensor(value):
-            out.append((name, id(value), value.data_ptr(), tuple(value.shape), tuple(value.stride()),
-                        str(value.dtype), str(value.device)))
-        elif isinstance(value, (numbers.Number, str, bool)) or value is None:
-            out.append((name, type(value).__name__, value))
-        else:
-            out.append((name, id(value)))  # modules, functions, classes: by identity
-    return tuple(out)
+    values += [("__defaults__", fn.__defaults__), ("__kwdefaults__", fn.__kwdefaults__)]
+    try:
+        return (code, *((name, _fingerprint(value, 0)) for name, value in values))
+    except _Uncacheable:
+        return None
+
+
+def _fingerprint(value: Any, depth: int) -> Any:
+    if _is_tensor(value):
+        return ("tensor", id(value), value.data_ptr(), tuple(value.shape), tuple(value.stride()), str(value.dtype),
+                str(value.device))
+    if value is None or isinstance(value, (numbers.Number, str, bytes)):
+        return (type(value).__name__, value)
+    if isinstance(value, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)):
+        return ("id", id(value))  # modules, classes, functions (torch, torch.where): by identity
+    if depth < 4 and isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_fingerprint(v, depth + 1) for v in value))
+    if depth < 4 and isinstance(value, dict):
+        return ("dict", tuple((repr(k), _fingerprint(v, depth + 1)) for k, v in value.items()))
+    raise _Uncacheable
 
 
 # ---------------------------------------------------------------------------------------------- graph building

@@ -198,3 +198,30 @@ def test_traces_are_reused_while_what_the_function_reads_is_unchanged():
     assert again is not first and again.tensors[0] is table and again.digest == first.digest
     scale = 3.0  # a constant of the graph
     assert trace_cached(mod, "score").digest != first.digest
+
+
+def test_traces_follow_tensors_held_in_containers_and_objects():
+    from flashgen.modifiers import trace_cached
+
+    tables = [torch.zeros(16), torch.zeros(16)]
+
+    def mod(score, b, h, q_idx, kv_idx, extra=tables):
+        return score + tables[0][kv_idx] + extra[1][q_idx]
+
+    first = trace_cached(mod, "score")
+    assert trace_cached(mod, "score") is first
+    tables[0] = torch.ones(16)  # replaced inside the list: the kernel must get the new address
+    again = trace_cached(mod, "score")
+    assert again is not first and again.tensors[0] is tables[0]
+
+    class Holder:
+        table = torch.zeros(16)
+
+    holder = Holder()
+
+    def reads_an_attribute(score, b, h, q_idx, kv_idx):
+        return score + holder.table[kv_idx]
+
+    one = trace_cached(reads_an_attribute, "score")
+    holder.table = torch.ones(16)
+    assert trace_cached(reads_an_attribute, "score").tensors[0] is holder.table and one.tensors[0] is not holder.table
