@@ -9,7 +9,7 @@ from .config import KernelConfig
 from .kernels.backward import backward
 from .kernels.dense import run
 from .tensors import torch_dtype
-from .verify import random_fp8, random_qkv
+from .verify import poisoned_error, random_fp8, random_qkv
 
 
 BWD_FLOPS_RATIO = 2.5  # the backward's five matmuls (S, dP, dV, dK, dQ) against the forward's two
@@ -90,6 +90,36 @@ def retime_best(results: list[tuple[float, Any]], timer: Callable[[Any], list[fl
         for cand in best:
             samples[cand] += timer(cand)
     return sorted(((median_ms(samples[c]), c) for c in best), key=lambda r: r[0])
+
+
+class TrialInputs:
+    """A serving problem's inputs in a GPU worker (decode, varlen): a subclass sets out, ref (float64) and bound
+    (the error a candidate must stay within) and says how to run a candidate (runner); trials verify, then time."""
+
+    out: Any
+    ref: Any
+    bound: float
+
+    def runner(self, cand: Any) -> tuple[Callable[[], Any], dict[str, Any]]:
+        """(one launch of `cand` writing self.out, what the trial result adds about it)."""
+        raise NotImplementedError
+
+    def trial(self, cand: Any, warmup: int, reps: int) -> dict[str, Any]:
+        """Verify (poisoned output against the float64 reference), then time: the worker's trial result."""
+        call, info = self.runner(cand)
+        err = poisoned_error(self.out, self.ref, call)
+        if not err <= self.bound:  # NaN (an unwritten element) fails too
+            return {"status": "verify_failed", "reason": f"max error {err:.3g} > {self.bound:.3g}", "max_err": err,
+                    **info}
+        return {"status": "ok", "ms": median_ms(time_cuda(lambda i: call(), warmup=warmup, reps=reps)), "max_err": err,
+                "reason": "", **info}
+
+    def retime(self, cands: list[Any], rounds: int, warmup: int, reps: int) -> list[float]:
+        """Median ms of each (verified) candidate over `rounds` interleaved rounds."""
+        calls = [self.runner(c)[0] for c in cands]
+        timed = retime_best([(0.0, i) for i in range(len(cands))], lambda i: time_cuda(
+            lambda j: calls[i](), warmup=warmup, reps=reps), top=len(cands), rounds=rounds)
+        return [ms for ms, _ in sorted(timed, key=lambda r: r[1])]
 
 
 def l2_rotation(bytes_per_set: int, l2_bytes: int = 60 * 2**20) -> int:

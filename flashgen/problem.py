@@ -49,6 +49,14 @@ class HeldInputs:
             self._held[problem] = self._make(problem)
         return self._held[problem]
 
+    def trial(self, problem: Any, cand: Any, warmup: int, reps: int) -> dict[str, Any]:
+        """The GPU worker's task for one candidate (flashgen.worker.GpuBackend): verified, then timed."""
+        return self(problem).trial(cand, warmup, reps)
+
+    def retime(self, problem: Any, cands: list[Any], rounds: int, warmup: int, reps: int) -> list[float]:
+        """The GPU worker's task timing the leaders again side by side."""
+        return self(problem).retime(cands, rounds, warmup, reps)
+
 
 def gpu_slug(gpu_name: str, arch: str) -> str:
     """File-system name of a GPU: "NVIDIA H200", "sm90" -> "nvidia-h200-sm90"."""

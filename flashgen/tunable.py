@@ -104,11 +104,34 @@ class Kind:
         return TuneProblem(**d)
 
 
-class DecodeKind(Kind):
+class ServingKind(Kind):
+    """A serving kind, tuned through its module (`tuner`: flashgen.tune_decode or tune_varlen): the GPU worker's
+    tasks, the store entry and the problem's type are that module's."""
+
+    tuner: Any
+    problem_type: type
+
+    def __init__(self) -> None:
+        self.trial_task = f"{self.tuner.__name__}:gpu_trial"
+        self.retime_task = f"{self.tuner.__name__}:gpu_retime"
+
+    def entry(self, outcome: Any, versions: dict[str, str]) -> dict[str, Any] | None:
+        if outcome.best is None:
+            return None
+        return self.tuner.entry(outcome.problem, outcome.best_config, outcome.best.ms, outcome.trials,
+                                outcome.default, versions)
+
+    def from_dict(self, d: dict[str, Any]) -> Problem:
+        return self.problem_type(**{k: v for k, v in d.items() if k != "pass_"})
+
+    def default(self, problem: Any) -> Candidate:
+        return self.tuner.RULE
+
+
+class DecodeKind(ServingKind):
     """Decode problems: a candidate is a decode tile and a split count (td.DecodeCandidate)."""
 
-    trial_task = "flashgen.tune_decode:gpu_trial"
-    retime_task = "flashgen.tune_decode:gpu_retime"
+    tuner, problem_type = td, td.DecodeProblem
 
     def key(self, problem: Any) -> str:
         return "decode"
@@ -129,30 +152,17 @@ class DecodeKind(Kind):
     def space(self, problem: Any) -> list[Candidate]:
         return td.candidates(problem)  # type: ignore[return-value]
 
-    def default(self, problem: Any) -> Candidate:
-        return td.RULE
-
     def rate(self, problem: Any, ms: float) -> float:
         return problem.kv_bytes / (ms * 1e-3) / 1e12  # TB/s: a decode kernel is bound by reading K and V
-
-    def entry(self, outcome: Any, versions: dict[str, str]) -> dict[str, Any] | None:
-        if outcome.best is None:
-            return None
-        return td.entry(outcome.problem, outcome.best_config, outcome.best.ms, outcome.trials, outcome.default,
-                        versions)
 
     def from_entry(self, e: dict[str, Any]) -> Candidate:
         return td.DecodeCandidate(KernelConfig.from_dict(e["config"]), e["num_splits"])
 
-    def from_dict(self, d: dict[str, Any]) -> Problem:
-        return td.DecodeProblem(**{k: v for k, v in d.items() if k != "pass_"})
 
-
-class VarlenKind(Kind):
+class VarlenKind(ServingKind):
     """Varlen / window problems: a candidate is a configuration of the call's family with the problem's features."""
 
-    trial_task = "flashgen.tune_varlen:gpu_trial"
-    retime_task = "flashgen.tune_varlen:gpu_retime"
+    tuner, problem_type = tv, tv.VarlenProblem
 
     def key(self, problem: Any) -> str:
         return tv.family_of(problem)
@@ -170,26 +180,14 @@ class VarlenKind(Kind):
     def space(self, problem: Any) -> list[Candidate]:
         return tv.space(problem)  # type: ignore[return-value]
 
-    def default(self, problem: Any) -> Candidate:
-        return tv.RULE
-
     def compile_reason(self, problem: Any, kernel: Any) -> str | None:
         return tv.spill_reason(kernel)
 
     def rate(self, problem: Any, ms: float) -> float:
         return problem.flops() / (ms * 1e-3) / 1e12  # useful TFLOP/s: the pairs the mask and window let through
 
-    def entry(self, outcome: Any, versions: dict[str, str]) -> dict[str, Any] | None:
-        if outcome.best is None:
-            return None
-        return tv.entry(outcome.problem, outcome.best_config, outcome.best.ms, outcome.trials, outcome.default,
-                        versions)
-
     def from_entry(self, e: dict[str, Any]) -> Candidate:
         return KernelConfig.from_dict(e["config"])
-
-    def from_dict(self, d: dict[str, Any]) -> Problem:
-        return tv.VarlenProblem(**{k: v for k, v in d.items() if k != "pass_"})
 
 
 DENSE, DECODE, VARLEN = Kind(), DecodeKind(), VarlenKind()

@@ -18,13 +18,13 @@ from typing import Any, Callable
 
 from .__version__ import __version__
 from .api import attention_with_kvcache
-from .bench import median_ms, retime_best, time_cuda
+from .bench import TrialInputs
 from .bench_serving import paged
 from .config import ConfigError, KernelConfig
 from .kernels.serving import decode_config, kvcache_launch
 from .problem import HeldInputs, Rule, gpu_slug
 from .tensors import torch_dtype
-from .verify import packed_ref, poisoned_error
+from .verify import packed_ref
 
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
 DECODE_POINTS = ((1, 1024), (1, 8192), (1, 131072), (8, 32768), (32, 8192), (128, 4096))  # (batch, cache length)
@@ -127,7 +127,7 @@ def problems(head_dims: list[int], dtypes: list[str], heads: int, heads_k: int, 
             for hd, dt, (b, n), pg in itertools.product(head_dims, dtypes, points, pages) if not pg or n % pg == 0]
 
 
-class Inputs:
+class Inputs(TrialInputs):
     """A decode problem's random inputs on this GPU, the float64 reference and the bar a candidate must meet
     (twice PyTorch's own error in the dtype, flash_attn's bar). Built once per problem in the GPU worker."""
 
@@ -148,43 +148,17 @@ class Inputs:
         self.lens = torch.full((p.batch,), p.cache_len, dtype=torch.int32, device="cuda")
         self.out = torch.empty_like(self.q)
 
-    def call(self, cand: DecodeCandidate | Rule) -> Callable[[], Any]:
+    def runner(self, cand: DecodeCandidate | Rule) -> tuple[Callable[[], Any], dict[str, Any]]:
         """One launch of `cand` writing self.out; the rule's is the call a caller without a tuned entry makes."""
         if isinstance(cand, Rule):
             return lambda: self.out.copy_(attention_with_kvcache(self.q, self.k, self.v, cache_seqlens=self.lens,
-                                                                 block_table=self.table, validate=False))
+                                                                 block_table=self.table, validate=False)), {}
         return lambda: kvcache_launch(cand.config, cand.num_splits, self.q, self.k, self.v, self.out, None, self.lens,
-                                      self.table)
-
-    def trial(self, cand: DecodeCandidate | Rule, warmup: int, reps: int) -> dict[str, Any]:
-        """Verify (poisoned output against the float64 reference), then time: the worker's trial result."""
-        call = self.call(cand)
-        err = poisoned_error(self.out, self.ref, call)
-        if not err <= self.bound:  # NaN (an unwritten element) fails too
-            return {"status": "verify_failed", "reason": f"max error {err:.3g} > {self.bound:.3g}", "max_err": err}
-        return {"status": "ok", "ms": median_ms(time_cuda(lambda i: call(), warmup=warmup, reps=reps)), "max_err": err,
-                "reason": ""}
-
-    def retime(self, cands: list[DecodeCandidate | Rule], rounds: int, warmup: int, reps: int) -> list[float]:
-        """Median ms of each (verified) candidate over `rounds` interleaved rounds."""
-        calls = [self.call(c) for c in cands]
-        timed = retime_best([(0.0, i) for i in range(len(cands))], lambda i: time_cuda(
-            lambda j: calls[i](), warmup=warmup, reps=reps), top=len(cands), rounds=rounds)
-        return [ms for ms, _ in sorted(timed, key=lambda r: r[1])]
+                                      self.table), {}
 
 
 inputs = HeldInputs(Inputs)  # the GPU worker's, of the problem it is tuning
-
-
-def gpu_trial(problem: DecodeProblem, cand: DecodeCandidate | Rule, warmup: int, reps: int) -> dict[str, Any]:
-    """The GPU worker's task for one candidate (flashgen.worker.GpuBackend)."""
-    return inputs(problem).trial(cand, warmup, reps)
-
-
-def gpu_retime(problem: DecodeProblem, cands: list[DecodeCandidate | Rule], rounds: int, warmup: int,
-               reps: int) -> list[float]:
-    """The GPU worker's task timing the leaders again side by side."""
-    return inputs(problem).retime(cands, rounds, warmup, reps)
+gpu_trial, gpu_retime = inputs.trial, inputs.retime  # the worker's tasks (flashgen.tunable.DecodeKind)
 
 
 def entry(problem: DecodeProblem, best: DecodeCandidate, ms: float, trials: int, default: Any,

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from .__version__ import __version__
-from .bench import median_ms, retime_best, time_cuda
+from .bench import TrialInputs
 from .bench_serving import lengths, seen_pairs
 from .checks import Mods
 from .config import ConfigError, KernelConfig, space as dense_space
@@ -29,7 +29,7 @@ from .kernels import serving as serve_kernels
 from .problem import HeldInputs, Rule, gpu_slug
 from .resolve import untuned_prefill_config
 from .tensors import torch_dtype
-from .verify import packed_ref, poisoned_error
+from .verify import packed_ref
 
 # (packed, num_seqs, min_len, max_len, window): the bench's packed causal batch (64 sequences, lengths
 # log-uniform in 64..8192) and its window point (one sequence of 16k, window 1024).
@@ -154,7 +154,7 @@ def problems(head_dims: list[int], dtypes: list[str], causals: list[bool], heads
             if packed or ca]
 
 
-class Inputs:
+class Inputs(TrialInputs):
     """A varlen / window problem's random inputs on this GPU, its float64 reference built sequence by sequence,
     and the bar a candidate must meet (twice PyTorch's own error in the dtype). Built once in the GPU worker."""
 
@@ -191,36 +191,14 @@ class Inputs:
         serve_kernels.launch_prefill(cfg, *self.views, None, **self.cus, max_seqlen_q=self.n_max,
                                      max_seqlen_k=self.n_max, num_splits=1, mods=self.mods, softmax_scale=None)
 
-    def trial(self, cand: KernelConfig | Rule, warmup: int, reps: int) -> dict[str, Any]:
-        """Verify (poisoned output against the float64 reference), then time: the worker's trial result. It names
-        the kernel it ran (the rule's is resolved here)."""
+    def runner(self, cand: KernelConfig | Rule) -> tuple[Callable[[], Any], dict[str, Any]]:
+        """One launch of `cand` writing self.out; the trial result names the kernel (the rule's is resolved here)."""
         cfg = self.config(cand)
-        err = poisoned_error(self.out, self.ref, lambda: self.launch(cfg))
-        if not err <= self.bound:  # NaN (an unwritten element) fails too
-            return {"status": "verify_failed", "reason": f"max error {err:.3g} > {self.bound:.3g}", "max_err": err,
-                    "kernel": cfg.name}
-        ms = median_ms(time_cuda(lambda i: self.launch(cfg), warmup=warmup, reps=reps))
-        return {"status": "ok", "ms": ms, "max_err": err, "reason": "", "kernel": cfg.name}
-
-    def retime(self, cands: list[KernelConfig | Rule], rounds: int, warmup: int, reps: int) -> list[float]:
-        cfgs = [self.config(c) for c in cands]
-        timed = retime_best([(0.0, i) for i in range(len(cfgs))], lambda i: time_cuda(
-            lambda j: self.launch(cfgs[i]), warmup=warmup, reps=reps), top=len(cfgs), rounds=rounds)
-        return [ms for ms, _ in sorted(timed, key=lambda r: r[1])]
+        return lambda: self.launch(cfg), {"kernel": cfg.name}
 
 
 inputs = HeldInputs(Inputs)  # the GPU worker's, of the problem it is tuning
-
-
-def gpu_trial(problem: VarlenProblem, cand: KernelConfig | Rule, warmup: int, reps: int) -> dict[str, Any]:
-    """The GPU worker's task for one candidate (flashgen.worker.GpuBackend)."""
-    return inputs(problem).trial(cand, warmup, reps)
-
-
-def gpu_retime(problem: VarlenProblem, cands: list[KernelConfig | Rule], rounds: int, warmup: int,
-               reps: int) -> list[float]:
-    """The GPU worker's task timing the leaders again side by side."""
-    return inputs(problem).retime(cands, rounds, warmup, reps)
+gpu_trial, gpu_retime = inputs.trial, inputs.retime  # the worker's tasks (flashgen.tunable.VarlenKind)
 
 
 def entry(problem: VarlenProblem, best: KernelConfig, ms: float, trials: int, default: Any,

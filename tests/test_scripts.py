@@ -60,7 +60,7 @@ def test_stall_summary_splits_the_consumer_warpgroups_samples_by_what_they_wait_
     out = capsys.readouterr().out
     # consumer region: from setmaxnreg.inc to the producer's setmaxnreg.dec, 100 of the 205 samples
     assert "consumer warps' samples (49% of all)" in out
-    assert "gemm wait 40.0%" in out and "MUFU 30.0%" in out and "mbarrier wait 20.0%" in out and "gemm issue 10.0%" in out
+    assert "gemm wait 40.0%" in out and "MUFU 30.0%" in out and "mbarrier wait 20.0%" in out and "gemm issue" + " 10.0%" in out
     assert "LDSM" in out.splitlines()[2]  # the most sampled instruction first (the producer's)
 
 

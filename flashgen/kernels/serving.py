@@ -135,7 +135,7 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
         0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
         lse_strides[0], lse_strides[1], total_rows, page_size, num_splits, mods.window[0], mods.window[1], softcap_pre,
         k.shape[-4] if block_table is not None else 0, seqlen_k, q.shape[-3], k.shape[-3], error_word(dev))
-    accum = ((num_splits, total_rows, heads, d), (num_splits, total_rows, heads)) if cfg.split else None
+    accum = (num_splits * total_rows * heads * d, num_splits * total_rows * heads) if cfg.split else None
     run = ServeLaunch(dev, fn, comb, blocks, combine_blocks, cfg.threads, fields, accum,
                       modifier_tail(cfg, mods, dev) if cfg.modified else b"")
     _fire(run, (q, k, v, out, lse, cu_q, cu_k, seqused_k, block_table, alibi))
@@ -153,8 +153,8 @@ def _fire(run: "ServeLaunch", tensors: tuple) -> None:
     driver.use_device(run.device)
     stream = current_stream(run.device)
     if run.accum is not None:
-        o_floats = math.prod(run.accum[0])
-        scratch = _workspace(run.device, stream, o_floats + math.prod(run.accum[1]))  # alive past the launches
+        o_floats, lse_floats = run.accum
+        scratch = _workspace(run.device, stream, o_floats + lse_floats)  # alive past the launches
         ptrs += [scratch.data_ptr(), scratch.data_ptr() + 4 * o_floats]
     else:
         ptrs += [0, 0]
@@ -199,7 +199,7 @@ class ServeLaunch(NamedTuple):
     combine_blocks: int
     threads: int
     fields: tuple  # SERVE_PARAMS's fields, pointers 0 (_POINTERS)
-    accum: tuple | None  # split-KV: shapes of o_accum and lse_accum
+    accum: tuple[int, int] | None  # split-KV: floats of o_accum (splits, rows, heads, d) and lse_accum (.., heads)
     tail: bytes = b""  # a kernel with a score_mod or mask_mod: its captured tensors' slots (ServeModParams)
 
 
