@@ -233,9 +233,12 @@ MOD_TENSOR = Block("ModTensor", "FLASHGEN_MOD_TENSOR", (
 ))
 
 SERVE_MOD = Block("ServeModParams", "FLASHGEN_SERVE_MOD_PARAMS", (
-    "Runtime arguments of a serving forward kernel generated with a score_mod or mask_mod: ServeParams,",
-    "then the tensors the modifiers read, score_mod's first, in the order they were captured (unused: null)."), (
+    "Runtime arguments of a serving forward kernel generated with a score_mod, mask_mod or block map: ServeParams,",
+    "then the tensors the modifiers read, score_mod's first, in the order they were captured (unused: null),",
+    "then a kernel with a block map's lists (flashgen/blockmap.py; without one: null)."), (
     Line("ServeParams", ("s",)), Line("ModTensor", ("t0", "t1", "t2", "t3")),
+    Line("ModTensor", ("map_num",), "int32 (batch, heads, m-blocks, 2): partial and full key tiles of a row block"),
+    Line("ModTensor", ("map_idx",), "int32 (batch, heads, m-blocks, key tiles): their indices, partial first"),
 ))
 
 # The index inputs the serving kernels check, by code (1-based; 0 in the error word: no error).

@@ -152,6 +152,9 @@ class KernelConfig(_AsDict):
     # (flashgen.modifiers; "" = none). The render finds their CUDA text by digest.
     score_mod: str = ""
     mask_mod: str = ""
+    # The key tiles each row block visits come from a block map (flashgen.blockmap): empty tiles are never loaded,
+    # full ones skip the mask_mod. Dense serving kernels without split or pack_gqa.
+    block_map: bool = False
     # FP8 (dtype fp8_e4m3, sm90 family): the output's dtype ("" = bf16), and P quantized with a
     # scale per row and key tile (its own max) instead of the running max's.
     out_dtype: str = ""
@@ -282,8 +285,13 @@ class KernelConfig(_AsDict):
             digest = getattr(self, kind)
             if not isinstance(digest, str) or (digest and not all(c in "0123456789abcdef" for c in digest)):
                 raise ConfigError(f"{kind} must be a modifier's digest (lowercase hex) or empty, not {digest!r}")
+        _check_choice("block_map", self.block_map, (False, True))
         if self.modified and self.family != "sm80":
-            raise ConfigError(f"score_mod and mask_mod are built in family sm80's serving kernels, not {self.family}")
+            raise ConfigError(f"score_mod, mask_mod and block maps are built in family sm80's serving kernels, not "
+                              f"{self.family}")
+        if self.block_map and (self.varlen or self.split or self.pack_gqa):
+            raise ConfigError("a block map is built in the dense serving kernel (one row block of one head per CTA, all "
+                              "its keys): not with varlen, split or pack_gqa")
         if self.score_mod and (self.softcap or self.alibi):
             raise ConfigError("a score_mod does not combine with softcap or alibi (write them into the score_mod)")
         if self.pack_gqa and self.alibi:
@@ -329,12 +337,14 @@ class KernelConfig(_AsDict):
             name += f"_ef{self.exp2_fma}" if self.exp2_fma else ""
         name += "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
         name += f"_sm{self.score_mod[:8]}" if self.score_mod else ""
-        return name + (f"_mm{self.mask_mod[:8]}" if self.mask_mod else "")
+        name += f"_mm{self.mask_mod[:8]}" if self.mask_mod else ""
+        return name + ("_bmap" if self.block_map else "")
 
     @property
     def modified(self) -> bool:
-        """Generated with a score_mod or a mask_mod (flashgen.modifiers)."""
-        return bool(self.score_mod or self.mask_mod)
+        """Generated with a score_mod, a mask_mod (flashgen.modifiers) or a block map (flashgen.blockmap): takes
+        ServeModParams."""
+        return bool(self.score_mod or self.mask_mod or self.block_map)
 
     @property
     def fp8(self) -> bool:

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from . import blockmap
 from .checks import Mods, check_grad_scale, check_shapes, dtype_name, refuse_grad
 from .kernels.backward import ServeArgs, backward
 from .kernels.dense import checked, descale_dict, launch_torch, signature
@@ -302,8 +303,11 @@ def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: floa
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device) if want_lse else None
     if batch * seqlen_q * heads == 0:
         return out, lse
-    if mods.score_mod is not None or mods.mask_mod is not None:  # untuned: the modifier is part of the kernel
+    if mods.score_mod is not None or mods.mask_mod is not None or mods.block_map is not None:  # untuned
         cfg = modifier_config(d, dtype, causal, seqlen_q, arch_and_slots(q.get_device())[0], mods)
+        if cfg.block_map:
+            mods = mods._replace(block_map=kernel_block_map(cfg, mods, causal, batch, heads, seqlen_q, seqlen_k,
+                                                            q.device))
     else:
         cfg = prefill_config(q.get_device(), d, dtype, causal, seqlen_q, seqlen_k, call_features(mods, causal),
                              mods.window[0])
@@ -312,6 +316,24 @@ def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: floa
     return out, lse
 
 
+def kernel_block_map(cfg: Any, mods: Mods, causal: bool, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                     device: Any) -> blockmap.BlockMap:
+    """The block map `cfg`'s kernel reads: the call's (a BlockMask's) brought to the kernel's tiles, or one built
+    from the mask_mod on the call's device (every call: a captured tensor's values may have changed), then without
+    the key tiles causal or the window leave out."""
+    given = mods.block_map
+    if given is None:
+        built = blockmap.from_mask(mods.mask_mod, batch, heads, seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, device)
+    else:
+        if mods.mask_mod is None and (given.block[0] % cfg.block_m or given.block[1] % cfg.block_n):
+            raise ValueError(f"a BlockMask without a mask_mod needs BLOCK_SIZE a multiple of the kernel's tiles "
+                             f"({cfg.block_m}, {cfg.block_n}), not {given.block}: a tile covering blocks of different "
+                             "states would evaluate the mask_mod, and there is none")
+        built = blockmap.BlockMap(given.states.to(device), given.block, given.seq_lengths).retile(cfg.block_m,
+                                                                                                   cfg.block_n)
+    return built.restrict(causal, mods.window)
+
+
 __all__ = ["attention", "attention_backward_op", "attention_fp8", "attention_fp8_op", "attention_mods_op",
            "attention_op", "attention_serve_backward_op", "attention_varlen_op", "dense_mods_forward", "forward_fp8",
-           "forward_torch", "varlen_forward"]
+           "forward_torch", "kernel_block_map", "varlen_forward"]

@@ -162,3 +162,130 @@ def test_against_flex_attention(dtype):
             diff = (ours.double() - theirs.double()).abs()[kept].max().item()
             bound = 2 * ((theirs.double() - ref).abs()[kept].max().item() + (ours.double() - ref).abs().max().item())
             assert diff <= bound + 1e-5, f"{name} {sq}x{sk}: flashgen vs flex_attention {diff:.3g} > {bound:.3g}"
+
+
+# -- block maps: empty key tiles skipped, full ones unmasked (flashgen.blockmap) ---------------------------------
+
+BLOCK_SHAPES = [(1, 1), (17, 17), (113, 211), (211, 113), (1023, 1023), (1, 1023)]
+
+
+def documents(batch, length, seed, mean=150):
+    """Document ids (batch, length) int32 on the GPU: runs of random lengths around `mean`."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(batch, length, generator=g) < 1.0 / mean).cumsum(1).to(torch.int32).cuda()
+
+
+def kv_blocks(dense_blocks):
+    """BlockMask.from_kv_blocks' (kv_num_blocks, kv_indices) of a dense (B, H, QB, KB) bool block pattern."""
+    num = dense_blocks.sum(-1).to(torch.int32)
+    idx = torch.argsort((~dense_blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num, idx
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", sorted(DT))
+def test_document_mask_with_and_without_a_block_mask(dtype, layout):
+    """A captured document-id tensor: the map flashgen builds from the mask_mod, and torch's BlockMask of it (at its
+    default 128 blocks and at 64 x 256), causal or not: every key tile outside a row block's documents is skipped."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    heads, heads_k = LAYOUTS[layout]
+    for i, (sq, sk) in enumerate(BLOCK_SHAPES):
+        doc = documents(2, max(sq, sk), seed=i)
+
+        def same_doc(b, h, q_idx, kv_idx):
+            return doc[b, q_idx] == doc[b, kv_idx]
+
+        q, k, v = qkv(2, sq, sk, heads, heads_k, 64, dtype, seed=i)
+        check(q, k, v, 0.125, None, same_doc)  # flashgen's own map
+        check(q, k, v, 0.125, None, same_doc, causal=True)
+        for block in (128, (64, 256)):
+            bm = fa.create_block_mask(same_doc, 2, None, sq, sk, device="cuda", BLOCK_SIZE=block)
+            check(q, k, v, 0.125, None, same_doc, block_mask=bm)
+            check(q, k, v, 0.125, None, same_doc, causal=True, block_mask=bm)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_random_block_sparse_masks(layout):
+    """Random block-sparse patterns, rows whose every block is empty included (O = 0, LSE = +inf): as a mask_mod over
+    a captured block table, and as a BlockMask of kv blocks with no mask_mod at all (flex_attention's noop_mask:
+    its listed blocks are kept whole, the others skipped)."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    heads, heads_k = LAYOUTS[layout]
+    g = torch.Generator().manual_seed(5)
+    for i, (sq, sk) in enumerate(BLOCK_SHAPES):
+        qb, kb = -(-sq // 128), -(-sk // 128)
+        blocks = (torch.rand(2, heads, qb, kb, generator=g) < 0.45).cuda()
+        blocks[0, 0, 0] = False  # a row block that sees nothing
+
+        def sparse(b, h, q_idx, kv_idx):
+            return blocks[b, h, q_idx // 128, kv_idx // 128]
+
+        q, k, v = qkv(2, sq, sk, heads, heads_k, 64, "bf16", seed=i)
+        check(q, k, v, 0.125, None, sparse)
+        num, idx = kv_blocks(blocks)
+        bm = fa.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=128, seq_lengths=(sq, sk))
+        poison_allocator(q)
+        out, lse = flashgen.attention(q, k, v, softmax_scale=0.125, block_mask=bm, return_lse=True)
+        ref, ref_lse = flex_reference(q, k, v, 0.125, None, sparse)
+        pt, _ = flex_reference(q, k, v, 0.125, None, sparse, dtype=q.dtype)
+        assert not torch.isnan(out).any()
+        assert (out.double() - ref).abs().max().item() <= 2 * (pt.double() - ref).abs().max().item() + 1e-5
+        assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse))
+        fin = torch.isfinite(ref_lse)
+        if fin.any():
+            assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() <= LSE_TOL
+
+
+def test_block_mask_with_a_score_mod_and_head_dims():
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    ex = examples("cuda", batch=2, heads=4)
+    for d in (96, 128, 256):
+        q, k, v = qkv(2, 1023, 517, 4, 2, d, "fp16", seed=d)
+        mask = ex["prefix_lm"].mask_mod
+        bm = fa.create_block_mask(mask, 2, 4, 1023, 517, device="cuda")
+        check(q, k, v, d ** -0.5, ex["alibi"].score_mod, mask, block_mask=bm)
+
+
+def test_block_mask_refusals():
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    ex = examples("cuda", batch=2, heads=4)
+    q, k, v = qkv(2, 113, 211, 4, 2, 64, "bf16")
+    bm = fa.create_block_mask(ex["causal"].mask_mod, 2, 4, 113, 200, device="cuda")
+    with pytest.raises(ValueError, match="113 queries x 200 keys"):
+        flashgen.attention(q, k, v, block_mask=bm)
+    bm = fa.create_block_mask(ex["causal"].mask_mod, 2, 4, 113, 211, device="cuda")
+    with pytest.raises(ValueError, match="differs"):
+        flashgen.attention(q, k, v, block_mask=bm, mask_mod=ex["document"].mask_mod)
+
+
+@pytest.mark.parametrize("dtype", sorted(DT))
+def test_block_masks_against_flex_attention(dtype):
+    """The same BlockMask given to flashgen.attention and to flex_attention: a document mask (captured ids) and a
+    random block-sparse BlockMask without a mask_mod, GQA."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    g = torch.Generator().manual_seed(7)
+    for sq, sk in ((113, 113), (256, 384), (1023, 1023)):
+        doc = documents(2, max(sq, sk), seed=sq)
+
+        def same_doc(b, h, q_idx, kv_idx):
+            return doc[b, q_idx] == doc[b, kv_idx]
+
+        blocks = (torch.rand(2, 8, -(-sq // 128), -(-sk // 128), generator=g) < 0.5).cuda()
+        blocks[..., 0] = True  # flex_attention's rows with no key are NaN in some versions: keep one block a row
+        num, idx = kv_blocks(blocks)
+
+        def sparse(b, h, q_idx, kv_idx):
+            return blocks[b, h, q_idx // 128, kv_idx // 128]
+
+        cases = [(fa.create_block_mask(same_doc, 2, None, sq, sk, device="cuda"), same_doc),
+                 (fa.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=128, seq_lengths=(sq, sk)), sparse)]
+        q, k, v = qkv(2, sq, sk, 8, 2, 64, dtype)
+        for bm, mask in cases:
+            ours = flashgen.attention(q, k, v, softmax_scale=0.125, block_mask=bm)
+            theirs = fa.flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm,
+                                       scale=0.125, enable_gqa=True).transpose(1, 2)
+            ref, _ = flex_reference(q, k, v, 0.125, None, mask)
+            kept = ref.abs().sum(-1) > 0
+            diff = (ours.double() - theirs.double()).abs()[kept].max().item()
+            bound = 2 * ((theirs.double() - ref).abs()[kept].max().item() + (ours.double() - ref).abs().max().item())
+            assert diff <= bound + 1e-5, f"{sq}x{sk}: flashgen vs flex_attention {diff:.3g} > {bound:.3g}"

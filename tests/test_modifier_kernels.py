@@ -8,9 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from flashgen import abi
+from flashgen.checks import Mods
 from flashgen.compile import compile_kernel
 from flashgen.config import ConfigError, KernelConfig
-from flashgen.kernels.serving import serve_config
+from flashgen.kernels.serving import modifier_config, serve_config
 from flashgen.modifiers import Modifier, ModifierError, trace_mask_mod, trace_score_mod
 from flashgen.render import render
 
@@ -27,9 +28,9 @@ def traced(name: str) -> tuple[Modifier | None, Modifier | None]:
 
 
 def config_of(name: str, head_dim: int = 128, dtype: str = "bf16", rows: int = 4096, **features: bool) -> KernelConfig:
+    """The kernel flashgen.attention takes for the example (with a block map wherever it has a mask_mod)."""
     score, mask = traced(name)
-    return serve_config(head_dim, dtype, False, rows, "sm80", score_mod=score.digest if score else "",
-                        mask_mod=mask.digest if mask else "", **features)
+    return modifier_config(head_dim, dtype, False, rows, "sm80", Mods(score_mod=score, mask_mod=mask), **features)
 
 
 def test_names_carry_the_digests_and_other_names_stay():
@@ -96,7 +97,8 @@ def test_abi_slots():
     from flashgen.modifiers import MAX_CAPTURED, MAX_RANK
 
     assert abi.SERVE_MOD.offset("t0.ptr") == abi.SERVE.size  # ServeParams first: the combine reads that prefix
-    assert abi.SERVE_MOD.size == abi.SERVE.size + MAX_CAPTURED * abi.MOD_TENSOR.size
+    assert abi.SERVE_MOD.size == abi.SERVE.size + (MAX_CAPTURED + 2) * abi.MOD_TENSOR.size  # + the block map's lists
+    assert abi.SERVE_MOD.offset("map_num.ptr") == abi.SERVE.size + MAX_CAPTURED * abi.MOD_TENSOR.size
     assert abi.MOD_TENSOR.size == 8 * (1 + MAX_RANK)
 
 
@@ -104,7 +106,7 @@ def test_abi_slots():
 # them: the two heaviest combinations at every head dim, short and long queries (one tile choice for both).
 BUILDS = [(name, d, dt, rows) for d, dt in ((32, "fp16"), (64, "bf16"), (96, "fp16"), (128, "bf16"), (256, "fp16"))
           for name, rows in (("softcap_document", 4096), ("relative_prefix_lm", 1))] + [
-    ("alibi_causal", 128, "fp16", 4096), ("sliding_window", 64, "fp16", 4096)]
+    ("alibi_causal", 128, "fp16", 4096), ("sliding_window", 64, "fp16", 4096), ("relative_bias", 128, "bf16", 4096)]
 
 
 def test_short_queries_take_the_dense_tiles():
@@ -118,6 +120,7 @@ def test_modifier_kernels_compile_without_spills(target):
     cfgs = [config_of(name, d, dt, rows) for name, d, dt, rows in BUILDS]
     with ThreadPoolExecutor(max_workers=2) as pool:
         kernels = list(pool.map(lambda c: compile_kernel(c, target), cfgs))
+    assert all(c.block_map == (traced(name)[1] is not None) for c, (name, *_) in zip(cfgs, BUILDS))
     for k in kernels:
         r = k.resources
         assert not r.spills and r.stack_bytes == 0, f"{k.config.name} ({target}) spills: {r}"
@@ -157,9 +160,9 @@ def test_modifier_tail_packs_score_then_mask_tensors():
     doc = dataclasses.replace(doc, tensors=(_FakeCuda(0x2000, (2048, 1)),))
     cfg = KernelConfig(128, "bf16", False, 128, 64, 8, 2, score_mod=score.digest, mask_mod=doc.digest)
     tail = modifier_tail(cfg, Mods(score_mod=score, mask_mod=doc), 0)
-    assert len(tail) == 4 * abi.MOD_TENSOR.size
+    assert len(tail) == 6 * abi.MOD_TENSOR.size
     values = abi.SERVE_MOD.tail("t0.ptr").unpack(tail)
-    assert values == (0x1000, 1, 0, 0, 0, 0x2000, 2048, 1, 0, 0) + (0,) * 10
+    assert values == (0x1000, 1, 0, 0, 0, 0x2000, 2048, 1, 0, 0) + (0,) * 10 + (0,) * 10  # no block map
     with pytest.raises(ValueError, match="not the one"):
         modifier_tail(cfg, Mods(score_mod=score, mask_mod=mask), 0)
     with pytest.raises(ValueError, match="must be on cuda:0"):
@@ -225,3 +228,147 @@ def test_traces_follow_tensors_held_in_containers_and_objects():
     one = trace_cached(reads_an_attribute, "score")
     holder.table = torch.ones(16)
     assert trace_cached(reads_an_attribute, "score").tensors[0] is holder.table and one.tensors[0] is not holder.table
+
+
+# -- block maps: the kernel's skipping of empty key tiles and of the mask_mod on full ones ------------------------
+
+def test_block_map_kernels_are_named_and_ruled():
+    _, mask = traced("document")
+    base = KernelConfig(128, "bf16", False, 128, 32, 8, 2, mask_mod=mask.digest)
+    cfg = KernelConfig(128, "bf16", False, 128, 32, 8, 2, mask_mod=mask.digest, block_map=True)
+    assert cfg.name == base.name + "_bmap" and cfg.modified and KernelConfig.from_dict(cfg.to_dict()) == cfg
+    only_map = KernelConfig(128, "bf16", False, 128, 32, 8, 2, block_map=True)  # a BlockMask without a mask_mod
+    assert only_map.modified and only_map.serving and only_map.name.endswith("_full_bm128_bn32_w8_s2_bmap")
+    for feature in ("split", "pack_gqa"):
+        with pytest.raises(ConfigError, match="block map"):
+            KernelConfig(128, "bf16", False, 128, 32, 8, 2, varlen=True, block_map=True, **{feature: True})
+    with pytest.raises(ConfigError, match="block map"):
+        KernelConfig(128, "bf16", False, 128, 32, 8, 2, varlen=True, block_map=True)
+    with pytest.raises(ConfigError, match="family sm80"):
+        KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", block_map=True)
+    # flashgen.attention's kernel: a block map wherever there is a mask_mod (or a BlockMask), none for a score_mod
+    assert config_of("document").block_map and not config_of("alibi").block_map
+    assert modifier_config(128, "bf16", False, 4096, "sm80", Mods(block_map=object())).block_map
+
+
+def test_block_map_render_skips_empty_tiles_and_the_mask_on_full_ones():
+    cfg = config_of("softcap_document")
+    src = render(cfg)
+    assert "constexpr bool BLOCK_MAP = true;" in src
+    assert "const KeyTiles kt = key_tiles(mp, sq, kr);" in src and "const int n_blocks = kt.count;" in src
+    assert "const int n0 = kt.n0(tile);" in src and "const int n0 = kt.n0(j);" in src  # loads and scores: the list
+    assert "if (!kt.full(j)) apply_mask_mod(acc_s" in src
+    assert "if constexpr (BLOCK_MAP) return __ldg(static_cast<const int*>(mp.map_idx.ptr) + base + j) * BLOCK_N;" in src
+    without = render(KernelConfig(cfg.head_dim, cfg.dtype, False, cfg.block_m, cfg.block_n, cfg.num_warps,
+                                  cfg.num_stages, score_mod=cfg.score_mod, mask_mod=cfg.mask_mod))
+    assert "constexpr bool BLOCK_MAP = false;" in without and "if (!kt.full(j)) apply_mask_mod" in without
+    only_map = render(KernelConfig(128, "bf16", False, 128, 32, 8, 2, block_map=True))
+    assert "apply_mask_mod" not in only_map and "const int n0 = kt.n0(j);" in only_map
+    plain = render(serve_config(128, "bf16", False, 4096, "sm80", softcap=True))
+    assert "KeyTiles" not in plain and "BLOCK_MAP" not in plain and "(kr.hi - 1 - j) * BLOCK_N" in plain
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("target", ["sm_80", "sm_90a"])
+def test_block_map_kernels_compile_without_spills_and_keep_the_skip(target):
+    cfgs = [KernelConfig(128, "bf16", True, 128, 32, 8, 2, block_map=True),  # a BlockMask alone, causal
+            modifier_config(64, "fp16", False, 4096, "sm80", Mods(window=(40, 0), mask_mod=traced("document")[1])),
+            config_of("softcap_document", 256, "bf16")]
+    assert cfgs[1].window and cfgs[1].block_map
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        kernels = list(pool.map(lambda c: compile_kernel(c, target), cfgs))
+    for k in kernels:
+        r = k.resources
+        assert not r.spills and r.stack_bytes == 0, f"{k.config.name} ({target}) spills: {r}"
+
+
+class _FakeList:
+    """Stands for a CUDA int32 tensor of the block map's lists: its address, shape and the strides expand gives."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...]):
+        self.ptr, self.shape = ptr, shape
+        self.device = type("Device", (), {"type": "cuda"})()
+
+    def expand(self, *sizes: int) -> "_FakeList":
+        out = _FakeList(self.ptr, tuple(s if w == -1 else w for s, w in zip(self.shape, sizes)))
+        out.strides = tuple(0 if s == 1 and w != 1 else c for s, w, c in zip(self.shape, out.shape, self._dense()))
+        return out
+
+    def _dense(self) -> tuple[int, ...]:
+        out, acc = [], 1
+        for s in reversed(self.shape):
+            out.append(acc)
+            acc *= s
+        return tuple(reversed(out))
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def stride(self) -> tuple[int, ...]:
+        return getattr(self, "strides", self._dense())
+
+    def get_device(self) -> int:
+        return 0
+
+
+def test_modifier_tail_packs_the_block_map_lists():
+    from flashgen.blockmap import TileLists
+    from flashgen.kernels.serving import modifier_tail
+
+    _, mask = traced("causal")
+    cfg = KernelConfig(128, "bf16", False, 128, 32, 8, 2, mask_mod=mask.digest, block_map=True)
+    held = type("Map", (), {"block": (128, 32), "tile_lists": TileLists(_FakeList(0x3000, (1, 4, 3, 2)),
+                                                                          _FakeList(0x4000, (1, 4, 3, 9)))})()
+    values = abi.SERVE_MOD.tail("t0.ptr").unpack(modifier_tail(cfg, Mods(mask_mod=mask, block_map=held), 0, 2, 4))
+    assert values[:20] == (0,) * 20  # the causal mask reads no tensor
+    assert values[20:] == (0x3000, 0, 6, 2, 1, 0x4000, 0, 27, 9, 1)  # batch 1 stands for both: stride 0
+    with pytest.raises(ValueError, match="128 x 32 tiles"):
+        modifier_tail(cfg, Mods(mask_mod=mask), 0, 2, 4)
+    held.block = (64, 32)
+    with pytest.raises(ValueError, match="128 x 32 tiles"):
+        modifier_tail(cfg, Mods(mask_mod=mask, block_map=held), 0, 2, 4)
+    plain = KernelConfig(128, "bf16", False, 128, 32, 8, 2, mask_mod=mask.digest)
+    with pytest.raises(ValueError, match="without one"):
+        modifier_tail(plain, Mods(mask_mod=mask, block_map=held), 0, 2, 4)
+
+
+def test_the_kernel_map_of_a_call():
+    """ops.kernel_block_map: a BlockMask brought to the kernel's tiles and bounded by causal, or a map built from the
+    mask_mod; a BlockMask without a mask_mod must not leave a tile to a mask_mod it does not have."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    from flashgen import ops
+    from flashgen.blockmap import EMPTY, from_block_mask, from_mask
+
+    fn = EXAMPLES["document"].mask_mod
+    mask = trace_mask_mod(fn)
+    cfg = config_of("document")
+    bm = fa.create_block_mask(fn, 2, None, 1000, 1000, device="cpu")
+    given = from_block_mask(bm)
+    got = ops.kernel_block_map(cfg, Mods(mask_mod=mask, block_map=given), True, 2, 4, 1000, 1000, "cpu")
+    want = given.retile(cfg.block_m, cfg.block_n).restrict(True, (-1, -1))
+    assert got.block == (cfg.block_m, cfg.block_n) and torch.equal(got.states, want.states)
+    assert (got.states == EMPTY).sum() > (given.retile(cfg.block_m, cfg.block_n).states == EMPTY).sum()  # causal's
+    built = ops.kernel_block_map(cfg, Mods(mask_mod=mask), False, 2, 4, 1000, 1000, "cpu")
+    assert torch.equal(built.states, from_mask(mask, 2, 4, 1000, 1000, cfg.block_m, cfg.block_n).states)
+    small = from_block_mask(fa.create_block_mask(fn, 2, None, 1000, 1000, device="cpu", BLOCK_SIZE=16))
+    with pytest.raises(ValueError, match="multiple of the kernel's tiles"):
+        ops.kernel_block_map(cfg, Mods(block_map=small), False, 2, 4, 1000, 1000, "cpu")
+    ops.kernel_block_map(cfg, Mods(mask_mod=mask, block_map=small), False, 2, 4, 1000, 1000, "cpu")
+
+
+def test_a_block_masks_mask_mod_is_the_calls():
+    import flashgen
+
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    from flashgen import api
+
+    causal, doc = EXAMPLES["causal"].mask_mod, EXAMPLES["document"].mask_mod
+    bm = fa.create_block_mask(causal, 1, 1, 64, 64, device="cpu")
+    assert api._block_mask_mod(bm, None) is causal and api._block_mask_mod(bm, causal) is causal
+    noop = fa.BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, seq_lengths=(64, 64))
+    assert api._block_mask_mod(noop, None) is None and api._block_mask_mod(noop, doc) is doc
+    with pytest.raises(ValueError, match="differs from block_mask.mask_mod"):
+        api._block_mask_mod(bm, doc)
+    q = torch.randn(1, 64, 2, 64, dtype=torch.float16)
+    with torch.no_grad(), pytest.raises(ValueError, match="family sm80"):
+        flashgen.attention(q, q, q, block_mask=bm, arch="sm90")  # a BlockMask alone takes the modifier path

@@ -61,7 +61,7 @@ def serve_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, 
     reason = ""
     # A kernel with a modifier takes the dense tiles at every length: the decode tiles' two warps have no registers
     # left for a modifier's reads and arithmetic at most head dims (ptxas spills).
-    modified = bool(features.get("score_mod") or features.get("mask_mod"))
+    modified = bool(features.get("score_mod") or features.get("mask_mod") or features.get("block_map"))
     if rows <= DECODE_ROWS and not modified:  # fewer stages where the GPU's shared memory is smaller (sm86/sm89: 99 KB)
         bm, bn, w, stages = _DECODE_TILES[head_dim]
         for s in range(stages, 0, -1):
@@ -137,7 +137,7 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
         k.shape[-4] if block_table is not None else 0, seqlen_k, q.shape[-3], k.shape[-3], error_word(dev))
     accum = (num_splits * total_rows * heads * d, num_splits * total_rows * heads) if cfg.split else None
     run = ServeLaunch(dev, fn, comb, blocks, combine_blocks, cfg.threads, fields, accum,
-                      modifier_tail(cfg, mods, dev) if cfg.modified else b"")
+                      modifier_tail(cfg, mods, dev, batch, heads) if cfg.modified else b"")
     _fire(run, (q, k, v, out, lse, cu_q, cu_k, seqused_k, block_table, alibi))
     return run
 
@@ -203,10 +203,11 @@ class ServeLaunch(NamedTuple):
     tail: bytes = b""  # a kernel with a score_mod or mask_mod: its captured tensors' slots (ServeModParams)
 
 
-def modifier_tail(cfg: KernelConfig, mods: Mods, device: int) -> bytes:
+def modifier_tail(cfg: KernelConfig, mods: Mods, device: int, batch: int = 1, heads: int = 1) -> bytes:
     """The ModTensor slots of ServeModParams: the tensors of mods.score_mod, then of mods.mask_mod, each its
-    pointer and strides (in elements; 0 past its rank), the rest null. The call's modifiers must be the ones
-    `cfg` was generated with (by digest), their tensors on `device`."""
+    pointer and strides (in elements; 0 past its rank), the rest null; then, with cfg.block_map, the lists of
+    mods.block_map (at cfg's tiles, for `batch` sequences of `heads` heads; a dimension of 1 read with stride 0). The
+    call's modifiers must be the ones `cfg` was generated with (by digest), their tensors on `device`."""
     values: list[int] = []
     for kind, mod in (("score_mod", mods.score_mod), ("mask_mod", mods.mask_mod)):
         digest = mod.digest if mod is not None else ""
@@ -221,7 +222,29 @@ def modifier_tail(cfg: KernelConfig, mods: Mods, device: int) -> bytes:
     slots = len(values) // (1 + MAX_RANK)
     if slots > MAX_CAPTURED:
         raise ValueError(f"score_mod and mask_mod read {slots} tensors; a kernel takes at most {MAX_CAPTURED}")
-    return _MOD_TAIL.pack(*values, *(0,) * ((MAX_CAPTURED - slots) * (1 + MAX_RANK)))
+    values += [0] * ((MAX_CAPTURED - slots) * (1 + MAX_RANK))
+    return _MOD_TAIL.pack(*values, *_map_slots(cfg, mods.block_map, device, batch, heads))
+
+
+def _map_slots(cfg: KernelConfig, block_map: Any, device: int, batch: int, heads: int) -> list[int]:
+    """ServeModParams' map_num and map_idx: pointer and four strides each (all 0 without cfg.block_map)."""
+    if not cfg.block_map:
+        if block_map is not None:
+            raise ValueError(f"the call has a block map; {cfg.name} was generated without one")
+        return [0] * (2 * (1 + MAX_RANK))
+    if block_map is None or block_map.block != (cfg.block_m, cfg.block_n):
+        raise ValueError(f"{cfg.name} reads a block map of {cfg.block_m} x {cfg.block_n} tiles; the call's is "
+                         f"{None if block_map is None else block_map.block}")
+    lists = block_map.tile_lists
+    out: list[int] = []
+    for t in lists:
+        if t.device.type != "cuda" or t.get_device() != device:
+            raise ValueError(f"the block map is on {t.device}; it must be on cuda:{device}, with q, k and v")
+        t = t.expand(batch, heads, -1, -1)  # a batch or head dimension of 1 stands for all: stride 0
+        if sum((n - 1) * s for n, s in zip(t.shape, t.stride())) >= 2**31:  # the kernel's offsets are int
+            raise ValueError(f"the block map's lists ({tuple(t.shape)}) are too large for the kernel's 32-bit offsets")
+        out += [t.data_ptr(), *t.stride()]
+    return out
 
 
 def launch_prefill(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, cu_q: Any, cu_k: Any,
@@ -315,11 +338,13 @@ def call_features(mods: Mods, causal: bool) -> dict[str, bool]:
 
 def modifier_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, mods: Mods,
                     **features: bool) -> KernelConfig:
-    """serve_config's kernel for a call with a score_mod or mask_mod (family sm80 on every GPU: the sm90 family has
-    no modifier slot), generated with the call's modifiers and other score modifiers."""
+    """serve_config's kernel for a call with a score_mod, mask_mod or block map (family sm80 on every GPU: the sm90
+    family has no modifier slot), generated with the call's modifiers and other score modifiers; with a block map
+    wherever the call has a mask_mod or a block map (its tiles are the kernel's: blockmap.BlockMap.retile)."""
     return serve_config(head_dim, dtype, causal, rows, arch, **call_features(mods, causal), **features,
                         score_mod=mods.score_mod.digest if mods.score_mod is not None else "",
-                        mask_mod=mods.mask_mod.digest if mods.mask_mod is not None else "")
+                        mask_mod=mods.mask_mod.digest if mods.mask_mod is not None else "",
+                        block_map=mods.mask_mod is not None or mods.block_map is not None)
 
 
 class KVPlan(NamedTuple):
