@@ -372,3 +372,77 @@ def test_a_block_masks_mask_mod_is_the_calls():
     q = torch.randn(1, 64, 2, 64, dtype=torch.float16)
     with torch.no_grad(), pytest.raises(ValueError, match="family sm80"):
         flashgen.attention(q, q, q, block_mask=bm, arch="sm90")  # a BlockMask alone takes the modifier path
+
+
+# -- export: a modifier kernel as a standalone .cu (its expressions pasted in) and its launch header -------------
+
+MOD_FILE = """\
+import torch
+doc = torch.zeros(4096, dtype=torch.int32)
+slopes = torch.ones(8)
+
+
+def same_doc(b, h, q_idx, kv_idx):
+    return doc[q_idx] == doc[kv_idx]
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score + slopes[h] * (kv_idx - q_idx)
+
+
+def not_traceable(b, h, q_idx, kv_idx):
+    return torch.sin(q_idx) > 0
+"""
+
+MOD_MAIN = """\
+#include "{a}.h"
+int main() {{
+    ServeModParams p = {{}};
+    p.s.f.batch = 1; p.s.f.heads = 1; p.s.f.heads_k = 1; p.s.f.seqlen_q = 128; p.s.f.seqlen_k = 128;
+    flashgen::{a}_launch::set_scales(p.s, 0.125);
+    static_assert(flashgen::{a}_launch::MOD_PARAMS_BYTES == sizeof(ServeModParams), "the struct's size");
+    return (int)flashgen::{a}_launch::launch(p);
+}}
+"""
+
+
+def test_export_cli_writes_a_modifier_kernel(tmp_path, capsys):
+    import json
+
+    from flashgen import cli
+
+    mods = tmp_path / "mods.py"
+    mods.write_text(MOD_FILE)
+    out = tmp_path / "out"
+    assert cli.main(["export", "--out", str(out), "--score-mod", f"{mods}:alibi", "--mask-mod", f"{mods}:same_doc",
+                     "--head-dim", "64", "--causal", "no"]) == 0
+    (entry,) = json.loads((out / "manifest.json").read_text())["kernels"]
+    cfg = KernelConfig.from_dict(entry["config"])
+    assert cfg.score_mod and cfg.mask_mod and cfg.block_map and entry["params"] == "ServeModParams"
+    assert entry["params_bytes"] == abi.SERVE_MOD.size and entry["block_map"]
+    assert [c["name"] for c in entry["captured"]] == ["slopes", "doc"]
+    source = (out / f"{cfg.name}.cu").read_text()
+    assert entry["modifiers"]["score_mod"]["expr"] in source and entry["modifiers"]["mask_mod"]["expr"] in source
+    header = (out / f"{cfg.name}.h").read_text()
+    assert "struct ServeModParams" in header and f"launch(const ServeModParams& p" in header
+    assert "t0: score_mod_t0 ('slopes' when traced), float32, rank 1" in header and "map_idx int32" in header
+    assert cli.main(["export", "--out", str(out), "--mask-mod", f"{mods}:same_doc", "--block-map", "no",
+                     "--features", "window", "--head-dim", "128", "--dtype", "fp16", "--causal", "yes"]) == 0
+    names = [k["kernel"] for k in json.loads((out / "manifest.json").read_text())["kernels"]]
+    assert len(names) == 1 and names[0].endswith(f"_win_mm{cfg.mask_mod[:8]}")
+    assert cli.main(["export", "--out", str(out), "--mask-mod", f"{mods}:not_traceable"]) == 2
+    assert "torch.sin" in capsys.readouterr().err
+    assert cli.main(["export", "--out", str(out), "--mask-mod", f"{mods}"]) == 2  # no :FUNC
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("g++") is None, reason="needs nvcc and g++")
+def test_an_exported_modifier_kernel_compiles_and_links(tmp_path):
+    from test_export import assert_plain_cpp, compile_cubins, link_app
+
+    from flashgen.export import export_configs
+
+    cfg = config_of("softcap_document", 64, "bf16")
+    export_configs([cfg], tmp_path)
+    compile_cubins(tmp_path, (cfg.name,))
+    link_app(tmp_path, MOD_MAIN.format(a=cfg.name), (cfg.name,))
+    assert_plain_cpp(tmp_path / f"{cfg.name}.h")
