@@ -21,7 +21,7 @@ from .kernels.backward import ServeArgs, backward
 from .kernels.dense import checked, descale_dict, launch_torch, signature
 from .kernels.serving import (arch_and_slots, call_features, launch_prefill, modifier_config, serve_config, serve_grids,
                               want_split)
-from .resolve import backward_kernel, load, prefill_config, resolver, serve_backward_kernel
+from .resolve import backward_kernel, load, prefill_config, resolver, serve_backward_kernel, tuned_modifier
 
 _HALF = {torch.float16: "fp16", torch.bfloat16: "bf16"}  # the dtypes with a backward
 
@@ -303,8 +303,8 @@ def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: floa
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device) if want_lse else None
     if batch * seqlen_q * heads == 0:
         return out, lse
-    if mods.score_mod is not None or mods.mask_mod is not None or mods.block_map is not None:  # untuned
-        cfg = modifier_config(d, dtype, causal, seqlen_q, arch_and_slots(q.get_device())[0], mods)
+    if mods.score_mod is not None or mods.mask_mod is not None or mods.block_map is not None:
+        cfg = modifier_kernel(q.get_device(), d, dtype, causal, seqlen_q, heads // k.shape[2], mods)
         if cfg.block_map:
             mods = mods._replace(block_map=kernel_block_map(cfg, mods, causal, batch, heads, seqlen_q, seqlen_k,
                                                             q.device))
@@ -314,6 +314,17 @@ def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: floa
     launch_prefill(cfg, q, k, v, out, lse, cu_q=None, cu_k=None, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
                    num_splits=1, mods=mods, softmax_scale=softmax_scale)
     return out, lse
+
+
+def modifier_kernel(device: int, head_dim: int, dtype: str, causal: bool, seqlen: int, gqa_group: int,
+                    mods: Mods) -> Any:
+    """The kernel of a dense call with a score_mod, mask_mod or BlockMask: the one tuned for exactly its modifiers
+    (flashgen.resolve.tuned_modifier) where the call has no other score modifier, else serve_config's tiles."""
+    cfg = modifier_config(head_dim, dtype, causal, seqlen, arch_and_slots(device)[0], mods)
+    if cfg.features or mods.score_mod is None and mods.mask_mod is None:
+        return cfg
+    tuned = tuned_modifier(device, head_dim, dtype, causal, seqlen, gqa_group, cfg.score_mod, cfg.mask_mod)
+    return tuned if tuned is not None and tuned.block_map == cfg.block_map else cfg
 
 
 def kernel_block_map(cfg: Any, mods: Mods, causal: bool, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
@@ -336,4 +347,4 @@ def kernel_block_map(cfg: Any, mods: Mods, causal: bool, batch: int, heads: int,
 
 __all__ = ["attention", "attention_backward_op", "attention_fp8", "attention_fp8_op", "attention_mods_op",
            "attention_op", "attention_serve_backward_op", "attention_varlen_op", "dense_mods_forward", "forward_fp8",
-           "forward_torch", "kernel_block_map", "varlen_forward"]
+           "forward_torch", "kernel_block_map", "modifier_kernel", "varlen_forward"]

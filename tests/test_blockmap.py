@@ -209,3 +209,34 @@ def test_empty_key_ranges():
     built = from_mask(mod, 1, 1, 5, 0, 64, 32)
     assert built.states.shape == (1, 1, 1, 0) and built.tile_lists.num.tolist() == [[[[0, 0]]]]
     assert math.prod(BlockMap(built.states, (64, 32), (5, 0)).retile(128, 64).states.shape) == 0
+
+
+def kept_by_lists(block_map, batch, heads, keep):
+    """The scores a kernel keeps reading only tile_lists as templates/sm80/modifiers.cuh.j2 does (KeyTiles): for
+    each (batch, head, row block) the first num[..., 0] + num[..., 1] entries of idx, the first num[..., 0] of them
+    PARTIAL (the mask decides), the rest FULL; a batch or head dimension of 1 read with stride 0."""
+    bm, bn = block_map.block
+    sq, sk = block_map.seq_lengths
+    num, idx = (t.expand(batch, heads, -1, -1) for t in block_map.tile_lists)
+    out = torch.zeros(batch, heads, sq, sk, dtype=torch.bool)
+    for b in range(batch):
+        for h in range(heads):
+            for m in range(num.shape[2]):
+                partial, full = (int(x) for x in num[b, h, m])
+                rows = slice(m * bm, (m + 1) * bm)
+                for j in range(partial + full):
+                    keys = slice(int(idx[b, h, m, j]) * bn, (int(idx[b, h, m, j]) + 1) * bn)
+                    out[b, h, rows, keys] = True if j >= partial else keep[b, h, rows, keys]
+    return out
+
+
+@pytest.mark.parametrize("name", ["document", "block_sparse", "per_head", "causal"])
+def test_the_kernels_lists_keep_exactly_the_masks_scores(name):
+    fn = masks(2, 4)[name]
+    keep = dense_mask(fn, 2, 4, 211, 300)
+    for tile in TILES:
+        built = from_mask(trace_mask_mod(fn), 2, 4, 211, 300, *tile)
+        assert torch.equal(kept_by_lists(built, 2, 4, keep), keep)
+        restricted = built.restrict(True, (-1, -1))
+        assert torch.equal(kept_by_lists(restricted, 2, 4, keep) & bounds(211, 300, True, (-1, -1)),
+                           keep & bounds(211, 300, True, (-1, -1)))

@@ -2,6 +2,7 @@
 rules, names, rendering, and nvcc builds for sm_80 and sm_90a without spills."""
 from __future__ import annotations
 
+import functools
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -446,3 +447,59 @@ def test_an_exported_modifier_kernel_compiles_and_links(tmp_path):
     compile_cubins(tmp_path, (cfg.name,))
     link_app(tmp_path, MOD_MAIN.format(a=cfg.name), (cfg.name,))
     assert_plain_cpp(tmp_path / f"{cfg.name}.h")
+
+
+# -- the tuned store: a kernel tuned for a modifier answers only calls with that modifier ------------------------
+
+def test_problem_keys_carry_the_modifier_digests():
+    from flashgen.problem import TuneProblem
+
+    _, mask = traced("document")
+    score, _ = traced("alibi")
+    plain = TuneProblem("NVIDIA H200", "sm90", "sm80", "bf16", 128, False, 4096)
+    modded = TuneProblem("NVIDIA H200", "sm90", "sm80", "bf16", 128, False, 4096, score_mod=score.digest,
+                         mask_mod=mask.digest)
+    assert modded.key == f"{plain.key}_sm{score.digest}_mm{mask.digest}" and "_sm" not in plain.key
+    assert TuneProblem(**modded.to_dict()) == modded
+    with pytest.raises(ValueError, match="forward of family sm80"):
+        TuneProblem("NVIDIA H200", "sm90", "sm90", "bf16", 128, False, 4096, mask_mod=mask.digest)
+    with pytest.raises(ValueError, match="forward of family sm80"):
+        TuneProblem("NVIDIA H200", "sm90", "sm80", "bf16", 128, False, 4096, pass_="bwd", score_mod=score.digest)
+
+
+def test_store_lookups_keep_modifier_kernels_to_their_modifiers(tmp_path, monkeypatch):
+    from flashgen import ops, resolve, store
+    from flashgen.problem import TuneProblem
+
+    gpu, arch = "NVIDIA H200", "sm90"
+    _, doc = traced("document")
+    _, causal = traced("causal")
+    score, _ = traced("alibi")
+
+    def entry(cfg, ms, **mods):
+        p = TuneProblem(gpu, arch, "sm80", "bf16", 128, False, 4096, **mods)
+        return p.key, {"config": cfg.to_dict(), "kernel": cfg.name, "median_ms": ms, "tflops": 1.0, "trials": 3,
+                       "problem": p.to_dict(), "date": "2025-01-01"}
+
+    plain = KernelConfig(128, "bf16", False, 128, 64, 8, 2)
+    tuned_doc = KernelConfig(128, "bf16", False, 64, 32, 4, 2, mask_mod=doc.digest, block_map=True)
+    tuned_score = KernelConfig(128, "bf16", False, 64, 64, 4, 2, score_mod=score.digest)
+    path = store.store_path(gpu, arch, tmp_path)
+    store.merge(path, gpu, arch, dict([entry(plain, 1.0), entry(tuned_doc, 0.5, mask_mod=doc.digest),
+                                       entry(tuned_score, 0.2, score_mod=score.digest)]))
+    look = functools.partial(store.lookup, gpu, arch, 128, "bf16", False, 4096, "sm80", tmp_path)
+    assert look() == plain  # the faster modifier kernels never answer a plain call
+    assert look(mask_mod=doc.digest) == tuned_doc and look(score_mod=score.digest) == tuned_score
+    assert look(mask_mod=causal.digest) is None and look(score_mod=score.digest, mask_mod=doc.digest) is None
+    # the dense modifier call takes it (the same call with a window: serve_config's tiles)
+    monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
+    monkeypatch.setattr(resolve, "gpu", lambda device: (gpu, arch))
+    monkeypatch.setattr(ops, "arch_and_slots", lambda device: (arch, 132))
+    resolve.clear()
+    try:
+        assert ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, Mods(mask_mod=doc)) == tuned_doc
+        assert ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, Mods(mask_mod=causal)) == config_of("causal")
+        windowed = ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, Mods(mask_mod=doc, window=(64, 0)))
+        assert windowed.window and windowed.block_m == 128
+    finally:
+        resolve.clear()
