@@ -336,7 +336,8 @@ def modifier_notes(cfg: KernelConfig) -> list[str]:
                           "a score is kept where the expression is true,"))
             out.append("    b the batch, h the query head, q_idx and kv_idx from 0 in q and k.")
     for slot, c in enumerate(captured):
-        out.append(f"t{slot}: {c.arg} ({c.name!r} when traced), {c.dtype}, rank {c.rank}: the tensor it indexes.")
+        out.append(f"t{slot}: {c.arg} ({c.name!r} in the first function traced to this digest), {c.dtype}, rank "
+                   f"{c.rank}: the tensor it indexes.")
     if captured:
         out.append(f"Slots t{len(captured)}..t3: unused (null).")
     if cfg.block_map:
