@@ -15,8 +15,11 @@ kv_indices, both groups in one list).
 """
 from __future__ import annotations
 
+import collections
 import functools
 import math
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -70,6 +73,12 @@ class BlockMap:
         right = 0 if causal else right
         if left < 0 and right < 0:
             return self
+        held = self.__dict__.setdefault("_restricted", {})  # a cached map is restricted alike call after call
+        if (left, right) not in held:
+            held[left, right] = self._restrict(left, right)
+        return held[left, right]
+
+    def _restrict(self, left: int, right: int) -> "BlockMap":
         import torch  # noqa: PLC0415  (torch is optional; block maps are built from torch tensors)
         sq, sk = self.seq_lengths
         bm, bn = self.block
@@ -161,6 +170,41 @@ def from_mask(mask: Modifier, batch: int, heads: int, seqlen_q: int, seqlen_k: i
     return BlockMap(states, (block_m, block_n), (seqlen_q, seqlen_k))
 
 
+# Maps from_mask built lately, by (mask digest, call shape, tiles, device), each with its captured tensors (weak
+# references) and their version counters when it was built: a call with the same tensor objects, unchanged through
+# torch, reuses the map instead of evaluating the mask over every score again.
+CACHE_ENTRIES = 16
+_cache: "collections.OrderedDict[tuple, tuple[tuple, BlockMap]]" = collections.OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def cached_from_mask(mask: Modifier, batch: int, heads: int, seqlen_q: int, seqlen_k: int, block_m: int,
+                     block_n: int, device: Any = None) -> BlockMap:
+    """from_mask, reused while the mask's captured tensors are the same objects and torch has not written them since
+    (their version counters: an in-place op, a slice assignment, copy_). A write torch does not see (another
+    framework through DLPack, a raw CUDA kernel) needs clear_cache() before the next call."""
+    key = (mask.digest, batch, heads, seqlen_q, seqlen_k, block_m, block_n, str(device))
+    stamp = tuple((id(t), t._version) for t in mask.tensors)
+    with _cache_lock:
+        held = _cache.get(key)
+        if held is not None and held[0][0] == stamp and all(r() is t for r, t in zip(held[0][1], mask.tensors)):
+            _cache.move_to_end(key)
+            return held[1]
+    built = from_mask(mask, batch, heads, seqlen_q, seqlen_k, block_m, block_n, device)
+    with _cache_lock:
+        _cache[key] = ((stamp, tuple(weakref.ref(t) for t in mask.tensors)), built)
+        _cache.move_to_end(key)
+        while len(_cache) > CACHE_ENTRIES:
+            _cache.popitem(last=False)
+    return built
+
+
+def clear_cache() -> None:
+    """Forget every map cached_from_mask holds."""
+    with _cache_lock:
+        _cache.clear()
+
+
 def from_block_mask(block_mask: Any) -> BlockMap:
     """The block map of torch's BlockMask (torch.nn.attention.flex_attention) at its own BLOCK_SIZE: the blocks of
     kv_indices PARTIAL (its mask_mod decides per score), those of full_kv_indices FULL, the rest EMPTY."""
@@ -198,4 +242,5 @@ def check_call(block_map: BlockMap, batch: int, heads: int, seqlen_q: int, seqle
                          "(1 stands for all)")
 
 
-__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMap", "TileLists", "check_call", "from_block_mask", "from_mask"]
+__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMap", "TileLists", "cached_from_mask", "check_call", "clear_cache",
+           "from_block_mask", "from_mask"]

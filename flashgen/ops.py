@@ -330,11 +330,12 @@ def modifier_kernel(device: int, head_dim: int, dtype: str, causal: bool, seqlen
 def kernel_block_map(cfg: Any, mods: Mods, causal: bool, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
                      device: Any) -> blockmap.BlockMap:
     """The block map `cfg`'s kernel reads: the call's (a BlockMask's) brought to the kernel's tiles, or one built
-    from the mask_mod on the call's device (every call: a captured tensor's values may have changed), then without
-    the key tiles causal or the window leave out."""
+    from the mask_mod on the call's device (again where a captured tensor changed: blockmap.cached_from_mask), then
+    without the key tiles causal or the window leave out."""
     given = mods.block_map
     if given is None:
-        built = blockmap.from_mask(mods.mask_mod, batch, heads, seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, device)
+        built = blockmap.cached_from_mask(mods.mask_mod, batch, heads, seqlen_q, seqlen_k, cfg.block_m, cfg.block_n,
+                                          device)
     else:
         if mods.mask_mod is None and (given.block[0] % cfg.block_m or given.block[1] % cfg.block_n):
             raise ValueError(f"a BlockMask without a mask_mod needs BLOCK_SIZE a multiple of the kernel's tiles "

@@ -4,6 +4,7 @@ tiles; and the property the kernel relies on: the scores a map keeps (EMPTY tile
 mask_mod's) are exactly the mask's, under causal and window bounds too."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -240,3 +241,27 @@ def test_the_kernels_lists_keep_exactly_the_masks_scores(name):
         restricted = built.restrict(True, (-1, -1))
         assert torch.equal(kept_by_lists(restricted, 2, 4, keep) & bounds(211, 300, True, (-1, -1)),
                            keep & bounds(211, 300, True, (-1, -1)))
+
+
+def test_maps_are_reused_until_a_captured_tensor_changes():
+    blockmap.clear_cache()
+    doc = torch.zeros(2, 300, dtype=torch.int32)
+    doc[:, 150:] = 1
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[b, q_idx] == doc[b, kv_idx]
+
+    mod = trace_mask_mod(same_doc)
+    first = blockmap.cached_from_mask(mod, 2, 4, 300, 300, 64, 32)
+    assert blockmap.cached_from_mask(mod, 2, 4, 300, 300, 64, 32) is first
+    assert first.restrict(True, (-1, -1)) is first.restrict(True, (-1, -1))  # and its restriction with it
+    assert blockmap.cached_from_mask(mod, 2, 4, 300, 299, 64, 32) is not first  # another shape
+    doc[1, 100:] = 2  # in place, through torch: the map follows
+    again = blockmap.cached_from_mask(mod, 2, 4, 300, 300, 64, 32)
+    assert again is not first and not torch.equal(again.states, first.states)
+    keep = dense_mask(same_doc, 2, 4, 300, 300)
+    assert torch.equal(kept_by_map(again.states, (64, 32), keep), keep)
+    other = dataclasses.replace(mod, tensors=(doc.clone(),))  # another tensor object, same values and digest
+    assert other.digest == mod.digest and blockmap.cached_from_mask(other, 2, 4, 300, 300, 64, 32) is not again
+    blockmap.clear_cache()
+    assert blockmap.cached_from_mask(mod, 2, 4, 300, 300, 64, 32) is not again
