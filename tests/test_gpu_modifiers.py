@@ -289,3 +289,41 @@ def test_block_masks_against_flex_attention(dtype):
             diff = (ours.double() - theirs.double()).abs()[kept].max().item()
             bound = 2 * ((theirs.double() - ref).abs()[kept].max().item() + (ours.double() - ref).abs().max().item())
             assert diff <= bound + 1e-5, f"{sq}x{sk}: flashgen vs flex_attention {diff:.3g} > {bound:.3g}"
+
+
+def test_empty_tiles_are_skipped_even_where_the_mask_mod_keeps_scores():
+    """A BlockMask listing only the diagonal blocks of a causal mask_mod: the keys of the unlisted blocks, which the
+    mask_mod would keep, are not attended to (flex_attention's semantics): the kernel never visits those tiles."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    causal = examples("cuda")["causal"].mask_mod
+    for sq in (113, 1023):
+        nb = -(-sq // 128)
+        diagonal = torch.eye(nb, dtype=torch.bool, device="cuda").expand(2, 4, nb, nb)
+        num, idx = kv_blocks(diagonal)
+        bm = fa.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=128, mask_mod=causal, seq_lengths=(sq, sq))
+        q, k, v = qkv(2, sq, sq, 4, 2, 64, "fp16", seed=sq)
+
+        def banded(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx // 128 == kv_idx // 128)
+
+        poison_allocator(q)
+        out, lse = flashgen.attention(q, k, v, softmax_scale=0.125, block_mask=bm, return_lse=True)
+        ref, ref_lse = flex_reference(q, k, v, 0.125, None, banded)
+        pt, _ = flex_reference(q, k, v, 0.125, None, banded, dtype=q.dtype)
+        assert (out.double() - ref).abs().max().item() <= 2 * (pt.double() - ref).abs().max().item() + 1e-5
+        assert (lse.double() - ref_lse).abs().max().item() <= LSE_TOL
+
+
+def test_a_mask_mods_map_follows_its_tensors():
+    """The map built from a mask_mod is reused between calls and rebuilt when its captured tensor is written in
+    place: the second call sees the new documents."""
+    q, k, v = qkv(2, 700, 700, 4, 2, 64, "bf16")
+    doc = documents(2, 700, seed=3, mean=300)
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[b, q_idx] == doc[b, kv_idx]
+
+    check(q, k, v, 0.125, None, same_doc)
+    check(q, k, v, 0.125, None, same_doc)  # the cached map
+    doc.copy_(documents(2, 700, seed=4, mean=40))  # many more, shorter documents: tiles the old map kept go empty
+    check(q, k, v, 0.125, None, same_doc)
