@@ -298,7 +298,7 @@ def test_empty_tiles_are_skipped_even_where_the_mask_mod_keeps_scores():
     causal = examples("cuda")["causal"].mask_mod
     for sq in (113, 1023):
         nb = -(-sq // 128)
-        diagonal = torch.eye(nb, dtype=torch.bool, device="cuda").expand(2, 4, nb, nb)
+        diagonal = torch.eye(nb, dtype=torch.bool, device="cuda").expand(2, 4, nb, nb).contiguous()
         num, idx = kv_blocks(diagonal)
         bm = fa.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=128, mask_mod=causal, seq_lengths=(sq, sq))
         q, k, v = qkv(2, sq, sq, 4, 2, 64, "fp16", seed=sq)
