@@ -3,6 +3,8 @@ rules, names, rendering, and nvcc builds for sm_80 and sm_90a without spills."""
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -505,3 +507,99 @@ def test_store_lookups_keep_modifier_kernels_to_their_modifiers(tmp_path, monkey
         assert windowed.window and windowed.block_m == 128
     finally:
         resolve.clear()
+
+
+# -- the host path end to end, the kernel emulated: what flashgen.attention hands the launch ----------------------
+
+def emulated_launch(cfg, q, k, v, out, lse, *, cu_q, cu_k, max_seqlen_q, max_seqlen_k, num_splits, mods,
+                    softmax_scale):
+    """launch_prefill's kernel on the host in float64, reading what the kernel reads: the key tiles of the block
+    map's lists (templates/sm80/modifiers.cuh.j2, KeyTiles), the mask_mod on PARTIAL tiles only, then causal and
+    the window; without a block map every key and the mask_mod on each."""
+    batch, sq, heads, d = q.shape
+    sk, heads_k = k.shape[1], k.shape[2]
+    s = q.double().transpose(1, 2) @ k.double().repeat_interleave(heads // heads_k, 2).permute(0, 2, 3, 1)
+    s = s * softmax_scale
+    b, h = torch.arange(batch).view(-1, 1, 1, 1), torch.arange(heads).view(1, -1, 1, 1)
+    qi, ki = torch.arange(sq).view(1, 1, -1, 1), torch.arange(sk).view(1, 1, 1, -1)
+    mask = (mods.mask_mod.evaluate(b, h, qi, ki).expand(batch, heads, sq, sk) if mods.mask_mod is not None
+            else torch.ones(batch, heads, sq, sk, dtype=torch.bool))
+    keep = mask
+    if cfg.block_map:
+        assert mods.block_map.block == (cfg.block_m, cfg.block_n)
+        num, idx = (t.expand(batch, heads, -1, -1) for t in mods.block_map.tile_lists)
+        keep = torch.zeros_like(mask)
+        for bb, hh, m in itertools.product(range(batch), range(heads), range(num.shape[2])):
+            partial, full = (int(x) for x in num[bb, hh, m])
+            rows = slice(m * cfg.block_m, (m + 1) * cfg.block_m)
+            for j in range(partial + full):
+                keys = slice(int(idx[bb, hh, m, j]) * cfg.block_n, (int(idx[bb, hh, m, j]) + 1) * cfg.block_n)
+                keep[bb, hh, rows, keys] = True if j >= partial else mask[bb, hh, rows, keys]
+    left, right = mods.window
+    right = 0 if cfg.causal else right
+    if right >= 0:
+        keep = keep & (ki <= qi + sk - sq + right)
+    if left >= 0:
+        keep = keep & (ki >= qi + sk - sq - left)
+    out.copy_(softmax_out(s, keep, v, heads).to(out.dtype))
+
+
+def softmax_out(s, keep, v, heads):
+    s = s.masked_fill(~keep, -math.inf)
+    m = s.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0) if s.shape[-1] else s.new_zeros(*s.shape[:-1], 1)
+    p = torch.exp(s - m) * keep
+    l = p.sum(-1, keepdim=True)
+    o = (p @ v.double().repeat_interleave(heads // v.shape[2], 2).transpose(1, 2)) / l.clamp_min(1e-300)
+    return o.transpose(1, 2)
+
+
+def reference(q, k, v, keep):
+    """Attention in float64 over the scores `keep` (B, H, sq, sk) keeps (no key: O = 0)."""
+    s = q.double().transpose(1, 2) @ k.double().repeat_interleave(q.shape[2] // k.shape[2], 2).permute(0, 2, 3, 1)
+    return softmax_out(s * 0.125, keep, v, q.shape[2])
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    from flashgen import api, checks, ops
+
+    monkeypatch.setattr(ops, "launch_prefill", emulated_launch)
+    monkeypatch.setattr(ops, "arch_and_slots", lambda device: ("sm90", 132))
+    monkeypatch.setattr(ops, "tuned_modifier", lambda *a: None)
+    monkeypatch.setattr(api, "check_dense", lambda q, k, v, window, softcap, alibi, causal: checks.clamp_window(
+        checks.check_mods(window, softcap, alibi, causal, q.shape[0], q.shape[2], q.device), q.shape[1], k.shape[1]))
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 1), (113, 211), (300, 300)])
+def test_attention_hands_the_kernel_a_map_that_keeps_the_masks_scores(emulated, sq, sk):
+    import flashgen
+
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    g = torch.Generator().manual_seed(sq)
+    q, k, v = (torch.randn(2, n, hh, 64, generator=g).half() for n, hh in ((sq, 8), (sk, 2), (sk, 2)))
+    doc = (torch.rand(2, max(sq, sk), generator=g) < 0.02).cumsum(1).to(torch.int32)
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[b, q_idx] == doc[b, kv_idx]
+
+    b, h = torch.arange(2).view(-1, 1, 1, 1), torch.arange(8).view(1, -1, 1, 1)
+    qi, ki = torch.arange(sq).view(1, 1, -1, 1), torch.arange(sk).view(1, 1, 1, -1)
+    keep = same_doc(b, h, qi, ki).expand(2, 8, sq, sk)
+    causal = ki <= qi + sk - sq
+    blocks = torch.rand(2, 8, -(-sq // 128), -(-sk // 128), generator=g) < 0.5
+    sparse = blocks[b, h, qi // 128, ki // 128]
+    num = blocks.sum(-1).to(torch.int32)
+    idx = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    cases = [
+        (dict(mask_mod=same_doc), keep),
+        (dict(mask_mod=same_doc, causal=True), keep & causal),
+        (dict(mask_mod=same_doc, window_size=(40, 3)), keep & (ki >= qi + sk - sq - 40) & (ki <= qi + sk - sq + 3)),
+        (dict(block_mask=fa.create_block_mask(same_doc, 2, None, sq, sk, device="cpu", BLOCK_SIZE=(64, 256))), keep),
+        (dict(block_mask=fa.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=128, seq_lengths=(sq, sk))), sparse),
+        (dict(block_mask=fa.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=128, mask_mod=same_doc,
+                                                     seq_lengths=(sq, sk)), causal=True), sparse & keep & causal),
+    ]
+    for kwargs, kept in cases:
+        out = flashgen.attention(q, k, v, softmax_scale=0.125, **kwargs)
+        want = reference(q, k, v, kept)
+        assert (out.double() - want).abs().max().item() < 2e-3, sorted(kwargs)
