@@ -11,6 +11,7 @@ import numbers
 from typing import Any
 
 from . import driver, resolve
+from .blockmap import check_call, from_block_mask
 from .checks import (check_cache, check_dense, check_grad_scale, check_heads, check_int32, check_mods,
                      check_offsets, checked_dtype, clamp_window, dtype_name, refuse_grad, traced, wants_grad)
 from .kernels.bad_inputs import check_errors
@@ -18,7 +19,6 @@ from .kernels.dense import Kernel, checked, descale_dict, run_views
 from .kernels.serving import (NO_BACKWARD, KVPlan, append_kv, arch_and_slots, call_features, has_mods, kvcache_launch,
                               run_plan, serve_config, serve_grids, want_split)
 from .launch import STREAM_FOR_TORCH
-from .blockmap import check_call, from_block_mask
 from .modifiers import trace_cached
 from .resolve import STORE_CHECK_S, choose_config, current_arch, load, tuned_decode
 from .tensors import is_torch
@@ -83,8 +83,9 @@ def _attention_mods(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
 def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, return_lse: bool,
                     stream: Any, arch: str | None, fp8_args: bool, window_size: Any, softcap: float,
                     alibi_slopes: Any, score_mod: Any, mask_mod: Any, block_mask: Any = None) -> Any:
-    """`attention` with a score_mod or mask_mod: traced (flashgen.modifiers, reused while the function and what
-    it reads are the same) into the sm80 family's serving forward. Torch tensors, eager, forward only."""
+    """`attention` with a score_mod, mask_mod or BlockMask: traced (flashgen.modifiers, reused while the function
+    and what it reads are the same) into the sm80 family's serving forward, with a block map wherever there is a
+    mask (flashgen.blockmap). Torch tensors, eager, forward only."""
     if not is_torch(q):
         raise TypeError("score_mod and mask_mod take torch tensors")
     if stream is not None:
@@ -119,9 +120,8 @@ def _block_mask_mod(block_mask: Any, mask_mod: Any) -> Any:
     is flex_attention's noop_mask, which keeps every score), or `mask_mod` where the call gives one, which must then
     be the BlockMask's."""
     own = getattr(block_mask, "mask_mod", None)
-    if own is not None and getattr(own, "__name__", "") == "noop_mask" and str(getattr(own, "__module__", "")).startswith(
-            "torch"):
-        own = None
+    noop = getattr(own, "__name__", "") == "noop_mask" and str(getattr(own, "__module__", "")).startswith("torch")
+    own = None if noop else own
     if mask_mod is not None and own is not None and mask_mod is not own:
         raise ValueError("mask_mod differs from block_mask.mask_mod: give the BlockMask alone (its mask_mod is used "
                          "on its partial blocks), or a mask_mod alone (flashgen builds the block map from it)")
@@ -168,7 +168,8 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     key gives O = 0 and LSE = +inf. Torch tensors, eager, forward only (NotImplementedError with a gradient).
     block_mask: torch's BlockMask (torch.nn.attention.flex_attention.create_block_mask) for seqlen_q x seqlen_k:
     key tiles it leaves empty are skipped, full ones run without the mask_mod, partial ones with its mask_mod.
-    Without one, a mask_mod's block map is built at every call (flashgen.blockmap) with the same effect."""
+    Without one, flashgen builds a mask_mod's block map itself (flashgen.blockmap; kept while the tensors it reads
+    are unchanged) with the same effect."""
     _check_options(causal, softmax_scale)
     if score_mod is not None or mask_mod is not None or block_mask is not None:
         fp8_args = (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
