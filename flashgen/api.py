@@ -11,7 +11,7 @@ import numbers
 from typing import Any
 
 from . import driver, resolve
-from .blockmap import check_call, from_block_mask
+from .blockmap import cached_from_block_mask, check_call
 from .checks import (check_cache, check_dense, check_grad_scale, check_heads, check_int32, check_mods,
                      check_offsets, checked_dtype, clamp_window, dtype_name, refuse_grad, traced, wants_grad)
 from .kernels.bad_inputs import check_errors
@@ -104,7 +104,7 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
     block_map = None
     if block_mask is not None:
         mask_mod = _block_mask_mod(block_mask, mask_mod)
-        block_map = from_block_mask(block_mask)
+        block_map = cached_from_block_mask(block_mask)
         check_call(block_map, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     score = trace_cached(score_mod, "score") if score_mod is not None else None
     mask = trace_cached(mask_mod, "mask") if mask_mod is not None else None

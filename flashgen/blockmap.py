@@ -56,7 +56,21 @@ class BlockMap:
         where every one is full, PARTIAL otherwise."""
         if (block_m, block_n) == self.block:
             return self
-        import torch  # noqa: PLC0415  (torch is optional; block maps are built from torch tensors)
+        held = self.__dict__.setdefault("_retiled", {})  # a reused map is retiled once
+        if (block_m, block_n) not in held:
+            held[block_m, block_n] = self._retile(block_m, block_n)
+        return held[block_m, block_n]
+
+    def to(self, device: Any) -> "BlockMap":
+        """This map on `device` (itself where it is there already)."""
+        if str(self.states.device) == str(device):
+            return self
+        held = self.__dict__.setdefault("_moved", {})
+        if str(device) not in held:
+            held[str(device)] = BlockMap(self.states.to(device), self.block, self.seq_lengths)
+        return held[str(device)]
+
+    def _retile(self, block_m: int, block_n: int) -> "BlockMap":
         sq, sk = self.seq_lengths
         # The cells of a grid both tilings are unions of; a cell is inside a sequence where its first index is.
         gq, gk = math.gcd(self.block[0], block_m), math.gcd(self.block[1], block_n)
@@ -200,9 +214,34 @@ def cached_from_mask(mask: Modifier, batch: int, heads: int, seqlen_q: int, seql
 
 
 def clear_cache() -> None:
-    """Forget every map cached_from_mask holds."""
+    """Forget every map cached_from_mask and cached_from_block_mask hold."""
     with _cache_lock:
         _cache.clear()
+        _mask_cache.clear()
+
+
+_mask_cache: "collections.OrderedDict[int, tuple[Any, tuple, BlockMap]]" = collections.OrderedDict()
+
+
+def cached_from_block_mask(block_mask: Any) -> BlockMap:
+    """from_block_mask, reused while it is the same BlockMask object and torch has not written its tensors since
+    (their version counters): a BlockMask made once and passed to every layer is converted once, and the map's
+    retiled, moved and restricted forms and its lists are kept with it."""
+    tensors = [getattr(block_mask, n) for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")]
+    stamp = (tuple(block_mask.seq_lengths), str(block_mask.BLOCK_SIZE),
+             tuple(None if t is None else (id(t), t._version) for t in tensors))
+    with _cache_lock:
+        held = _mask_cache.get(id(block_mask))
+        if held is not None and held[0]() is block_mask and held[1] == stamp:
+            _mask_cache.move_to_end(id(block_mask))
+            return held[2]
+    built = from_block_mask(block_mask)
+    with _cache_lock:
+        _mask_cache[id(block_mask)] = (weakref.ref(block_mask), stamp, built)
+        _mask_cache.move_to_end(id(block_mask))
+        while len(_mask_cache) > CACHE_ENTRIES:
+            _mask_cache.popitem(last=False)
+    return built
 
 
 def from_block_mask(block_mask: Any) -> BlockMap:
@@ -242,5 +281,6 @@ def check_call(block_map: BlockMap, batch: int, heads: int, seqlen_q: int, seqle
                          "(1 stands for all)")
 
 
-__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMap", "TileLists", "cached_from_mask", "check_call", "clear_cache",
+__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMap", "TileLists", "cached_from_block_mask", "cached_from_mask",
+           "check_call", "clear_cache",
            "from_block_mask", "from_mask"]

@@ -341,8 +341,7 @@ def kernel_block_map(cfg: Any, mods: Mods, causal: bool, batch: int, heads: int,
             raise ValueError(f"a BlockMask without a mask_mod needs BLOCK_SIZE a multiple of the kernel's tiles "
                              f"({cfg.block_m}, {cfg.block_n}), not {given.block}: a tile covering blocks of different "
                              "states would evaluate the mask_mod, and there is none")
-        built = blockmap.BlockMap(given.states.to(device), given.block, given.seq_lengths).retile(cfg.block_m,
-                                                                                                   cfg.block_n)
+        built = given.to(device).retile(cfg.block_m, cfg.block_n)
     return built.restrict(causal, mods.window)
 
 

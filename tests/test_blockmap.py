@@ -265,3 +265,19 @@ def test_maps_are_reused_until_a_captured_tensor_changes():
     assert other.digest == mod.digest and blockmap.cached_from_mask(other, 2, 4, 300, 300, 64, 32) is not again
     blockmap.clear_cache()
     assert blockmap.cached_from_mask(mod, 2, 4, 300, 300, 64, 32) is not again
+
+
+def test_block_masks_are_converted_once_per_object_and_version():
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    blockmap.clear_cache()
+    bm = fa.create_block_mask(masks(2, 4)["document"], 2, None, 300, 300, device="cpu")
+    first = blockmap.cached_from_block_mask(bm)
+    assert blockmap.cached_from_block_mask(bm) is first
+    assert first.retile(128, 32) is first.retile(128, 32) and first.to("cpu") is first
+    assert first.retile(128, 32).restrict(True, (-1, -1)).tile_lists is first.retile(128, 32).restrict(
+        True, (-1, -1)).tile_lists
+    bm.kv_num_blocks.zero_()  # written in place: converted again
+    again = blockmap.cached_from_block_mask(bm)
+    assert again is not first and torch.equal(again.states, from_block_mask(bm).states)
+    other = fa.create_block_mask(masks(2, 4)["document"], 2, None, 300, 300, device="cpu")
+    assert blockmap.cached_from_block_mask(other) is not again
