@@ -148,6 +148,13 @@ class KernelConfig(_AsDict):
     window: bool = False  # sliding window
     softcap: bool = False  # scores = softcap * tanh(scores / softcap)
     alibi: bool = False  # scores -= slope * |i + seqlen_k - seqlen_q - j|
+    # Programmable attention (sm80 family, serving kernels): the digests of a traced score_mod and mask_mod
+    # (flashgen.modifiers; "" = none). The render finds their CUDA text by digest.
+    score_mod: str = ""
+    mask_mod: str = ""
+    # The key tiles each row block visits come from a block map (flashgen.blockmap): empty tiles are never loaded,
+    # full ones skip the mask_mod. Dense serving kernels without split or pack_gqa.
+    block_map: bool = False
     # FP8 (dtype fp8_e4m3, sm90 family): the output's dtype ("" = bf16), and P quantized with a
     # scale per row and key tile (its own max) instead of the running max's.
     out_dtype: str = ""
@@ -274,6 +281,19 @@ class KernelConfig(_AsDict):
                                   "persistent)")
         if self.paged and not self.varlen:
             raise ConfigError("paged=True needs varlen=True (a paged cache has per-sequence lengths)")
+        for kind in ("score_mod", "mask_mod"):
+            digest = getattr(self, kind)
+            if not isinstance(digest, str) or (digest and not all(c in "0123456789abcdef" for c in digest)):
+                raise ConfigError(f"{kind} must be a modifier's digest (lowercase hex) or empty, not {digest!r}")
+        _check_choice("block_map", self.block_map, (False, True))
+        if self.modified and self.family != "sm80":
+            raise ConfigError(f"score_mod, mask_mod and block maps are built in family sm80's serving kernels, not "
+                              f"{self.family}")
+        if self.block_map and (self.varlen or self.split or self.pack_gqa):
+            raise ConfigError("a block map is built in the dense serving kernel (one row block of one head per CTA, all "
+                              "its keys): not with varlen, split or pack_gqa")
+        if self.score_mod and (self.softcap or self.alibi):
+            raise ConfigError("a score_mod does not combine with softcap or alibi (write them into the score_mod)")
         if self.pack_gqa and self.alibi:
             raise ConfigError("pack_gqa and alibi do not combine (ALiBi slopes differ between the packed heads)")
         if self.family != "sm90" and (self.overlap or self.pingpong or self.persistent):
@@ -315,7 +335,16 @@ class KernelConfig(_AsDict):
             name += "_cl" if self.cluster else ""
             name += "_hl" if self.lpt_by_head else ""
             name += f"_ef{self.exp2_fma}" if self.exp2_fma else ""
-        return name + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
+        name += "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
+        name += f"_sm{self.score_mod[:8]}" if self.score_mod else ""
+        name += f"_mm{self.mask_mod[:8]}" if self.mask_mod else ""
+        return name + ("_bmap" if self.block_map else "")
+
+    @property
+    def modified(self) -> bool:
+        """Generated with a score_mod, a mask_mod (flashgen.modifiers) or a block map (flashgen.blockmap): takes
+        ServeModParams."""
+        return bool(self.score_mod or self.mask_mod or self.block_map)
 
     @property
     def fp8(self) -> bool:
@@ -344,7 +373,7 @@ class KernelConfig(_AsDict):
     def serving(self) -> bool:
         """Takes ServeParams (templates/common/serve_params.cuh.j2) rather than FwdParams. In family sm90
         pack_gqa is a knob of the dense forward (Sm90FwdParams), not a serving feature."""
-        return any(getattr(self, f) for f in FEATURES if not (f == "pack_gqa" and self.family == "sm90"))
+        return self.modified or any(getattr(self, f) for f in FEATURES if not (f == "pack_gqa" and self.family == "sm90"))
 
     @property
     def kernel_names(self) -> dict[str, str]:
