@@ -229,6 +229,21 @@ SERVE = Block("ServeParams", "FLASHGEN_SERVE_PARAMS", (
     _SINKS,
 ))
 
+MOD_TENSOR = Block("ModTensor", "FLASHGEN_MOD_TENSOR", (
+    "A tensor a score_mod or mask_mod reads (flashgen/modifiers.py): its data and strides in",
+    "elements (a dimension past the tensor's rank: 0)."), (
+    Line("const void*", ("ptr",)), Line("int64_t", ("s0", "s1", "s2", "s3")),
+))
+
+SERVE_MOD = Block("ServeModParams", "FLASHGEN_SERVE_MOD_PARAMS", (
+    "Runtime arguments of a serving forward kernel generated with a score_mod, mask_mod or block map: ServeParams,",
+    "then the tensors the modifiers read, score_mod's first, in the order they were captured (unused: null),",
+    "then a kernel with a block map's lists (flashgen/blockmap.py; without one: null)."), (
+    Line("ServeParams", ("s",)), Line("ModTensor", ("t0", "t1", "t2", "t3")),
+    Line("ModTensor", ("map_num",), "int32 (batch, heads, m-blocks, 2): partial and full key tiles of a row block"),
+    Line("ModTensor", ("map_idx",), "int32 (batch, heads, m-blocks, key tiles): their indices, partial first"),
+))
+
 # The index inputs the serving kernels check, by code (1-based; 0 in the error word: no error).
 SERVE_INPUTS = ("block_table", "cache_seqlens", "cu_seqlens_q", "cu_seqlens_k")
 
@@ -314,8 +329,9 @@ SM90_BWD = Block("Sm90BwdParams", "FLASHGEN_SM90_BWD_PARAMS", (
          "the grids: tiles of the longest sequence x heads x num_seqs"),
 ))
 
-BLOCKS: dict[str, Block] = {b.name: b for b in (FWD, SERVE, BWD, BWD_SERVE, SM90_FWD, SM90_SERVE_FWD, FP8_DESCALE,
-                                                 SM90_FP8_FWD, SM90_BWD)}
+BLOCKS: dict[str, Block] = {b.name: b for b in (FWD, SERVE, MOD_TENSOR, SERVE_MOD, BWD, BWD_SERVE, SM90_FWD,
+                                                 SM90_SERVE_FWD, FP8_DESCALE, SM90_FP8_FWD, SM90_BWD)}
 
-__all__ = ["BLOCKS", "BWD", "BWD_SERVE", "Block", "FP8_DESCALE", "FWD", "Field", "Line", "SERVE", "SERVE_INPUTS",
+__all__ = ["BLOCKS", "BWD", "BWD_SERVE", "Block", "FP8_DESCALE", "FWD", "Field", "Line", "MOD_TENSOR", "SERVE",
+           "SERVE_INPUTS", "SERVE_MOD",
            "SM90_BWD", "SM90_FP8_FWD", "SM90_FWD", "SM90_SERVE_FWD"]

@@ -11,6 +11,7 @@ import numbers
 from typing import Any
 
 from . import driver, resolve
+from .blockmap import cached_from_block_mask, check_call
 from .checks import (check_cache, check_dense, check_grad_scale, check_heads, check_int32, check_mods,
                      check_offsets, check_sinks, checked_dtype, clamp_window, dtype_name, refuse_grad, traced,
                      wants_grad)
@@ -19,6 +20,7 @@ from .kernels.dense import Kernel, checked, descale_dict, run_views
 from .kernels.serving import (NO_BACKWARD, KVPlan, append_kv, arch_and_slots, call_features, has_mods, kvcache_launch,
                               run_plan, serve_config, serve_grids, want_split)
 from .launch import STREAM_FOR_TORCH
+from .modifiers import trace_cached
 from .resolve import STORE_CHECK_S, choose_config, current_arch, load, tuned_decode
 from .tensors import is_torch
 
@@ -79,11 +81,60 @@ def _attention_mods(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
     return (out, lse) if return_lse else out
 
 
+def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, return_lse: bool,
+                    stream: Any, arch: str | None, fp8_args: bool, window_size: Any, softcap: float,
+                    alibi_slopes: Any, score_mod: Any, mask_mod: Any, block_mask: Any = None) -> Any:
+    """`attention` with a score_mod, mask_mod or BlockMask: traced (flashgen.modifiers, reused while the function
+    and what it reads are the same) into the sm80 family's serving forward, with a block map wherever there is a
+    mask (flashgen.blockmap). Torch tensors, eager, forward only."""
+    if not is_torch(q):
+        raise TypeError("score_mod and mask_mod take torch tensors")
+    if stream is not None:
+        raise TypeError(STREAM_FOR_TORCH)
+    if fp8_args or str(q.dtype) == "torch.float8_e4m3fn":
+        raise ValueError("score_mod and mask_mod are not built for FP8 inputs")
+    if arch not in (None, "sm80"):
+        raise ValueError(f"score_mod and mask_mod are built in family sm80 (it runs on Hopper too), not arch={arch!r}")
+    if wants_grad(q, k, v):
+        raise NotImplementedError("score_mod and mask_mod have no backward yet: call under torch.no_grad() or with "
+                                  "q, k, v that do not require grad")
+    if traced(q):
+        raise NotImplementedError("score_mod and mask_mod run eagerly only (no torch operator takes a Python "
+                                  "modifier yet): not under torch.compile, nor with fake or meta tensors")
+    mods = check_dense(q, k, v, window_size, softcap, alibi_slopes, causal)
+    block_map = None
+    if block_mask is not None:
+        mask_mod = _block_mask_mod(block_mask, mask_mod)
+        block_map = cached_from_block_mask(block_mask)
+        check_call(block_map, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    score = trace_cached(score_mod, "score") if score_mod is not None else None
+    mask = trace_cached(mask_mod, "mask") if mask_mod is not None else None
+    if score is not None and (mods.softcap or mods.alibi is not None):
+        raise ValueError("a score_mod does not combine with softcap or alibi_slopes: write them into the score_mod")
+    out, lse = _ops().dense_mods_forward(q, k, v, causal, softmax_scale,
+                                         mods._replace(score_mod=score, mask_mod=mask, block_map=block_map), return_lse)
+    return (out, lse) if return_lse else out
+
+
+def _block_mask_mod(block_mask: Any, mask_mod: Any) -> Any:
+    """The mask_mod a call with torch's BlockMask evaluates on its partial tiles: the BlockMask's own (None where it
+    is flex_attention's noop_mask, which keeps every score), or `mask_mod` where the call gives one, which must then
+    be the BlockMask's."""
+    own = getattr(block_mask, "mask_mod", None)
+    noop = getattr(own, "__name__", "") == "noop_mask" and str(getattr(own, "__module__", "")).startswith("torch")
+    own = None if noop else own
+    if mask_mod is not None and own is not None and mask_mod is not own:
+        raise ValueError("mask_mod differs from block_mask.mask_mod: give the BlockMask alone (its mask_mod is used "
+                         "on its partial blocks), or a mask_mod alone (flashgen builds the block map from it)")
+    return mask_mod if mask_mod is not None else own
+
+
 def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float | None = None,
               return_lse: bool = False, stream: Any = None, arch: str | None = None, *, q_descale: Any = None,
               k_descale: Any = None, v_descale: Any = None, out_dtype: str | None = None,
               block_quant_p: bool = False, deterministic: bool = False, window_size: tuple[int, int] = (-1, -1),
-              softcap: float = 0.0, alibi_slopes: Any = None, learnable_sink: Any = None) -> Any:
+              softcap: float = 0.0, alibi_slopes: Any = None, score_mod: Any = None, mask_mod: Any = None,
+              block_mask: Any = None, learnable_sink: Any = None) -> Any:
     """FlashAttention forward with flash_attn's conventions.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim) with
@@ -111,9 +162,29 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     FP8 (Hopper): q, k, v in torch.float8_e4m3fn with fp32 descale factors q_descale, k_descale,
     v_descale of shape (1,) or (batch, heads_k) (None: 1; `flashgen.fp8.quantize` makes them);
     out in bf16, or out_dtype="fp16"; block_quant_p quantizes P with a scale per key tile.
-    Forward only; through the `flashgen::attention_fp8` operator when traced (torch.compile)."""
+    Forward only; through the `flashgen::attention_fp8` operator when traced (torch.compile).
+
+    Programmable attention (torch.nn.attention.flex_attention's signatures): score_mod(score, b, h, q_idx,
+    kv_idx) returns the score to use (score = q.k * softmax_scale, before the softmax; h the query head),
+    mask_mod(b, h, q_idx, kv_idx) returns true where a key is kept. Each is traced once into a CUDA expression
+    (flashgen.modifiers; tensors it indexes are read by the kernel) and compiled into an sm80-family kernel of
+    its own. q_idx and kv_idx count from 0 in q and in k (no bottom-right alignment, unlike causal). They combine
+    with causal, window_size and (mask_mod) softcap and ALiBi, whose masks apply after them. A row that keeps no
+    key gives O = 0 and LSE = +inf. Torch tensors, eager, forward only (NotImplementedError with a gradient).
+    block_mask: torch's BlockMask (torch.nn.attention.flex_attention.create_block_mask) for seqlen_q x seqlen_k:
+    key tiles it leaves empty are skipped, full ones run without the mask_mod, partial ones with its mask_mod.
+    Without one, flashgen builds a mask_mod's block map itself (flashgen.blockmap; kept while the tensors it reads
+    are unchanged) with the same effect."""
     _check_options(causal, softmax_scale)
     sinks = learnable_sink
+    if score_mod is not None or mask_mod is not None or block_mask is not None:
+        if sinks is not None:
+            raise ValueError("learnable_sink does not combine with score_mod, mask_mod or block_mask (the modifier "
+                             "kernels have no sinks)")
+        fp8_args = (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
+                    or block_quant_p)
+        return _attention_flex(q, k, v, causal, softmax_scale, return_lse, stream, arch, fp8_args, window_size,
+                               softcap, alibi_slopes, score_mod, mask_mod, block_mask)
     if (arch is None and stream is None and out_dtype is None and q_descale is None and k_descale is None
             and v_descale is None and not block_quant_p and alibi_slopes is None and not softcap
             and window_size == (-1, -1) and is_torch(q) and _decode_shaped(q, k, v, sinks)):  # first: a decode step

@@ -12,12 +12,17 @@ from .tensors import TORCH_DTYPES, Problem, View, aligned, view
 
 
 class Mods(NamedTuple):
-    """Score modifiers of one call: window (-1: unbounded), softcap (0: off), ALiBi slopes (None: off), attention
-    sinks (None: off; the caller's (heads,) tensor, fp32 or q's dtype)."""
+    """Score modifiers of one call: window (-1: unbounded), softcap (0: off), ALiBi slopes (None: off), and a traced
+    score_mod and mask_mod (flashgen.modifiers.Modifier with its live tensors; None: off), and a block map
+    (flashgen.blockmap.BlockMap at any tile size; None: none given), attention sinks (None: off; the caller's
+    (heads,) tensor, fp32 or q's dtype)."""
 
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     alibi: Any = None
+    score_mod: Any = None
+    mask_mod: Any = None
+    block_map: Any = None
     sinks: Any = None
 
 

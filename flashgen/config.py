@@ -154,6 +154,13 @@ class KernelConfig(_AsDict):
     # Attention sinks (gpt-oss): a learnable logit per head joins every row's softmax denominator as a key whose
     # value is zero; folded in once at the row's end (split-KV: in the combine), the key loop is the same.
     sinks: bool = False
+    # Programmable attention (sm80 family, serving kernels): the digests of a traced score_mod and mask_mod
+    # (flashgen.modifiers; "" = none). The render finds their CUDA text by digest.
+    score_mod: str = ""
+    mask_mod: str = ""
+    # The key tiles each row block visits come from a block map (flashgen.blockmap): empty tiles are never loaded,
+    # full ones skip the mask_mod. Dense serving kernels without split or pack_gqa.
+    block_map: bool = False
     # FP8 (dtype fp8_e4m3, sm90 family): the output's dtype ("" = bf16), and P quantized with a
     # scale per row and key tile (its own max) instead of the running max's.
     out_dtype: str = ""
@@ -280,6 +287,19 @@ class KernelConfig(_AsDict):
                                   "persistent)")
         if self.paged and not self.varlen:
             raise ConfigError("paged=True needs varlen=True (a paged cache has per-sequence lengths)")
+        for kind in ("score_mod", "mask_mod"):
+            digest = getattr(self, kind)
+            if not isinstance(digest, str) or (digest and not all(c in "0123456789abcdef" for c in digest)):
+                raise ConfigError(f"{kind} must be a modifier's digest (lowercase hex) or empty, not {digest!r}")
+        _check_choice("block_map", self.block_map, (False, True))
+        if self.modified and self.family != "sm80":
+            raise ConfigError(f"score_mod, mask_mod and block maps are built in family sm80's serving kernels, not "
+                              f"{self.family}")
+        if self.block_map and (self.varlen or self.split or self.pack_gqa):
+            raise ConfigError("a block map is built in the dense serving kernel (one row block of one head per CTA, all "
+                              "its keys): not with varlen, split or pack_gqa")
+        if self.score_mod and (self.softcap or self.alibi):
+            raise ConfigError("a score_mod does not combine with softcap or alibi (write them into the score_mod)")
         if self.pack_gqa and self.alibi:
             raise ConfigError("pack_gqa and alibi do not combine (ALiBi slopes differ between the packed heads)")
         if self.family != "sm90" and (self.overlap or self.pingpong or self.persistent):
@@ -321,7 +341,16 @@ class KernelConfig(_AsDict):
             name += "_cl" if self.cluster else ""
             name += "_hl" if self.lpt_by_head else ""
             name += f"_ef{self.exp2_fma}" if self.exp2_fma else ""
-        return name + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
+        name += "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
+        name += f"_sm{self.score_mod[:8]}" if self.score_mod else ""
+        name += f"_mm{self.mask_mod[:8]}" if self.mask_mod else ""
+        return name + ("_bmap" if self.block_map else "")
+
+    @property
+    def modified(self) -> bool:
+        """Generated with a score_mod, a mask_mod (flashgen.modifiers) or a block map (flashgen.blockmap): takes
+        ServeModParams."""
+        return bool(self.score_mod or self.mask_mod or self.block_map)
 
     @property
     def fp8(self) -> bool:
@@ -350,7 +379,7 @@ class KernelConfig(_AsDict):
     def serving(self) -> bool:
         """Takes ServeParams (templates/common/serve_params.cuh.j2) rather than FwdParams. In family sm90
         pack_gqa is a knob of the dense forward (Sm90FwdParams), not a serving feature."""
-        return any(getattr(self, f) for f in FEATURES if not (f == "pack_gqa" and self.family == "sm90"))
+        return self.modified or any(getattr(self, f) for f in FEATURES if not (f == "pack_gqa" and self.family == "sm90"))
 
     @property
     def kernel_names(self) -> dict[str, str]:
@@ -634,12 +663,17 @@ class BwdConfig(_AsDict):
     window: bool = False  # sliding window
     softcap: bool = False  # scores = softcap * tanh(scores / softcap): dS gains the factor 1 - tanh^2
     alibi: bool = False  # scores -= slope * |i + seqlen_k - seqlen_q - j|
+    # sm90: each consumer warpgroup writes its fp32 part of a Q tile's dQ to a shared-memory buffer of its own and a
+    # warp of the producer warpgroup adds it to dq_accum by one TMA bulk reduce-add (FlashAttention-3's dQ), instead
+    # of the consumers' per-thread vector atomics. Takes BLOCK_M x head_dim fp32 of shared memory (dq_tile_bytes).
+    dq_tma: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
         _check_choice("dtype", self.dtype, HALF_DTYPES)
         _check_choice("causal", self.causal, (False, True))
         _check_choice("deterministic", self.deterministic, (False, True))
+        _check_choice("dq_tma", self.dq_tma, (False, True))
         for f in BWD_FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
         if self.family == "sm90" and (self.softcap or self.alibi):
@@ -650,6 +684,7 @@ class BwdConfig(_AsDict):
             return
         _check_choice("num_stages", self.num_stages, (2,))
         _check_choice("stagger", self.stagger, (False,))
+        _check_choice("dq_tma", self.dq_tma, (False,))
         _check_choice("head_dim", self.head_dim, HEAD_DIMS)
         _check_choice("block_m", self.block_m, BWD_BLOCK_MS)
         _check_choice("block_n", self.block_n, BWD_BLOCK_NS)
@@ -680,6 +715,11 @@ class BwdConfig(_AsDict):
             raise ConfigError(
                 f"block_m={self.block_m} with block_n={self.block_n} cannot split dQ = dS K over {self.consumers} "
                 "consumer warpgroup(s): each takes 64 rows of block_m, or 64-column slices of head_dim")
+        limit = ARCHS["sm90"].smem_per_block
+        if self.dq_tma and self.smem_bytes > limit:
+            raise ConfigError(f"dq_tma=True needs {self.dq_tile_bytes} more bytes of shared memory (the [{self.block_m}, "
+                              f"{self.head_dim}] fp32 dQ tile): {self.smem_bytes} B > {limit} B per block at "
+                              f"block_m={self.block_m}, block_n={self.block_n}, num_stages={self.num_stages}")
 
     @property
     def kv_split(self) -> int:
@@ -714,6 +754,7 @@ class BwdConfig(_AsDict):
         name = (f"bwd_{self.family}_d{self.head_dim}_{self.dtype}_{mask}_bm{self.block_m}_bn{self.block_n}"
                 f"_w{self.num_warps}")
         name += f"_s{self.num_stages}_st{int(self.stagger)}" if self.family == "sm90" else f"_det{int(self.deterministic)}"
+        name += "_dqt" if self.dq_tma else ""
         return name + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
 
     @property
@@ -745,15 +786,22 @@ class BwdConfig(_AsDict):
     def smem_bytes(self) -> int:
         """Dynamic shared memory of the main kernel (the _dq kernel needs less and gets the same):
         K, V [block_n, d]; Q, dO [block_m, d]; P, dS [block_m, block_n]; LSE and D [block_m] fp32.
-        sm90: K, V; num_stages of (Q, dO, LSE, D); two dS^T buffers (kv_split: and two P^T buffers); barriers
-        (K/V, two per stage, two per dS^T and P^T buffer); 1024 bytes of alignment."""
+        sm90: K, V; num_stages of (Q, dO, LSE, D); two dS^T buffers (kv_split: and two P^T buffers); dq_tma: the
+        fp32 dQ tile; barriers (K/V, two per stage, two per dS^T and P^T buffer, dq_tma: two per consumer
+        warpgroup's part of the dQ tile); 1024 bytes of alignment."""
         if self.family == "sm90":
             kv = 2 * self.block_n * self.head_dim * ELEM_BYTES
             stage = 2 * self.block_m * self.head_dim * ELEM_BYTES + 2 * self.block_m * 4
             ds = 2 * self.block_m * self.block_n * ELEM_BYTES * (2 if self.kv_split > 1 else 1)  # (+ P^T buffers)
-            return 1024 + kv + self.num_stages * stage + ds + 8 * (1 + 2 * self.num_stages + (8 if self.kv_split > 1 else 4))
+            bars = 1 + 2 * self.num_stages + (8 if self.kv_split > 1 else 4) + (2 * self.consumers if self.dq_tma else 0)
+            return 1024 + kv + self.num_stages * stage + ds + (self.dq_tile_bytes if self.dq_tma else 0) + 8 * bars
         elems = 2 * self.block_n * self.head_dim + 2 * self.block_m * self.head_dim + 2 * self.block_m * self.block_n
         return elems * ELEM_BYTES + 2 * self.block_m * 4
+
+    @property
+    def dq_tile_bytes(self) -> int:
+        """sm90 dq_tma: the shared-memory dQ tile, [block_m, head_dim] fp32."""
+        return self.block_m * self.head_dim * 4
 
     @property
     def accum_regs(self) -> int:
@@ -824,14 +872,15 @@ def bwd_space(head_dim: int, dtype: str, causal: bool, deterministic: bool = Fal
               family: str = "sm80") -> list[BwdConfig]:
     """Every valid backward configuration of one family for one problem (arch fit not checked: see unfit_reason)."""
     if family == "sm90":
-        grid = [(bm, bn, 4 * (1 + bn // 64 * sm90_bwd_kv_split(head_dim)), s, st) for bm in SM90_BWD_BLOCK_MS for bn in SM90_BWD_BLOCK_NS
-                for s in SM90_BWD_STAGES for st in (False, True)]
+        # dq_tma outermost: the configurations without it keep their order, those with it follow
+        grid = [(bm, bn, 4 * (1 + bn // 64 * sm90_bwd_kv_split(head_dim)), s, st, dqt) for dqt in (False, True)
+                for bm in SM90_BWD_BLOCK_MS for bn in SM90_BWD_BLOCK_NS for s in SM90_BWD_STAGES for st in (False, True)]
     else:
-        grid = [(bm, bn, w, 2, False) for bm in BWD_BLOCK_MS for bn in BWD_BLOCK_NS for w in BWD_NUM_WARPS]
+        grid = [(bm, bn, w, 2, False, False) for bm in BWD_BLOCK_MS for bn in BWD_BLOCK_NS for w in BWD_NUM_WARPS]
     out = []
-    for bm, bn, w, s, st in grid:
+    for bm, bn, w, s, st, dqt in grid:
         try:
-            out.append(BwdConfig(head_dim, dtype, causal, bm, bn, w, deterministic, family, s, st))
+            out.append(BwdConfig(head_dim, dtype, causal, bm, bn, w, deterministic, family, s, st, dq_tma=dqt))
         except ConfigError:
             continue
     return out

@@ -15,11 +15,13 @@ from typing import Any, Optional
 
 import torch
 
+from . import blockmap
 from .checks import Mods, check_grad_scale, check_shapes, dtype_name, refuse_grad
 from .kernels.backward import ServeArgs, backward
 from .kernels.dense import checked, descale_dict, launch_torch, signature
-from .kernels.serving import arch_and_slots, call_features, launch_prefill, serve_config, serve_grids, want_split
-from .resolve import backward_kernel, load, prefill_config, resolver, serve_backward_kernel
+from .kernels.serving import (arch_and_slots, call_features, launch_prefill, modifier_config, serve_config, serve_grids,
+                              want_split)
+from .resolve import backward_kernel, load, prefill_config, resolver, serve_backward_kernel, tuned_modifier
 
 _HALF = {torch.float16: "fp16", torch.bfloat16: "bf16"}  # the dtypes with a backward
 
@@ -155,7 +157,7 @@ def attention_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
     """(out, lse) of a packed batch (flashgen.attention_varlen, arguments checked there): out (total_q, heads,
     head_dim) like q, lse (heads, total_q) fp32."""
     return varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                          Mods((window_left, window_right), softcap, alibi_slopes, sinks))
+                          Mods((window_left, window_right), softcap, alibi_slopes, sinks=sinks))
 
 
 @attention_varlen_op.register_fake
@@ -173,7 +175,7 @@ def attention_mods_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     """(out, lse) of dense q, k, v with score modifiers (flashgen.attention with window_size, softcap,
     alibi_slopes or sinks, checked there): out like q, lse (batch, heads, seqlen_q) fp32."""
     return dense_mods_forward(q, k, v, causal, softmax_scale,
-                              Mods((window_left, window_right), softcap, alibi_slopes, sinks))
+                              Mods((window_left, window_right), softcap, alibi_slopes, sinks=sinks))
 
 
 @attention_mods_op.register_fake
@@ -313,7 +315,8 @@ def varlen_forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
 def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, mods: Mods,
                        want_lse: bool = True) -> tuple[Any, Any]:
     """(out, lse or None) of dense (batch, seqlen, heads, head_dim) q, k, v with score modifiers (window,
-    softcap, ALiBi): the serving kernel without varlen; `flashgen.attention`'s body for such calls."""
+    softcap, ALiBi, a traced score_mod or mask_mod): the serving kernel without varlen; `flashgen.attention`'s
+    body for such calls."""
     batch, seqlen_q, heads, d = q.shape
     seqlen_k = k.shape[1]
     dtype = dtype_name(q, "q")
@@ -321,13 +324,48 @@ def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: floa
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device) if want_lse else None
     if batch * seqlen_q * heads == 0:
         return out, lse
-    cfg = prefill_config(q.get_device(), d, dtype, causal, seqlen_q, seqlen_k, call_features(mods, causal),
-                         mods.window[0])
+    if mods.score_mod is not None or mods.mask_mod is not None or mods.block_map is not None:
+        cfg = modifier_kernel(q.get_device(), d, dtype, causal, seqlen_q, heads // k.shape[2], mods)
+        if cfg.block_map:
+            mods = mods._replace(block_map=kernel_block_map(cfg, mods, causal, batch, heads, seqlen_q, seqlen_k,
+                                                            q.device))
+    else:
+        cfg = prefill_config(q.get_device(), d, dtype, causal, seqlen_q, seqlen_k, call_features(mods, causal),
+                             mods.window[0])
     launch_prefill(cfg, q, k, v, out, lse, cu_q=None, cu_k=None, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
                    num_splits=1, mods=mods, softmax_scale=softmax_scale)
     return out, lse
 
 
+def modifier_kernel(device: int, head_dim: int, dtype: str, causal: bool, seqlen: int, gqa_group: int,
+                    mods: Mods) -> Any:
+    """The kernel of a dense call with a score_mod, mask_mod or BlockMask: the one tuned for exactly its modifiers
+    (flashgen.resolve.tuned_modifier) where the call has no other score modifier, else serve_config's tiles."""
+    cfg = modifier_config(head_dim, dtype, causal, seqlen, arch_and_slots(device)[0], mods)
+    if cfg.features or mods.score_mod is None and mods.mask_mod is None:
+        return cfg
+    tuned = tuned_modifier(device, head_dim, dtype, causal, seqlen, gqa_group, cfg.score_mod, cfg.mask_mod)
+    return tuned if tuned is not None and tuned.block_map == cfg.block_map else cfg
+
+
+def kernel_block_map(cfg: Any, mods: Mods, causal: bool, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                     device: Any) -> blockmap.BlockMap:
+    """The block map `cfg`'s kernel reads: the call's (a BlockMask's) brought to the kernel's tiles, or one built
+    from the mask_mod on the call's device (again where a captured tensor changed: blockmap.cached_from_mask), then
+    without the key tiles causal or the window leave out."""
+    given = mods.block_map
+    if given is None:
+        built = blockmap.cached_from_mask(mods.mask_mod, batch, heads, seqlen_q, seqlen_k, cfg.block_m, cfg.block_n,
+                                          device)
+    else:
+        if mods.mask_mod is None and (given.block[0] % cfg.block_m or given.block[1] % cfg.block_n):
+            raise ValueError(f"a BlockMask without a mask_mod needs BLOCK_SIZE a multiple of the kernel's tiles "
+                             f"({cfg.block_m}, {cfg.block_n}), not {given.block}: a tile covering blocks of different "
+                             "states would evaluate the mask_mod, and there is none")
+        built = given.to(device).retile(cfg.block_m, cfg.block_n)
+    return built.restrict(causal, mods.window)
+
+
 __all__ = ["attention", "attention_backward_op", "attention_fp8", "attention_fp8_op", "attention_mods_op",
            "attention_op", "attention_serve_backward_op", "attention_varlen_op", "dense_mods_forward", "forward_fp8",
-           "forward_torch", "sinks_grad", "varlen_forward"]
+           "forward_torch", "kernel_block_map", "modifier_kernel", "sinks_grad", "varlen_forward"]

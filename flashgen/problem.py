@@ -78,20 +78,29 @@ class TuneProblem:
     batch_tokens: int = BATCH_TOKENS
     heads_dim_total: int = HEADS_DIM_TOTAL
     pass_: str = "fwd"  # "fwd": a KernelConfig; "bwd": a BwdConfig (its kernels timed alone)
+    # A traced score_mod / mask_mod (flashgen.modifiers digests; "": none): the kernel is timed with them compiled in
+    # (a mask_mod with its block map), and its entry answers calls with exactly these modifiers.
+    score_mod: str = ""
+    mask_mod: str = ""
 
     def __post_init__(self) -> None:
         if self.pass_ not in PASSES:
             raise ValueError(f"pass_={self.pass_!r}; choose one of {', '.join(PASSES)}")
+        if (self.score_mod or self.mask_mod) and (self.pass_ != "fwd" or self.family != "sm80"):
+            raise ValueError("a problem with a score_mod or mask_mod is a forward of family sm80 (the modifiers' "
+                             "kernels)")
 
     @property
     def key(self) -> str:
         """The problem's name in the store and (with the GPU slug) the Optuna study name: it names
         everything the measured time depends on, sizes included, so that results of different
         sizes never compete. A backward problem ends in "_bwd"; a forward one has no pass suffix
-        (the keys of stores made before the backward stay valid)."""
+        (the keys of stores made before the backward stay valid). A problem with modifiers ends in their digests,
+        `_sm<score_mod>` and `_mm<mask_mod>`: a kernel tuned for one modifier never answers another."""
         mask = "causal" if self.causal else "full"
         return (f"{self.family}_d{self.head_dim}_{self.dtype}_{mask}_s{self.seqlen}_g{self.gqa_group}"
-                f"_bt{self.batch_tokens}_hdt{self.heads_dim_total}" + ("_bwd" if self.pass_ == "bwd" else ""))
+                f"_bt{self.batch_tokens}_hdt{self.heads_dim_total}" + ("_bwd" if self.pass_ == "bwd" else "")
+                + (f"_sm{self.score_mod}" if self.score_mod else "") + (f"_mm{self.mask_mod}" if self.mask_mod else ""))
 
     @property
     def gpu_slug(self) -> str:

@@ -8,6 +8,7 @@ import jinja2
 from . import abi
 from .__version__ import __version__
 from .config import BWD_ROW_WARPS, COMBINE_WARPS, SM90_REGS, SM90_REGS_FP8, BwdConfig, KernelConfig
+from .modifiers import MAX_CAPTURED, MAX_RANK, Modifier, ModifierError, lookup
 from .paths import templates_dir
 
 # dtype -> (C++ element type, its 2-vector, the float2 packer, the PTX mma type)
@@ -43,11 +44,28 @@ def render(cfg: KernelConfig | BwdConfig) -> str:
     template = template_env().get_template(f"{cfg.family}/fwd.cu.j2")
     regs = SM90_REGS_FP8 if cfg.fp8 else SM90_REGS
     producer_regs, consumer_regs = regs.get(cfg.consumers, (None, None)) if cfg.family == "sm90" else (None, None)
+    score_mod, mask_mod, captured = modifiers_of(cfg)
     return template.render(
         cfg=cfg, version=__version__, elem_t=elem_t, out_t=out_t, elem2_t=elem2_t, pack_fn=pack_fn, ptx_type=ptx_type,
         params_t="Sm90Fp8FwdParams" if cfg.fp8 else ("Sm90ServeFwdParams" if cfg.serving else "Sm90FwdParams"),
         producer_regs=producer_regs, consumer_regs=consumer_regs, combine_warps=COMBINE_WARPS,
+        score_mod=score_mod, mask_mod=mask_mod, captured=captured,
     )
+
+
+def modifiers_of(cfg: KernelConfig) -> tuple[Modifier | None, Modifier | None, tuple]:
+    """(score_mod, mask_mod, their captured tensors in ModTensor slot order) of `cfg`, from the modifier registry;
+    ModifierError where one was not traced in this process or they read more tensors than the kernel takes."""
+    score_mod = lookup(cfg.score_mod, "score") if cfg.score_mod else None
+    mask_mod = lookup(cfg.mask_mod, "mask") if cfg.mask_mod else None
+    captured = tuple(c for m in (score_mod, mask_mod) if m is not None for c in m.captured)
+    if len(captured) > MAX_CAPTURED:
+        raise ModifierError(f"score_mod and mask_mod read {len(captured)} tensors; a kernel takes at most "
+                            f"{MAX_CAPTURED}")
+    for c in captured:
+        if c.rank > MAX_RANK:
+            raise ModifierError(f"captured tensor {c.name!r} has {c.rank} dimensions; a kernel takes at most {MAX_RANK}")
+    return score_mod, mask_mod, captured
 
 
 def _render_bwd(cfg: BwdConfig) -> str:

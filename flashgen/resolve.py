@@ -370,6 +370,28 @@ def _prefill(gpu_name: str, arch: str, stamp: tuple | None, head_dim: int, dtype
     return cfg if cfg.unfit_reason(arch) is None else None
 
 
+def tuned_modifier(device: int, head_dim: int, dtype: str, causal: bool, seqlen: int, gqa_group: int,
+                   score_mod: str, mask_mod: str) -> KernelConfig | None:
+    """The kernel tuned for a dense call with these modifiers (digests; `tune --score-mod/--mask-mod` stores them
+    under keys that end in them), nearest seqlen bucket, or None (quietly: most modifiers are never tuned). Cached
+    per call shape; the store file is looked at again when it changed (store_stamp)."""
+    (gpu_name, arch), stamp = gpu_stamp(device)
+    return _modifier(gpu_name, arch, stamp, head_dim, dtype, causal, seqlen, gqa_group, score_mod, mask_mod)
+
+
+@functools.lru_cache(maxsize=1024)
+def _modifier(gpu_name: str, arch: str, stamp: tuple | None, head_dim: int, dtype: str, causal: bool, seqlen: int,
+              gqa_group: int, score_mod: str, mask_mod: str) -> KernelConfig | None:
+    if stamp is None:
+        return None
+    try:
+        cfg = store.lookup(gpu_name, arch, head_dim, dtype, causal, seqlen, "sm80", gqa_group=gqa_group,
+                           score_mod=score_mod, mask_mod=mask_mod)
+    except store.StoreError:  # load()'s path warns about a damaged store; a modifier call takes the default
+        return None
+    return cfg if isinstance(cfg, KernelConfig) else None
+
+
 def sm90_config(device: int, head_dim: int, dtype: str, causal: bool, rows: int, seqlen_k: int,
                 features: dict[str, bool], window_left: int = -1) -> KernelConfig | None:
     """The sm90 family's kernel for a varlen or window call on Hopper: the tuned one of the nearest problem
@@ -382,7 +404,7 @@ def sm90_config(device: int, head_dim: int, dtype: str, causal: bool, rows: int,
         return None
     tuned = tuned_prefill(device, head_dim, dtype, causal, seqlen_k, features, window_left)
     if tuned is not None and tuned.family == "sm90":
-        return tuned
+        return _without_spills(tuned) if tuned.sinks else tuned  # a tile tuned without sinks: checked with them
     return _sm90_rule(device, head_dim, dtype, causal, seqlen_k, wanted)
 
 
@@ -442,9 +464,10 @@ def clear() -> None:
     _tuned_backwards.cache_clear()
     _decode.cache_clear()
     _prefill.cache_clear()
+    _modifier.cache_clear()
 
 
 __all__ = ["STORE_CHECK_S", "Resolver", "backward_kernel", "choose_config", "clear", "current_arch", "decode_entry",
            "file_stamp", "gpu", "load", "nearest_bucket", "nearest_entry", "prefill_entry", "prefill_config",
-           "resolver", "serve_backward_kernel", "sm90_config", "store_stamp", "tuned_decode", "tuned_prefill",
+           "resolver", "serve_backward_kernel", "sm90_config", "store_stamp", "tuned_decode", "tuned_modifier", "tuned_prefill",
            "untuned_prefill_config"]

@@ -34,7 +34,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from .backend import Backend, TrialResult, tflops
-from .config import SM90_KNOBS, ConfigError, KernelConfig
+from .config import SM90_KNOBS, BwdConfig, ConfigError, KernelConfig
 from .problem import DEFAULT_TRIALS, EXHAUSTIVE_MAX, Rule
 from .tunable import BWD_PARAMS, FAMILY_PARAMS, PARAMS, params_of  # noqa: F401 - re-exported
 from .tunable import Candidate, Problem, kind_of
@@ -178,10 +178,13 @@ def result_of(t: FrozenTrial) -> TrialResult:
 # one ran with its default (off: False, or 0 for a knob of several choices).
 LATE_KNOBS = {f.name: f.default for f in fields(KernelConfig)
               if f.name in SM90_KNOBS[SM90_KNOBS.index("overlap_epilogue"):]}
+# The same for the sm90 backward: its knobs after num_stages and stagger.
+LATE_BWD_KNOBS = {f.name: f.default for f in fields(BwdConfig) if f.name == "dq_tma"}
 
 
 def _params(t: FrozenTrial, family: str) -> Params:
-    return tuple(t.params[p] if p in t.params or p not in LATE_KNOBS else LATE_KNOBS[p] for p in FAMILY_PARAMS[family])
+    late = LATE_BWD_KNOBS if family.startswith("bwd_") else LATE_KNOBS
+    return tuple(t.params[p] if p in t.params or p not in late else late[p] for p in FAMILY_PARAMS[family])
 
 
 def _params_or_none(t: FrozenTrial, family: str) -> Params | None:

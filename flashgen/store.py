@@ -300,23 +300,31 @@ def log_distance(a: int, b: int) -> float:
     return abs(math.log(max(a, 1)) - math.log(max(b, 1)))
 
 
-def matches(cfg: KernelConfig | BwdConfig, head_dim: int, dtype: str, causal: bool, family: str | None) -> bool:
+def matches(cfg: KernelConfig | BwdConfig, head_dim: int, dtype: str, causal: bool, family: str | None,
+            score_mod: str = "", mask_mod: str = "") -> bool:
     """Whether a stored configuration answers this problem: its head dim, dtype, mask and family (any when
-    None). A serving kernel (varlen, paged, split, ...) takes other arguments: never the answer to a dense call."""
-    return ((cfg.head_dim, cfg.dtype, cfg.causal) == (head_dim, dtype, causal) and (not family or cfg.family == family)
-            and not getattr(cfg, "serving", False))
+    None). A serving kernel (varlen, paged, split, ...) takes other arguments: never the answer to a dense call.
+    With modifiers (digests): a dense kernel generated with exactly those (and, with a mask_mod, a block map)."""
+    if (cfg.head_dim, cfg.dtype, cfg.causal) != (head_dim, dtype, causal) or (family and cfg.family != family):
+        return False
+    if score_mod or mask_mod:
+        return (isinstance(cfg, KernelConfig) and (cfg.score_mod, cfg.mask_mod) == (score_mod, mask_mod)
+                and cfg.block_map == bool(mask_mod) and not cfg.features)
+    return not getattr(cfg, "serving", False)
 
 
 def lookup(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, seqlen: int | None = None,
            family: str | None = None, tuned_dir: Path | str | None = None,
-           pass_: str = "fwd", gqa_group: int = 1) -> KernelConfig | BwdConfig | None:
+           pass_: str = "fwd", gqa_group: int = 1, score_mod: str = "",
+           mask_mod: str = "") -> KernelConfig | BwdConfig | None:
     """The tuned configuration for this problem on this GPU, or None.
 
     Nearest seqlen bucket (by ratio; the largest when seqlen is None), the call's GQA group `gqa_group` preferred,
     then group 1 (a pack_gqa kernel only where its tile holds the call's group),
     then the standard size (BATCH_TOKENS, HEADS_DIM_TOTAL), else the largest: milliseconds
     are compared only within one size. Family None picks the fastest family at that size.
-    `pass_` "bwd": the tuned backward (a BwdConfig), chosen by the same rules."""
+    `pass_` "bwd": the tuned backward (a BwdConfig), chosen by the same rules. score_mod / mask_mod (digests):
+    only entries tuned with exactly those modifiers (none: only entries without)."""
     path = store_path(gpu_name, arch, tuned_dir)
     if not path.exists():
         return None
@@ -325,7 +333,7 @@ def lookup(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, se
         if entry_pass(e) != pass_:
             continue
         cfg, p = config_from_entry(e), e.get("problem", {})
-        if not matches(cfg, head_dim, dtype, causal, family):
+        if not matches(cfg, head_dim, dtype, causal, family, score_mod, mask_mod):
             continue
         if cfg.unfit_reason(arch) is None and not (getattr(cfg, "pack_gqa", False) and cfg.block_m < gqa_group):
             size = (p.get("batch_tokens", BATCH_TOKENS), p.get("heads_dim_total", HEADS_DIM_TOTAL))

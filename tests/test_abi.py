@@ -68,7 +68,7 @@ def test_an_unknown_type_is_refused():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_nvcc_agrees_with_every_layout(tmp_path):
     """The generated declarations carry static_asserts of their size and offsets: nvcc must accept them."""
-    order = ["FwdParams", "ServeParams", "BwdParams", "BwdServeParams", "Sm90FwdParams", "Sm90ServeFwdParams",
+    order = ["FwdParams", "ServeParams", "ModTensor", "ServeModParams", "BwdParams", "BwdServeParams", "Sm90FwdParams", "Sm90ServeFwdParams",
              "Fp8Descale", "Sm90Fp8FwdParams", "Sm90BwdParams"]
     src = tmp_path / "abi.cu"
     src.write_text("#include <cuda.h>\n#include <stdint.h>\n" + "\n".join(abi.BLOCKS[n].cpp() for n in order) + "\n")

@@ -18,7 +18,8 @@ LAYERS = {
     # 0: pure data and rules
     "flashgen.__version__": 0, "flashgen.paths": 0, "flashgen.config": 0, "flashgen.abi": 0, "flashgen.problem": 0,
     "flashgen.grids": 0,
-    "flashgen.tensors": 0, "flashgen.checks": 0, "flashgen.fp8": 0, "flashgen.schedule": 0,
+    "flashgen.tensors": 0, "flashgen.checks": 0, "flashgen.fp8": 0, "flashgen.schedule": 0, "flashgen.modifiers": 0,
+    "flashgen.blockmap": 0,
     "flashgen.render": 1,
     "flashgen.compile": 2,
     # generic launching: the driver, streams, argument packing
@@ -34,7 +35,7 @@ LAYERS = {
     # on top: verification, timing, tuners, benches, comparisons, export, the command line
     "flashgen.verify": 8, "flashgen.bench": 8, "flashgen.backend": 8, "flashgen.studies": 8, "flashgen.search": 8,
     "flashgen.worker": 8, "flashgen.fleet": 8, "flashgen.tune_decode": 8, "flashgen.tune_varlen": 8, "flashgen.tunable": 8,
-    "flashgen.bench_serving": 8, "flashgen.compare": 8, "flashgen.export": 8, "flashgen.cli": 8,
+    "flashgen.bench_serving": 8, "flashgen.bench_step": 8, "flashgen.compare": 8, "flashgen.export": 8, "flashgen.cli": 8,
     # `python -m flashgen`: the command line
     "flashgen.__main__": 9,
 }

@@ -1,4 +1,5 @@
 """The backward's configuration, rendering, parameter packing and compilation (no GPU needed)."""
+import dataclasses
 import itertools
 import os
 import struct
@@ -249,3 +250,57 @@ def test_sm90_kernels_compile_without_spills_or_serialized_wgmma():
     assert {c.family for c in cfgs} == {"sm90"}
     for k in compile_sm90a_clean(cfgs):
         assert not re.search(r"C751[239]", k.ptxas_log), f"{k.name}: {k.ptxas_log}"
+
+
+def test_dq_tma_rules_name_shared_memory_and_space():
+    """dq_tma: an sm90 knob, off by default (names and shared memory of the kernels without it unchanged), spelled
+    `_dqt`, taking a [block_m, head_dim] fp32 tile and two barriers per consumer warpgroup, rejected where that does
+    not fit 227 KB, and in the sm90 space wherever it fits."""
+    c = BwdConfig(128, "bf16", True, 64, 128, 12, family="sm90", num_stages=3, stagger=True)
+    on = BwdConfig(128, "bf16", True, 64, 128, 12, family="sm90", num_stages=3, stagger=True, dq_tma=True)
+    assert not c.dq_tma and c.name == "bwd_sm90_d128_bf16_causal_bm64_bn128_w12_s3_st1"
+    assert on.name == c.name + "_dqt" and on.kernel_names["main"] == on.name and BwdConfig.from_dict(on.to_dict()) == on
+    assert BwdConfig.from_dict({k: v for k, v in c.to_dict().items() if k != "dq_tma"}) == c  # stored before the knob
+    assert on.dq_tile_bytes == 64 * 128 * 4 and on.smem_bytes == c.smem_bytes + 64 * 128 * 4 + 8 * 2 * 2
+    assert on.smem_bytes <= ARCHS["sm90"].smem_per_block and on.unfit_reason("sm90") is None
+    assert BwdConfig(96, "fp16", False, 64, 64, 8, family="sm90", dq_tma=True).consumers == 1
+    with pytest.raises(ConfigError, match=r"dq_tma=True needs 65536 more bytes .*\[64, 256\] fp32 dQ tile.*num_stages=2"):
+        BwdConfig(256, "bf16", True, 64, 64, 12, family="sm90", num_stages=2, dq_tma=True)
+    assert BwdConfig(256, "bf16", True, 64, 64, 12, family="sm90", num_stages=1, dq_tma=True).unfit_reason("sm90") is None
+    with pytest.raises(ConfigError, match="dq_tma=True is not allowed"):  # sm80 has no TMA
+        BwdConfig(64, "bf16", True, 64, 64, 4, dq_tma=True)
+    with pytest.raises(ConfigError, match="dq_tma=1 is not allowed"):
+        BwdConfig(64, "bf16", True, 64, 64, 8, family="sm90", dq_tma=1)
+    for hd in SM90_BWD_HEAD_DIMS:
+        assert not default_bwd_config(hd, "bf16", True, "sm90").dq_tma
+        space = bwd_space(hd, "bf16", False, family="sm90")
+        with_knob = {x for x in space if x.dq_tma}
+        assert with_knob and all(x.smem_bytes <= 227 * 1024 for x in with_knob)
+        assert {dataclasses.replace(x, dq_tma=False) for x in with_knob} <= set(space)
+    assert not any(x.dq_tma for x in bwd_space(64, "bf16", False))  # family sm80
+
+
+def _dq_tma_configs() -> list[BwdConfig]:
+    """dq_tma on at each head dim's default tiles (d256: one stage, two do not leave room for the dQ tile)."""
+    out = []
+    for hd, dt, causal in itertools.product((64, 128, 256), HALF_DTYPES, (False, True)):
+        c = dataclasses.replace(default_bwd_config(hd, dt, causal, "sm90"), **({"num_stages": 1} if hd == 256 else {}))
+        out.append(dataclasses.replace(c, dq_tma=True))
+    return out
+
+
+@pytest.mark.sweep
+def test_sm90_dq_tma_compiles_without_spills_or_serialized_wgmma():
+    """dq_tma at d64, d128, d256, both dtypes and masks: no spills, no wgmma advisories, and the consumers' global
+    atomics replaced by the bulk reduce (REDG gone, UBLKRED there)."""
+    import re
+
+    from conftest import compile_sm90a_clean
+
+    from flashgen.compile import disassemble, disassembler
+
+    for k in compile_sm90a_clean(_dq_tma_configs()):
+        assert not re.search(r"C751[239]", k.ptxas_log), f"{k.name}: {k.ptxas_log}"
+        if disassembler() is not None:
+            sass = disassemble(k.cubin)
+            assert "UBLKRED.G.S.ADD.F32" in sass and "REDG" not in sass, k.name

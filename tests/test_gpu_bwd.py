@@ -25,6 +25,9 @@ OTHER_TILES = [(64, 32, 2), (128, 64, 8), (32, 32, 4)]
 # sm90 family (Hopper, head dims 64, 128, 256): one consumer warpgroup, each ring depth, both schedules.
 OTHER_SM90 = [(64, 64, 8, 1, True), (64, 64, 8, 2, False), (128, 128, 12, 1, False), (128, 128, 12, 3, True),
               (64, 128, 12, 3, True), (64, 128, 12, 1, False), (64, 64, 12, 1, False)]  # the last: d256
+# sm90 with dq_tma (dQ through shared memory and a TMA bulk reduce): d32/d64's default tiles, d128's, d256's at one
+# stage (two leave no room for the dQ tile), and one consumer warpgroup at d32-d128.
+DQ_TMA_SM90 = [(128, 128, 12, 2, True), (64, 128, 12, 3, True), (64, 64, 12, 1, False), (64, 64, 8, 2, False)]
 DET_PAIRS = [(17, 17), (113, 211), (211, 113), (1023, 1023)]
 
 
@@ -37,10 +40,12 @@ def _arch() -> str:
 
 def _others(head_dim: int, dtype: str, causal: bool, arch: str) -> list[BwdConfig]:
     out = []
-    sm90 = [(bm, bn, w, "sm90", s, st) for bm, bn, w, s, st in OTHER_SM90] if arch == "sm90" else []
-    for bm, bn, w, *family in [*OTHER_TILES, *sm90]:
+    sm90 = ([dict(block_m=bm, block_n=bn, num_warps=w, family="sm90", num_stages=s, stagger=st) for bm, bn, w, s, st in OTHER_SM90]
+            + [dict(block_m=bm, block_n=bn, num_warps=w, family="sm90", num_stages=s, stagger=st, dq_tma=True)
+               for bm, bn, w, s, st in DQ_TMA_SM90]) if arch == "sm90" else []
+    for tile in [dict(block_m=bm, block_n=bn, num_warps=w) for bm, bn, w in OTHER_TILES] + sm90:
         try:
-            c = BwdConfig(head_dim, dtype, causal, bm, bn, w, False, *family)
+            c = BwdConfig(head_dim, dtype, causal, **tile)
         except ValueError:
             continue
         if c.unfit_reason(arch) is None and c != default_bwd_config(head_dim, dtype, causal, arch):

@@ -411,6 +411,20 @@ def test_a_stored_trial_from_before_a_knob_reads_as_the_knob_off():
     assert search_mod.config_of(p8, params).name == "fwd_sm90_d128_fp8_e4m3_full_bm128_bn128_w12_s2_ov1_pp0_ps_obf16"
 
 
+def test_a_stored_backward_trial_from_before_dq_tma_reads_as_it_off():
+    from optuna.distributions import CategoricalDistribution
+
+    assert search_mod.FAMILY_PARAMS["bwd_sm90"][-1] == "dq_tma" and search_mod.LATE_BWD_KNOBS == {"dq_tma": False}
+    values = dict(zip(search_mod.FAMILY_PARAMS["bwd_sm90"][:-1], (64, 128, 12, 3, True)))
+    t = optuna.trial.create_trial(params=values, value=1.0, user_attrs={"status": "ok"},
+                                  distributions={n: CategoricalDistribution([v]) for n, v in values.items()})
+    params = search_mod._params(t, "bwd_sm90")
+    assert params == (64, 128, 12, 3, True, False)
+    p = TuneProblem("Test GPU", "sm90", "sm90", "bf16", 128, True, 4096, pass_="bwd")
+    assert search_mod.config_of(p, params).name == "bwd_sm90_d128_bf16_causal_bm64_bn128_w12_s3_st1"
+    assert search_mod.config_of(p, params[:-1] + (True,)).name.endswith("_s3_st1_dqt")
+
+
 def test_leaders_are_timed_again_before_the_outcome(tmp_path):
     """A configuration whose one measurement was lucky (noise: half its cost) leads the study; timed again beside
     the other leaders, it loses to the truly fastest, and the outcome keeps its first figure for the record."""

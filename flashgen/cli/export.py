@@ -10,7 +10,7 @@ from flashgen import config as C
 from flashgen.export import export, export_configs
 from flashgen.kernels.serving import serve_config
 
-from .common import CliError, causal_list, check_choices, int_list, str_list
+from .common import CliError, causal_list, check_choices, int_list, load_modifier, str_list
 
 
 def add_parser(sub: Any) -> None:
@@ -30,6 +30,15 @@ def add_parser(sub: Any) -> None:
     e.add_argument("--rows", type=int, default=None,
                    help="with --features: query rows per sequence the kernels serve (seqlen_q, times heads/heads_k "
                         "with pack_gqa); up to 32 takes the decode tiles (default: 1 with paged or pack_gqa, else 1024)")
+    e.add_argument("--score-mod", default=None, metavar="FILE.py:FUNC",
+                   help="export the serving kernel with this score_mod(score, b, h, q_idx, kv_idx) compiled in (its "
+                        "CUDA expression in the .cu, its tensors' slots in the header); with or without --features")
+    e.add_argument("--mask-mod", default=None, metavar="FILE.py:FUNC",
+                   help="likewise a mask_mod(b, h, q_idx, kv_idx) (true: keep); its kernel reads a block map unless "
+                        "--block-map no")
+    e.add_argument("--block-map", choices=("yes", "no"), default=None,
+                   help="with --mask-mod or alone: the kernel visits the key tiles of a block map (default: yes with "
+                        "--mask-mod)")
     e.add_argument("--gpu-arch", default="sm80",
                    help=f"with --features: the GPU to build and fit them for, one of {', '.join(C.ARCHS)} (default sm80)")
     e.set_defaults(run=run)
@@ -47,21 +56,37 @@ def serving_configs(args: argparse.Namespace) -> list[C.KernelConfig]:
     check_choices("gpu-arch", [args.gpu_arch], tuple(C.ARCHS))
     if args.rows is not None and args.rows < 1:
         raise CliError(f"--rows must be at least 1; got {args.rows}")
+    mods = modifier_fields(args)
     cfgs = []
-    for feats in args.features:
-        check_choices("features", feats, C.FEATURES)
+    for feats in args.features or [[]]:
+        if feats or not mods:  # no feature set: the dense kernel with the modifiers
+            check_choices("features", feats, C.FEATURES)
         rows = args.rows if args.rows is not None else (1 if {"paged", "pack_gqa"} & set(feats) else 1024)
         for d, dtype, causal in itertools.product(args.head_dim, args.dtype, causal_list(args.causal)):
             try:
-                cfg = serve_config(d, dtype, causal, rows, args.gpu_arch, **{f: True for f in feats})
+                cfg = serve_config(d, dtype, causal, rows, args.gpu_arch, **{f: True for f in feats}, **mods)
             except ValueError as e:  # a feature rule (ConfigError) or no tile that fits
                 raise CliError(f"--features {','.join(feats)}: {e}") from None
             cfgs.append(cfg)
     return cfgs
 
 
+def modifier_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The KernelConfig fields --score-mod, --mask-mod and --block-map give (the modifiers traced here, so that the
+    render finds their expressions)."""
+    out: dict[str, Any] = {}
+    if args.score_mod:
+        out["score_mod"] = load_modifier(args.score_mod, "score").digest
+    if args.mask_mod:
+        out["mask_mod"] = load_modifier(args.mask_mod, "mask").digest
+    block_map = args.block_map == "yes" if args.block_map is not None else bool(args.mask_mod)
+    if block_map:
+        out["block_map"] = True
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.features:
+    if args.features or args.score_mod or args.mask_mod or args.block_map == "yes":
         cfgs = serving_configs(args)
         files = export_configs(cfgs, args.out, args.gpu_arch)
         kernels = sum(1 for f in files if f.suffix == ".cu")

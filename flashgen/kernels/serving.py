@@ -16,16 +16,24 @@ from ..checks import Mods
 from ..compile import target_for
 from ..config import ARCHS, COMBINE_WARPS, DEFAULT_TILES, ELEM_BYTES, MAX_SPLITS, KernelConfig, mod_features
 from ..launch import FWD, SM90_BYTES, current_stream, scale_args, softcap_args, tmap_box
+from ..modifiers import MAX_CAPTURED, MAX_RANK
 from .bad_inputs import error_word
 from .dense import compiled_kernel
 
 SERVE_PARAMS = abi.SERVE.struct
+_MOD_TAIL = abi.SERVE_MOD.tail("t0.ptr")  # the captured tensors' slots after ServeParams (ServeModParams)
 _SM90_SERVE_TAIL = abi.SM90_SERVE_FWD.tail("cu_seqlens_q")  # what follows the tensor maps and FwdParams
 # Decode tiles (at most 32 query rows per sequence, packed): (block_m, block_n, num_warps, num_stages)
 # by head dim. Two warps even for 16 rows: one warp alone holds the K/V copies of a tile and its
 # accumulators, and spills at d128 and d256 where pages are smaller than a tile.
 _DECODE_TILES = {32: (32, 128, 2, 3), 64: (32, 128, 2, 3), 96: (32, 32, 2, 3), 128: (32, 64, 2, 3), 256: (32, 32, 2, 3)}
 DECODE_ROWS = 32
+# Dense tiles of a kernel with a score_mod or mask_mod: eight warps, 32 keys a tile (d64: 64; d256: 64 rows, four
+# warps). A modifier's reads and arithmetic per score element need registers DEFAULT_TILES' tiles do not have left,
+# and ptxas spills a few bytes in some others (each choice here builds FlexAttention's examples spill-free for
+# sm_80 and sm_90a: tests/test_modifier_kernels.py); tuning them per modifier is left to the tuner.
+_MODIFIER_TILES = {32: [(128, 32, 8, 2)], 64: [(128, 64, 8, 2)], 96: [(128, 32, 8, 2)], 128: [(128, 32, 8, 2)],
+                   256: [(64, 32, 4, 2), (64, 32, 4, 1)]}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -46,18 +54,22 @@ def choose_splits(tiles: int, slots: int, n_blocks: int, max_splits: int = MAX_S
 
 
 @functools.lru_cache(maxsize=1024)
-def serve_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, **features: bool) -> KernelConfig:
+def serve_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, **features: Any) -> KernelConfig:
     """The configuration for a serving call: decode tiles when a sequence has at most 32 (packed)
-    rows, else the dense default tiles of the sm80 family, with exactly `features` compiled in."""
+    rows, else the dense default tiles of the sm80 family, with exactly `features` compiled in. With a
+    score_mod / mask_mod digest among them: the dense tiles (_MODIFIER_TILES at d256) at every length."""
     reason = ""
-    if rows <= DECODE_ROWS:  # fewer stages where the GPU's shared memory is smaller (sm86/sm89: 99 KB)
+    # A kernel with a modifier takes the dense tiles at every length: the decode tiles' two warps have no registers
+    # left for a modifier's reads and arithmetic at most head dims (ptxas spills).
+    modified = bool(features.get("score_mod") or features.get("mask_mod") or features.get("block_map"))
+    if rows <= DECODE_ROWS and not modified:  # fewer stages where the GPU's shared memory is smaller (sm86/sm89: 99 KB)
         bm, bn, w, stages = _DECODE_TILES[head_dim]
         for s in range(stages, 0, -1):
             cfg = KernelConfig(head_dim, dtype, causal, bm, bn, w, s, "sm80", **features)
             reason = cfg.unfit_reason(arch)
             if reason is None:
                 return cfg
-    for bm, bn, w, s in DEFAULT_TILES[head_dim]:
+    for bm, bn, w, s in (_MODIFIER_TILES.get(head_dim, DEFAULT_TILES[head_dim]) if modified else DEFAULT_TILES[head_dim]):
         cfg = KernelConfig(head_dim, dtype, causal, bm, bn, w, s, "sm80", **features)
         reason = cfg.unfit_reason(arch)
         if reason is None:
@@ -124,7 +136,8 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
         lse_strides[0], lse_strides[1], total_rows, page_size, num_splits, mods.window[0], mods.window[1], softcap_pre,
         k.shape[-4] if block_table is not None else 0, seqlen_k, q.shape[-3], k.shape[-3], error_word(dev), 0)
     accum = (num_splits * total_rows * heads * d, num_splits * total_rows * heads) if cfg.split else None
-    run = ServeLaunch(dev, fn, comb, blocks, combine_blocks, cfg.threads, fields, accum)
+    run = ServeLaunch(dev, fn, comb, blocks, combine_blocks, cfg.threads, fields, accum,
+                      modifier_tail(cfg, mods, dev, batch, heads) if cfg.modified else b"")
     _fire(run, (q, k, v, out, lse, cu_q, cu_k, seqused_k, block_table, alibi, kernel_sinks(mods.sinks)))
     return run
 
@@ -156,8 +169,8 @@ def _fire(run: "ServeLaunch", tensors: tuple) -> None:
     else:
         fields[_ACCUM_POINTERS[0]] = fields[_ACCUM_POINTERS[1]] = 0
     params = SERVE_PARAMS.pack(*fields)
-    run.fn.launch((run.blocks, 1, 1), run.threads, params, stream)
-    if run.comb is not None:
+    run.fn.launch((run.blocks, 1, 1), run.threads, params + run.tail, stream)
+    if run.comb is not None:  # the combine takes ServeParams alone: ServeModParams's prefix
         run.comb.launch((run.combine_blocks, 1, 1), 32 * COMBINE_WARPS, params, stream)
 
 
@@ -194,6 +207,51 @@ class ServeLaunch(NamedTuple):
     threads: int
     fields: tuple  # SERVE_PARAMS's fields, pointers 0 (filled per launch by _fire)
     accum: tuple[int, int] | None  # split-KV: floats of o_accum (splits, rows, heads, d) and lse_accum (.., heads)
+    tail: bytes = b""  # a kernel with a score_mod or mask_mod: its captured tensors' slots (ServeModParams)
+
+
+def modifier_tail(cfg: KernelConfig, mods: Mods, device: int, batch: int = 1, heads: int = 1) -> bytes:
+    """The ModTensor slots of ServeModParams: the tensors of mods.score_mod, then of mods.mask_mod, each its
+    pointer and strides (in elements; 0 past its rank), the rest null; then, with cfg.block_map, the lists of
+    mods.block_map (at cfg's tiles, for `batch` sequences of `heads` heads; a dimension of 1 read with stride 0). The
+    call's modifiers must be the ones `cfg` was generated with (by digest), their tensors on `device`."""
+    values: list[int] = []
+    for kind, mod in (("score_mod", mods.score_mod), ("mask_mod", mods.mask_mod)):
+        digest = mod.digest if mod is not None else ""
+        if digest != getattr(cfg, kind):
+            raise ValueError(f"the call's {kind} (digest {digest!r}) is not the one {cfg.name} was generated with "
+                             f"({getattr(cfg, kind)!r})")
+        for c, t in zip(mod.captured if mod is not None else (), mod.tensors if mod is not None else ()):
+            if t.device.type != "cuda" or t.get_device() != device:
+                raise ValueError(f"{kind} reads tensor {c.name!r} on {t.device}; it must be on cuda:{device}, "
+                                 "with q, k and v")
+            values += [t.data_ptr(), *t.stride(), *(0,) * (MAX_RANK - t.dim())]
+    slots = len(values) // (1 + MAX_RANK)
+    if slots > MAX_CAPTURED:
+        raise ValueError(f"score_mod and mask_mod read {slots} tensors; a kernel takes at most {MAX_CAPTURED}")
+    values += [0] * ((MAX_CAPTURED - slots) * (1 + MAX_RANK))
+    return _MOD_TAIL.pack(*values, *_map_slots(cfg, mods.block_map, device, batch, heads))
+
+
+def _map_slots(cfg: KernelConfig, block_map: Any, device: int, batch: int, heads: int) -> list[int]:
+    """ServeModParams' map_num and map_idx: pointer and four strides each (all 0 without cfg.block_map)."""
+    if not cfg.block_map:
+        if block_map is not None:
+            raise ValueError(f"the call has a block map; {cfg.name} was generated without one")
+        return [0] * (2 * (1 + MAX_RANK))
+    if block_map is None or block_map.block != (cfg.block_m, cfg.block_n):
+        raise ValueError(f"{cfg.name} reads a block map of {cfg.block_m} x {cfg.block_n} tiles; the call's is "
+                         f"{None if block_map is None else block_map.block}")
+    lists = block_map.tile_lists
+    out: list[int] = []
+    for t in lists:
+        if t.device.type != "cuda" or t.get_device() != device:
+            raise ValueError(f"the block map is on {t.device}; it must be on cuda:{device}, with q, k and v")
+        t = t.expand(batch, heads, -1, -1)  # a batch or head dimension of 1 stands for all: stride 0
+        if sum((n - 1) * s for n, s in zip(t.shape, t.stride())) >= 2**31:  # the kernel's offsets are int
+            raise ValueError(f"the block map's lists ({tuple(t.shape)}) are too large for the kernel's 32-bit offsets")
+        out += [t.data_ptr(), *t.stride()]
+    return out
 
 
 def launch_prefill(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, *, cu_q: Any, cu_k: Any,
@@ -288,6 +346,17 @@ def call_features(mods: Mods, causal: bool) -> dict[str, bool]:
     return mod_features(mods.window, mods.softcap, mods.alibi is not None, causal, mods.sinks is not None)
 
 
+def modifier_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, mods: Mods,
+                    **features: bool) -> KernelConfig:
+    """serve_config's kernel for a call with a score_mod, mask_mod or block map (family sm80 on every GPU: the sm90
+    family has no modifier slot), generated with the call's modifiers and other score modifiers; with a block map
+    wherever the call has a mask_mod or a block map (its tiles are the kernel's: blockmap.BlockMap.retile)."""
+    return serve_config(head_dim, dtype, causal, rows, arch, **call_features(mods, causal), **features,
+                        score_mod=mods.score_mod.digest if mods.score_mod is not None else "",
+                        mask_mod=mods.mask_mod.digest if mods.mask_mod is not None else "",
+                        block_map=mods.mask_mod is not None or mods.block_map is not None)
+
+
 class KVPlan(NamedTuple):
     launch: ServeLaunch
     lse_shape: tuple | None
@@ -347,4 +416,5 @@ def append_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, bl
 
 __all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "ServeLaunch", "append_kv",
            "arch_and_slots", "call_features", "choose_splits", "decode_config", "has_mods", "kernel_sinks",
-           "kvcache_launch", "launch_prefill", "run_plan", "serve_config", "serve_grids", "want_split"]
+           "kvcache_launch", "launch_prefill", "modifier_config", "modifier_tail", "run_plan", "serve_config",
+           "serve_grids", "want_split"]

@@ -1,0 +1,329 @@
+"""score_mod / mask_mod on the GPU: each of FlexAttention's example modifiers through flashgen.attention against a
+float64 reference that applies the user's own Python function to the score matrix (score_mod on q.k * scale,
+mask_mod to -inf), at odd and unequal lengths, MHA and GQA, fp16 and bf16, head dims 64 to 256, into outputs
+poisoned with NaN; and against torch.nn.attention.flex_attention on the same inputs where torch has it. The bar
+is flash-attention's: max error <= 2x the error of the same computation in the input dtype (+ 1e-5); LSE within
+1e-3 with the same +inf pattern (a row that keeps no key: O = 0, LSE = +inf)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+import flashgen  # noqa: E402
+from modifier_examples import examples  # noqa: E402
+
+DT = {"fp16": torch.float16, "bf16": torch.bfloat16}
+LAYOUTS = {"mha": (4, 4), "gqa": (8, 2)}
+LSE_TOL = 1e-3
+# (seqlen_q, seqlen_k): length 1, odd, unequal both ways; 1023 x 1023 crosses many key tiles.
+SHAPES = [(1, 1), (17, 17), (113, 211), (211, 113), (1, 1023), (1023, 1023)]
+
+
+def flex_reference(q, k, v, scale, score_mod=None, mask_mod=None, causal=False, dtype=torch.float64):
+    """(out (batch, seqlen_q, heads, d), lse (batch, heads, seqlen_q)) computed in `dtype` (float64: the reference;
+    the input dtype: PyTorch's own error), the user's functions applied on broadcast index grids."""
+    batch, sq, heads, _ = q.shape
+    sk, heads_k = k.shape[1], k.shape[2]
+    qf = q.to(dtype).transpose(1, 2)
+    kf = k.to(dtype).repeat_interleave(heads // heads_k, dim=2).transpose(1, 2)
+    vf = v.to(dtype).repeat_interleave(heads // heads_k, dim=2).transpose(1, 2)
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    dev = q.device
+    b = torch.arange(batch, device=dev).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=dev).view(1, -1, 1, 1)
+    qi = torch.arange(sq, device=dev).view(1, 1, -1, 1)
+    ki = torch.arange(sk, device=dev).view(1, 1, 1, -1)
+    if score_mod is not None:
+        s = score_mod(s, b, h, qi, ki).to(dtype).expand(batch, heads, sq, sk)
+    keep = torch.ones(batch, heads, sq, sk, dtype=torch.bool, device=dev)
+    if mask_mod is not None:
+        keep = keep & mask_mod(b, h, qi, ki)
+    if causal:
+        keep = keep & (ki <= qi + sk - sq)
+    s = s.masked_fill(~keep, -math.inf)
+    m = s.amax(-1, keepdim=True) if sk else torch.full((batch, heads, sq, 1), -math.inf, device=dev, dtype=dtype)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m)
+    l = p.sum(-1, keepdim=True)
+    out = torch.where(l > 0, (p @ vf) / torch.where(l > 0, l, torch.ones_like(l)), torch.zeros_like(l))
+    lse = torch.where(l > 0, m + torch.log(torch.where(l > 0, l, torch.ones_like(l))), torch.full_like(l, math.inf))
+    return out.transpose(1, 2), lse.squeeze(-1)
+
+
+def poison_allocator(q):
+    """NaN into the blocks the caching allocator hands out next for out and lse: an element the kernel does not
+    write shows up as NaN."""
+    b, sq, h, _ = q.shape
+    junk = (torch.full(q.shape, math.nan, dtype=q.dtype, device=q.device),
+            torch.full((b, h, sq), math.nan, dtype=torch.float32, device=q.device))
+    del junk
+
+
+def check(q, k, v, scale, score_mod, mask_mod, causal=False, **kwargs):
+    poison_allocator(q)
+    out, lse = flashgen.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, score_mod=score_mod,
+                                  mask_mod=mask_mod, **kwargs)
+    ref, ref_lse = flex_reference(q, k, v, scale, score_mod, mask_mod, causal)
+    pt, _ = flex_reference(q, k, v, scale, score_mod, mask_mod, causal, dtype=q.dtype)
+    assert not torch.isnan(out).any(), "NaN in output (an unwritten or poisoned element)"
+    bound = 2 * (pt.double() - ref).abs().max().item() + 1e-5
+    err = (out.double() - ref).abs().max().item()
+    assert err <= bound, f"max error {err:.3g} > bound {bound:.3g}"
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse)), "LSE +inf pattern differs from the reference"
+    fin = torch.isfinite(ref_lse)
+    if fin.any():
+        lerr = (lse.double()[fin] - ref_lse[fin]).abs().max().item()
+        assert lerr <= LSE_TOL, f"LSE error {lerr:.3g}"
+    return out
+
+
+def qkv(batch, sq, sk, heads, heads_k, d, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(batch, n, hh, d, generator=g, device="cuda").to(DT[dtype])
+                 for n, hh in ((sq, heads), (sk, heads_k), (sk, heads_k)))
+
+
+NAMES = sorted(examples())
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", sorted(DT))
+@pytest.mark.parametrize("name", NAMES)
+def test_examples_against_the_reference(name, dtype, layout):
+    heads, heads_k = LAYOUTS[layout]
+    ex = examples("cuda", batch=2, heads=heads)[name]
+    for i, (sq, sk) in enumerate(SHAPES):
+        q, k, v = qkv(2, sq, sk, heads, heads_k, 64, dtype, seed=i)
+        check(q, k, v, 64 ** -0.5, ex.score_mod, ex.mask_mod)
+
+
+@pytest.mark.parametrize("head_dim", [96, 128, 256])
+@pytest.mark.parametrize("name", ["alibi_causal", "softcap_document", "relative_bias", "prefix_lm"])
+def test_head_dims(name, head_dim):
+    ex = examples("cuda", batch=2, heads=4)[name]
+    for i, (sq, sk) in enumerate([(17, 113), (1023, 1023)]):
+        q, k, v = qkv(2, sq, sk, 4, 2, head_dim, "bf16", seed=i)
+        check(q, k, v, head_dim ** -0.5, ex.score_mod, ex.mask_mod)
+
+
+def test_scales_and_other_modifiers_combine():
+    ex = examples("cuda", batch=2, heads=4)
+    q, k, v = qkv(2, 113, 211, 4, 4, 64, "fp16")
+    for scale in (0.3, 0.0, -0.2):  # the score the modifier sees is q.k * scale, sign included
+        check(q, k, v, scale, ex["alibi"].score_mod, ex["document"].mask_mod)
+    check(q, k, v, 0.125, ex["relative_bias"].score_mod, ex["prefix_lm"].mask_mod, causal=True)  # bottom-right causal
+    # a mask_mod with the built-in softcap and window (bottom-right aligned, as flash_attn's): checked against the
+    # same written as a score_mod and a mask_mod; softcap's tanh must not undo the mask_mod's -inf
+    doc, shift = ex["document"].mask_mod, 211 - 113
+    out, lse = flashgen.attention(q, k, v, softmax_scale=0.125, mask_mod=doc, window_size=(50, 10), softcap=15.0,
+                                  return_lse=True)
+    ref, ref_lse = flex_reference(q, k, v, 0.125, lambda s, b, h, qi, ki: 15.0 * torch.tanh(s / 15.0),
+                                  lambda b, h, qi, ki: doc(b, h, qi, ki) & (ki >= qi + shift - 50) & (ki <= qi + shift + 10))
+    assert (out.double() - ref).abs().max().item() < 2e-2 and not torch.isnan(out).any()
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse))
+    with pytest.raises(ValueError, match="does not combine"):
+        flashgen.attention(q, k, v, score_mod=ex["alibi"].score_mod, softcap=30.0)
+
+
+def test_captured_tensors_are_read_at_each_call():
+    q, k, v = qkv(1, 64, 64, 2, 2, 64, "bf16")
+    bias = torch.zeros(64, device="cuda")
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+
+    first = flashgen.attention(q, k, v, score_mod=mod)
+    bias[:32] = -1e4  # in place: the same kernel and slot, new values
+    second = check(q, k, v, 64 ** -0.5, mod, None)
+    assert not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("dtype", sorted(DT))
+def test_against_flex_attention(dtype):
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    ex = examples("cuda", batch=2, heads=8)
+    for name in NAMES:
+        for sq, sk in ((113, 113), (128, 256)):
+            q, k, v = qkv(2, sq, sk, 8, 2, 64, dtype)
+            e = ex[name]
+            scale = 0.125
+            ours = flashgen.attention(q, k, v, softmax_scale=scale, score_mod=e.score_mod, mask_mod=e.mask_mod)
+            block_mask = (fa.create_block_mask(e.mask_mod, 2, 8, sq, sk, device="cuda")
+                          if e.mask_mod is not None else None)
+            theirs = fa.flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=e.score_mod,
+                                       block_mask=block_mask, scale=scale, enable_gqa=True).transpose(1, 2)
+            ref, _ = flex_reference(q, k, v, scale, e.score_mod, e.mask_mod)
+            kept = ref.abs().sum(-1) > 0  # flex_attention's rows with no key are 0 too, or NaN in older torch
+            diff = (ours.double() - theirs.double()).abs()[kept].max().item()
+            bound = 2 * ((theirs.double() - ref).abs()[kept].max().item() + (ours.double() - ref).abs().max().item())
+            assert diff <= bound + 1e-5, f"{name} {sq}x{sk}: flashgen vs flex_attention {diff:.3g} > {bound:.3g}"
+
+
+# -- block maps: empty key tiles skipped, full ones unmasked (flashgen.blockmap) ---------------------------------
+
+BLOCK_SHAPES = [(1, 1), (17, 17), (113, 211), (211, 113), (1023, 1023), (1, 1023)]
+
+
+def documents(batch, length, seed, mean=150):
+    """Document ids (batch, length) int32 on the GPU: runs of random lengths around `mean`."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(batch, length, generator=g) < 1.0 / mean).cumsum(1).to(torch.int32).cuda()
+
+
+def kv_blocks(dense_blocks):
+    """BlockMask.from_kv_blocks' (kv_num_blocks, kv_indices) of a dense (B, H, QB, KB) bool block pattern."""
+    num = dense_blocks.sum(-1).to(torch.int32)
+    idx = torch.argsort((~dense_blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num, idx
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", sorted(DT))
+def test_document_mask_with_and_without_a_block_mask(dtype, layout):
+    """A captured document-id tensor: the map flashgen builds from the mask_mod, and torch's BlockMask of it (at its
+    default 128 blocks and at 64 x 256), causal or not: every key tile outside a row block's documents is skipped."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    heads, heads_k = LAYOUTS[layout]
+    for i, (sq, sk) in enumerate(BLOCK_SHAPES):
+        doc = documents(2, max(sq, sk), seed=i)
+
+        def same_doc(b, h, q_idx, kv_idx):
+            return doc[b, q_idx] == doc[b, kv_idx]
+
+        q, k, v = qkv(2, sq, sk, heads, heads_k, 64, dtype, seed=i)
+        check(q, k, v, 0.125, None, same_doc)  # flashgen's own map
+        check(q, k, v, 0.125, None, same_doc, causal=True)
+        for block in (128, (64, 256)):
+            bm = fa.create_block_mask(same_doc, 2, None, sq, sk, device="cuda", BLOCK_SIZE=block)
+            check(q, k, v, 0.125, None, same_doc, block_mask=bm)
+            check(q, k, v, 0.125, None, same_doc, causal=True, block_mask=bm)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_random_block_sparse_masks(layout):
+    """Random block-sparse patterns, rows whose every block is empty included (O = 0, LSE = +inf): as a mask_mod over
+    a captured block table, and as a BlockMask of kv blocks with no mask_mod at all (flex_attention's noop_mask:
+    its listed blocks are kept whole, the others skipped)."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    heads, heads_k = LAYOUTS[layout]
+    g = torch.Generator().manual_seed(5)
+    for i, (sq, sk) in enumerate(BLOCK_SHAPES):
+        qb, kb = -(-sq // 128), -(-sk // 128)
+        blocks = (torch.rand(2, heads, qb, kb, generator=g) < 0.45).cuda()
+        blocks[0, 0, 0] = False  # a row block that sees nothing
+
+        def sparse(b, h, q_idx, kv_idx):
+            return blocks[b, h, q_idx // 128, kv_idx // 128]
+
+        q, k, v = qkv(2, sq, sk, heads, heads_k, 64, "bf16", seed=i)
+        check(q, k, v, 0.125, None, sparse)
+        num, idx = kv_blocks(blocks)
+        bm = fa.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=128, seq_lengths=(sq, sk))
+        poison_allocator(q)
+        out, lse = flashgen.attention(q, k, v, softmax_scale=0.125, block_mask=bm, return_lse=True)
+        ref, ref_lse = flex_reference(q, k, v, 0.125, None, sparse)
+        pt, _ = flex_reference(q, k, v, 0.125, None, sparse, dtype=q.dtype)
+        assert not torch.isnan(out).any()
+        assert (out.double() - ref).abs().max().item() <= 2 * (pt.double() - ref).abs().max().item() + 1e-5
+        assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse))
+        fin = torch.isfinite(ref_lse)
+        if fin.any():
+            assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() <= LSE_TOL
+
+
+def test_block_mask_with_a_score_mod_and_head_dims():
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    ex = examples("cuda", batch=2, heads=4)
+    for d in (96, 128, 256):
+        q, k, v = qkv(2, 1023, 517, 4, 2, d, "fp16", seed=d)
+        mask = ex["prefix_lm"].mask_mod
+        bm = fa.create_block_mask(mask, 2, 4, 1023, 517, device="cuda")
+        check(q, k, v, d ** -0.5, ex["alibi"].score_mod, mask, block_mask=bm)
+
+
+def test_block_mask_refusals():
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    ex = examples("cuda", batch=2, heads=4)
+    q, k, v = qkv(2, 113, 211, 4, 2, 64, "bf16")
+    bm = fa.create_block_mask(ex["causal"].mask_mod, 2, 4, 113, 200, device="cuda")
+    with pytest.raises(ValueError, match="113 queries x 200 keys"):
+        flashgen.attention(q, k, v, block_mask=bm)
+    bm = fa.create_block_mask(ex["causal"].mask_mod, 2, 4, 113, 211, device="cuda")
+    with pytest.raises(ValueError, match="differs"):
+        flashgen.attention(q, k, v, block_mask=bm, mask_mod=ex["document"].mask_mod)
+
+
+@pytest.mark.parametrize("dtype", sorted(DT))
+def test_block_masks_against_flex_attention(dtype):
+    """The same BlockMask given to flashgen.attention and to flex_attention: a document mask (captured ids) and a
+    random block-sparse BlockMask without a mask_mod, GQA."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    g = torch.Generator().manual_seed(7)
+    for sq, sk in ((113, 113), (256, 384), (1023, 1023)):
+        doc = documents(2, max(sq, sk), seed=sq)
+
+        def same_doc(b, h, q_idx, kv_idx):
+            return doc[b, q_idx] == doc[b, kv_idx]
+
+        blocks = (torch.rand(2, 8, -(-sq // 128), -(-sk // 128), generator=g) < 0.5).cuda()
+        blocks[..., 0] = True  # flex_attention's rows with no key are NaN in some versions: keep one block a row
+        num, idx = kv_blocks(blocks)
+
+        def sparse(b, h, q_idx, kv_idx):
+            return blocks[b, h, q_idx // 128, kv_idx // 128]
+
+        cases = [(fa.create_block_mask(same_doc, 2, None, sq, sk, device="cuda"), same_doc),
+                 (fa.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=128, seq_lengths=(sq, sk)), sparse)]
+        q, k, v = qkv(2, sq, sk, 8, 2, 64, dtype)
+        for bm, mask in cases:
+            ours = flashgen.attention(q, k, v, softmax_scale=0.125, block_mask=bm)
+            theirs = fa.flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm,
+                                       scale=0.125, enable_gqa=True).transpose(1, 2)
+            ref, _ = flex_reference(q, k, v, 0.125, None, mask)
+            kept = ref.abs().sum(-1) > 0
+            diff = (ours.double() - theirs.double()).abs()[kept].max().item()
+            bound = 2 * ((theirs.double() - ref).abs()[kept].max().item() + (ours.double() - ref).abs().max().item())
+            assert diff <= bound + 1e-5, f"{sq}x{sk}: flashgen vs flex_attention {diff:.3g} > {bound:.3g}"
+
+
+def test_empty_tiles_are_skipped_even_where_the_mask_mod_keeps_scores():
+    """A BlockMask listing only the diagonal blocks of a causal mask_mod: the keys of the unlisted blocks, which the
+    mask_mod would keep, are not attended to (flex_attention's semantics): the kernel never visits those tiles."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    causal = examples("cuda")["causal"].mask_mod
+    for sq in (113, 1023):
+        nb = -(-sq // 128)
+        diagonal = torch.eye(nb, dtype=torch.bool, device="cuda").expand(2, 4, nb, nb).contiguous()
+        num, idx = kv_blocks(diagonal)
+        bm = fa.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=128, mask_mod=causal, seq_lengths=(sq, sq))
+        q, k, v = qkv(2, sq, sq, 4, 2, 64, "fp16", seed=sq)
+
+        def banded(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx // 128 == kv_idx // 128)
+
+        poison_allocator(q)
+        out, lse = flashgen.attention(q, k, v, softmax_scale=0.125, block_mask=bm, return_lse=True)
+        ref, ref_lse = flex_reference(q, k, v, 0.125, None, banded)
+        pt, _ = flex_reference(q, k, v, 0.125, None, banded, dtype=q.dtype)
+        assert (out.double() - ref).abs().max().item() <= 2 * (pt.double() - ref).abs().max().item() + 1e-5
+        assert (lse.double() - ref_lse).abs().max().item() <= LSE_TOL
+
+
+def test_a_mask_mods_map_follows_its_tensors():
+    """The map built from a mask_mod is reused between calls and rebuilt when its captured tensor is written in
+    place: the second call sees the new documents."""
+    q, k, v = qkv(2, 700, 700, 4, 2, 64, "bf16")
+    doc = documents(2, 700, seed=3, mean=300)
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[b, q_idx] == doc[b, kv_idx]
+
+    check(q, k, v, 0.125, None, same_doc)
+    check(q, k, v, 0.125, None, same_doc)  # the cached map
+    doc.copy_(documents(2, 700, seed=4, mean=40))  # many more, shorter documents: tiles the old map kept go empty
+    check(q, k, v, 0.125, None, same_doc)
