@@ -267,6 +267,8 @@ def test_public_calls_check_the_sinks_before_any_launch():
         flashgen.attention(q, k, k, learnable_sink=torch.zeros(4))
     with pytest.raises(ValueError, match="built in family sm80"):
         flashgen.attention(q, k, k, arch="sm90", learnable_sink=torch.zeros(4, **meta))
+    with pytest.raises(ValueError, match="does not combine with score_mod"):
+        flashgen.attention(q, k, k, score_mod=lambda s, b, h, i, j: s, learnable_sink=torch.zeros(4, **meta))
     cu = torch.tensor([0, 4], dtype=torch.int32, **meta)
     with pytest.raises(ValueError, match="learnable_sink must have shape"):
         flashgen.attention_varlen(q[0], k[0], k[0], cu, cu, 4, 8, learnable_sink=torch.zeros(3, **meta))
