@@ -86,8 +86,8 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
                     deterministic: bool = False) -> Any:
     """`attention` with a score_mod, mask_mod or BlockMask: traced (flashgen.modifiers, reused while the function
     and what it reads are the same) into the sm80 family's serving forward, with a block map wherever there is a
-    mask (flashgen.blockmap). Torch tensors, eager; differentiable in q, k and v (the sm80 backward generated with
-    the same modifiers)."""
+    mask (flashgen.blockmap). Torch tensors, eager; differentiable in q, k, v (the sm80 backward generated with the
+    same modifiers) and the float tensors the score_mod reads."""
     if not is_torch(q):
         raise TypeError("score_mod and mask_mod take torch tensors")
     if stream is not None:
@@ -109,9 +109,9 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
     mask = trace_cached(mask_mod, "mask") if mask_mod is not None else None
     if score is not None and (mods.softcap or mods.alibi is not None):
         raise ValueError("a score_mod does not combine with softcap or alibi_slopes: write them into the score_mod")
-    _refuse_captured_grad(score, mask)
+    _refuse_mask_grad(mask)
     mods = mods._replace(score_mod=score, mask_mod=mask, block_map=block_map)
-    if wants_grad(q, k, v):
+    if wants_grad(q, k, v) or _tables_want_grad(score):
         check_grad_scale(softmax_scale, q, k, v)
         out, lse = _ops().flex_attention(q, k, v, causal, softmax_scale, mods, deterministic)
     else:
@@ -119,19 +119,24 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
     return (out, lse) if return_lse else out
 
 
-def _refuse_captured_grad(*mods: Any) -> None:
-    """NotImplementedError where a tensor a score_mod or mask_mod reads wants a gradient: the backward gives q, k and v
-    theirs only, and a silently missing gradient would train nothing."""
+def _tables_want_grad(score: Any) -> bool:
+    """Whether a tensor the score_mod reads wants a gradient (a learnable bias: flashgen.modifier_grads)."""
     import torch  # noqa: PLC0415  (torch tensors: torch is imported)
 
-    if not torch.is_grad_enabled():
+    return score is not None and torch.is_grad_enabled() and any(t.requires_grad for t in score.tensors)
+
+
+def _refuse_mask_grad(mask: Any) -> None:
+    """NotImplementedError where a tensor the mask_mod reads wants a gradient: a mask's keep/drop has none, and a
+    silently missing gradient would train nothing."""
+    import torch  # noqa: PLC0415  (torch tensors: torch is imported)
+
+    if mask is None or not torch.is_grad_enabled():
         return
-    for mod in mods:
-        for c, t in zip(mod.captured if mod is not None else (), mod.tensors if mod is not None else ()):
-            if t.requires_grad:
-                raise NotImplementedError(f"{mod.kind}_mod reads tensor {c.name!r}, which requires grad: gradients of "
-                                          "the tensors a modifier reads are not computed (detach it, or call under "
-                                          "torch.no_grad())")
+    for c, t in zip(mask.captured, mask.tensors):
+        if t.requires_grad:
+            raise NotImplementedError(f"mask_mod reads tensor {c.name!r}, which requires grad: a mask has no gradient "
+                                      "(detach it, or call under torch.no_grad())")
 
 
 def _block_mask_mod(block_mask: Any, mask_mod: Any) -> Any:
@@ -184,8 +189,8 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     (flashgen.modifiers; tensors it indexes are read by the kernel) and compiled into an sm80-family kernel of
     its own. q_idx and kv_idx count from 0 in q and in k (no bottom-right alignment, unlike causal). They combine
     with causal, window_size and (mask_mod) softcap and ALiBi, whose masks apply after them. A row that keeps no
-    key gives O = 0 and LSE = +inf. Torch tensors, eager; differentiable in q, k and v (not in the tensors a
-    modifier reads: NotImplementedError where one requires grad).
+    key gives O = 0 and LSE = +inf. Torch tensors, eager; differentiable in q, k, v and the float tensors a
+    score_mod reads (a learnable bias; flashgen.modifier_grads).
     block_mask: torch's BlockMask (torch.nn.attention.flex_attention.create_block_mask) for seqlen_q x seqlen_k:
     key tiles it leaves empty are skipped, full ones run without the mask_mod, partial ones with its mask_mod.
     Without one, flashgen builds a mask_mod's block map itself (flashgen.blockmap; kept while the tensors it reads

@@ -17,6 +17,7 @@ import torch
 
 from . import blockmap
 from .checks import Mods, check_grad_scale, check_shapes, dtype_name, refuse_grad
+from .modifier_grads import captured_grads
 from .kernels.backward import ServeArgs, backward
 from .kernels.dense import checked, descale_dict, launch_torch, signature
 from .kernels.serving import (arch_and_slots, call_features, launch_prefill, modifier_config, serve_config, serve_grids,
@@ -319,11 +320,13 @@ def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: floa
 
 class _FlexAttention(torch.autograd.Function):
     """Autograd of `flashgen.attention` with a traced score_mod, mask_mod or BlockMask (eager only: no torch operator
-    takes a Python modifier): the serving forward, then the sm80 backward generated with the same modifiers."""
+    takes a Python modifier): the serving forward, then the sm80 backward generated with the same modifiers. The
+    score_mod's tensors are inputs too: those that require grad get theirs from modifier_grads.captured_grads."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                softmax_scale: Optional[float], mods: Mods, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                softmax_scale: Optional[float], mods: Mods, deterministic: bool,
+                *tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = dense_mods_forward(q, k, v, causal, softmax_scale, mods)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (causal, softmax_scale, mods, deterministic)
@@ -335,22 +338,30 @@ class _FlexAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        grads = flex_backward(dout, q, k, v, out, lse, dlse, *ctx.args)
-        return (*grads, None, None, None, None)
+        wanted = tuple(ctx.needs_input_grad[7:])
+        dq, dk, dv, bmap = flex_backward(dout, q, k, v, out, lse, dlse, *ctx.args)
+        tables = [None] * len(wanted)
+        if any(wanted):
+            causal, scale, mods, _ = ctx.args
+            tables = captured_grads(dout, q, k, v, out, lse, dlse, causal, scale, mods, bmap, wanted)
+        return (dq, dk, dv, None, None, None, None, *tables)
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
                    mods: Mods, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of `flashgen.attention` with modifiers where a gradient is wanted: differentiable in q, k, v."""
-    return _FlexAttention.apply(q, k, v, causal, softmax_scale, mods, deterministic)
+    """(out, lse) of `flashgen.attention` with modifiers where a gradient is wanted: differentiable in q, k, v and in
+    the float tensors the score_mod reads."""
+    tables = mods.score_mod.tensors if mods.score_mod is not None else ()
+    return _FlexAttention.apply(q, k, v, causal, softmax_scale, mods, deterministic, *tables)
 
 
 def flex_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, dlse: Optional[torch.Tensor], causal: bool, softmax_scale: Optional[float],
-                  mods: Mods, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of dense_mods_forward with a score_mod, mask_mod or block map: the backward generated with the
-    forward's modifiers (resolve.modifier_backward_kernel), its block map built from the same mask_mod or BlockMask
-    at the backward's tiles (kernel_block_map), read both ways (q tiles per key tile, key tiles per q tile)."""
+                  mods: Mods, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """(dq, dk, dv, block map or None) of dense_mods_forward with a score_mod, mask_mod or block map: the backward
+    generated with the forward's modifiers (resolve.modifier_backward_kernel), its block map built from the same
+    mask_mod or BlockMask at the backward's tiles (kernel_block_map), read both ways (q tiles per key tile, key tiles
+    per q tile)."""
     batch, seqlen_q, heads, d = q.shape
     seqlen_k = k.shape[1]
     serve = ServeArgs(window=mods.window, softcap=mods.softcap, alibi_slopes=mods.alibi)
@@ -363,7 +374,7 @@ def flex_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     if kern.config.block_map:
         bmap = kernel_block_map(kern.config, mods, causal, batch, heads, seqlen_q, seqlen_k, q.device)
     serve = serve._replace(mods=mods._replace(block_map=bmap))
-    return backward(kern, q, k, v, out, dout.contiguous(), lse, softmax_scale, dlse=dlse, serve=serve)
+    return (*backward(kern, q, k, v, out, dout.contiguous(), lse, softmax_scale, dlse=dlse, serve=serve), bmap)
 
 
 def modifier_kernel(device: int, head_dim: int, dtype: str, causal: bool, seqlen: int, gqa_group: int,

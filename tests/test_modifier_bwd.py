@@ -434,14 +434,73 @@ def test_lse_gradient_and_refusals(emulated):
     out, lse = flashgen.attention(q, k, v, mask_mod=causal, return_lse=True)
     (out.float().sum() + lse.sum()).backward()  # dlse reaches the backward as D - dlse
     assert q.grad is not None and k.grad is not None and v.grad is not None
-    bias = torch.zeros(80, requires_grad=True)
+    table = torch.ones(37, dtype=torch.bool, requires_grad=False).float().requires_grad_(True)
 
-    def learned(score, b, h, q_idx, kv_idx):
-        return score + bias[kv_idx - q_idx + 40]
+    def learned_mask(b, h, q_idx, kv_idx):
+        return table[kv_idx] > 0
 
-    with pytest.raises(NotImplementedError, match="requires grad"):
-        flashgen.attention(q, k, v, score_mod=learned)
+    with pytest.raises(NotImplementedError, match="a mask has no gradient"):
+        flashgen.attention(q, k, v, mask_mod=learned_mask)
     with torch.no_grad():
-        flashgen.attention(q, k, v, score_mod=learned)  # no gradient wanted: fine
+        flashgen.attention(q, k, v, mask_mod=learned_mask)  # no gradient wanted: fine
     with pytest.raises(RuntimeError, match="softmax_scale > 0"):
         flashgen.attention(q, k, v, mask_mod=causal, softmax_scale=-0.1)
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 1])
+def test_gradients_of_a_learnable_bias(emulated, monkeypatch, chunk):
+    """A score_mod reading a float table that requires grad: the table's gradient (flashgen.modifier_grads, torch on
+    the host: it runs here for real) against float64 autograd, with a document mask_mod's block map and GQA; one
+    query row a pass too. The same call with only the table requiring grad gives the same table gradient."""
+    import flashgen
+    from flashgen import modifier_grads
+
+    monkeypatch.setattr(modifier_grads, "CHUNK_ELEMENTS", chunk)
+    g = torch.Generator().manual_seed(1)
+    sq, sk = 113, 211
+    q, k, v = (torch.randn(2, n, hh, 64, generator=g).half() for n, hh in ((sq, 8), (sk, 2), (sk, 2)))
+    dout = torch.randn(2, sq, 8, 64, generator=g).half()
+    doc = (torch.rand(2, sk, generator=g) < 0.03).cumsum(1).to(torch.int32)
+    bias = (0.5 * torch.randn(8, sq + sk, generator=g)).requires_grad_(True)
+    scale_h = torch.rand(8, generator=g).requires_grad_(True)
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[b, q_idx + sk - sq] == doc[b, kv_idx]
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score * scale_h[h] + bias[h, kv_idx - q_idx + sq]
+
+    b, h, qi, ki = _grids(2, 8, sq, sk)
+    keep = same_doc(b, h, qi, ki).expand(2, 8, sq, sk) & (ki <= qi + sk - sq)
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out, lse = flashgen.attention(qg, kg, vg, softmax_scale=0.125, score_mod=biased, mask_mod=same_doc, causal=True,
+                                  return_lse=True)
+    dlse = torch.randn(lse.shape, generator=g)
+    (out.float() * dout.float()).sum().add((lse.where(torch.isfinite(lse), 0.0) * dlse).sum()).backward()
+
+    def reference(with_lse):
+        leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v, bias, scale_h)]
+        qd, kd, vd, bd, sd = leaves
+        s = (_scores(qd, kd, 0.125) * sd.view(1, -1, 1, 1) + bd[h, ki - qi + sq]).masked_fill(~keep, -math.inf)
+        row_lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - row_lse[..., None]).nan_to_num(0.0)
+        o = (p @ vd.repeat_interleave(4, 2).transpose(1, 2)).transpose(1, 2)
+        total = (o * dout.double()).sum()
+        if with_lse:
+            total = total + (row_lse.where(torch.isfinite(row_lse), 0.0) * dlse.double()).sum()
+        return torch.autograd.grad(total, leaves)
+
+    def close(got, ref, name):
+        err = (got.double() - ref).abs().max().item()
+        assert err < 2e-2 * max(1.0, ref.abs().max().item()), (name, err)
+
+    for name, got, ref in zip(("dq", "dk", "dv", "dbias", "dscale"), (qg.grad, kg.grad, vg.grad, bias.grad,
+                                                                    scale_h.grad), reference(True)):
+        close(got, ref, name)
+    assert bias.grad.abs().sum() > 0 and scale_h.grad.abs().sum() > 0
+    bias.grad = scale_h.grad = None
+    out = flashgen.attention(q, k, v, softmax_scale=0.125, score_mod=biased, mask_mod=same_doc, causal=True)
+    (out.float() * dout.float()).sum().backward()  # only the tables want grad
+    want = reference(False)
+    close(bias.grad, want[3], "dbias")
+    close(scale_h.grad, want[4], "dscale")
