@@ -2,8 +2,8 @@
 against float64 autograd of a reference that applies the user's own Python functions to the score matrix (score_mod
 on q.k * scale, mask_mod to -inf), for FlexAttention's examples (causal, sliding window, prefix-LM and document masks
 as mask_mods, with flashgen's own block map and with torch's BlockMask; ALiBi, softcap and a relative bias as
-score_mods, alone and with masks), random block-sparse BlockMasks, at lengths 1, 17, 113 (odd, unequal both ways),
-MHA and GQA, fp16 and bf16, into gradient buffers poisoned with NaN. The bar, the backward's: each gradient's max
+score_mods, alone and with masks), random block-sparse BlockMasks, learnable bias tables, at lengths 1, 17, 113
+(odd, unequal both ways), MHA and GQA, fp16 and bf16, into gradient buffers poisoned with NaN. The bar, the backward's: each gradient's max
 error <= 2 x PyTorch's error for the same computation in the input dtype + GRAD_ABS_TOL."""
 from __future__ import annotations
 
@@ -204,12 +204,68 @@ def test_lse_gradient_and_built_in_modifiers():
                 ref_score=capped_alibi, ref_mask=windowed_doc)
 
 
-def test_captured_tensors_that_require_grad_are_refused():
-    bias = torch.zeros(512, device="cuda", requires_grad=True)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_learnable_bias_tables(dtype):
+    """A score_mod reading fp32 tables that require grad (a per-head scale and a relative-position bias), beside a
+    document mask_mod, GQA: dq, dk, dv and both tables' gradients (flashgen.modifier_grads) against float64 autograd;
+    with only the tables requiring grad too."""
+    sq, sk = 113, 211
+    g = torch.Generator(device="cuda").manual_seed(9)
+    bias = (0.5 * torch.randn(8, sq + sk, generator=g, device="cuda")).requires_grad_(True)
+    scale_h = (0.5 + torch.rand(8, generator=g, device="cuda")).requires_grad_(True)
+    doc = documents(2, sk, seed=3, mean=60)
 
-    def learned(score, b, h, q_idx, kv_idx):
-        return score + bias[kv_idx - q_idx + 256]
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[b, q_idx + sk - sq] == doc[b, kv_idx]
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score * scale_h[h] + bias[h, kv_idx - q_idx + sq]
+
+    q, k, v = qkv(2, sq, sk, 8, 2, 64, dtype, seed=7)
+    dout = torch.randn(q.shape, generator=g, device="cuda").to(q.dtype)
+
+    def grads(dtype_, tables_only=False):
+        """Gradients of (q, k, v, bias, scale_h): flashgen's (dtype_ None) or the reference's in dtype_."""
+        if dtype_ is None:
+            leaves = [t.detach().clone().requires_grad_(not tables_only) for t in (q, k, v)]
+            out = flashgen.attention(*leaves, softmax_scale=0.125, score_mod=biased, mask_mod=same_doc, causal=True)
+            bias.grad = scale_h.grad = None
+            (out.float() * dout.float()).sum().backward()
+            return [t.grad for t in leaves] + [bias.grad, scale_h.grad]
+        leaves = [t.detach().to(dtype_).requires_grad_(True) for t in (q, k, v, bias, scale_h)]
+
+        def mod(score, b, h, q_idx, kv_idx):
+            return score * leaves[4][h] + leaves[3][h, kv_idx - q_idx + sq]
+
+        qd, kd, vd = leaves[:3]
+        heads = q.shape[2]
+        s = (qd.transpose(1, 2) @ kd.repeat_interleave(4, 2).permute(0, 2, 3, 1)) * 0.125
+        b = torch.arange(2, device="cuda").view(-1, 1, 1, 1)
+        h = torch.arange(heads, device="cuda").view(1, -1, 1, 1)
+        qi = torch.arange(sq, device="cuda").view(1, 1, -1, 1)
+        ki = torch.arange(sk, device="cuda").view(1, 1, 1, -1)
+        keep = same_doc(b, h, qi, ki) & (ki <= qi + sk - sq)
+        s = mod(s, b, h, qi, ki).masked_fill(~keep, -math.inf)
+        p = torch.softmax(s, -1).nan_to_num(0.0)
+        o = (p @ vd.repeat_interleave(4, 2).transpose(1, 2)).transpose(1, 2)
+        return list(torch.autograd.grad((o * dout.to(dtype_)).sum(), leaves))
+
+    ref, pt = grads(torch.float64), grads(q.dtype)
+    for tables_only in (False, True):
+        got = grads(None, tables_only)
+        for name, gr, r, p in list(zip(("dq", "dk", "dv", "dbias", "dscale"), got, ref, pt))[3 * tables_only:]:
+            assert gr is not None and not torch.isnan(gr).any(), name
+            err = (gr.double() - r).abs().max().item()
+            bound = 2 * (p.double() - r).abs().max().item() + GRAD_ABS_TOL
+            assert err <= bound, f"{name}: max error {err:.3g} > bound {bound:.3g}"
+
+
+def test_a_mask_mods_tensor_that_requires_grad_is_refused():
+    table = torch.ones(64, device="cuda", requires_grad=True)
+
+    def learned(b, h, q_idx, kv_idx):
+        return table[kv_idx] > 0
 
     q, k, v = (t.requires_grad_(True) for t in qkv(1, 17, 17, 4, 4, 64, "bf16"))
-    with pytest.raises(NotImplementedError, match="requires grad"):
-        flashgen.attention(q, k, v, score_mod=learned)
+    with pytest.raises(NotImplementedError, match="a mask has no gradient"):
+        flashgen.attention(q, k, v, mask_mod=learned)

@@ -228,6 +228,19 @@ def _builtin_keep(causal, window, sq, sk):
     return keep
 
 
+def _builtin_scores(s, mods, b, h, qi, ki, sq, sk):
+    """The built-in softcap (softcap * tanh(s / softcap)) and ALiBi (- slope * |i + sk - sq - j|) after the
+    score_mod, as the kernels apply them, and their derivative."""
+    g = torch.ones_like(s)
+    if mods.softcap:
+        t = torch.tanh(s / mods.softcap)
+        s, g = mods.softcap * t, 1 - t * t
+    if getattr(mods, "alibi", None) is not None or getattr(mods, "alibi_slopes", None) is not None:
+        slopes = mods.alibi if isinstance(mods, Mods) else mods.alibi_slopes
+        s = s - slopes.double()[h] * (qi + sk - sq - ki).abs()
+    return s, g
+
+
 def _scores(q, k, scale):
     heads, heads_k = q.shape[2], k.shape[2]
     scale = q.shape[3] ** -0.5 if scale is None else scale
@@ -259,6 +272,7 @@ def emulated_forward(cfg, q, k, v, out, lse, *, cu_q, cu_k, max_seqlen_q, max_se
     s = _scores(q, k, softmax_scale)
     if mods.score_mod is not None:
         s = mods.score_mod.evaluate(s, b, h, qi, ki).double()
+    s, _ = _builtin_scores(s, mods, b, h, qi, ki, sq, sk)
     mask = (mods.mask_mod.evaluate(b, h, qi, ki).expand(batch, heads, sq, sk) if mods.mask_mod is not None
             else torch.ones(batch, heads, sq, sk, dtype=torch.bool))
     keep = mask
@@ -297,6 +311,8 @@ def emulated_backward(kern, q, k, v, out, dout, lse, softmax_scale=None, dq=None
     g = torch.ones_like(s)
     if mods.score_mod is not None:  # the derivative's graph: the host's grad_expr
         s, g = (mods.score_mod.evaluate(s, b, h, qi, ki, grad=grad).double() * g for grad in (False, True))
+    s, g_builtin = _builtin_scores(s, serve, b, h, qi, ki, sq, sk)
+    g = g * g_builtin
     mask = (mods.mask_mod.evaluate(b, h, qi, ki).expand(batch, heads, sq, sk) if mods.mask_mod is not None
             else torch.ones(batch, heads, sq, sk, dtype=torch.bool))
     builtin = _builtin_keep(cfg.causal, serve.window, sq, sk)
@@ -398,11 +414,17 @@ def test_gradients_through_the_emulated_kernels(emulated, sq, sk):
     num = blocks.sum(-1).to(torch.int32)
     idx = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
     everything = torch.ones(2, 8, sq, sk, dtype=torch.bool)
+
+    def capped_alibi(score, b, h, q_idx, kv_idx):  # the built-in softcap and ALiBi as the reference applies them
+        return 5.0 * torch.tanh(score / 5.0) - slopes.double()[h] * (q_idx + sk - sq - kv_idx).abs()
+
+    window = (ki >= qi + sk - sq - 40) & (ki <= qi + sk - sq + 3)
     cases = [
         (dict(mask_mod=same_doc), None, keep),
         (dict(mask_mod=same_doc, causal=True, deterministic=True), None, keep & causal),
         (dict(mask_mod=same_doc, window_size=(40, 3)), None, keep & (ki >= qi + sk - sq - 40) & (ki <= qi + sk - sq + 3)),
         (dict(score_mod=alibi), alibi, everything),
+        (dict(mask_mod=same_doc, softcap=5.0, alibi_slopes=slopes, window_size=(40, 3)), capped_alibi, keep & window),
         (dict(score_mod=softcap, mask_mod=same_doc, deterministic=True), softcap, keep),
         (dict(block_mask=fa.create_block_mask(same_doc, 2, None, sq, sk, device="cpu", BLOCK_SIZE=(64, 256))),
          None, keep),
@@ -417,8 +439,8 @@ def test_gradients_through_the_emulated_kernels(emulated, sq, sk):
         assert out.grad_fn is not None
         out.backward(dout)
         cfg = SEEN[-1]
-        assert cfg.deterministic == kwargs.get("deterministic", False) and cfg.block_map == ("score_mod" not in kwargs
-                                                                                         or len(kwargs) > 1)
+        assert cfg.deterministic == kwargs.get("deterministic", False) and cfg.block_map == (kwargs.keys() != {"score_mod"})
+        assert cfg.softcap == ("softcap" in kwargs) and cfg.alibi == ("alibi_slopes" in kwargs)
         want = reference_grads(q, k, v, dout, 0.125, score_mod, kept)
         for name, got, ref in zip("qkv", (qg.grad, kg.grad, vg.grad), want):
             err = (got.double() - ref).abs().max().item()
