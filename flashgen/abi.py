@@ -181,6 +181,8 @@ _WINDOW = Line("int", ("window_left", "window_right"),
                "keys i + shift - left .. i + shift + right are seen; -1: unbounded")
 _SOFTCAP = "softcap: S = tanh(S * softcap_pre); scale_log2 is then softcap * log2(e)"
 _MAPS = Line("CUtensorMap", ("tm_q", "tm_k", "tm_v"))
+# Last in its blocks: the fields before it keep their offsets, so kernels without sinks are unchanged.
+_SINKS = Line("const float*", ("sinks",), "(heads) fp32 attention-sink logits (score units); read only with sinks")
 
 FWD = Block("FwdParams", "FLASHGEN_FWD_PARAMS", (
     "Runtime arguments of every forward kernel, passed by value. Strides are in elements;",
@@ -224,6 +226,7 @@ SERVE = Block("ServeParams", "FLASHGEN_SERVE_PARAMS", (
     Line("int", ("total_q", "total_k"), "varlen: rows of the packed q and k (cu_seqlens_q/_k end at or below them)"),
     Line("unsigned long long*", ("error",),
          "null, or a word set once to (code << 32) | sequence at the first bad input (SERVE_INPUTS)"),
+    _SINKS,
 ))
 
 MOD_TENSOR = Block("ModTensor", "FLASHGEN_MOD_TENSOR", (
@@ -305,6 +308,7 @@ SM90_SERVE_FWD = Block("Sm90ServeFwdParams", "FLASHGEN_SM90_SERVE_FWD_PARAMS", (
     Line("int", ("num_seqs", "max_seqlen_q"), "the grid: m-blocks of the longest sequence x heads x num_seqs"),
     Line("unsigned long long*", ("error",),
          "null, or the word a sequence with offsets out of bounds is recorded in (as ServeParams.error)"),
+    _SINKS,
 ))
 
 FP8_DESCALE = Block("Fp8Descale", "FLASHGEN_FP8_DESCALE", (

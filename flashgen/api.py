@@ -13,7 +13,8 @@ from typing import Any
 from . import driver, resolve
 from .blockmap import cached_from_block_mask, check_call
 from .checks import (check_cache, check_dense, check_grad_scale, check_heads, check_int32, check_mods,
-                     check_offsets, checked_dtype, clamp_window, dtype_name, refuse_grad, traced, wants_grad)
+                     check_offsets, check_sinks, checked_dtype, clamp_window, dtype_name, refuse_grad, traced,
+                     wants_grad)
 from .kernels.bad_inputs import check_errors
 from .kernels.dense import Kernel, checked, descale_dict, run_views
 from .kernels.serving import (NO_BACKWARD, KVPlan, append_kv, arch_and_slots, call_features, has_mods, kvcache_launch,
@@ -58,23 +59,23 @@ def _forward_arrays(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
 
 def _attention_mods(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, return_lse: bool,
                     stream: Any, arch: str | None, descale: Any, out_dtype: str | None, block_quant_p: bool,
-                    deterministic: bool, window_size: Any, softcap: float, alibi_slopes: Any) -> Any:
-    """`attention` with a window, softcap or ALiBi: the serving kernels (flashgen.resolve picks the family: sm90 for a
-    window on Hopper, sm80 otherwise), torch tensors only."""
+                    deterministic: bool, window_size: Any, softcap: float, alibi_slopes: Any, sinks: Any) -> Any:
+    """`attention` with a window, softcap, ALiBi or attention sinks: the serving kernels (flashgen.resolve picks the
+    family: sm90 for a window on Hopper, sm80 otherwise), torch tensors only."""
     if not is_torch(q):
-        raise TypeError("window_size, softcap and alibi_slopes take torch tensors")
+        raise TypeError("window_size, softcap, alibi_slopes and learnable_sink take torch tensors")
     if stream is not None:
         raise TypeError(STREAM_FOR_TORCH)
     if descale is not None or out_dtype is not None or block_quant_p or str(q.dtype) == "torch.float8_e4m3fn":
-        raise ValueError("window_size, softcap and alibi_slopes are not built for FP8 inputs")
+        raise ValueError("window_size, softcap, alibi_slopes and learnable_sink are not built for FP8 inputs")
     if arch not in (None, "sm80"):
-        raise ValueError(f"window_size, softcap and alibi_slopes are built in family sm80 (it runs on Hopper too), "
-                         f"not arch={arch!r}")
-    mods = check_dense(q, k, v, window_size, softcap, alibi_slopes, causal)
-    if wants_grad(q, k, v) or traced(q):
+        raise ValueError(f"window_size, softcap, alibi_slopes and learnable_sink are built in family sm80 (it runs on "
+                         f"Hopper too), not arch={arch!r}")
+    mods = check_dense(q, k, v, window_size, softcap, alibi_slopes, causal, sinks)
+    if wants_grad(q, k, v, mods.sinks) or traced(q):
         check_grad_scale(softmax_scale, q, k, v)
         out, lse = _ops().attention_mods_op(q, k, v, causal, softmax_scale, *mods.window, mods.softcap, mods.alibi,
-                                            deterministic)
+                                            deterministic, mods.sinks)
     else:
         out, lse = _ops().dense_mods_forward(q, k, v, causal, softmax_scale, mods, return_lse)
     return (out, lse) if return_lse else out
@@ -157,7 +158,7 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
               k_descale: Any = None, v_descale: Any = None, out_dtype: str | None = None,
               block_quant_p: bool = False, deterministic: bool = False, window_size: tuple[int, int] = (-1, -1),
               softcap: float = 0.0, alibi_slopes: Any = None, score_mod: Any = None, mask_mod: Any = None,
-              block_mask: Any = None) -> Any:
+              block_mask: Any = None, learnable_sink: Any = None) -> Any:
     """FlashAttention forward with flash_attn's conventions.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim) with
@@ -177,6 +178,10 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     |i + shift - j|). They run in kernels generated with exactly those features (a window on Hopper: the sm90
     family; softcap and ALiBi: sm80's, which runs on Hopper too), forward and backward (through the
     `flashgen::attention_mods` operator under autograd or torch.compile); arch stays None with them.
+    learnable_sink (heads,) fp32 or q's dtype: attention sinks (gpt-oss's `sinks`, flash_attn's name), a logit per
+    query head in the units of softmax_scale * q.k that joins every row's softmax denominator as a key of value 0
+    (out_i = sum_j exp(s_ij) v_j / (sum_j exp(s_ij) + exp(sink_h)), lse_i = log(sum_j exp(s_ij) + exp(sink_h)); a
+    row without keys: out 0, lse sink_h); with autograd its gradient comes beside dq, dk, dv.
 
     FP8 (Hopper): q, k, v in torch.float8_e4m3fn with fp32 descale factors q_descale, k_descale,
     v_descale of shape (1,) or (batch, heads_k) (None: 1; `flashgen.fp8.quantize` makes them);
@@ -196,21 +201,26 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     Without one, flashgen builds a mask_mod's block map itself (flashgen.blockmap; kept while the tensors it reads
     are unchanged) with the same effect."""
     _check_options(causal, softmax_scale)
+    sinks = learnable_sink
     if score_mod is not None or mask_mod is not None or block_mask is not None:
+        if sinks is not None:
+            raise ValueError("learnable_sink does not combine with score_mod, mask_mod or block_mask (the modifier "
+                             "kernels have no sinks)")
         fp8_args = (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
                     or block_quant_p)
         return _attention_flex(q, k, v, causal, softmax_scale, return_lse, stream, arch, fp8_args, window_size,
                                softcap, alibi_slopes, score_mod, mask_mod, block_mask, deterministic)
     if (arch is None and stream is None and out_dtype is None and q_descale is None and k_descale is None
             and v_descale is None and not block_quant_p and alibi_slopes is None and not softcap
-            and window_size == (-1, -1) and is_torch(q) and _decode_shaped(q, k, v)):  # first: a decode step is short
+            and window_size == (-1, -1) and is_torch(q) and _decode_shaped(q, k, v, sinks)):  # first: a decode step
         return attention_with_kvcache(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                      cache_seqlens=_full_lengths(q, k), return_lse=return_lse)
+                                      cache_seqlens=_full_lengths(q, k), return_lse=return_lse,
+                                      learnable_sink=sinks)
     descale = descale_dict(q_descale, k_descale, v_descale)
-    if window_size != (-1, -1) or softcap or alibi_slopes is not None:
-        if has_mods(window_size, softcap, alibi_slopes, causal):
+    if window_size != (-1, -1) or softcap or alibi_slopes is not None or sinks is not None:
+        if has_mods(window_size, softcap, alibi_slopes, causal, sinks):
             return _attention_mods(q, k, v, causal, softmax_scale, return_lse, stream, arch, descale, out_dtype,
-                                   block_quant_p, deterministic, window_size, softcap, alibi_slopes)
+                                   block_quant_p, deterministic, window_size, softcap, alibi_slopes, sinks)
     if is_torch(q) and str(q.dtype) == "torch.float8_e4m3fn":
         if stream is not None:
             raise TypeError(STREAM_FOR_TORCH)
@@ -239,9 +249,10 @@ DECODE_MIN_KEYS = 512
 _lengths: dict[tuple, Any] = {}  # (device, batch, seqlen_k) -> int32 (batch,) filled with seqlen_k
 
 
-def _decode_shaped(q: Any, k: Any, v: Any) -> bool:
+def _decode_shaped(q: Any, k: Any, v: Any, sinks: Any = None) -> bool:
     """Whether a plain attention() call is decode-shaped and can take the decode kernels: few queries, many keys,
-    16-bit CUDA tensors of one layout, no gradient wanted and not traced (the decode path has no backward)."""
+    16-bit CUDA tensors of one layout, no gradient wanted (of sinks either) and not traced (the decode path has no
+    backward)."""
     if q.dim() != 4 or k.dim() != 4 or q.shape[1] > DECODE_MAX_QUERIES or k.shape[1] < DECODE_MIN_KEYS:
         return False
     dtype = q.dtype  # 16-bit floats: float16 and bfloat16
@@ -249,7 +260,9 @@ def _decode_shaped(q: Any, k: Any, v: Any) -> bool:
         return False
     if k.shape != v.shape or k.shape[0] != q.shape[0] or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         return False
-    return not (wants_grad(q, k, v) or traced(q))
+    if sinks is not None and not (hasattr(sinks, "device") and sinks.device == q.device):
+        return False  # the full path says what is wrong
+    return not (wants_grad(q, k, v, sinks) or traced(q))
 
 
 def _full_lengths(q: Any, k: Any) -> Any:
@@ -269,13 +282,14 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
                      max_seqlen_k: int, causal: bool = False, softmax_scale: float | None = None,
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
                      return_lse: bool = False, num_splits: int = 1, validate: bool | None = None,
-                     deterministic: bool = False) -> Any:
+                     deterministic: bool = False, learnable_sink: Any = None) -> Any:
     """Attention over a packed batch of sequences of different lengths (flash_attn_varlen_func).
 
     q: (total_q, heads, head_dim); k, v: (total_k, heads_k, head_dim); cu_seqlens_q/_k: int32
     (batch + 1,) offsets, from 0 to total; sequence b is q[cu_q[b]:cu_q[b+1]] against
     k[cu_k[b]:cu_k[b+1]], each with its own bottom-right causal alignment; empty sequences
-    are allowed. Returns out like q, and with return_lse also lse (heads, total_q) fp32.
+    are allowed. Returns out like q, and with return_lse also lse (heads, total_q) fp32. learnable_sink: attention
+    sinks, (heads,), as in `attention` (differentiable too).
     Differentiable (packed training): with autograd the call goes through the `flashgen::attention_varlen`
     operator, whose backward has the same features (window, softcap, ALiBi); deterministic=True gives
     bit-identical gradients run to run.
@@ -303,18 +317,19 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     check_int32(cu_seqlens_k, "cu_seqlens_k", (batch + 1,), q.device)
     if max_seqlen_q < 0 or max_seqlen_k < 0:
         raise ValueError("max_seqlen_q and max_seqlen_k must be >= 0")
-    grad = wants_grad(q, k, v) or traced(q)
+    sinks = check_sinks(learnable_sink, heads, q)
+    grad = wants_grad(q, k, v, sinks) or traced(q)
     if (grad if validate is None else validate) and not torch.cuda.is_current_stream_capturing():
         # one small copy: offsets sound before any launch (the backward's kernels take them as they are)
         check_offsets(cu_seqlens_q, "cu_seqlens_q", total_q, max_seqlen_q)
         check_offsets(cu_seqlens_k, "cu_seqlens_k", total_k, max_seqlen_k)
     mods = clamp_window(check_mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device), total_q,
-                        total_k)
+                        total_k)._replace(sinks=sinks)
     if grad:
         check_grad_scale(softmax_scale, q, k, v)
         out, lse = _ops().attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                               causal, softmax_scale, *mods.window, mods.softcap, mods.alibi,
-                                              deterministic)
+                                              deterministic, sinks)
     else:
         out, lse = _ops().varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                          softmax_scale, mods, return_lse, num_splits)
@@ -325,7 +340,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
                            cache_seqlens: Any = None, block_table: Any = None, causal: bool = False,
                            softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
                            softcap: float = 0.0, alibi_slopes: Any = None, num_splits: int = 0,
-                           return_lse: bool = False, validate: bool = False) -> Any:
+                           return_lse: bool = False, validate: bool = False, learnable_sink: Any = None) -> Any:
     """Attention of new queries against a KV cache (flash_attn_with_kvcache).
 
     q: (batch, seqlen_q, heads, head_dim). k_cache, v_cache: (batch, seqlen_cache, heads_k, head_dim),
@@ -334,6 +349,8 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     cache). k, v (batch, seqlen_new, heads_k, head_dim), if given, are written into the cache in place
     at cache_seqlens before attending. num_splits: key ranges per query block (split-KV); 0 lets
     flashgen choose. Returns out like q, and with return_lse also lse (batch, heads, seqlen_q) fp32.
+    learnable_sink: attention sinks, (heads,), as in `attention` (added once per row, after split-KV's merge;
+    inference only, like the rest of this call).
     A page id outside the cache or a cache_seqlens past its capacity never makes the kernel read or write
     outside the cache: that sequence's rows of out and lse become NaN, and the call after (or
     `flashgen.check_errors()`, e.g. after a CUDA-graph replay) raises a ValueError naming block_table or
@@ -347,8 +364,9 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
 
     _check_options(causal, softmax_scale)
     check_errors()
+    sinks = learnable_sink
     key = _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size,
-                    softcap, alibi_slopes, num_splits, return_lse, validate)
+                    softcap, alibi_slopes, num_splits, return_lse, validate) if sinks is None else None
     plan = _kv_plans.get(key) if key is not None else None
     if plan is not None:
         done = run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, return_lse)
@@ -392,11 +410,13 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
             raise TypeError("k and v to append must have q's dtype and device")
         seqlen_new = k.shape[1]
     mods = clamp_window(check_mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device), seqlen_q,
-                        capacity)
+                        capacity)._replace(sinks=check_sinks(sinks, heads, q))
     longest = capacity  # the most keys a sequence has: bounds the split-KV choice
     if validate and not torch.cuda.is_current_stream_capturing():  # one small copy: no access outside the cache
         longest = check_cache(cache_seqlens, seqlen_new, capacity, block_table, k_cache.shape[0])
     refuse_grad(q, k_cache, v_cache, NO_BACKWARD)
+    if sinks is not None:
+        refuse_grad(q, k_cache, sinks, NO_BACKWARD)
     if k is not None:
         refuse_grad(q, k, v, NO_BACKWARD)
     if seqlen_new:

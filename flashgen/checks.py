@@ -14,7 +14,8 @@ from .tensors import TORCH_DTYPES, Problem, View, aligned, view
 class Mods(NamedTuple):
     """Score modifiers of one call: window (-1: unbounded), softcap (0: off), ALiBi slopes (None: off), and a traced
     score_mod and mask_mod (flashgen.modifiers.Modifier with its live tensors; None: off), and a block map
-    (flashgen.blockmap.BlockMap at any tile size; None: none given)."""
+    (flashgen.blockmap.BlockMap at any tile size; None: none given), attention sinks (None: off; the caller's
+    (heads,) tensor, fp32 or q's dtype)."""
 
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
@@ -22,6 +23,7 @@ class Mods(NamedTuple):
     score_mod: Any = None
     mask_mod: Any = None
     block_map: Any = None
+    sinks: Any = None
 
 
 # -- dense q, k, v (torch tensors or GPU arrays, as Views) --------------------------------
@@ -96,10 +98,12 @@ def usable(t: Any, name: str) -> Any:
 
 # -- gradients --------------------------------------------------------------------------
 
-def wants_grad(q: Any, k: Any, v: Any) -> bool:
+def wants_grad(q: Any, k: Any, v: Any, *more: Any) -> bool:
+    """Whether autograd wants a gradient of q, k, v or of the optional tensors `more` (None: not given)."""
     import torch  # noqa: PLC0415  (torch tensors: torch is imported)
 
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or any(t is not None and t.requires_grad for t in more))
 
 
 def traced(q: Any) -> bool:
@@ -225,6 +229,25 @@ def check_mods(window_size: Any, softcap: float, alibi_slopes: Any, causal: bool
     return Mods((left, right), softcap, alibi_slopes)
 
 
+def check_sinks(sinks: Any, heads: int, q: Any) -> Any:
+    """Attention sinks (the public calls' `learnable_sink`, flash_attn's name; gpt-oss's `sinks`): a (heads,) tensor
+    of logits, fp32 or q's dtype, on q's device; returned as given (its gradient is the caller's dtype)."""
+    import torch  # noqa: PLC0415  (torch tensors: torch is imported)
+
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"learnable_sink must be a torch tensor of shape ({heads},), not {type(sinks).__name__}")
+    if sinks.dtype not in (torch.float32, q.dtype):
+        raise TypeError(f"learnable_sink must be torch.float32 or q's dtype {q.dtype}; got {sinks.dtype}")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"learnable_sink must have shape ({heads},) (one logit per query head); got "
+                         f"{tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"learnable_sink must be on q's device {q.device}; got {sinks.device}")
+    return sinks
+
+
 def clamp_window(mods: Mods, seqlen_q: int, seqlen_k: int) -> Mods:
     """`mods` with window edges past seqlen_q + seqlen_k (bounds of every sequence's lengths) lowered to that sum:
     the same keys are seen (a row's diagonal key i + seqlen_k - seqlen_q lies in (-seqlen_q, seqlen_k)), and the
@@ -257,7 +280,7 @@ def check_cache(cache_seqlens: Any, seqlen_new: int, capacity: int, block_table:
 
 
 def check_dense(q: Any, k: Any, v: Any, window_size: Any, softcap: float, alibi_slopes: Any,
-                causal: bool) -> Mods:
+                causal: bool, sinks: Any = None) -> Mods:
     """`flashgen.attention`'s checks for a call with score modifiers; returns them."""
     checked_dtype({"q": q, "k": k, "v": v}, "(batch, seqlen, heads, head_dim)")
     batch, _, heads, d = q.shape
@@ -265,5 +288,5 @@ def check_dense(q: Any, k: Any, v: Any, window_size: Any, softcap: float, alibi_
     if tuple(v.shape) != tuple(k.shape) or k.shape[0] != batch:
         raise ValueError(f"k and v must have one shape (batch={batch}, seqlen_k, heads_k, head_dim={d}); got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
-    return clamp_window(check_mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device), q.shape[1],
-                        k.shape[1])
+    mods = check_mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device)
+    return clamp_window(mods._replace(sinks=check_sinks(sinks, heads, q)), q.shape[1], k.shape[1])

@@ -37,8 +37,8 @@ MAX_SPLITS = 128  # the most key ranges a split-KV launch splits into
 # Row blocks below 64 (and one-warp blocks) serve few query rows (decode); dense spaces keep to 64 and up.
 DENSE_MIN_BLOCK_M = 64
 # Serving features of a forward kernel (sm80 family): each a compile-time switch, off = not in the code.
-FEATURES = ("varlen", "paged", "split", "pack_gqa", "window", "softcap", "alibi")
-SM90_FEATURES = ("varlen", "window")  # the sm90 family's forward and backward have these
+FEATURES = ("varlen", "paged", "split", "pack_gqa", "window", "softcap", "alibi", "sinks")
+SM90_FEATURES = ("varlen", "window", "sinks")  # the sm90 family's forward has these (its backward: varlen, window)
 # The sm90 forward's schedule knobs (KernelConfig fields; tuned beside the tile, `tune --<knob> yes/no` restricts them).
 SM90_KNOBS = ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum", "lazy_rescale", "q_regs", "p_smem",
               "o_tma", "pack_gqa", "cluster", "lpt_by_head", "exp2_fma")
@@ -51,13 +51,16 @@ EXP2_FMA_MAX_HEAD_DIM = 128
 BWD_FEATURES = ("varlen", "window", "softcap", "alibi")  # the ones a training call uses: the backward has them
 
 
-def mod_features(window: tuple[int, int], softcap: float, alibi: bool, causal: bool) -> dict[str, bool]:
+def mod_features(window: tuple[int, int], softcap: float, alibi: bool, causal: bool,
+                 sinks: bool = False) -> dict[str, bool]:
     """The kernel features a call's score modifiers need: a window only where it bounds more than
-    causal does (causal is the window's right edge at the diagonal)."""
+    causal does (causal is the window's right edge at the diagonal); sinks only where given (the key is
+    absent from calls without them, so their kernels' names and cache keys stay as they were)."""
     left, right = window
-    return {"window": left >= 0 or (right >= 0 and not causal), "softcap": softcap != 0.0, "alibi": alibi}
+    return {"window": left >= 0 or (right >= 0 and not causal), "softcap": softcap != 0.0, "alibi": alibi,
+            **({"sinks": True} if sinks else {})}
 _FEATURE_TAGS = {"varlen": "vl", "paged": "pg", "split": "sp", "pack_gqa": "pk", "window": "win", "softcap": "sc",
-                 "alibi": "al"}
+                 "alibi": "al", "sinks": "snk"}
 # wgmma takes any N that is a multiple of 8 (16 here, for the P V k-steps); mma.sync tiles stay powers of two.
 FAMILY_BLOCK_NS = {"sm80": (32, 64, 128, 256), "sm90": (64, 96, 128, 160, 176, 192, 256)}
 # sm90 consumers get registers from the producer through setmaxnreg: (producer, consumer)
@@ -148,6 +151,9 @@ class KernelConfig(_AsDict):
     window: bool = False  # sliding window
     softcap: bool = False  # scores = softcap * tanh(scores / softcap)
     alibi: bool = False  # scores -= slope * |i + seqlen_k - seqlen_q - j|
+    # Attention sinks (gpt-oss): a learnable logit per head joins every row's softmax denominator as a key whose
+    # value is zero; folded in once at the row's end (split-KV: in the combine), the key loop is the same.
+    sinks: bool = False
     # Programmable attention (sm80 family, serving kernels): the digests of a traced score_mod and mask_mod
     # (flashgen.modifiers; "" = none). The render finds their CUDA text by digest.
     score_mod: str = ""
@@ -273,7 +279,7 @@ class KernelConfig(_AsDict):
         if self.serving and self.family != "sm80":
             if not set(self.features) <= set(SM90_FEATURES):
                 raise ConfigError(f"serving features ({', '.join(self.features)}) are built in family sm80 (it runs on "
-                                  f"Hopper too); family {self.family} has {' and '.join(SM90_FEATURES)}")
+                                  f"Hopper too); family {self.family} has {', '.join(SM90_FEATURES)}")
             if self.fp8:
                 raise ConfigError("varlen and window are built in the sm90 family's 16-bit kernels")
             if self.persistent and self.varlen:

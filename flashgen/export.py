@@ -312,12 +312,16 @@ _FEATURE_NOTES = {
         "alibi: alibi_slopes: fp32 (heads), alibi_batch_stride 0, or (batch, heads), alibi_batch_stride its row",
         "    stride: S -= slope * |i + shift - j|.",
     ],
+    "sinks": [
+        "sinks: fp32 (heads) attention-sink logits in the units of softmax_scale * q.k: each row's softmax",
+        "    denominator gains exp(sinks[head]) (a key of value 0); a row without keys: O 0, LSE sinks[head].",
+    ],
 }
 # The ServeParams fields only a feature reads: left 0 / null when it is not compiled in.
 _FEATURE_FIELDS = {
     "varlen": "cu_seqlens_q, cu_seqlens_k, seqused_k", "paged": "block_table, block_table_stride, page_size",
     "split": "o_accum, lse_accum, num_splits", "window": "window_left, window_right", "softcap": "softcap_pre",
-    "alibi": "alibi_slopes, alibi_batch_stride",
+    "alibi": "alibi_slopes, alibi_batch_stride", "sinks": "sinks",
 }
 
 

@@ -154,34 +154,36 @@ attention_op.register_autograd(_backward, setup_context=_setup_context)
 def attention_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                         softmax_scale: Optional[float], window_left: int, window_right: int, softcap: float,
-                        alibi_slopes: Optional[torch.Tensor], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                        alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+                        sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of a packed batch (flashgen.attention_varlen, arguments checked there): out (total_q, heads,
     head_dim) like q, lse (heads, total_q) fp32."""
     return varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                          Mods((window_left, window_right), softcap, alibi_slopes))
+                          Mods((window_left, window_right), softcap, alibi_slopes, sinks=sinks))
 
 
 @attention_varlen_op.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
       max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: Optional[float], window_left: int,
-      window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
-      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+      window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+      sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("flashgen::attention_mods", mutates_args=(), device_types="cuda")
 def attention_mods_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
                       window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
-                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of dense q, k, v with score modifiers (flashgen.attention with window_size, softcap or
-    alibi_slopes, checked there): out like q, lse (batch, heads, seqlen_q) fp32."""
-    return dense_mods_forward(q, k, v, causal, softmax_scale, Mods((window_left, window_right), softcap, alibi_slopes))
+                      deterministic: bool, sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of dense q, k, v with score modifiers (flashgen.attention with window_size, softcap,
+    alibi_slopes or sinks, checked there): out like q, lse (batch, heads, seqlen_q) fp32."""
+    return dense_mods_forward(q, k, v, causal, softmax_scale,
+                              Mods((window_left, window_right), softcap, alibi_slopes, sinks=sinks))
 
 
 @attention_mods_op.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
       window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
-      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+      deterministic: bool, sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     check_shapes(q, k, v)
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
@@ -219,35 +221,52 @@ def _(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
+def sinks_grad(sinks: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+               dlse: Optional[torch.Tensor]) -> torch.Tensor:
+    """d loss / d sinks, in sinks' dtype (summed in fp32). The sink is a key of score sink_h and value 0 in every
+    row of head h, so its probability is p_i = exp(sink_h - LSE_i) and, with D_i = rowsum(dO_i * O_i),
+    d sink_h = -sum_i p_i (D_i - dLSE_i) over all rows of head h (dq, dk, dv need nothing more: the forward's LSE
+    holds the sink). out, dout: (..., rows, heads, head_dim); lse, dlse: (..., heads, rows) (dense (batch, ...),
+    varlen without)."""
+    acc = torch.promote_types(sinks.dtype, torch.float32)  # fp32 at least (a float64 reference keeps its own)
+    d = (dout.to(acc) * out.to(acc)).sum(-1).transpose(-1, -2)  # (..., heads, rows): lse's layout
+    if dlse is not None:
+        d = d - dlse.to(acc)
+    p = torch.exp(sinks.to(acc)[:, None] - lse.to(acc))  # an LSE of +inf (a row without keys or sink): 0
+    return (-(p * d).sum(-1)).reshape(-1, sinks.shape[0]).sum(0).to(sinks.dtype)
+
+
 def _setup_varlen(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, alibi, deterministic = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, alibi)
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, alibi, deterministic, sinks = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, alibi, sinks)
     ctx.args = (max_q, max_k, causal, scale, left, right, softcap, deterministic)
 
 
 def _backward_varlen(ctx: Any, dout: torch.Tensor, dlse: Optional[torch.Tensor]) -> tuple:
-    q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, alibi, sinks = ctx.saved_tensors
     max_q, max_k, causal, scale, left, right, softcap, deterministic = ctx.args
     dq, dk, dv = attention_serve_backward_op(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, causal, scale,
                                              left, right, softcap, alibi, deterministic)
-    return (dq, dk, dv) + (None,) * 11
+    dsinks = sinks_grad(sinks, out, dout, lse, dlse) if sinks is not None and ctx.needs_input_grad[14] else None
+    return (dq, dk, dv) + (None,) * 11 + (dsinks,)
 
 
 attention_varlen_op.register_autograd(_backward_varlen, setup_context=_setup_varlen)
 
 
 def _setup_mods(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, causal, scale, left, right, softcap, alibi, deterministic = inputs
-    ctx.save_for_backward(q, k, v, *output, alibi)
+    q, k, v, causal, scale, left, right, softcap, alibi, deterministic, sinks = inputs
+    ctx.save_for_backward(q, k, v, *output, alibi, sinks)
     ctx.args = (causal, scale, left, right, softcap, deterministic)
 
 
 def _backward_mods(ctx: Any, dout: torch.Tensor, dlse: Optional[torch.Tensor]) -> tuple:
-    q, k, v, out, lse, alibi = ctx.saved_tensors
+    q, k, v, out, lse, alibi, sinks = ctx.saved_tensors
     causal, scale, left, right, softcap, deterministic = ctx.args
     dq, dk, dv = attention_serve_backward_op(dout, q, k, v, out, lse, dlse, None, None, 0, 0, causal, scale,
                                              left, right, softcap, alibi, deterministic)
-    return (dq, dk, dv) + (None,) * 7
+    dsinks = sinks_grad(sinks, out, dout, lse, dlse) if sinks is not None and ctx.needs_input_grad[10] else None
+    return (dq, dk, dv) + (None,) * 7 + (dsinks,)
 
 
 attention_mods_op.register_autograd(_backward_mods, setup_context=_setup_mods)
@@ -288,6 +307,8 @@ def varlen_forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
             cfg = prefill_config(q.get_device(), d, dtype, causal, max_seqlen_q, max_seqlen_k, features, mods.window[0])
         launch_prefill(cfg, q, k, v, out, lse, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                        max_seqlen_k=max_seqlen_k, num_splits=splits, mods=mods, softmax_scale=softmax_scale)
+    elif lse is not None and mods.sinks is not None:  # rows that see no key: their sink's LSE
+        lse.copy_(mods.sinks.float()[:, None].expand_as(lse))
     elif lse is not None:
         lse.fill_(math.inf)  # rows that see no key
     return out, lse
@@ -408,5 +429,5 @@ def kernel_block_map(cfg: Any, mods: Mods, causal: bool, batch: int, heads: int,
 
 __all__ = ["attention", "attention_backward_op", "attention_fp8", "attention_fp8_op", "attention_mods_op",
            "attention_op", "attention_serve_backward_op", "attention_varlen_op", "dense_mods_forward", "flex_attention",
-           "flex_backward", "forward_fp8",
-           "forward_torch", "kernel_block_map", "modifier_kernel", "varlen_forward"]
+           "flex_backward", "forward_fp8", "forward_torch", "kernel_block_map", "modifier_kernel", "sinks_grad",
+           "varlen_forward"]

@@ -130,8 +130,9 @@ def decode_entry(entries: list[dict[str, Any]], head_dim: int, dtype: str, heads
 def prefill_entry(entries: list[dict[str, Any]], head_dim: int, dtype: str, causal: bool, features: dict[str, bool],
                   seqlen_k: int, window_left: int) -> dict[str, Any] | None:
     """The varlen / window entry for a call: same head dim, dtype, mask and features (varlen or not, window or not;
-    others: none); then the nearest window and the nearest longest sequence (a packed problem's max_len) by ratio."""
-    wanted = {f for f, on in features.items() if on}
+    others: none, but sinks, which leave the key loop as it is: the tile tuned without them serves); then the
+    nearest window and the nearest longest sequence (a packed problem's max_len) by ratio."""
+    wanted = {f for f, on in features.items() if on and f != "sinks"}
     if not wanted <= {"varlen", "window"}:
         return None
     return nearest_entry(entries, "varlen",
@@ -374,6 +375,8 @@ def _prefill(gpu_name: str, arch: str, stamp: tuple | None, head_dim: int, dtype
     if e is None:
         return None
     cfg = KernelConfig.from_dict(e["config"])
+    if "sinks" in features:
+        cfg = dataclasses.replace(cfg, sinks=True)
     return cfg if cfg.unfit_reason(arch) is None else None
 
 
@@ -411,7 +414,7 @@ def sm90_config(device: int, head_dim: int, dtype: str, causal: bool, rows: int,
         return None
     tuned = tuned_prefill(device, head_dim, dtype, causal, seqlen_k, features, window_left)
     if tuned is not None and tuned.family == "sm90":
-        return tuned
+        return _without_spills(tuned) if tuned.sinks else tuned  # a tile tuned without sinks: checked with them
     return _sm90_rule(device, head_dim, dtype, causal, seqlen_k, wanted)
 
 

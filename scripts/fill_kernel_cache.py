@@ -32,7 +32,7 @@ from flashgen.config import (FP8_DTYPES, FP8_HEAD_DIMS, HALF_DTYPES, FAMILIES, H
 from flashgen.store import config_from_entry, read_store  # noqa: E402
 
 
-SUITES = ("fwd", "fp8", "api", "bwd", "serving", "exp2_fma")
+SUITES = ("fwd", "fp8", "api", "bwd", "serving", "exp2_fma", "sinks")
 
 
 def test_suite_configs(arch: str, suites: tuple[str, ...] = SUITES) -> set[KernelConfig | BwdConfig]:
@@ -59,6 +59,10 @@ def test_suite_configs(arch: str, suites: tuple[str, ...] = SUITES) -> set[Kerne
         import test_gpu_tune_varlen  # noqa: PLC0415
         out |= (test_gpu_serving.serving_configs(arch) | test_gpu_serving_bwd.serving_bwd_configs(arch)
                 | test_gpu_tune_decode.tune_decode_configs(arch) | test_gpu_tune_varlen.tune_varlen_configs(arch))
+    if "sinks" in suites:
+        import test_gpu_sinks  # noqa: PLC0415
+
+        out |= test_gpu_sinks.sinks_configs(arch)
     if "exp2_fma" in suites and arch == "sm90":
         import test_gpu_exp2_fma  # noqa: PLC0415
         out |= {c for hd, dt, causal in itertools.product((64, 128), HALF_DTYPES, (False, True))

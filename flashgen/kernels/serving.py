@@ -125,7 +125,7 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
     scale, scale_log2, softcap_pre = _scales(softmax_scale, d, mods.softcap)
     alibi = mods.alibi
     qb, kb, vb = batch_strides
-    fields = (  # ServeParams with its pointers 0 (_POINTERS): _fire fills them
+    fields = (  # ServeParams with its pointers 0: _fire fills them
         0, 0, 0, 0, 0,
         qb, q.stride(-3), q.stride(-2), kb, k.stride(-3), k.stride(-2), vb, v.stride(-3), v.stride(-2),
         0 if cu_q is not None else out.stride(0), out.stride(-3), out.stride(-2),
@@ -134,33 +134,40 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
         0 if block_table is None else block_table.stride(0),
         0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
         lse_strides[0], lse_strides[1], total_rows, page_size, num_splits, mods.window[0], mods.window[1], softcap_pre,
-        k.shape[-4] if block_table is not None else 0, seqlen_k, q.shape[-3], k.shape[-3], error_word(dev))
+        k.shape[-4] if block_table is not None else 0, seqlen_k, q.shape[-3], k.shape[-3], error_word(dev), 0)
     accum = (num_splits * total_rows * heads * d, num_splits * total_rows * heads) if cfg.split else None
     run = ServeLaunch(dev, fn, comb, blocks, combine_blocks, cfg.threads, fields, accum,
                       modifier_tail(cfg, mods, dev, batch, heads) if cfg.modified else b"")
-    _fire(run, (q, k, v, out, lse, cu_q, cu_k, seqused_k, block_table, alibi))
+    _fire(run, (q, k, v, out, lse, cu_q, cu_k, seqused_k, block_table, alibi, kernel_sinks(mods.sinks)))
     return run
 
 
-# q k v o lse, cu_q cu_k seqused block_table alibi, o_accum lse_accum: filled per call (the error word is per device)
-_POINTERS = tuple(i for i in abi.SERVE.pointers if abi.SERVE.fields[i].path != "error")
+# The pointers filled per call (the error word is per device): the tensors' and the split-KV accumulators'.
+_TENSOR_POINTERS = tuple(abi.SERVE.index(f) for f in ("f.q", "f.k", "f.v", "f.o", "f.lse", "cu_seqlens_q",
+                                                       "cu_seqlens_k", "seqused_k", "block_table", "alibi_slopes",
+                                                       "sinks"))
+_ACCUM_POINTERS = (abi.SERVE.index("o_accum"), abi.SERVE.index("lse_accum"))
+
+
+def kernel_sinks(sinks: Any) -> Any:
+    """The sinks as the kernels read them: fp32, contiguous (None stays None)."""
+    return None if sinks is None else sinks.detach().float().contiguous()
 
 
 def _fire(run: "ServeLaunch", tensors: tuple) -> None:
     """Launch `run` (and its combine) on the current stream with the pointers of `tensors` (q, k, v, out, lse,
-    cu_q, cu_k, seqused, block_table, alibi; None: 0) and, split, fp32 accumulators (_workspace)."""
-    ptrs = [0 if t is None else t.data_ptr() for t in tensors]
+    cu_q, cu_k, seqused, block_table, alibi, sinks (fp32); None: 0) and, split, fp32 accumulators (_workspace)."""
+    fields = list(run.fields)
+    for i, t in zip(_TENSOR_POINTERS, tensors, strict=True):
+        fields[i] = 0 if t is None else t.data_ptr()
     driver.use_device(run.device)
     stream = current_stream(run.device)
     if run.accum is not None:
         o_floats, lse_floats = run.accum
         scratch = _workspace(run.device, stream, o_floats + lse_floats)  # alive past the launches
-        ptrs += [scratch.data_ptr(), scratch.data_ptr() + 4 * o_floats]
+        fields[_ACCUM_POINTERS[0]], fields[_ACCUM_POINTERS[1]] = scratch.data_ptr(), scratch.data_ptr() + 4 * o_floats
     else:
-        ptrs += [0, 0]
-    fields = list(run.fields)
-    for i, ptr in zip(_POINTERS, ptrs):
-        fields[i] = ptr
+        fields[_ACCUM_POINTERS[0]] = fields[_ACCUM_POINTERS[1]] = 0
     params = SERVE_PARAMS.pack(*fields)
     run.fn.launch((run.blocks, 1, 1), run.threads, params + run.tail, stream)
     if run.comb is not None:  # the combine takes ServeParams alone: ServeModParams's prefix
@@ -198,7 +205,7 @@ class ServeLaunch(NamedTuple):
     blocks: int
     combine_blocks: int
     threads: int
-    fields: tuple  # SERVE_PARAMS's fields, pointers 0 (_POINTERS)
+    fields: tuple  # SERVE_PARAMS's fields, pointers 0 (filled per launch by _fire)
     accum: tuple[int, int] | None  # split-KV: floats of o_accum (splits, rows, heads, d) and lse_accum (.., heads)
     tail: bytes = b""  # a kernel with a score_mod or mask_mod: its captured tensors' slots (ServeModParams)
 
@@ -294,8 +301,10 @@ def _launch_sm90(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, 
     maps = b"".join(driver.tensor_map(cfg.dtype, t.data_ptr(), *tmap_box(t.stride(), d, n, heads, b, ELEM_BYTES,
                                                                            cfg.smem_w, rows), cfg.row_bytes)
                     for t, n, heads, rows in ((q, sq, h, cfg.block_m), (k, sk, hk, cfg.block_n), (v, sk, hk, cfg.block_n)))
+    sinks = kernel_sinks(mods.sinks)  # alive until the launch is queued (the allocator orders its reuse)
     tail = _SM90_SERVE_TAIL.pack(0 if cu_q is None else cu_q.data_ptr(), 0 if cu_k is None else cu_k.data_ptr(),
-                                 *mods.window, num_seqs, max_seqlen_q, error_word(dev))
+                                 *mods.window, num_seqs, max_seqlen_q, error_word(dev),
+                                 0 if sinks is None else sinks.data_ptr())
     params = (maps + fwd + tail).ljust(SM90_BYTES, b"\0")
     if max_seqlen_q * h * num_seqs:
         grid = cfg.grid(num_seqs, h, max_seqlen_q, arch_and_slots(dev)[1] if cfg.persistent else None)
@@ -328,18 +337,19 @@ def want_split(num_splits: int, cfg_rows_tiles: int, n_blocks: int, cfg: KernelC
 NO_BACKWARD = "no backward for KV-cache attention (an inference call)"
 
 
-def has_mods(window_size: Any, softcap: float, alibi_slopes: Any, causal: bool) -> bool:
+def has_mods(window_size: Any, softcap: float, alibi_slopes: Any, causal: bool, sinks: Any = None) -> bool:
     """Whether a dense call's score modifiers need the serving kernels (a window that bounds more than causal,
-    softcap, ALiBi); the plain kernels take it otherwise."""
+    softcap, ALiBi, attention sinks); the plain kernels take it otherwise."""
     try:
         window = tuple(int(x) for x in window_size)
     except (TypeError, ValueError):
         return True  # _mods explains what is wrong
-    return len(window) != 2 or any(mod_features(window, float(softcap), alibi_slopes is not None, causal).values())
+    return len(window) != 2 or any(mod_features(window, float(softcap), alibi_slopes is not None, causal,
+                                                sinks is not None).values())
 
 
 def call_features(mods: Mods, causal: bool) -> dict[str, bool]:
-    return mod_features(mods.window, mods.softcap, mods.alibi is not None, causal)
+    return mod_features(mods.window, mods.softcap, mods.alibi is not None, causal, mods.sinks is not None)
 
 
 def modifier_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, mods: Mods,
@@ -368,7 +378,7 @@ def run_plan(plan: KVPlan, q: Any, k_cache: Any, v_cache: Any, seqused: Any, blo
         return None
     out = q.new_empty(q.shape)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
-    _fire(plan.launch, (q, k_cache, v_cache, out, lse, None, None, seqused, block_table, None))
+    _fire(plan.launch, (q, k_cache, v_cache, out, lse, None, None, seqused, block_table, None, None))
     return out, lse
 
 
@@ -411,5 +421,6 @@ def append_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, bl
 
 
 __all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "ServeLaunch", "append_kv",
-           "arch_and_slots", "call_features", "choose_splits", "decode_config", "has_mods", "kvcache_launch",
-           "launch_prefill", "list_slots", "modifier_config", "modifier_tail", "run_plan", "serve_config", "serve_grids", "want_split"]
+           "arch_and_slots", "call_features", "choose_splits", "decode_config", "has_mods", "kernel_sinks",
+           "kvcache_launch", "launch_prefill", "list_slots", "modifier_config", "modifier_tail", "run_plan",
+           "serve_config", "serve_grids", "want_split"]
