@@ -187,6 +187,12 @@ def test_bwd_serve_mod_params_layout_and_packing():
     plain = dataclasses.replace(cfg, mask_mod="", block_map=False)
     with pytest.raises(ValueError, match="mask_mod"):
         bwd_kernels._mod_tail(plain, mods, 0, 2, 3)
+    # a modifier kernel wants the modifiers, another kernel none
+    with pytest.raises(ValueError, match="pass them as serve.mods"):
+        bwd_kernels.backward(FakeCompiled(cfg), *(None,) * 6)
+    with pytest.raises(ValueError, match="serve.mods must be None"):
+        bwd_kernels.backward(FakeCompiled(default_bwd_config(64, "bf16", False)), *(None,) * 6,
+                             serve=bwd_kernels.ServeArgs(mods=mods))
 
 
 def test_transposed_lists_are_the_key_tiles_lists_turned_around():

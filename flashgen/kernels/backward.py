@@ -25,15 +25,14 @@ from ..compile import CompiledKernel, compile_kernel, target_for
 from ..config import ELEM_BYTES, BwdConfig, default_bwd_config, mod_features
 from ..launch import current_stream, scale_args, softcap_args, tmap_box
 from ..modifiers import MAX_RANK
-from .serving import list_slots, modifier_tail
 from ..tensors import Problem, aligned, view
+from .serving import list_slots, modifier_tail
 
 _BWD = abi.BWD.struct
 _SM90_TAIL = abi.SM90_BWD.tail("lse2")  # what follows the tensor maps and BwdParams
 _SM90_BWD_BYTES = abi.SM90_BWD.size
 _BWD_SERVE_TAIL = abi.BWD_SERVE.tail("cu_seqlens_q")  # what follows BwdParams
 _BWD_MOD_AT = abi.BWD_SERVE_MOD.offset("t0.ptr")  # where the ModTensor slots start in BwdServeModParams
-_BWD_MOD_TAIL = abi.BWD_SERVE_MOD.tail("t0.ptr")
 _MAP_T_TAIL = abi.BWD_SERVE_MOD.tail("map_t_num.ptr")  # the transposed map's lists, last
 _NO_LISTS = [0] * (2 * (1 + MAX_RANK))
 
@@ -115,9 +114,9 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
         raise TypeError(f"kernel {cfg.name} is not a backward kernel (load it with load_backward)")
     wanted = {f for f, on in (serve or ServeArgs()).features(cfg.causal).items() if on}
     if cfg.modified != (serve is not None and serve.mods is not None):
-        raise ValueError(f"kernel {cfg.name} {'reads' if cfg.modified else 'has no'} score_mod, mask_mod or block map; "
-                         f"the arguments {'have' if serve is not None and serve.mods is not None else 'give'} "
-                         f"{'them' if serve is not None and serve.mods is not None else 'none'}")
+        raise ValueError(f"kernel {cfg.name} " + ("reads a score_mod, mask_mod or block map: pass them as serve.mods"
+                                                   if cfg.modified else "has no score_mod, mask_mod or block map: "
+                                                   "serve.mods must be None"))
     if wanted != set(cfg.features):
         raise ValueError(f"kernel {cfg.name} has features {sorted(cfg.features) or 'none'}; these arguments need "
                          f"{sorted(wanted) or 'none'}")
@@ -251,9 +250,7 @@ def _mod_tail(cfg: BwdConfig, mods: Any, device: int, batch: int, heads: int) ->
     tiles of each key tile)."""
     fwd = modifier_tail(cfg, mods, device, batch, heads)
     lists = list_slots(mods.block_map.transposed_lists, device, batch, heads) if cfg.block_map else _NO_LISTS
-    out = fwd + _MAP_T_TAIL.pack(*lists)
-    assert len(out) == _BWD_MOD_TAIL.size  # the forward's slots are laid out as BwdServeModParams' first six
-    return out
+    return fwd + _MAP_T_TAIL.pack(*lists)  # the forward's slots are laid out as BwdServeModParams' first six
 
 
 def _sm90_params(params: bytes, cfg: BwdConfig, prob: Problem, tensors: tuple, lse2_ptr: int, sq_pad: int,
