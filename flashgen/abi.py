@@ -282,6 +282,16 @@ BWD_SERVE = Block("BwdServeParams", "FLASHGEN_BWD_SERVE_PARAMS", (
     Line("int", ("max_seqlen_q", "max_seqlen_k"), "the longest sequence: tiles per (head, sequence)"),
 ))
 
+BWD_SERVE_MOD = Block("BwdServeModParams", "FLASHGEN_BWD_SERVE_MOD_PARAMS", (
+    "Runtime arguments of a backward generated with a score_mod, mask_mod or block map: BwdServeParams, then the",
+    "forward's ModTensor slots (the same tensors in the same order), then with a block map its lists both ways."), (
+    Line("BwdServeParams", ("s",)), Line("ModTensor", ("t0", "t1", "t2", "t3")),
+    Line("ModTensor", ("map_num",), "int32 (batch, heads, m-blocks, 2): partial and full key tiles of a q tile (_dq)"),
+    Line("ModTensor", ("map_idx",), "int32 (batch, heads, m-blocks, n-blocks): their indices, partial first"),
+    Line("ModTensor", ("map_t_num",), "int32 (batch, heads, n-blocks, 2): partial and full q tiles of a key tile"),
+    Line("ModTensor", ("map_t_idx",), "int32 (batch, heads, n-blocks, m-blocks): their indices, partial first"),
+))
+
 SM90_FWD = Block("Sm90FwdParams", "FLASHGEN_SM90_PARAMS", (
     "Hopper kernels also take TMA descriptors of q, k and v, each a 4-d map over",
     "(head_dim, seqlen, heads, batch) made on the host by cuTensorMapEncodeTiled."), (
@@ -329,9 +339,9 @@ SM90_BWD = Block("Sm90BwdParams", "FLASHGEN_SM90_BWD_PARAMS", (
          "the grids: tiles of the longest sequence x heads x num_seqs"),
 ))
 
-BLOCKS: dict[str, Block] = {b.name: b for b in (FWD, SERVE, MOD_TENSOR, SERVE_MOD, BWD, BWD_SERVE, SM90_FWD,
+BLOCKS: dict[str, Block] = {b.name: b for b in (FWD, SERVE, MOD_TENSOR, SERVE_MOD, BWD, BWD_SERVE, BWD_SERVE_MOD, SM90_FWD,
                                                  SM90_SERVE_FWD, FP8_DESCALE, SM90_FP8_FWD, SM90_BWD)}
 
-__all__ = ["BLOCKS", "BWD", "BWD_SERVE", "Block", "FP8_DESCALE", "FWD", "Field", "Line", "MOD_TENSOR", "SERVE",
+__all__ = ["BLOCKS", "BWD", "BWD_SERVE", "BWD_SERVE_MOD", "Block", "FP8_DESCALE", "FWD", "Field", "Line", "MOD_TENSOR", "SERVE",
            "SERVE_INPUTS", "SERVE_MOD",
            "SM90_BWD", "SM90_FP8_FWD", "SM90_FWD", "SM90_SERVE_FWD"]

@@ -83,10 +83,12 @@ def _attention_mods(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
 
 def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, return_lse: bool,
                     stream: Any, arch: str | None, fp8_args: bool, window_size: Any, softcap: float,
-                    alibi_slopes: Any, score_mod: Any, mask_mod: Any, block_mask: Any = None) -> Any:
+                    alibi_slopes: Any, score_mod: Any, mask_mod: Any, block_mask: Any = None,
+                    deterministic: bool = False) -> Any:
     """`attention` with a score_mod, mask_mod or BlockMask: traced (flashgen.modifiers, reused while the function
     and what it reads are the same) into the sm80 family's serving forward, with a block map wherever there is a
-    mask (flashgen.blockmap). Torch tensors, eager, forward only."""
+    mask (flashgen.blockmap). Torch tensors, eager; differentiable in q, k, v (the sm80 backward generated with the
+    same modifiers) and the float tensors the score_mod reads."""
     if not is_torch(q):
         raise TypeError("score_mod and mask_mod take torch tensors")
     if stream is not None:
@@ -95,9 +97,6 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
         raise ValueError("score_mod and mask_mod are not built for FP8 inputs")
     if arch not in (None, "sm80"):
         raise ValueError(f"score_mod and mask_mod are built in family sm80 (it runs on Hopper too), not arch={arch!r}")
-    if wants_grad(q, k, v):
-        raise NotImplementedError("score_mod and mask_mod have no backward yet: call under torch.no_grad() or with "
-                                  "q, k, v that do not require grad")
     if traced(q):
         raise NotImplementedError("score_mod and mask_mod run eagerly only (no torch operator takes a Python "
                                   "modifier yet): not under torch.compile, nor with fake or meta tensors")
@@ -111,9 +110,34 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
     mask = trace_cached(mask_mod, "mask") if mask_mod is not None else None
     if score is not None and (mods.softcap or mods.alibi is not None):
         raise ValueError("a score_mod does not combine with softcap or alibi_slopes: write them into the score_mod")
-    out, lse = _ops().dense_mods_forward(q, k, v, causal, softmax_scale,
-                                         mods._replace(score_mod=score, mask_mod=mask, block_map=block_map), return_lse)
+    _refuse_mask_grad(mask)
+    mods = mods._replace(score_mod=score, mask_mod=mask, block_map=block_map)
+    if wants_grad(q, k, v) or _tables_want_grad(score):
+        check_grad_scale(softmax_scale, q, k, v)
+        out, lse = _ops().flex_attention(q, k, v, causal, softmax_scale, mods, deterministic)
+    else:
+        out, lse = _ops().dense_mods_forward(q, k, v, causal, softmax_scale, mods, return_lse)
     return (out, lse) if return_lse else out
+
+
+def _tables_want_grad(score: Any) -> bool:
+    """Whether a tensor the score_mod reads wants a gradient (a learnable bias: flashgen.modifier_grads)."""
+    import torch  # noqa: PLC0415  (torch tensors: torch is imported)
+
+    return score is not None and torch.is_grad_enabled() and any(t.requires_grad for t in score.tensors)
+
+
+def _refuse_mask_grad(mask: Any) -> None:
+    """NotImplementedError where a tensor the mask_mod reads wants a gradient: a mask's keep/drop has none, and a
+    silently missing gradient would train nothing."""
+    import torch  # noqa: PLC0415  (torch tensors: torch is imported)
+
+    if mask is None or not torch.is_grad_enabled():
+        return
+    for c, t in zip(mask.captured, mask.tensors):
+        if t.requires_grad:
+            raise NotImplementedError(f"mask_mod reads tensor {c.name!r}, which requires grad: a mask has no gradient "
+                                      "(detach it, or call under torch.no_grad())")
 
 
 def _block_mask_mod(block_mask: Any, mask_mod: Any) -> Any:
@@ -170,7 +194,8 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     (flashgen.modifiers; tensors it indexes are read by the kernel) and compiled into an sm80-family kernel of
     its own. q_idx and kv_idx count from 0 in q and in k (no bottom-right alignment, unlike causal). They combine
     with causal, window_size and (mask_mod) softcap and ALiBi, whose masks apply after them. A row that keeps no
-    key gives O = 0 and LSE = +inf. Torch tensors, eager, forward only (NotImplementedError with a gradient).
+    key gives O = 0 and LSE = +inf. Torch tensors, eager; differentiable in q, k, v and the float tensors a
+    score_mod reads (a learnable bias; flashgen.modifier_grads).
     block_mask: torch's BlockMask (torch.nn.attention.flex_attention.create_block_mask) for seqlen_q x seqlen_k:
     key tiles it leaves empty are skipped, full ones run without the mask_mod, partial ones with its mask_mod.
     Without one, flashgen builds a mask_mod's block map itself (flashgen.blockmap; kept while the tensors it reads
@@ -184,7 +209,7 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
         fp8_args = (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
                     or block_quant_p)
         return _attention_flex(q, k, v, causal, softmax_scale, return_lse, stream, arch, fp8_args, window_size,
-                               softcap, alibi_slopes, score_mod, mask_mod, block_mask)
+                               softcap, alibi_slopes, score_mod, mask_mod, block_mask, deterministic)
     if (arch is None and stream is None and out_dtype is None and q_descale is None and k_descale is None
             and v_descale is None and not block_quant_p and alibi_slopes is None and not softcap
             and window_size == (-1, -1) and is_torch(q) and _decode_shaped(q, k, v, sinks)):  # first: a decode step

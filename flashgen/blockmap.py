@@ -111,18 +111,29 @@ class BlockMap:
     @functools.cached_property
     def tile_lists(self) -> TileLists:
         """The kernel's lists (see TileLists), computed once per map."""
-        import torch  # noqa: PLC0415  (torch is optional; block maps are built from torch tensors)
-        s = self.states
-        num = torch.stack(((s == PARTIAL).sum(-1), (s == FULL).sum(-1)), -1).to(torch.int32)
-        rank = torch.where(s == PARTIAL, 0, torch.where(s == FULL, 1, 2)).to(torch.int8)
-        idx = torch.argsort(rank, dim=-1, stable=True).to(torch.int32).contiguous()
-        return TileLists(num.contiguous(), idx)
+        return _lists(self.states)
+
+    @functools.cached_property
+    def transposed_lists(self) -> TileLists:
+        """The lists of the transposed map, per (batch, head, key tile) its query tiles: `num` (B, H, N, 2), `idx`
+        (B, H, N, M), partial first. The backward's main kernel loops over the query tiles of one key tile."""
+        return _lists(self.states.transpose(2, 3))
 
     def dense(self, batch: int, heads: int) -> Any:
         """The states at score granularity, (batch, heads, seqlen_q, seqlen_k) int8 (for tests and inspection)."""
         sq, sk = self.seq_lengths
         s = self.states.expand(batch, heads, -1, -1)
         return s.repeat_interleave(self.block[0], 2)[:, :, :sq].repeat_interleave(self.block[1], 3)[:, :, :, :sk]
+
+
+def _lists(states: Any) -> TileLists:
+    """Per row of `states` (B, H, R, C): the counts of PARTIAL and FULL entries and their column indices, PARTIAL
+    first, each group ascending."""
+    import torch  # noqa: PLC0415  (torch is optional; block maps are built from torch tensors)
+    num = torch.stack(((states == PARTIAL).sum(-1), (states == FULL).sum(-1)), -1).to(torch.int32)
+    rank = torch.where(states == PARTIAL, 0, torch.where(states == FULL, 1, 2)).to(torch.int8)
+    idx = torch.argsort(rank, dim=-1, stable=True).to(torch.int32).contiguous()
+    return TileLists(num.contiguous(), idx)
 
 
 def _pool(cells: Any, fm: int, fn: int) -> Any:

@@ -667,6 +667,19 @@ class BwdConfig(_AsDict):
     # warp of the producer warpgroup adds it to dq_accum by one TMA bulk reduce-add (FlashAttention-3's dQ), instead
     # of the consumers' per-thread vector atomics. Takes BLOCK_M x head_dim fp32 of shared memory (dq_tile_bytes).
     dq_tma: bool = False
+    # Programmable attention (sm80 family, dense): the forward's score_mod and mask_mod digests (KernelConfig's; the
+    # gradient recomputes the modified score and applies d score_mod / d score), and a block map (the q tiles of
+    # each K/V tile for the main kernel, the K/V tiles of each q tile for _dq: empty pairs skipped, full ones unmasked).
+    score_mod: str = ""
+    mask_mod: str = ""
+    block_map: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        for f in ("score_mod", "mask_mod", "block_map"):  # left out when off: dicts of other backwards as before
+            if not d[f]:
+                del d[f]
+        return d
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
@@ -676,6 +689,7 @@ class BwdConfig(_AsDict):
         _check_choice("dq_tma", self.dq_tma, (False, True))
         for f in BWD_FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
+        self._check_modifiers()
         if self.family == "sm90" and (self.softcap or self.alibi):
             raise ConfigError("the backward with softcap or ALiBi is built in family sm80 (it runs on Hopper too); "
                               "family sm90 has varlen and window")
@@ -695,6 +709,22 @@ class BwdConfig(_AsDict):
                 raise ConfigError(
                     f"num_warps={self.num_warps} cannot tile the [{rows}, {cols}] {what} product in whole 16x16 "
                     f"pieces (block_m={self.block_m}, block_n={self.block_n}, head_dim={self.head_dim})")
+
+    def _check_modifiers(self) -> None:
+        for kind in ("score_mod", "mask_mod"):
+            digest = getattr(self, kind)
+            if not isinstance(digest, str) or (digest and not all(c in "0123456789abcdef" for c in digest)):
+                raise ConfigError(f"{kind} must be a modifier's digest (lowercase hex) or empty, not {digest!r}")
+        _check_choice("block_map", self.block_map, (False, True))
+        if not self.modified:
+            return
+        if self.family != "sm80":
+            raise ConfigError(f"the backward of score_mod, mask_mod and block maps is built in family sm80, not "
+                              f"{self.family}")
+        if self.varlen:
+            raise ConfigError("score_mod, mask_mod and block maps have a dense backward (not varlen)")
+        if self.score_mod and (self.softcap or self.alibi):
+            raise ConfigError("a score_mod does not combine with softcap or alibi (write them into the score_mod)")
 
     def _check_sm90(self) -> None:
         _check_choice("head_dim", self.head_dim, SM90_BWD_HEAD_DIMS)
@@ -755,7 +785,10 @@ class BwdConfig(_AsDict):
                 f"_w{self.num_warps}")
         name += f"_s{self.num_stages}_st{int(self.stagger)}" if self.family == "sm90" else f"_det{int(self.deterministic)}"
         name += "_dqt" if self.dq_tma else ""
-        return name + "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
+        name += "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
+        name += f"_sm{self.score_mod[:8]}" if self.score_mod else ""
+        name += f"_mm{self.mask_mod[:8]}" if self.mask_mod else ""
+        return name + ("_bmap" if self.block_map else "")
 
     @property
     def features(self) -> tuple[str, ...]:
@@ -763,9 +796,15 @@ class BwdConfig(_AsDict):
         return tuple(f for f in BWD_FEATURES if getattr(self, f))
 
     @property
+    def modified(self) -> bool:
+        """Generated with a score_mod, mask_mod or block map: takes BwdServeModParams."""
+        return bool(self.score_mod or self.mask_mod or self.block_map)
+
+    @property
     def serving(self) -> bool:
-        """Takes BwdServeParams (templates/common/bwd_serve_params.cuh.j2) rather than BwdParams."""
-        return bool(self.features)
+        """Takes BwdServeParams (templates/common/bwd_serve_params.cuh.j2) rather than BwdParams (with modifiers:
+        inside BwdServeModParams)."""
+        return bool(self.features) or self.modified
 
     @property
     def kernel_names(self) -> dict[str, str]:
@@ -924,3 +963,12 @@ def default_bwd_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm8
         if reason is None:
             return cfg
     raise ConfigError(f"no default backward configuration fits {arch} for head_dim={head_dim}: {reason}")
+
+
+def modifier_bwd_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm80", deterministic: bool = False,
+                        features: tuple[str, ...] = (), *, score_mod: str = "", mask_mod: str = "",
+                        block_map: bool = False) -> BwdConfig:
+    """The backward of a call with a score_mod, mask_mod or block map: family sm80's default tiles for `arch`
+    (the sm90 backward has no modifier slot), generated with `features` and the forward's modifiers."""
+    base = default_bwd_config(head_dim, dtype, causal, arch, deterministic, family="sm80")
+    return replace(base, **dict.fromkeys(features, True), score_mod=score_mod, mask_mod=mask_mod, block_map=block_map)

@@ -17,11 +17,13 @@ import torch
 
 from . import blockmap
 from .checks import Mods, check_grad_scale, check_shapes, dtype_name, refuse_grad
+from .modifier_grads import captured_grads
 from .kernels.backward import ServeArgs, backward
 from .kernels.dense import checked, descale_dict, launch_torch, signature
 from .kernels.serving import (arch_and_slots, call_features, launch_prefill, modifier_config, serve_config, serve_grids,
                               want_split)
-from .resolve import backward_kernel, load, prefill_config, resolver, serve_backward_kernel, tuned_modifier
+from .resolve import (backward_kernel, load, modifier_backward_kernel, prefill_config, resolver, serve_backward_kernel,
+                      tuned_modifier)
 
 _HALF = {torch.float16: "fp16", torch.bfloat16: "bf16"}  # the dtypes with a backward
 
@@ -337,6 +339,65 @@ def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: floa
     return out, lse
 
 
+class _FlexAttention(torch.autograd.Function):
+    """Autograd of `flashgen.attention` with a traced score_mod, mask_mod or BlockMask (eager only: no torch operator
+    takes a Python modifier): the serving forward, then the sm80 backward generated with the same modifiers. The
+    score_mod's tensors are inputs too: those that require grad get theirs from modifier_grads.captured_grads."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                softmax_scale: Optional[float], mods: Mods, deterministic: bool,
+                *tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = dense_mods_forward(q, k, v, causal, softmax_scale, mods)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (causal, softmax_scale, mods, deterministic)
+        ctx.set_materialize_grads(False)  # lse's gradient stays None where lse is not used
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: Optional[torch.Tensor], dlse: Optional[torch.Tensor]) -> tuple:
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        wanted = tuple(ctx.needs_input_grad[7:])
+        dq, dk, dv, bmap = flex_backward(dout, q, k, v, out, lse, dlse, *ctx.args)
+        tables = [None] * len(wanted)
+        if any(wanted):
+            causal, scale, mods, _ = ctx.args
+            tables = captured_grads(dout, q, k, v, out, lse, dlse, causal, scale, mods, bmap, wanted)
+        return (dq, dk, dv, None, None, None, None, *tables)
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
+                   mods: Mods, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of `flashgen.attention` with modifiers where a gradient is wanted: differentiable in q, k, v and in
+    the float tensors the score_mod reads."""
+    tables = mods.score_mod.tensors if mods.score_mod is not None else ()
+    return _FlexAttention.apply(q, k, v, causal, softmax_scale, mods, deterministic, *tables)
+
+
+def flex_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, dlse: Optional[torch.Tensor], causal: bool, softmax_scale: Optional[float],
+                  mods: Mods, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """(dq, dk, dv, block map or None) of dense_mods_forward with a score_mod, mask_mod or block map: the backward
+    generated with the forward's modifiers (resolve.modifier_backward_kernel), its block map built from the same
+    mask_mod or BlockMask at the backward's tiles (kernel_block_map), read both ways (q tiles per key tile, key tiles
+    per q tile)."""
+    batch, seqlen_q, heads, d = q.shape
+    seqlen_k = k.shape[1]
+    serve = ServeArgs(window=mods.window, softcap=mods.softcap, alibi_slopes=mods.alibi)
+    features = tuple(sorted(f for f, on in serve.features(causal).items() if on))
+    kern = modifier_backward_kernel(q.get_device(), d, _HALF[q.dtype], causal, features, deterministic,
+                                    mods.score_mod.digest if mods.score_mod is not None else "",
+                                    mods.mask_mod.digest if mods.mask_mod is not None else "",
+                                    mods.mask_mod is not None or mods.block_map is not None)
+    bmap = None
+    if kern.config.block_map:
+        bmap = kernel_block_map(kern.config, mods, causal, batch, heads, seqlen_q, seqlen_k, q.device)
+    serve = serve._replace(mods=mods._replace(block_map=bmap))
+    return (*backward(kern, q, k, v, out, dout.contiguous(), lse, softmax_scale, dlse=dlse, serve=serve), bmap)
+
+
 def modifier_kernel(device: int, head_dim: int, dtype: str, causal: bool, seqlen: int, gqa_group: int,
                     mods: Mods) -> Any:
     """The kernel of a dense call with a score_mod, mask_mod or BlockMask: the one tuned for exactly its modifiers
@@ -367,5 +428,6 @@ def kernel_block_map(cfg: Any, mods: Mods, causal: bool, batch: int, heads: int,
 
 
 __all__ = ["attention", "attention_backward_op", "attention_fp8", "attention_fp8_op", "attention_mods_op",
-           "attention_op", "attention_serve_backward_op", "attention_varlen_op", "dense_mods_forward", "forward_fp8",
-           "forward_torch", "kernel_block_map", "modifier_kernel", "sinks_grad", "varlen_forward"]
+           "attention_op", "attention_serve_backward_op", "attention_varlen_op", "dense_mods_forward", "flex_attention",
+           "flex_backward", "forward_fp8", "forward_torch", "kernel_block_map", "modifier_kernel", "sinks_grad",
+           "varlen_forward"]

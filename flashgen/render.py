@@ -53,7 +53,7 @@ def render(cfg: KernelConfig | BwdConfig) -> str:
     )
 
 
-def modifiers_of(cfg: KernelConfig) -> tuple[Modifier | None, Modifier | None, tuple]:
+def modifiers_of(cfg: KernelConfig | BwdConfig) -> tuple[Modifier | None, Modifier | None, tuple]:
     """(score_mod, mask_mod, their captured tensors in ModTensor slot order) of `cfg`, from the modifier registry;
     ModifierError where one was not traced in this process or they read more tensors than the kernel takes."""
     score_mod = lookup(cfg.score_mod, "score") if cfg.score_mod else None
@@ -72,8 +72,12 @@ def _render_bwd(cfg: BwdConfig) -> str:
     """The backward's kernels of `cfg` in one file (templates/{family}/bwd.cu.j2)."""
     elem_t, elem2_t, pack_fn, ptx_type = _TYPES[cfg.dtype]
     producer_regs, consumer_regs = SM90_REGS[cfg.consumers] if cfg.family == "sm90" else (None, None)
+    score_mod, mask_mod, captured = modifiers_of(cfg)
+    if score_mod is not None and score_mod.grad_expr is None:
+        raise ModifierError(f"score_mod {cfg.score_mod[:8]} has no derivative (grad_expr): its backward cannot be built")
     return template_env().get_template(f"{cfg.family}/bwd.cu.j2").render(
         cfg=cfg, version=__version__, elem_t=elem_t, elem2_t=elem2_t, pack_fn=pack_fn, ptx_type=ptx_type,
         row_warps=BWD_ROW_WARPS, producer_regs=producer_regs, consumer_regs=consumer_regs,
         unpack_fn={"fp16": "__half22float2", "bf16": "__bfloat1622float2"}[cfg.dtype],
+        score_mod=score_mod, mask_mod=mask_mod, captured=captured,
     )

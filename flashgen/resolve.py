@@ -21,7 +21,7 @@ from . import driver, store
 from .checks import check_family
 from .compile import CompiledKernel, target_for
 from .config import (FP8_DTYPES, SM90_DENSE_KNOBS, SM90_FEATURES, BwdConfig, ConfigError, KernelConfig,
-                     arch_limits, default_bwd_config, default_config)
+                     arch_limits, default_bwd_config, default_config, modifier_bwd_config)
 from .kernels.backward import load_backward
 from .kernels.dense import Kernel, compiled_kernel
 from .kernels.serving import DECODE_ROWS, decode_config, serve_config
@@ -319,6 +319,16 @@ def serve_backward_kernel(device: int, head_dim: int, dtype: str, causal: bool, 
                           deterministic)
 
 
+def modifier_backward_kernel(device: int, head_dim: int, dtype: str, causal: bool, features: tuple[str, ...],
+                             deterministic: bool, score_mod: str, mask_mod: str, block_map: bool) -> CompiledKernel:
+    """The backward of a call with a score_mod, mask_mod or block map (digests and block_map as the forward kernel's
+    KernelConfig): family sm80 (the sm90 backward has no modifier slot) at modifier_bwd_config's tiles."""
+    arch = gpu(device)[1]
+    cfg = modifier_bwd_config(head_dim, dtype, causal, arch, deterministic, features, score_mod=score_mod,
+                              mask_mod=mask_mod, block_map=block_map)
+    return _load_backward(head_dim, dtype, causal, cfg, arch, deterministic)
+
+
 # -- serving: decode and prefill --------------------------------------------------------------
 
 def tuned_decode(device: int, head_dim: int, dtype: str, heads: int, heads_k: int, batch: int, cache_len: int,
@@ -469,5 +479,5 @@ def clear() -> None:
 
 __all__ = ["STORE_CHECK_S", "Resolver", "backward_kernel", "choose_config", "clear", "current_arch", "decode_entry",
            "file_stamp", "gpu", "load", "nearest_bucket", "nearest_entry", "prefill_entry", "prefill_config",
-           "resolver", "serve_backward_kernel", "sm90_config", "store_stamp", "tuned_decode", "tuned_modifier", "tuned_prefill",
+           "modifier_backward_kernel", "resolver", "serve_backward_kernel", "sm90_config", "store_stamp", "tuned_decode", "tuned_modifier", "tuned_prefill",
            "untuned_prefill_config"]

@@ -172,14 +172,14 @@ def test_modifier_tail_packs_score_then_mask_tensors():
         modifier_tail(cfg, Mods(score_mod=traced("alibi_causal")[0], mask_mod=doc), 0)  # the CPU slopes
 
 
-def test_attention_with_a_modifier_is_forward_only_and_eager():
+def test_attention_with_a_modifier_is_eager():
     import flashgen
 
     q = torch.randn(1, 8, 2, 64, dtype=torch.float16, requires_grad=True)
     k = v = torch.randn(1, 8, 2, 64, dtype=torch.float16)
     causal = EXAMPLES["causal"].mask_mod
-    with pytest.raises(NotImplementedError, match="no backward"):
-        flashgen.attention(q, k, v, mask_mod=causal)
+    with pytest.raises(NotImplementedError, match="eagerly"):
+        flashgen.attention(q.to("meta"), k.to("meta"), v.to("meta"), mask_mod=causal)
     with torch.no_grad(), pytest.raises(NotImplementedError, match="eagerly"):
         flashgen.attention(q.to("meta"), k.to("meta"), v.to("meta"), mask_mod=causal)
     with torch.no_grad(), pytest.raises(ValueError, match="family sm80"):

@@ -24,12 +24,17 @@ from ..checks import check_qkv, usable
 from ..compile import CompiledKernel, compile_kernel, target_for
 from ..config import ELEM_BYTES, BwdConfig, default_bwd_config, mod_features
 from ..launch import current_stream, scale_args, softcap_args, tmap_box
+from ..modifiers import MAX_RANK
 from ..tensors import Problem, aligned, view
+from .serving import list_slots, modifier_tail
 
 _BWD = abi.BWD.struct
 _SM90_TAIL = abi.SM90_BWD.tail("lse2")  # what follows the tensor maps and BwdParams
 _SM90_BWD_BYTES = abi.SM90_BWD.size
 _BWD_SERVE_TAIL = abi.BWD_SERVE.tail("cu_seqlens_q")  # what follows BwdParams
+_BWD_MOD_AT = abi.BWD_SERVE_MOD.offset("t0.ptr")  # where the ModTensor slots start in BwdServeModParams
+_MAP_T_TAIL = abi.BWD_SERVE_MOD.tail("map_t_num.ptr")  # the transposed map's lists, last
+_NO_LISTS = [0] * (2 * (1 + MAX_RANK))
 
 
 class ServeArgs(NamedTuple):
@@ -44,6 +49,9 @@ class ServeArgs(NamedTuple):
     window: tuple[int, int] = (-1, -1)  # (left, right), -1 unbounded; causal: right is the diagonal
     softcap: float = 0.0
     alibi_slopes: Any = None  # fp32 (heads,) or (num_seqs, heads)
+    # A kernel generated with a score_mod, mask_mod or block map (BwdConfig.modified): the forward's traced
+    # modifiers (checks.Mods: score_mod, mask_mod, and block_map at the kernel's tiles), read as the forward reads them.
+    mods: Any = None
 
     def features(self, causal: bool) -> dict[str, bool]:
         """The BwdConfig features these arguments need."""
@@ -105,6 +113,10 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
     if not isinstance(cfg, BwdConfig):
         raise TypeError(f"kernel {cfg.name} is not a backward kernel (load it with load_backward)")
     wanted = {f for f, on in (serve or ServeArgs()).features(cfg.causal).items() if on}
+    if cfg.modified != (serve is not None and serve.mods is not None):
+        raise ValueError(f"kernel {cfg.name} " + ("reads a score_mod, mask_mod or block map: pass them as serve.mods"
+                                                   if cfg.modified else "has no score_mod, mask_mod or block map: "
+                                                   "serve.mods must be None"))
     if wanted != set(cfg.features):
         raise ValueError(f"kernel {cfg.name} has features {sorted(cfg.features) or 'none'}; these arguments need "
                          f"{sorted(wanted) or 'none'}")
@@ -158,6 +170,8 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
     strides = tuple(s for t in (q, k, v, out, dout, dq, dk, dv) for s in t.stride()[:3])
     if cfg.serving and not sm90:
         params = _serve_params(cfg, prob, ptrs, strides, softmax_scale, serve, span)
+        if cfg.modified:
+            params = params.ljust(_BWD_MOD_AT, b"\0") + _mod_tail(cfg, serve.mods, q.get_device(), b, h)
     else:
         params = pack_params(ptrs, strides, prob, scale, scale_log2)
     if sm90:
@@ -228,6 +242,15 @@ def _serve_params(cfg: BwdConfig, prob: Problem, ptrs: tuple, strides: tuple, so
         0 if alibi is None else alibi.data_ptr(), 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
         serve.window[0], serve.window[1], softcap_pre, *grid)
     return pack_params(ptrs, strides, prob, scale, scale_log2) + tail
+
+
+def _mod_tail(cfg: BwdConfig, mods: Any, device: int, batch: int, heads: int) -> bytes:
+    """The ModTensor slots of BwdServeModParams: the forward's (kernels.serving.modifier_tail: captured tensors, and
+    the block map's lists, which the _dq kernel reads), then the transposed lists (the main kernel's: the query
+    tiles of each key tile)."""
+    fwd = modifier_tail(cfg, mods, device, batch, heads)
+    lists = list_slots(mods.block_map.transposed_lists, device, batch, heads) if cfg.block_map else _NO_LISTS
+    return fwd + _MAP_T_TAIL.pack(*lists)  # the forward's slots are laid out as BwdServeModParams' first six
 
 
 def _sm90_params(params: bytes, cfg: BwdConfig, prob: Problem, tensors: tuple, lse2_ptr: int, sq_pad: int,

@@ -242,7 +242,13 @@ def _map_slots(cfg: KernelConfig, block_map: Any, device: int, batch: int, heads
     if block_map is None or block_map.block != (cfg.block_m, cfg.block_n):
         raise ValueError(f"{cfg.name} reads a block map of {cfg.block_m} x {cfg.block_n} tiles; the call's is "
                          f"{None if block_map is None else block_map.block}")
-    lists = block_map.tile_lists
+    return list_slots(block_map.tile_lists, device, batch, heads)
+
+
+def list_slots(lists: Any, device: int, batch: int, heads: int) -> list[int]:
+    """Two ModTensor slots (pointer and four strides each) of a block map's (num, idx) lists, for `batch` sequences of
+    `heads` heads (a dimension of 1 read with stride 0); ValueError where they are not on `device` or too large for
+    the kernel's 32-bit offsets."""
     out: list[int] = []
     for t in lists:
         if t.device.type != "cuda" or t.get_device() != device:
@@ -416,5 +422,5 @@ def append_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, bl
 
 __all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "ServeLaunch", "append_kv",
            "arch_and_slots", "call_features", "choose_splits", "decode_config", "has_mods", "kernel_sinks",
-           "kvcache_launch", "launch_prefill", "modifier_config", "modifier_tail", "run_plan", "serve_config",
-           "serve_grids", "want_split"]
+           "kvcache_launch", "launch_prefill", "list_slots", "modifier_config", "modifier_tail", "run_plan",
+           "serve_config", "serve_grids", "want_split"]

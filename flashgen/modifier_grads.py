@@ -1,0 +1,75 @@
+"""Gradients of the float tensors a score_mod reads (a learnable bias table), computed by torch on the host side of
+the backward, a block of query rows at a time: the modified scores recomputed as the kernels compute them (the same
+traced graph, block map, masks and LSE), dS' = P (dP - D) with respect to them, and torch's autograd of the graph
+from dS' back to the tables (a table entry read by many scores sums their contributions). The cost is one more pass
+over the scores in torch, so it runs only for tables that require grad."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .blockmap import FULL, PARTIAL, BlockMap
+from .checks import Mods
+
+CHUNK_ELEMENTS = 1 << 24  # scores per pass (fp32: S, s', P, dP and the graph's intermediates of that many)
+
+
+def _keep(mods: Mods, block_map: BlockMap | None, causal: bool, b: Any, h: Any, qi: Any, ki: Any, shape: tuple,
+          sq: int, sk: int) -> Any:
+    """The scores the forward kept, (batch, heads, rows, seqlen_k) bool: the block map's FULL tiles and its PARTIAL
+    ones where the mask_mod keeps the score (without a map: the mask_mod), then causal and the window, bottom-right
+    aligned as the kernels align them."""
+    mask = mods.mask_mod.evaluate(b, h, qi, ki) if mods.mask_mod is not None else torch.ones((), dtype=torch.bool,
+                                                                                              device=qi.device)
+    if block_map is not None:
+        bm, bn = block_map.block
+        states = block_map.states[:, :, qi[0, 0, :, 0] // bm][:, :, :, ki[0, 0, 0] // bn]
+        mask = (states == FULL) | ((states == PARTIAL) & mask)
+    left, right = mods.window
+    right = 0 if causal else right
+    if right >= 0:
+        mask = mask & (ki <= qi + (sk - sq) + right)
+    if left >= 0:
+        mask = mask & (ki >= qi + (sk - sq) - left)
+    return mask.expand(shape)
+
+
+def captured_grads(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, causal: bool,
+                   softmax_scale: float | None, mods: Mods, block_map: BlockMap | None,
+                   wanted: tuple[bool, ...]) -> list[Any]:
+    """d loss / d each of mods.score_mod's tensors where `wanted` (None elsewhere), in each tensor's dtype and shape.
+    `block_map`: the map the backward's kernels read (any tiles), None without one."""
+    score_mod = mods.score_mod
+    leaves = [t.detach().requires_grad_(True) if w else t.detach() for t, w in zip(score_mod.tensors, wanted)]
+    batch, sq, heads, d = q.shape
+    sk, group = k.shape[1], heads // k.shape[2]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    dev = q.device
+    kf = k.float().repeat_interleave(group, 2).transpose(1, 2)
+    vf = v.float().repeat_interleave(group, 2).transpose(1, 2)
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (batch, heads, seqlen_q)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    b = torch.arange(batch, device=dev).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=dev).view(1, -1, 1, 1)
+    ki = torch.arange(sk, device=dev).view(1, 1, 1, -1)
+    rows = max(1, CHUNK_ELEMENTS // max(1, batch * heads * sk))
+    for r0 in range(0, sq, rows):
+        r1 = min(sq, r0 + rows)
+        qi = torch.arange(r0, r1, device=dev).view(1, 1, -1, 1)
+        s = (q[:, r0:r1].float().transpose(1, 2) @ kf.transpose(2, 3)) * scale
+        with torch.enable_grad():
+            modified = score_mod.evaluate(s, b, h, qi, ki, tensors=leaves)
+        keep = _keep(mods, block_map, causal, b, h, qi, ki, tuple(s.shape), sq, sk)
+        p = torch.where(keep, torch.exp(modified.detach() - lse[:, :, r0:r1, None]), 0.0)
+        dp = dout[:, r0:r1].float().transpose(1, 2) @ vf.transpose(2, 3)
+        ds = torch.where(keep, p * (dp - delta[:, :, r0:r1, None]), 0.0)
+        if modified.requires_grad:
+            torch.autograd.backward(modified, ds)
+    return [t.grad if w and t.grad is not None else (torch.zeros_like(t) if w else None)
+            for t, w in zip(leaves, wanted)]
+
+
+__all__ = ["CHUNK_ELEMENTS", "captured_grads"]
