@@ -24,14 +24,14 @@ LSE_TOL = 1e-3
 SHAPES = [(1, 1), (17, 17), (113, 211), (211, 113), (1, 1023), (1023, 1023)]
 
 
-def flex_reference(q, k, v, scale, score_mod=None, mask_mod=None, causal=False, dtype=torch.float64):
-    """(out (batch, seqlen_q, heads, d), lse (batch, heads, seqlen_q)) computed in `dtype` (float64: the reference;
-    the input dtype: PyTorch's own error), the user's functions applied on broadcast index grids."""
+def modified_scores(q, k, scale, score_mod=None, mask_mod=None, causal=False):
+    """The scaled scores (batch, heads, seqlen_q, seqlen_k) of q (batch, seqlen_q, heads, d) against k (batch,
+    seqlen_k, heads_k, d), in q's dtype, with the user's score_mod applied on broadcast index grids and -inf where
+    mask_mod or causal drops a key (also the backward tests' reference)."""
     batch, sq, heads, _ = q.shape
     sk, heads_k = k.shape[1], k.shape[2]
-    qf = q.to(dtype).transpose(1, 2)
-    kf = k.to(dtype).repeat_interleave(heads // heads_k, dim=2).transpose(1, 2)
-    vf = v.to(dtype).repeat_interleave(heads // heads_k, dim=2).transpose(1, 2)
+    qf = q.transpose(1, 2)
+    kf = k.repeat_interleave(heads // heads_k, dim=2).transpose(1, 2)
     s = (qf @ kf.transpose(-1, -2)) * scale
     dev = q.device
     b = torch.arange(batch, device=dev).view(-1, 1, 1, 1)
@@ -39,14 +39,23 @@ def flex_reference(q, k, v, scale, score_mod=None, mask_mod=None, causal=False, 
     qi = torch.arange(sq, device=dev).view(1, 1, -1, 1)
     ki = torch.arange(sk, device=dev).view(1, 1, 1, -1)
     if score_mod is not None:
-        s = score_mod(s, b, h, qi, ki).to(dtype).expand(batch, heads, sq, sk)
+        s = score_mod(s, b, h, qi, ki).to(q.dtype).expand(batch, heads, sq, sk)
     keep = torch.ones(batch, heads, sq, sk, dtype=torch.bool, device=dev)
     if mask_mod is not None:
         keep = keep & mask_mod(b, h, qi, ki)
     if causal:
         keep = keep & (ki <= qi + sk - sq)
-    s = s.masked_fill(~keep, -math.inf)
-    m = s.amax(-1, keepdim=True) if sk else torch.full((batch, heads, sq, 1), -math.inf, device=dev, dtype=dtype)
+    return s.masked_fill(~keep, -math.inf)
+
+
+def flex_reference(q, k, v, scale, score_mod=None, mask_mod=None, causal=False, dtype=torch.float64):
+    """(out (batch, seqlen_q, heads, d), lse (batch, heads, seqlen_q)) computed in `dtype` (float64: the reference;
+    the input dtype: PyTorch's own error), the user's functions applied on broadcast index grids."""
+    batch, sq, heads, _ = q.shape
+    sk, heads_k = k.shape[1], k.shape[2]
+    s = modified_scores(q.to(dtype), k.to(dtype), scale, score_mod, mask_mod, causal)
+    vf = v.to(dtype).repeat_interleave(heads // heads_k, dim=2).transpose(1, 2)
+    m = s.amax(-1, keepdim=True) if sk else torch.full((batch, heads, sq, 1), -math.inf, device=q.device, dtype=dtype)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     p = torch.exp(s - m)
     l = p.sum(-1, keepdim=True)

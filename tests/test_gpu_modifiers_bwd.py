@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 import flashgen  # noqa: E402
 from flashgen.verify import GRAD_ABS_TOL  # noqa: E402
 from modifier_examples import examples  # noqa: E402
-from test_gpu_modifiers import documents, kv_blocks, qkv  # noqa: E402
+from test_gpu_modifiers import documents, kv_blocks, modified_scores, qkv  # noqa: E402
 
 LAYOUTS = {"mha": (4, 4), "gqa": (8, 2)}
 # (seqlen_q, seqlen_k): length 1, odd, unequal both ways
@@ -33,25 +33,9 @@ def ref_grads(q, k, v, dout, scale, score_mod=None, mask_mod=None, causal=False,
     `dlse`, its +inf LSE contributes nothing)."""
     leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
     qd, kd, vd = leaves
-    batch, sq, heads, _ = q.shape
-    sk, heads_k = k.shape[1], k.shape[2]
-    qf = qd.transpose(1, 2)
-    kf = kd.repeat_interleave(heads // heads_k, dim=2).transpose(1, 2)
+    heads, heads_k = q.shape[2], k.shape[2]
+    s = modified_scores(qd, kd, scale, score_mod, mask_mod, causal)
     vf = vd.repeat_interleave(heads // heads_k, dim=2).transpose(1, 2)
-    s = (qf @ kf.transpose(-1, -2)) * scale
-    dev = q.device
-    b = torch.arange(batch, device=dev).view(-1, 1, 1, 1)
-    h = torch.arange(heads, device=dev).view(1, -1, 1, 1)
-    qi = torch.arange(sq, device=dev).view(1, 1, -1, 1)
-    ki = torch.arange(sk, device=dev).view(1, 1, 1, -1)
-    if score_mod is not None:
-        s = score_mod(s, b, h, qi, ki).to(dtype).expand(batch, heads, sq, sk)
-    keep = torch.ones(batch, heads, sq, sk, dtype=torch.bool, device=dev)
-    if mask_mod is not None:
-        keep = keep & mask_mod(b, h, qi, ki)
-    if causal:
-        keep = keep & (ki <= qi + sk - sq)
-    s = s.masked_fill(~keep, -math.inf)
     m = s.detach().amax(-1, keepdim=True)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     p = torch.exp(s - m)
