@@ -17,20 +17,18 @@ from flashgen.blockmap import FULL, PARTIAL, BlockMap
 from flashgen.checks import Mods
 from flashgen.config import BwdConfig, ConfigError, bwd_space, default_bwd_config, modifier_bwd_config
 from flashgen.kernels import backward as bwd_kernels
-from flashgen.modifiers import Modifier, trace_mask_mod, trace_score_mod
+from flashgen.modifiers import Modifier
 from flashgen.render import render
 
 torch = pytest.importorskip("torch")
 from builds import assert_builds_without_spills  # noqa: E402
-from modifier_examples import examples  # noqa: E402
+from modifier_examples import examples, trace  # noqa: E402
 
 EXAMPLES = examples()
 
 
 def traced(name: str) -> tuple[Modifier | None, Modifier | None]:
-    ex = EXAMPLES[name]
-    return (trace_score_mod(ex.score_mod) if ex.score_mod else None,
-            trace_mask_mod(ex.mask_mod) if ex.mask_mod else None)
+    return trace(EXAMPLES[name])
 
 
 def bwd_config_of(name: str, head_dim: int = 128, dtype: str = "bf16", causal: bool = False,

@@ -20,15 +20,13 @@ from flashgen.render import render
 
 torch = pytest.importorskip("torch")
 from builds import assert_builds_without_spills  # noqa: E402
-from modifier_examples import examples  # noqa: E402
+from modifier_examples import examples, trace  # noqa: E402
 
 EXAMPLES = examples()
 
 
 def traced(name: str) -> tuple[Modifier | None, Modifier | None]:
-    ex = EXAMPLES[name]
-    return (trace_score_mod(ex.score_mod) if ex.score_mod else None,
-            trace_mask_mod(ex.mask_mod) if ex.mask_mod else None)
+    return trace(EXAMPLES[name])
 
 
 def config_of(name: str, head_dim: int = 128, dtype: str = "bf16", rows: int = 4096, **features: bool) -> KernelConfig:
