@@ -22,7 +22,7 @@ from .tensors import torch_dtype
 
 DECODE_POINTS = [(1, 1024), (1, 8192), (1, 131072), (8, 32768), (32, 8192), (128, 4096)]  # (batch, cache length)
 DECODE_HEADS = (32, 8)
-PAGE_SIZES = (0, 16, 256)  # 0: contiguous
+PAGE_SIZES = (0, 16, 128, 256)  # 0: contiguous
 
 
 def copy_tb_s(nbytes: int) -> float:
@@ -291,14 +291,15 @@ def plot_serving(result: dict, path: Any) -> None:
 def _decode_panel(ax: Any, rows: list[dict]) -> None:
     labels = sorted({(r["batch"], r["cache"]) for r in rows})
     x = range(len(labels))
+    width = 0.8 / (len(PAGE_SIZES) + 1)  # a bar per page size, then SDPA's
     for i, page in enumerate(PAGE_SIZES):
         vals = [next((r["tb_s"] for r in rows if (r["batch"], r["cache"]) == lab and r["page"] == page), 0) for lab in labels]
-        ax.bar([j + 0.2 * i for j in x], vals, 0.2, label=f"flashgen {'contiguous' if not page else f'page {page}'}")
+        ax.bar([j + width * i for j in x], vals, width, label=f"flashgen {'contiguous' if not page else f'page {page}'}")
     sd = [next(r["sdpa_tb_s"] for r in rows if (r["batch"], r["cache"]) == lab) for lab in labels]
-    ax.bar([j + 0.6 for j in x], sd, 0.2, label="SDPA (contiguous)")
+    ax.bar([j + width * len(PAGE_SIZES) for j in x], sd, width, label="SDPA (contiguous)")
     cp = statistics.median(r["copy_tb_s"] for r in rows)
     ax.axhline(cp, color="k", ls="--", lw=1, label=f"copy {cp:.2f} TB/s")
-    ax.set_xticks([j + 0.3 for j in x], [f"b{b} x {n // 1024}k" for b, n in labels])
+    ax.set_xticks([j + width * len(PAGE_SIZES) / 2 for j in x], [f"b{b} x {n // 1024}k" for b, n in labels])
     ax.set_ylabel("K/V read, TB/s (device time)")
     ax.set_title("decode, 32/8 heads, d128, seqlen_q 1")
     ax.legend(fontsize=8)

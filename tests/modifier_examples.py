@@ -6,6 +6,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from flashgen.modifiers import Modifier, trace_mask_mod, trace_score_mod
+
 WINDOW = 37          # sliding window: a key at most this far behind the row
 SOFTCAP = 20.0
 MAX_LEN = 2048       # longest sequence the tables cover (positions index them)
@@ -53,3 +55,9 @@ def examples(device: str | torch.device = "cpu", batch: int = 2, heads: int = 4,
            Example("alibi_causal", alibi, causal), Example("softcap_document", softcap, document),
            Example("relative_prefix_lm", relative_bias, prefix_lm)]
     return {e.name: e for e in out}
+
+
+def trace(example: Example) -> tuple[Modifier | None, Modifier | None]:
+    """The example's score_mod and mask_mod traced into flashgen Modifiers (None where it has none)."""
+    return (trace_score_mod(example.score_mod) if example.score_mod else None,
+            trace_mask_mod(example.mask_mod) if example.mask_mod else None)

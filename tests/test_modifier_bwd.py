@@ -9,29 +9,26 @@ import itertools
 import math
 import shutil
 import struct
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from flashgen import abi
 from flashgen.blockmap import FULL, PARTIAL, BlockMap
 from flashgen.checks import Mods
-from flashgen.compile import compile_kernel
 from flashgen.config import BwdConfig, ConfigError, bwd_space, default_bwd_config, modifier_bwd_config
 from flashgen.kernels import backward as bwd_kernels
-from flashgen.modifiers import Modifier, trace_mask_mod, trace_score_mod
+from flashgen.modifiers import Modifier
 from flashgen.render import render
 
 torch = pytest.importorskip("torch")
-from modifier_examples import examples  # noqa: E402
+from builds import assert_builds_without_spills  # noqa: E402
+from modifier_examples import examples, trace  # noqa: E402
 
 EXAMPLES = examples()
 
 
 def traced(name: str) -> tuple[Modifier | None, Modifier | None]:
-    ex = EXAMPLES[name]
-    return (trace_score_mod(ex.score_mod) if ex.score_mod else None,
-            trace_mask_mod(ex.mask_mod) if ex.mask_mod else None)
+    return trace(EXAMPLES[name])
 
 
 def bwd_config_of(name: str, head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
@@ -121,11 +118,7 @@ BUILDS = ([(name, d, dt, det) for (name, d), dt, det in zip(zip(sorted(EXAMPLES)
 def test_modifier_backwards_compile_without_spills(target):
     cfgs = [bwd_config_of(name, d, dt, deterministic=det) for name, d, dt, det in BUILDS]
     cfgs.append(bwd_config_of("document", 64, "bf16", causal=True, features=("window", "softcap", "alibi")))
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        kernels = list(pool.map(lambda c: compile_kernel(c, target), cfgs))
-    for k in kernels:
-        r = k.resources
-        assert not r.spills and r.stack_bytes == 0, f"{k.config.name} ({target}) spills: {r}"
+    assert_builds_without_spills(cfgs, target)
 
 
 # -- the argument struct --------------------------------------------------------------------------------------

@@ -19,15 +19,14 @@ from flashgen.modifiers import Modifier, ModifierError, trace_mask_mod, trace_sc
 from flashgen.render import render
 
 torch = pytest.importorskip("torch")
-from modifier_examples import examples  # noqa: E402
+from builds import assert_builds_without_spills  # noqa: E402
+from modifier_examples import examples, trace  # noqa: E402
 
 EXAMPLES = examples()
 
 
 def traced(name: str) -> tuple[Modifier | None, Modifier | None]:
-    ex = EXAMPLES[name]
-    return (trace_score_mod(ex.score_mod) if ex.score_mod else None,
-            trace_mask_mod(ex.mask_mod) if ex.mask_mod else None)
+    return trace(EXAMPLES[name])
 
 
 def config_of(name: str, head_dim: int = 128, dtype: str = "bf16", rows: int = 4096, **features: bool) -> KernelConfig:
@@ -278,11 +277,7 @@ def test_block_map_kernels_compile_without_spills_and_keep_the_skip(target):
             modifier_config(64, "fp16", False, 4096, "sm80", Mods(window=(40, 0), mask_mod=traced("document")[1])),
             config_of("softcap_document", 256, "bf16")]
     assert cfgs[1].window and cfgs[1].block_map
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        kernels = list(pool.map(lambda c: compile_kernel(c, target), cfgs))
-    for k in kernels:
-        r = k.resources
-        assert not r.spills and r.stack_bytes == 0, f"{k.config.name} ({target}) spills: {r}"
+    assert_builds_without_spills(cfgs, target)
 
 
 class _FakeList:

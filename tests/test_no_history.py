@@ -53,7 +53,7 @@ def history_lines(text: str, markdown: bool) -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize("line", [
     "Measured in " + _SESSION + " 10 on the H200.", "Found in this " + _SESSION + ".", "see " + "issue" + " 13",
-    "fixed by #42", "docs/" + "perf-notes.md item 22", "the notes item 7", "written on branch `diag-cut`",
+    "fixed by #42", "docs/perf-notes.md" + " item 22", "the notes item 7", "written on branch " + "`diag-cut`",
     "kept on branch fwd-desc-step", "(2026-12-01: staggered at d64)", "lost since " + _SESSION + " eight",
 ])
 def test_the_pattern_catches_history(line):
