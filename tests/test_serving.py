@@ -208,16 +208,13 @@ def test_fused_combine_counters_are_zeroed_and_held_per_stream(monkeypatch):
     made = []
     real_zeros = torch.zeros
     monkeypatch.setattr(torch, "zeros", lambda n, dtype, device: made.append(n) or real_zeros(n, dtype=dtype))
-    capturing = [False]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     monkeypatch.setattr(serving, "_counters", {})
-    a = serving._tile_counters(0, 7, 40)
-    assert a.dtype == torch.int32 and not a.any() and serving._tile_counters(0, 7, 8) is a and made == [40]
-    assert serving._tile_counters(0, 8, 8) is not a and made == [40, 8]
-    grown = serving._tile_counters(0, 7, 100)
+    a = serving._tile_counters(0, 7, 40, False)
+    assert a.dtype == torch.int32 and not a.any() and serving._tile_counters(0, 7, 8, False) is a and made == [40]
+    assert serving._tile_counters(0, 8, 8, False) is not a and made == [40, 8]
+    grown = serving._tile_counters(0, 7, 100, False)
     assert grown.numel() == 100 and made == [40, 8, 100]
-    capturing[0] = True
-    assert serving._tile_counters(0, 7, 4) is not serving._tile_counters(0, 7, 4) and made[-2:] == [4, 4]
+    assert serving._tile_counters(0, 7, 4, True) is not serving._tile_counters(0, 7, 4, True) and made[-2:] == [4, 4]
     assert serving._counters[0, 7] is grown
 
 
@@ -239,20 +236,16 @@ def test_split_accumulators_are_held_per_stream(monkeypatch):
     made = []
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda n, dtype, device: made.append(n) or real_empty(n, dtype=dtype))
-    capturing = [False]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     monkeypatch.setattr(serving, "_workspaces", {})
-    a = serving._workspace(0, 7, 100)
-    assert serving._workspace(0, 7, 50) is a and made == [100]  # held on stream 7
-    assert serving._workspace(0, 8, 100) is not a and made == [100, 100]  # another stream, its own
-    grown = serving._workspace(0, 7, 300)
-    assert grown.numel() == 300 and serving._workspace(0, 7, 100) is grown and made == [100, 100, 300]
-    capturing[0] = True
-    assert serving._workspace(0, 7, 10) is not serving._workspace(0, 7, 10) and made[-2:] == [10, 10]
+    a = serving._workspace(0, 7, 100, False)
+    assert serving._workspace(0, 7, 50, False) is a and made == [100]  # held on stream 7
+    assert serving._workspace(0, 8, 100, False) is not a and made == [100, 100]  # another stream, its own
+    grown = serving._workspace(0, 7, 300, False)
+    assert grown.numel() == 300 and serving._workspace(0, 7, 100, False) is grown and made == [100, 100, 300]
+    assert serving._workspace(0, 7, 10, True) is not serving._workspace(0, 7, 10, True) and made[-2:] == [10, 10]
     assert serving._workspaces[0, 7] is grown  # a capture's scratch is not held for eager calls
-    capturing[0] = False
     big = serving._WORKSPACE_KEEP // 4 + 1
-    serving._workspace(0, 7, big)
+    serving._workspace(0, 7, big, False)
     assert made[-1] == big and serving._workspaces[0, 7] is grown
 
 

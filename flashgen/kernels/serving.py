@@ -15,7 +15,7 @@ from .. import abi, driver, grids
 from ..checks import Mods
 from ..compile import target_for
 from ..config import ARCHS, COMBINE_WARPS, DEFAULT_TILES, ELEM_BYTES, MAX_SPLITS, KernelConfig, mod_features
-from ..launch import FWD, SM90_BYTES, current_stream, scale_args, softcap_args, tmap_box
+from ..launch import FWD, SM90_BYTES, capturing, current_stream, scale_args, softcap_args, tmap_box
 from ..modifiers import MAX_CAPTURED, MAX_RANK
 from .bad_inputs import error_word
 from .dense import compiled_kernel
@@ -170,9 +170,10 @@ def _fire(run: "ServeLaunch", tensors: tuple) -> None:
     stream = current_stream(run.device)
     if run.accum is not None:
         o_floats, lse_floats, counters = run.accum
-        scratch = _workspace(run.device, stream, o_floats + lse_floats)  # alive past the launches
+        fresh = capturing()
+        scratch = _workspace(run.device, stream, o_floats + lse_floats, fresh)  # alive past the launches
         fields[_ACCUM_POINTERS[0]], fields[_ACCUM_POINTERS[1]] = scratch.data_ptr(), scratch.data_ptr() + 4 * o_floats
-        fields[_ACCUM_POINTERS[2]] = _tile_counters(run.device, stream, counters).data_ptr() if counters else 0
+        fields[_ACCUM_POINTERS[2]] = _tile_counters(run.device, stream, counters, fresh).data_ptr() if counters else 0
     else:
         fields[_ACCUM_POINTERS[0]] = fields[_ACCUM_POINTERS[1]] = fields[_ACCUM_POINTERS[2]] = 0
     params = SERVE_PARAMS.pack(*fields)
@@ -189,12 +190,13 @@ _WORKSPACE_KEEP = 64 << 20  # bytes: larger accumulators are allocated per call,
 _workspaces: dict[tuple[int, int], Any] = {}
 
 
-def _workspace(device: int, stream: int, floats: int) -> Any:
-    """`floats` fp32 of scratch for a launch on `stream`: held for the next launches there, or (capture, large)
-    fresh, freed once the caller's launches are queued (the caching allocator orders its reuse on the stream)."""
+def _workspace(device: int, stream: int, floats: int, fresh: bool) -> Any:
+    """`floats` fp32 of scratch for a launch on `stream`: held for the next launches there, or (`fresh`: a capture;
+    or large) new, freed once the caller's launches are queued (the caching allocator orders its reuse on the
+    stream)."""
     import torch  # noqa: PLC0415
 
-    if torch.cuda.is_current_stream_capturing() or 4 * floats > _WORKSPACE_KEEP:
+    if fresh or 4 * floats > _WORKSPACE_KEEP:
         return torch.empty(floats, dtype=torch.float32, device=torch.device("cuda", device))
     held = _workspaces.get((device, stream))
     if held is None or held.numel() < floats:
@@ -209,11 +211,11 @@ def _workspace(device: int, stream: int, floats: int) -> Any:
 _counters: dict[tuple[int, int], Any] = {}
 
 
-def _tile_counters(device: int, stream: int, n: int) -> Any:
-    """`n` int32 arrival counters, all zero, for a fused-combine launch on `stream`."""
+def _tile_counters(device: int, stream: int, n: int, fresh: bool) -> Any:
+    """`n` int32 arrival counters, all zero, for a fused-combine launch on `stream` (`fresh`: a capture's own)."""
     import torch  # noqa: PLC0415
 
-    if torch.cuda.is_current_stream_capturing():
+    if fresh:
         return torch.zeros(n, dtype=torch.int32, device=torch.device("cuda", device))
     held = _counters.get((device, stream))
     if held is None or held.numel() < n:
