@@ -102,6 +102,15 @@ def current_stream(device: int) -> int:
     return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
+def capturing() -> bool:
+    """Whether torch's current stream is capturing a CUDA graph (the builtin behind
+    torch.cuda.is_current_stream_capturing, without its Python wrapper: a decode step asks on every call)."""
+    import torch  # noqa: PLC0415
+
+    raw = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+    return raw() if raw is not None else torch.cuda.is_current_stream_capturing()
+
+
 def fill_empty(out: Any, lse: Any) -> None:
     """No key at all: O = 0 and LSE = +inf (lse may be None: not wanted)."""
     if hasattr(out, "zero_"):
@@ -114,5 +123,5 @@ def fill_empty(out: Any, lse: Any) -> None:
             lse.fill(math.inf)
 
 
-__all__ = ["FWD", "FwdParams", "LOG2E", "SM90_BYTES", "STREAM_FOR_TORCH", "current_stream", "descale_args",
+__all__ = ["FWD", "FwdParams", "LOG2E", "SM90_BYTES", "STREAM_FOR_TORCH", "capturing", "current_stream", "descale_args",
            "fill_empty", "pack_params", "scale_args", "softcap_args", "tmap_box", "tmap_box_packed"]
