@@ -212,10 +212,10 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
                                softcap, alibi_slopes, score_mod, mask_mod, block_mask, deterministic)
     if (arch is None and stream is None and out_dtype is None and q_descale is None and k_descale is None
             and v_descale is None and not block_quant_p and alibi_slopes is None and not softcap
-            and window_size == (-1, -1) and is_torch(q) and _decode_shaped(q, k, v, sinks)):  # first: a decode step
-        return attention_with_kvcache(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                      cache_seqlens=_full_lengths(q, k), return_lse=return_lse,
-                                      learnable_sink=sinks)
+            and window_size == (-1, -1) and is_torch(q)):  # first: a decode step
+        done = _decode_step(q, k, v, causal, softmax_scale, return_lse, sinks)
+        if done is not None:
+            return done
     descale = descale_dict(q_descale, k_descale, v_descale)
     if window_size != (-1, -1) or softcap or alibi_slopes is not None or sinks is not None:
         if has_mods(window_size, softcap, alibi_slopes, causal, sinks):
@@ -263,6 +263,39 @@ def _decode_shaped(q: Any, k: Any, v: Any, sinks: Any = None) -> bool:
     if sinks is not None and not (hasattr(sinks, "device") and sinks.device == q.device):
         return False  # the full path says what is wrong
     return not (wants_grad(q, k, v, sinks) or traced(q))
+
+
+# attention() calls that took the decode kernels, by _plan_key with a full cache: the cache's lengths and the plan.
+# A call that repeats one (same shapes, strides, dtypes, devices and options; no gradient wanted; not traced, which
+# _plan_key refuses) goes straight to the plan: a one-sequence decode step is bound by the host's time.
+_decode_routes: dict[tuple, tuple[Any, KVPlan]] = {}
+
+
+def _decode_step(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, return_lse: bool,
+                 sinks: Any) -> Any:
+    """attention()'s result through the decode kernels (attention_with_kvcache over a full cache), or None where the
+    call is not decode-shaped."""
+    key = None if sinks is not None else _plan_key(q, k, v, None, None, _FULL, None, causal, softmax_scale,
+                                                    (-1, -1), 0.0, None, 0, return_lse, False)
+    route = _decode_routes.get(key) if key is not None else None
+    if route is not None:
+        check_errors()
+        done = run_plan(route[1], q, k, v, route[0], None, return_lse)
+        if done is not None:
+            return done if return_lse else done[0]
+    if not _decode_shaped(q, k, v, sinks):
+        return None
+    lengths = _full_lengths(q, k)
+    out = attention_with_kvcache(q, k, v, causal=causal, softmax_scale=softmax_scale, cache_seqlens=lengths,
+                                 return_lse=return_lse, learnable_sink=sinks)
+    if key is not None and _lengths.get((q.get_device(), k.shape[0], k.shape[1])) is lengths:  # not a capture's
+        plan = _kv_plans.get(_plan_key(q, k, v, None, None, lengths, None, causal, softmax_scale, (-1, -1), 0.0,
+                                       None, 0, return_lse, False))
+        if plan is not None:
+            if len(_decode_routes) > 256:
+                _decode_routes.clear()
+            _decode_routes[key] = (lengths, plan)
+    return out
 
 
 def _full_lengths(q: Any, k: Any) -> Any:
@@ -462,8 +495,9 @@ def _plan_key(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens:
     With num_splits=0 the tuned store's stamp is part of it: a store change makes new plans."""
     import torch  # noqa: PLC0415
 
-    if validate or k is not None or v is not None or alibi_slopes is not None or not isinstance(cache_seqlens,
-                                                                                               torch.Tensor):
+    full = cache_seqlens is _FULL
+    if validate or k is not None or v is not None or alibi_slopes is not None or not (
+            full or isinstance(cache_seqlens, torch.Tensor)):
         return None
     if block_table is not None and not isinstance(block_table, torch.Tensor):  # the full path says what is wrong
         return None
@@ -480,10 +514,14 @@ def _plan_key(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens:
     stamp = None
     if num_splits == 0 and q.is_cuda:
         stamp = resolve.gpu_stamp(q.get_device())[1]
+    lengths = _FULL if full else (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype,
+                                  cache_seqlens.device)
     return (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
-            v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, cache_seqlens.shape, cache_seqlens.stride(),
-            cache_seqlens.dtype, cache_seqlens.device, table, bool(causal), softmax_scale, window, float(softcap),
-            num_splits, bool(return_lse), stamp)
+            v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, lengths, table, bool(causal),
+            softmax_scale, window, float(softcap), num_splits, bool(return_lse), stamp)
+
+
+_FULL = "full"  # _plan_key's cache_seqlens for attention()'s decode route: every cache full (_full_lengths)
 
 
 __all__ = ["Kernel", "STORE_CHECK_S", "attention", "attention_varlen", "attention_with_kvcache", "check_errors",

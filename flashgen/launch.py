@@ -103,12 +103,20 @@ def current_stream(device: int) -> int:
 
 
 def capturing() -> bool:
-    """Whether torch's current stream is capturing a CUDA graph (the builtin behind
-    torch.cuda.is_current_stream_capturing, without its Python wrapper: a decode step asks on every call)."""
+    """Whether torch's current stream is capturing a CUDA graph (a decode step asks on every call)."""
+    return _capture_check()()
+
+
+@functools.lru_cache(maxsize=1)
+def _capture_check() -> Any:
+    """torch's builtin behind torch.cuda.is_current_stream_capturing, without its Python wrapper, where CUDA is
+    there; the wrapper elsewhere (a CPU build's builtin raises)."""
     import torch  # noqa: PLC0415
 
     raw = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
-    return raw() if raw is not None else torch.cuda.is_current_stream_capturing()
+    if raw is not None and torch.cuda.is_available():
+        return raw
+    return lambda: torch.cuda.is_current_stream_capturing()
 
 
 def fill_empty(out: Any, lse: Any) -> None:

@@ -171,10 +171,11 @@ def test_a_plan_launches_the_struct_the_full_path_packed(monkeypatch):
     monkeypatch.setattr(serving.driver, "primary_context_id", lambda device: 1)
     monkeypatch.setattr(serving, "current_stream", lambda device: 7)
     monkeypatch.setattr(serving, "error_word", lambda device: 0x5000)
-    monkeypatch.setattr(serving, "_workspace", lambda device, stream, floats: torch.empty(floats))
+    monkeypatch.setattr(serving, "capturing", lambda: False)
+    monkeypatch.setattr(serving, "_workspace", lambda device, stream, floats, fresh: torch.empty(floats))
     counters = {}
     monkeypatch.setattr(serving, "_tile_counters",
-                        lambda device, stream, n: counters.setdefault(n, torch.zeros(n, dtype=torch.int32)))
+                        lambda device, stream, n, fresh: counters.setdefault(n, torch.zeros(n, dtype=torch.int32)))
     q = torch.randn(3, 1, 8, 128, dtype=torch.bfloat16)
     lens = torch.tensor([5, 64, 200], dtype=torch.int32)
     fresh = {3, 4, 29, 30}  # out, lse, o_accum, lse_accum
