@@ -149,16 +149,16 @@ def _serving_modifiers(q: Any, score_mod: Any, mask_mod: Any, block_mask: Any, m
     if block_mask is not None:
         raise NotImplementedError(f"{call} takes no block_mask (block maps are built for dense calls, "
                                   "flashgen.attention); pass its mask_mod as mask_mod=, evaluated on every key tile")
-    if traced(q):
-        raise NotImplementedError("score_mod and mask_mod run eagerly only (no torch operator takes a Python "
-                                  "modifier yet): not under torch.compile, nor with fake or meta tensors")
     if mods.sinks is not None:
         raise ValueError("learnable_sink does not combine with score_mod or mask_mod (the modifier kernels have no "
                          "sinks)")
+    if score_mod is not None and (mods.softcap or mods.alibi is not None):
+        raise ValueError("a score_mod does not combine with softcap or alibi_slopes: write them into the score_mod")
+    if traced(q):
+        raise NotImplementedError("score_mod and mask_mod run eagerly only (no torch operator takes a Python "
+                                  "modifier yet): not under torch.compile, nor with fake or meta tensors")
     score = trace_cached(score_mod, "score") if score_mod is not None else None
     mask = trace_cached(mask_mod, "mask") if mask_mod is not None else None
-    if score is not None and (mods.softcap or mods.alibi is not None):
-        raise ValueError("a score_mod does not combine with softcap or alibi_slopes: write them into the score_mod")
     _refuse_mask_grad(mask)
     if _tables_want_grad(score):
         raise NotImplementedError(f"{call} with a score_mod is forward only: a tensor it reads requires grad (detach "
