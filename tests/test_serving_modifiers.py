@@ -137,6 +137,9 @@ def test_varlen_and_kvcache_modifier_kernels_build_without_spills():
             kernels("softcap_document", 256, "fp16"),
             kernels("relative_prefix_lm", 128, paged=True, pack_gqa=True, split=True, rows=4),
             kernels("alibi_causal", 64, "bf16", paged=True, split=True, rows=1),
-            kernels("softcap_document", 256, "bf16", pack_gqa=True, rows=8)]
+            kernels("softcap_document", 256, "bf16", pack_gqa=True, rows=8),
+            kernels("relative_prefix_lm", 256, "fp16", paged=True, pack_gqa=True, split=True, rows=4),
+            kernels("softcap_document", 32, "fp16", paged=True, split=True, rows=1),
+            kernels("relative_prefix_lm", 96, "bf16", pack_gqa=True, split=True, rows=4)]
     assert all(c.modified and not c.block_map for c in cfgs)
     assert_builds_without_spills(cfgs, "sm_80")
