@@ -29,7 +29,7 @@ from typing import Any
 from . import tune_decode as td, tune_modifier as tm, tune_varlen as tv
 from .bench import flops
 from .config import SM90_KNOBS, BwdConfig, ConfigError, KernelConfig, bwd_space, space as config_space
-from .modifiers import registered
+from .modifiers import ModifierError, registered
 from .problem import Rule, TuneProblem
 from .store import config_from_entry, make_entry
 
@@ -218,7 +218,11 @@ class ModifierKind(Kind):
         return tv.spill_reason(kernel)
 
     def task_args(self, problem: Any) -> tuple:
-        return (registered((problem.score_mod, problem.mask_mod)),)
+        try:
+            return (registered((problem.score_mod, problem.mask_mod)),)
+        except ModifierError:
+            raise ModifierError(f"{problem.key}: its modifiers were not traced in this process; load the same ones "
+                                "(tune --score-mod / --mask-mod) where it is tuned or collected") from None
 
 
 DENSE, DECODE, VARLEN, MODIFIER = Kind(), DecodeKind(), VarlenKind(), ModifierKind()

@@ -29,7 +29,7 @@ from .bench import kernel_timer, retime_best, time_backward, time_cuda, time_ker
 from .compile import CompiledKernel, CompileError, compile_kernel, target_for
 from .config import KernelConfig, default_config
 from .launch import FwdParams
-from .modifiers import Modifier, register, registered
+from .modifiers import Modifier, ModifierError, register, registered
 from .problem import TuneProblem
 from .tunable import Candidate, Problem, kind_of
 from .verify import verify, verify_backward
@@ -338,6 +338,10 @@ class GpuBackend:
         kind = kind_of(problem)
         info: dict[str, Any] = {}
         try:
+            extra = kind.task_args(problem)
+        except ModifierError as e:  # a modifier problem whose modifiers this process has not traced
+            return TrialResult("error", reason=str(e))
+        try:
             for cfg in kind.kernels(problem, cand):
                 kernel = self.compiler.get(cfg, self.target(cfg))
                 r = kernel.resources
@@ -349,8 +353,8 @@ class GpuBackend:
         except CompileError as e:
             return TrialResult("compile_failed", reason=compile_reason(e))
         try:
-            status, value = self.worker.call(kind.trial_task, problem, cand, self.warmup, self.reps,
-                                             *kind.task_args(problem), deadline_s=self.deadline_s)
+            status, value = self.worker.call(kind.trial_task, problem, cand, self.warmup, self.reps, *extra,
+                                             deadline_s=self.deadline_s)
         except NoGpuError as e:
             return TrialResult("error", reason=str(e), info=info)
         if status != "ok":
@@ -366,8 +370,12 @@ class GpuBackend:
         kind = kind_of(problem)
         if kind.retime_task is not None and configs:
             try:
+                extra = kind.task_args(problem)
+            except ModifierError:
+                return [None] * len(configs)
+            try:
                 status, value = self.worker.call(kind.retime_task, problem, configs, rounds, self.warmup, self.reps,
-                                                 *kind.task_args(problem), deadline_s=self.deadline_s * rounds)
+                                                 *extra, deadline_s=self.deadline_s * rounds)
             except NoGpuError:
                 return [None] * len(configs)
             return value if status == "ok" else [None] * len(configs)

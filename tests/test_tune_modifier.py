@@ -176,3 +176,41 @@ def test_the_verify_reference_applies_the_modifiers(name, causal):
     assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
     plain, _ = reference(q, k, v, causal, scale, None, None)
     assert (plain - out).abs().max() > 1e-2
+
+
+def test_the_gpu_backend_sends_the_modifiers_with_each_task():
+    """GpuBackend (its compiler and worker stood in for): a modifier problem's trials and retimes go to
+    flashgen.tune_modifier's tasks with the registered modifiers; a problem whose modifiers were never traced here
+    is an error value naming the problem, not an exception."""
+    from types import SimpleNamespace
+
+    from flashgen.worker import GpuBackend
+
+    s = trace_score_mod(lambda score, b, h, q_idx, kv_idx: score * 0.25)
+    calls = []
+
+    class Worker:
+        def call(self, task, *args, deadline_s):
+            calls.append((task, args))
+            if task.endswith("gpu_retime"):
+                return "ok", [1.0] * len(args[1])
+            return "ok", {"status": "ok", "ms": 1.0, "max_err": 0.0, "reason": "", "kernel": args[1].name}
+
+    class Compiled:
+        def get(self, cfg, target):
+            return SimpleNamespace(resources=SimpleNamespace(registers=64, spill_stores=0, spill_loads=0,
+                                                             smem_bytes=0, spills=False), ptxas_log="")
+
+    b = object.__new__(GpuBackend)
+    b.worker, b.gpu_arch, b.compiler, b.deadline_s, b.warmup, b.reps = Worker(), "sm80", Compiled(), 30, 1, 1
+    p = TuneProblem("G", "sm80", "sm80", "bf16", 64, False, 1024, score_mod=s.digest)
+    cfg = default_config(p)
+    assert b.evaluate(cfg, p).ok
+    assert b.retime([cfg], p, 2) == [1.0]
+    (trial, targs), (retime, rargs) = calls
+    assert trial == "flashgen.tune_modifier:gpu_trial" and retime == "flashgen.tune_modifier:gpu_retime"
+    assert [m.digest for m in targs[-1]] == [s.digest] and rargs[-1] == targs[-1]
+    unknown = TuneProblem("G", "sm80", "sm80", "bf16", 64, False, 1024, score_mod="0123456789ab")
+    res = b.evaluate(cfg, unknown)
+    assert res.status == "error" and unknown.key in res.reason and "not traced" in res.reason
+    assert b.retime([cfg], unknown, 2) == [None] and len(calls) == 2
