@@ -79,7 +79,7 @@ def reference(q: Any, k: Any, v: Any, causal: bool, scale: float, score_mod: Mod
     b = torch.arange(batch, device=dev).view(-1, 1, 1, 1)
     h = torch.arange(heads, device=dev).view(1, -1, 1, 1)
     ki = torch.arange(sk, device=dev).view(1, 1, 1, -1)
-    rows = max(1, ref_chunk_rows(batch, heads, sq, sk, ref_budget_bytes(dev)) if dev.type == "cuda" else sq)
+    rows = ref_chunk_rows(batch, heads, sq, sk, ref_budget_bytes(dev) // 4)  # the graphs' temporaries too
     outs, lses = [], []
     for r0 in range(0, sq, rows):
         qi = torch.arange(r0, min(sq, r0 + rows), device=dev).view(1, 1, -1, 1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -214,3 +215,14 @@ def test_the_gpu_backend_sends_the_modifiers_with_each_task():
     res = b.evaluate(cfg, unknown)
     assert res.status == "error" and unknown.key in res.reason and "not traced" in res.reason
     assert b.retime([cfg], unknown, 2) == [None] and len(calls) == 2
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_compile_only_builds_the_modifier_space_in_the_compile_pool(tmp_path, mods_file, capsys, monkeypatch):
+    """The compile pool's spawned processes never traced the modifiers: they get them with each task."""
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    assert cli.main(["tune", "--compile-only", "--gpu-arch", "sm80", "--head-dim", "64", "--causal", "no",
+                     "--score-mod", f"{mods_file}:softcap", "--mask-mod", f"{mods_file}:window", "--max-configs", "1",
+                     "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "_bmap" in out and "1 of 1 configurations pass" in out
