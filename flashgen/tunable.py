@@ -209,7 +209,8 @@ class ModifierKind(Kind):
         return dataclasses.replace(super().candidate(problem, params), **tm.fields(problem))  # type: ignore[type-var]
 
     def space(self, problem: Any) -> list[Candidate]:
-        return tm.with_modifiers(super().space(problem), problem.score_mod, problem.mask_mod)  # type: ignore[arg-type, return-value]
+        dense = super().space(problem)
+        return tm.with_modifiers(dense, problem.score_mod, problem.mask_mod)  # type: ignore[arg-type, return-value]
 
     def default(self, problem: Any) -> Candidate:
         return tm.default_config(problem)
@@ -262,5 +263,5 @@ def space_of(problem: Problem) -> list[Candidate]:
     return kind_of(problem).space(problem)
 
 
-__all__ = ["BWD_PARAMS", "Candidate", "FAMILY_PARAMS", "KINDS", "Kind", "ModifierKind", "PARAMS", "Problem", "candidate_of_entry",
-           "entry_of", "kind_of", "params_of", "problem_from_dict", "space_of"]
+__all__ = ["BWD_PARAMS", "Candidate", "FAMILY_PARAMS", "KINDS", "Kind", "ModifierKind", "PARAMS", "Problem",
+           "candidate_of_entry", "entry_of", "kind_of", "params_of", "problem_from_dict", "space_of"]

@@ -103,7 +103,8 @@ def test_keys_and_study_names_carry_the_digests():
 
 
 def test_a_simulated_tune_stores_an_entry_only_its_modifiers_find(tmp_path, mods_file, capsys):
-    assert cli.main(tune_args(tmp_path, "--score-mod", f"{mods_file}:softcap", "--mask-mod", f"{mods_file}:window")) == 0
+    mods = ["--score-mod", f"{mods_file}:softcap", "--mask-mod", f"{mods_file}:window"]
+    assert cli.main(tune_args(tmp_path, *mods)) == 0
     capsys.readouterr()
     ns: dict = {}
     exec(MODS, ns)  # the same functions, traced here as a call traces them
@@ -138,7 +139,8 @@ def test_the_modifiers_travel_as_data(tmp_path):
     cfg = default_config(p)
     task = compile_args(cfg, "sm_80")
     assert task[0] is compile_with and task[1:3] == (cfg, "sm_80") and task[3] == sent
-    assert compile_args(TuneProblem(*GPU, "sm80", "bf16", 64, True, 1024).default_config(), "sm_80")[0] is compile_kernel
+    plain = TuneProblem(*GPU, "sm80", "bf16", 64, True, 1024).default_config()
+    assert compile_args(plain, "sm_80")[0] is compile_kernel
     (tmp_path / "mods.pkl").write_bytes(pickle.dumps((cfg, sent)))
     code = textwrap.dedent(f"""
         import pickle, torch

@@ -175,16 +175,15 @@ def tune_modifiers(args: argparse.Namespace) -> dict[str, str]:
                        "family sm80's default tiles)")
     if args.arch != "sm80":
         raise CliError(f"{given}: modifier kernels are family sm80 (they run on Hopper too); use --arch sm80")
-    out = {}
+    out = {"score_mod": "", "mask_mod": ""}
     for kind, spec in (("score", args.score_mod), ("mask", args.mask_mod)):
         if spec:
             mod = load_modifier(spec, kind)
             if mod.captured:
                 raise CliError(f"--{kind}-mod {spec!r}: it reads tensors ({', '.join(c.name for c in mod.captured)}); "
-                               "tune takes modifiers that read none (the tuner has no tensors to give the kernel): "
-                               "tune one with the same graph and no table, or use the default tiles")
+                               "tune takes modifiers that read none (the tuner has no tensors to give the kernel)")
             out[f"{kind}_mod"] = mod.digest
-    return {"score_mod": out.get("score_mod", ""), "mask_mod": out.get("mask_mod", "")}
+    return out
 
 
 def validate(args: argparse.Namespace) -> None:

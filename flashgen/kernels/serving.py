@@ -430,5 +430,5 @@ def append_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, bl
 
 __all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "ServeLaunch", "append_kv",
            "arch_and_slots", "call_features", "choose_splits", "decode_config", "has_mods", "kernel_sinks",
-           "kvcache_launch", "launch_prefill", "list_slots", "modifier_config", "modifier_digests", "modifier_tail", "run_plan",
-           "serve_config", "serve_grids", "want_split"]
+           "kvcache_launch", "launch_prefill", "list_slots", "modifier_config", "modifier_digests", "modifier_tail",
+           "run_plan", "serve_config", "serve_grids", "want_split"]
