@@ -393,6 +393,14 @@ def modifier_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: st
                         block_map=mods.mask_mod is not None or mods.block_map is not None)
 
 
+def modifier_digests(mods: Mods) -> dict[str, str]:
+    """The KernelConfig fields of the call's traced score_mod and mask_mod (their digests); {} without either. A
+    varlen or KV-cache kernel takes them without a block map (its sequences' lengths vary)."""
+    out = {"score_mod": mods.score_mod.digest if mods.score_mod is not None else "",
+           "mask_mod": mods.mask_mod.digest if mods.mask_mod is not None else ""}
+    return out if any(out.values()) else {}
+
+
 class KVPlan(NamedTuple):
     launch: ServeLaunch
     lse_shape: tuple | None
@@ -452,5 +460,5 @@ def append_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, bl
 
 __all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "ServeLaunch", "append_kv",
            "arch_and_slots", "call_features", "choose_splits", "decode_config", "has_mods", "kernel_sinks",
-           "kvcache_launch", "launch_prefill", "list_slots", "modifier_config", "modifier_tail", "run_plan",
-           "serve_config", "serve_grids", "want_split"]
+           "kvcache_launch", "launch_prefill", "list_slots", "modifier_config", "modifier_digests", "modifier_tail",
+           "run_plan", "serve_config", "serve_grids", "want_split"]
