@@ -366,6 +366,7 @@ def test_sm90_deterministic_compiles_without_spills_or_serialized_wgmma():
         sass = disassemble(k.cubin)
         assert "REDG.E.ADD.F32" not in sass and sass.count("REDG.E.ADD.S32.STRONG.GPU") == 1, k.name
         at = 0
-        for op in ("LDG.E.STRONG.GPU", "FENCE.VIEW.ASYNC.G", "UBLKRED.G.S.ADD.F32", "DEPBAR.LE SB0, 0x0",
+        # (the wait for the reduce's writes: its DEPBAR then an L1 invalidate; the wait for its reads alone has none)
+        for op in ("LDG.E.STRONG.GPU", "FENCE.VIEW.ASYNC.G", "UBLKRED.G.S.ADD.F32", "DEPBAR.LE SB0, 0x0", "CCTL.IVALL",
                    "FENCE.VIEW.ASYNC.G", "MEMBAR.ALL.GPU", "REDG.E.ADD.S32.STRONG.GPU"):
             at = sass.index(op, at) + len(op)
