@@ -618,7 +618,8 @@ BWD_ROW_WARPS = 8  # rows per block of the _pre and _convert kernels (one warp p
 BWD_MAX_ACCUM_REGS = 144
 # sm90 family (FlashAttention-3's design): one producer warpgroup (TMA) plus one consumer warpgroup
 # per 64 keys of block_n; each consumer keeps its keys' dK and dV in registers and computes S^T and
-# dP^T (keys as wgmma's M), so P^T and dS^T feed dV and dK from registers. dQ goes by fp32 atomics.
+# dP^T (keys as wgmma's M), so P^T and dS^T feed dV and dK from registers. dQ goes by fp32 atomics (dq_tma: by
+# bulk reduces, which deterministic configs order by n-block).
 # dK + dV of 64 keys take head_dim registers per consumer thread: at 256, two warpgroups share the keys (kv_split);
 # at 96 only one consumer warpgroup fits (block_m 64, block_n 64: dQ cannot split 96 columns into 64-wide slices).
 SM90_BWD_HEAD_DIMS = (32, 64, 96, 128, 256)

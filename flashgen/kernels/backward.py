@@ -5,7 +5,8 @@
 
 Family sm90 (templates/sm90/bwd.cu.j2, FlashAttention-3's design) launches the same three roles
 with TMA maps of q, k, v, dout and buffers padded to whole Q tiles (LSE * log2 e, D, and the dQ
-accumulator in the main kernel's register order). Family sm80, on torch's current stream
+accumulator in the main kernel's register order); a deterministic sm90 config also takes a zeroed int32 counter
+per Q tile (dq_semaphore), on which its K/V tiles' dQ reduces take turns. Family sm80, on torch's current stream
 (templates/sm80/bwd.cu.j2):
 `{name}_pre` (D = rowsum(dO * O) in fp32; zero the fp32 dQ accumulator), `{name}` (one block per
 K/V tile: dK, dV in registers, dQ added to the accumulator by fp32 atomics), `{name}_convert`
