@@ -122,7 +122,8 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           lse: torch.Tensor, dlse: Optional[torch.Tensor], causal: bool,
                           softmax_scale: Optional[float], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), contiguous, like q, k, v: the backward kernels of this GPU (flashgen.kernels.backward; sm90 family
-    on Hopper, sm80 elsewhere and when deterministic: bit-identical gradients run to run, no atomics)."""
+    on Hopper, sm80 elsewhere; deterministic: bit-identical gradients run to run, the sm90 family's dQ reduces in a
+    fixed order, sm80's dQ without atomics)."""
     kern = backward_kernel(q.get_device(), q.shape[3], _HALF[q.dtype], causal, q.shape[1], deterministic)
     return backward(kern, q, k, v, out, dout.contiguous(), lse, softmax_scale, dlse=dlse)
 
