@@ -272,6 +272,19 @@ def _backward_mods(ctx: Any, dout: torch.Tensor, dlse: Optional[torch.Tensor]) -
 attention_mods_op.register_autograd(_backward_mods, setup_context=_setup_mods)
 
 
+def pad_head_dim(t: Any, d: int) -> Any:
+    """`t` with zero columns appended to its last dim up to `d` (`t` itself where it is that wide already): a copy,
+    differentiable (the gradient of the zero columns is dropped). flashgen.head_dims says why zeros are exact."""
+    n = d - t.shape[-1]
+    return t if n == 0 else torch.nn.functional.pad(t, (0, n))
+
+
+def cut_head_dim(t: Any, d: int) -> Any:
+    """The first `d` columns of `t`'s last dim, contiguous (`t` itself where it is that wide): a padded call's output
+    back at the caller's width; autograd gives its gradient zero columns, a padded dO."""
+    return t if t.shape[-1] == d else t[..., :d].contiguous()
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
               arch: Optional[str], want_lse: bool = True,
               deterministic: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -428,6 +441,6 @@ def kernel_block_map(cfg: Any, mods: Mods, causal: bool, batch: int, heads: int,
 
 
 __all__ = ["attention", "attention_backward_op", "attention_fp8", "attention_fp8_op", "attention_mods_op",
-           "attention_op", "attention_serve_backward_op", "attention_varlen_op", "dense_mods_forward", "flex_attention",
-           "flex_backward", "forward_fp8", "forward_torch", "kernel_block_map", "modifier_kernel", "sinks_grad",
-           "varlen_forward"]
+           "attention_op", "attention_serve_backward_op", "attention_varlen_op", "cut_head_dim", "dense_mods_forward",
+           "flex_attention", "flex_backward", "forward_fp8", "forward_torch", "kernel_block_map", "modifier_kernel",
+           "pad_head_dim", "sinks_grad", "varlen_forward"]
