@@ -1,0 +1,124 @@
+"""Head dims without a kernel of their own (flashgen.head_dims), without a GPU: which built head dim serves each
+call, the checks, and the public calls' padding: the kernels see only built head dims of one width, the default
+scale is the caller's, and the result is exact (a float64 stand-in for the kernel on CPU tensors)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from flashgen import head_dims
+from flashgen.checks import check_head_dims
+from flashgen.config import HEAD_DIMS
+
+torch = pytest.importorskip("torch")
+
+from flashgen import api, ops  # noqa: E402
+from flashgen.verify import attention_torch  # noqa: E402
+
+EVERY = range(8, 257, 8)
+
+
+def test_every_multiple_of_8_is_served_by_the_smallest_built_head_dim_that_holds_it():
+    got = {d: head_dims.kernel_head_dim(d) for d in EVERY}
+    assert got == {d: min(k for k in HEAD_DIMS if k >= d) for d in EVERY}
+    assert [got[d] for d in (8, 32, 40, 72, 80, 112, 128, 160, 192, 200, 248, 256)] == \
+        [32, 32, 64, 96, 96, 128, 128, 256, 256, 256, 256, 256]
+    assert all(head_dims.native(d) == (got[d] == d) for d in EVERY)
+
+
+@pytest.mark.parametrize("d_qk, d_v, want", [((192), 128, 256), (128, 192, 256), (128, 64, 128), (64, 128, 128),
+                                              (8, 256, 256), (96, 96, 96), (40, 32, 64)])
+def test_q_k_and_v_of_different_widths_take_the_head_dim_that_holds_both(d_qk, d_v, want):
+    assert head_dims.kernel_head_dim(d_qk, d_v) == want
+    assert not head_dims.native(d_qk, d_v) or d_qk == d_v == want
+    assert head_dims.padded_fraction(d_qk, d_v) == pytest.approx(2 * want / (d_qk + d_v))
+
+
+@pytest.mark.parametrize("d", [0, 4, 12, 100, 257, 264, 512, -8, 8.0])
+def test_other_head_dims_are_refused_naming_what_is_supported(d):
+    assert not head_dims.supported(d)
+    with pytest.raises(ValueError, match=rf"head_dim={d} is not supported: a head dim must be a multiple of 8 from 8 "
+                                         rf"to 256 \(built natively: 32, 64, 96, 128, 256"):
+        head_dims.kernel_head_dim(d)
+    with pytest.raises(ValueError, match=rf"v's head_dim={d} is not supported"):
+        head_dims.kernel_head_dim(64, d)
+
+
+def test_the_default_scale_is_the_callers_head_dim():
+    assert head_dims.default_scale(72) == 1 / math.sqrt(72)
+
+
+@pytest.mark.parametrize("shapes, match", [
+    (((2, 8, 4, 72), (2, 8, 4, 64), (2, 8, 4, 72)), r"q and k must share head_dim; got 72 and 64 \(v may differ\)"),
+    (((2, 8, 4, 72), (2, 8, 4, 72), (2, 9, 4, 72)), r"k and v must have the same shape but for the head dim"),
+    (((2, 8, 4, 72), (2, 8, 4, 72), (2, 8, 2, 72)), r"k and v must have the same shape but for the head dim"),
+    (((2, 8, 4, 20), (2, 8, 4, 20), (2, 8, 4, 64)), r"head_dim=20 is not supported"),
+    (((2, 8, 4), (), (2, 8, 4)), r"need a head dim"),
+])
+def test_check_head_dims(shapes, match):
+    with pytest.raises(ValueError, match=match):
+        check_head_dims(*shapes)
+
+
+def test_check_head_dims_gives_both_widths():
+    assert check_head_dims((2, 8, 4, 192), (2, 8, 1, 192), (2, 8, 1, 128)) == (192, 128)
+
+
+# -- the public calls ----------------------------------------------------------------------------------------------
+
+def meta(*shape, grad=False):
+    return torch.empty(shape, dtype=torch.bfloat16, device="meta").requires_grad_(grad)
+
+
+CU = torch.tensor([0, 4, 8], dtype=torch.int32).to("meta")
+
+
+@pytest.mark.parametrize("d_qk, d_v", [(72, 72), (8, 8), (192, 128), (128, 64), (200, 200)])
+def test_varlen_and_dense_give_the_callers_widths_and_gradients(d_qk, d_v):
+    """Through the operators' fake implementations (meta tensors): out at v's width, gradients at the inputs'."""
+    q, k, v = meta(8, 8, d_qk, grad=True), meta(8, 2, d_qk, grad=True), meta(8, 2, d_v, grad=True)
+    out, lse = api.attention_varlen(q, k, v, CU, CU, 4, 4, causal=True, validate=False, return_lse=True)
+    assert out.shape == (8, 8, d_v) and lse.shape == (8, 8)
+    out.sum().backward()
+    assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
+    q, k, v = meta(2, 16, 4, d_qk, grad=True), meta(2, 16, 2, d_qk, grad=True), meta(2, 16, 2, d_v, grad=True)
+    out = api.attention(q, k, v, causal=True)
+    assert out.shape == (2, 16, 4, d_v) and out.is_contiguous()
+    out.sum().backward()
+    assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
+
+
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_varlen_kernels_see_a_built_head_dim_and_the_callers_scale(monkeypatch, scale):
+    seen = {}
+
+    def fake_op(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, *rest):
+        seen.update(dims=(q.shape[-1], k.shape[-1], v.shape[-1]), scale=softmax_scale)
+        return q.new_empty(q.shape), None
+
+    monkeypatch.setattr(ops, "attention_varlen_op", fake_op)  # meta tensors take the operator
+    out = api.attention_varlen(meta(8, 8, 80), meta(8, 2, 80), meta(8, 2, 80), CU, CU, 4, 4, softmax_scale=scale,
+                               validate=False)
+    assert seen == {"dims": (96, 96, 96), "scale": 1 / math.sqrt(80) if scale is None else scale}
+    assert out.shape == (8, 8, 80)
+
+
+@pytest.mark.parametrize("d_qk, d_v", [(72, 72), (8, 8), (192, 128), (112, 112), (64, 128), (248, 248)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_is_exact(monkeypatch, d_qk, d_v, causal):
+    """The dense call with a float64 stand-in for the kernel (it checks that it is given a built head dim of one
+    width): the padded call's output equals attention at the caller's widths, with its default scale."""
+    def fake_kernel(q, k, v, causal, softmax_scale, arch, want_lse=True):
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] in HEAD_DIMS
+        scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale  # the kernels' default
+        return attention_torch(q, k, v, causal, scale), None
+
+    monkeypatch.setattr(ops, "forward_torch", fake_kernel)
+    g = torch.Generator().manual_seed(d_qk + d_v)
+    q = torch.randn(2, 17, 4, d_qk, dtype=torch.float64, generator=g)
+    k = torch.randn(2, 23, 2, d_qk, dtype=torch.float64, generator=g)
+    v = torch.randn(2, 23, 2, d_v, dtype=torch.float64, generator=g)
+    out = api.attention(q, k, v, causal=causal)
+    ref = attention_torch(q, k, v, causal, 1 / math.sqrt(d_qk))
+    assert out.shape == ref.shape and (out - ref).abs().max().item() < 1e-12
