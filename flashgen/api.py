@@ -48,13 +48,14 @@ def reload() -> None:
     resolve.clear()
 
 
-def _padded(q: Any, k: Any, v: Any, rank: int) -> bool:
-    """Whether a call's torch tensors run padded to a built head dim (flashgen.head_dims): q, k, v of the call's
-    rank whose widths are not one built head dim (other ranks: the call's own checks say what is wrong). FP8 keeps
-    to its built head dims (its checks say which)."""
+def _padded(q: Any, k: Any, v: Any, rank: int, dense: bool = False) -> bool:
+    """Whether a call's torch tensors run padded to a built head dim (flashgen.head_dims; `dense`: the call takes
+    the dense kernels): q, k, v of the call's rank whose widths are not one built head dim (other ranks: the call's
+    own checks say what is wrong). FP8 keeps to its built head dims (its checks say which)."""
     if not (is_torch(q) and all(is_torch(t) and t.dim() == rank for t in (q, k, v))):
         return False
-    return str(q.dtype) != "torch.float8_e4m3fn" and not (native(q.shape[-1], v.shape[-1]) and k.shape[-1] == q.shape[-1])
+    return str(q.dtype) != "torch.float8_e4m3fn" and not (native(q.shape[-1], v.shape[-1], dense)
+                                                            and k.shape[-1] == q.shape[-1])
 
 
 def _cut(result: Any, d_v: int, return_lse: bool) -> Any:
@@ -218,9 +219,11 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     Without one, flashgen builds a mask_mod's block map itself (flashgen.blockmap; kept while the tensors it reads
     are unchanged) with the same effect."""
     _check_options(causal, softmax_scale)
-    if _padded(q, k, v, 4):  # any other multiple of 8, or v of another width: zero-padded to a built head dim
+    dense = (score_mod is None and mask_mod is None and block_mask is None and learnable_sink is None
+             and alibi_slopes is None and not softcap and window_size == (-1, -1))  # no serving or modifier kernel
+    if _padded(q, k, v, 4, dense):  # any other multiple of 8, or v of another width: zero-padded to a built head dim
         d_qk, d_v = check_head_dims(q.shape, k.shape, v.shape)
-        pad, d = _ops().pad_head_dim, kernel_head_dim(d_qk, d_v)
+        pad, d = _ops().pad_head_dim, kernel_head_dim(d_qk, d_v, dense)
         scale = default_scale(d_qk) if softmax_scale is None else softmax_scale
         return _cut(attention(pad(q, d), pad(k, d), pad(v, d), causal, scale, return_lse, stream, arch,
                               q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,

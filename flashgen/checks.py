@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from .config import FAMILIES, HEAD_DIMS
-from .head_dims import head_dim_error
+from .config import DENSE_HEAD_DIMS, FAMILIES, HEAD_DIMS
+from .head_dims import built, head_dim_error
 from .tensors import TORCH_DTYPES, Problem, View, aligned, view
 
 
@@ -48,8 +48,8 @@ def check_qkv(q: View, k: View, v: View) -> Problem:
         raise ValueError(f"batch differs: q has {b}, k and v have {bk}")
     if dk != d:
         raise ValueError(f"head_dim differs: q has {d}, k and v have {dk}")
-    if d not in HEAD_DIMS:
-        raise ValueError(not_built(d))
+    if d not in DENSE_HEAD_DIMS:
+        raise ValueError(not_built(d, dense=True))
     if hk == 0 or h % hk:
         raise ValueError(f"heads of q ({h}) must be a multiple of heads of k and v ({hk}) (MQA/GQA)")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -58,12 +58,13 @@ def check_qkv(q: View, k: View, v: View) -> Problem:
     return Problem(b, sq, sk, h, hk, d, q.dtype)
 
 
-def not_built(d: int) -> str:
-    """What a kernel call says of a head dim it has no kernel for (the public torch calls pad those: flashgen.head_dims)."""
+def not_built(d: int, dense: bool = False) -> str:
+    """What a kernel call says of a head dim it has no kernel for (`dense`: the dense forward and backward; the
+    public torch calls pad those: flashgen.head_dims)."""
     why = head_dim_error(d)
     if why is not None:
         return why
-    return (f"head_dim={d} has no kernel of its own (built: {', '.join(map(str, HEAD_DIMS))}); flashgen.attention, "
+    return (f"head_dim={d} has no kernel of its own (built: {', '.join(map(str, built(dense)))}); flashgen.attention, "
             "attention_varlen and attention_with_kvcache run it padded for torch tensors, GPU arrays and loaded "
             "kernels take the built head dims")
 
@@ -110,8 +111,8 @@ def check_shapes(q: Any, k: Any, v: Any, dtypes: tuple | None = None) -> None:
         raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head_dim")
-    if q.shape[3] not in HEAD_DIMS:
-        raise ValueError(not_built(q.shape[3]))
+    if q.shape[3] not in DENSE_HEAD_DIMS:
+        raise ValueError(not_built(q.shape[3], dense=True))
     if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
         raise ValueError(f"heads of q ({q.shape[2]}) must be a multiple of heads of k and v ({k.shape[2]}) (MQA/GQA)")
 

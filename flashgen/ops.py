@@ -17,6 +17,7 @@ import torch
 
 from . import blockmap
 from .checks import Mods, check_grad_scale, check_shapes, dtype_name, refuse_grad
+from .head_dims import backward_head_dim, default_scale
 from .modifier_grads import captured_grads
 from .kernels.backward import ServeArgs, backward
 from .kernels.dense import checked, descale_dict, launch_torch, signature
@@ -123,7 +124,14 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           softmax_scale: Optional[float], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), contiguous, like q, k, v: the backward kernels of this GPU (flashgen.kernels.backward; sm90 family
     on Hopper, sm80 elsewhere and when deterministic: bit-identical gradients run to run, no atomics)."""
-    kern = backward_kernel(q.get_device(), q.shape[3], _HALF[q.dtype], causal, q.shape[1], deterministic)
+    d = q.shape[3]
+    bd = backward_head_dim(d, not deterministic and arch_and_slots(q.get_device())[0] == "sm90")
+    if bd != d:  # the sm90 backward has no kernel at this head dim: its next one, on zero-padded copies
+        scale = default_scale(d) if softmax_scale is None else softmax_scale  # the forward's, not the padded dim's
+        grads = attention_backward_op(*(pad_head_dim(t, bd) for t in (dout, q, k, v, out)), lse, dlse, causal,
+                                      scale, deterministic)
+        return tuple(cut_head_dim(g, d) for g in grads)
+    kern = backward_kernel(q.get_device(), d, _HALF[q.dtype], causal, q.shape[1], deterministic)
     return backward(kern, q, k, v, out, dout.contiguous(), lse, softmax_scale, dlse=dlse)
 
 

@@ -9,7 +9,11 @@ import pytest
 
 from flashgen import head_dims
 from flashgen.checks import check_head_dims
-from flashgen.config import HEAD_DIMS
+from flashgen.compile import target_for
+from flashgen.config import (DENSE_HEAD_DIMS, HEAD_DIMS, BwdConfig, ConfigError, KernelConfig, default_bwd_config,
+                             default_config)
+
+from builds import assert_builds_without_spills
 
 torch = pytest.importorskip("torch")
 
@@ -19,27 +23,78 @@ from flashgen.verify import attention_torch  # noqa: E402
 EVERY = range(8, 257, 8)
 
 
-def test_every_multiple_of_8_is_served_by_the_smallest_built_head_dim_that_holds_it():
-    got = {d: head_dims.kernel_head_dim(d) for d in EVERY}
-    assert got == {d: min(k for k in HEAD_DIMS if k >= d) for d in EVERY}
-    assert [got[d] for d in (8, 32, 40, 72, 80, 112, 128, 160, 192, 200, 248, 256)] == \
-        [32, 32, 64, 96, 96, 128, 128, 256, 256, 256, 256, 256]
-    assert all(head_dims.native(d) == (got[d] == d) for d in EVERY)
+@pytest.mark.parametrize("dense, built, want", [
+    (False, HEAD_DIMS, [32, 32, 64, 96, 96, 128, 128, 256, 256, 256, 256, 256]),
+    (True, DENSE_HEAD_DIMS, [32, 32, 64, 96, 96, 128, 128, 192, 192, 256, 256, 256]),
+])
+def test_every_multiple_of_8_is_served_by_the_smallest_built_head_dim_that_holds_it(dense, built, want):
+    assert head_dims.built(dense) == built
+    got = {d: head_dims.kernel_head_dim(d, dense=dense) for d in EVERY}
+    assert got == {d: min(k for k in built if k >= d) for d in EVERY}
+    assert [got[d] for d in (8, 32, 40, 72, 80, 112, 128, 160, 192, 200, 248, 256)] == want
+    assert all(head_dims.native(d, dense=dense) == (got[d] == d) for d in EVERY)
 
 
-@pytest.mark.parametrize("d_qk, d_v, want", [((192), 128, 256), (128, 192, 256), (128, 64, 128), (64, 128, 128),
-                                              (8, 256, 256), (96, 96, 96), (40, 32, 64)])
-def test_q_k_and_v_of_different_widths_take_the_head_dim_that_holds_both(d_qk, d_v, want):
+@pytest.mark.parametrize("d_qk, d_v, want, dense_want", [
+    (192, 128, 256, 192), (128, 192, 256, 192), (128, 64, 128, 128), (64, 128, 128, 128), (8, 256, 256, 256),
+    (96, 96, 96, 96), (40, 32, 64, 64), (176, 176, 256, 192)])
+def test_q_k_and_v_of_different_widths_take_the_head_dim_that_holds_both(d_qk, d_v, want, dense_want):
     assert head_dims.kernel_head_dim(d_qk, d_v) == want
+    assert head_dims.kernel_head_dim(d_qk, d_v, dense=True) == dense_want
     assert not head_dims.native(d_qk, d_v) or d_qk == d_v == want
     assert head_dims.padded_fraction(d_qk, d_v) == pytest.approx(2 * want / (d_qk + d_v))
+
+
+def test_the_sm90_backward_pads_the_dense_only_head_dims_to_its_next():
+    assert head_dims.backward_head_dim(192, sm90_family=True) == 256
+    assert head_dims.backward_head_dim(192, sm90_family=False) == 192
+    assert all(head_dims.backward_head_dim(d, sm90_family) == d for d in HEAD_DIMS for sm90_family in (False, True))
+
+
+# -- the dense-only head dims: configurations and builds ----------------------------------------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda: KernelConfig(192, "bf16", False, 128, 32, 8, 2, varlen=True),
+    lambda: KernelConfig(192, "bf16", False, 32, 32, 2, 3, varlen=True, paged=True, split=True, pack_gqa=True),
+    lambda: KernelConfig(192, "bf16", True, 128, 32, 8, 2, softcap=True),
+    lambda: BwdConfig(192, "bf16", False, 64, 32, 8, varlen=True),
+    lambda: BwdConfig(192, "bf16", False, 64, 32, 8, window=True),
+])
+def test_dense_only_head_dims_refuse_serving_features(make):
+    with pytest.raises(ConfigError, match="head_dim=192 is built for the dense (forward|backward) only"):
+        make()
+
+
+def test_dense_only_head_dims_have_no_fp8_or_sm90_backward():
+    with pytest.raises(ConfigError, match="head_dim=192 is not built for fp8_e4m3"):
+        KernelConfig(192, "fp8_e4m3", False, 128, 128, 12, 2, "sm90")
+    with pytest.raises(ConfigError, match="head_dim=192 is not allowed"):
+        BwdConfig(192, "bf16", False, 64, 64, 12, family="sm90", num_stages=2)
+    assert default_bwd_config(192, "bf16", False, "sm90").family == "sm80"
+
+
+@pytest.mark.parametrize("family", ["sm80", "sm90"])
+def test_dense_only_head_dims_build_without_spills(family):
+    """Each default configuration at a dense-only head dim (forward, and the sm80 backward with and without
+    deterministic), one mask and dtype (the tiles' registers do not depend on them), for sm_80 and sm_90a."""
+    arch = "sm90" if family == "sm90" else "sm80"
+    for d in set(DENSE_HEAD_DIMS) - set(HEAD_DIMS):
+        cfgs = [default_config(d, "bf16", True, arch, family)]
+        if family == "sm80":
+            cfgs += [default_bwd_config(d, "bf16", True, "sm80", deterministic) for deterministic in (False, True)]
+        assert all(c.unfit_reason(a) is None for c in cfgs for a in (("sm90",) if family == "sm90" else ARCHS_80))
+        assert_builds_without_spills(cfgs, target_for(arch, family))
+
+
+ARCHS_80 = ("sm80", "sm86", "sm89", "sm90")  # the sm80 family's tiles fit each one's shared memory
 
 
 @pytest.mark.parametrize("d", [0, 4, 12, 100, 257, 264, 512, -8, 8.0])
 def test_other_head_dims_are_refused_naming_what_is_supported(d):
     assert not head_dims.supported(d)
     with pytest.raises(ValueError, match=rf"head_dim={d} is not supported: a head dim must be a multiple of 8 from 8 "
-                                         rf"to 256 \(built natively: 32, 64, 96, 128, 256"):
+                                         rf"to 256 \(built natively: 32, 64, 96, 128, 256, and 192 for the dense "
+                                         rf"forward and backward"):
         head_dims.kernel_head_dim(d)
     with pytest.raises(ValueError, match=rf"v's head_dim={d} is not supported"):
         head_dims.kernel_head_dim(64, d)
@@ -110,10 +165,12 @@ def test_padding_is_exact(monkeypatch, d_qk, d_v, causal):
     """The dense call with a float64 stand-in for the kernel (it checks that it is given a built head dim of one
     width): the padded call's output equals attention at the caller's widths, with its default scale."""
     def fake_kernel(q, k, v, causal, softmax_scale, arch, want_lse=True):
-        assert q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] in HEAD_DIMS
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] in DENSE_HEAD_DIMS
+        seen.append(q.shape[-1])
         scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale  # the kernels' default
         return attention_torch(q, k, v, causal, scale), None
 
+    seen = []
     monkeypatch.setattr(ops, "forward_torch", fake_kernel)
     g = torch.Generator().manual_seed(d_qk + d_v)
     q = torch.randn(2, 17, 4, d_qk, dtype=torch.float64, generator=g)
@@ -122,3 +179,22 @@ def test_padding_is_exact(monkeypatch, d_qk, d_v, causal):
     out = api.attention(q, k, v, causal=causal)
     ref = attention_torch(q, k, v, causal, 1 / math.sqrt(d_qk))
     assert out.shape == ref.shape and (out - ref).abs().max().item() < 1e-12
+    assert seen == [head_dims.kernel_head_dim(d_qk, d_v, dense=True)]
+
+
+def test_a_call_with_serving_features_pads_a_dense_only_head_dim(monkeypatch):
+    """softcap takes the serving kernels, which are not built at 192: padded to 256 (meta tensors take the
+    operator); without it the dense kernels run at 192 as it is."""
+    seen = []
+
+    def fake_op(q, k, v, causal, softmax_scale, *rest):
+        seen.append((q.shape[-1], softmax_scale))
+        return q.new_empty(q.shape), q.new_empty(q.shape[:3])
+
+    monkeypatch.setattr(ops, "attention_mods_op", fake_op)
+    monkeypatch.setattr(ops, "attention", fake_op)
+    q, k, v = meta(2, 16, 4, 192), meta(2, 16, 2, 192), meta(2, 16, 2, 128)
+    assert api.attention(q, k, v, softcap=30.0).shape == (2, 16, 4, 128)
+    assert api.attention(q, k, v).shape == (2, 16, 4, 128)
+    assert api.attention(q, k, k).shape == (2, 16, 4, 192)
+    assert seen == [(256, 1 / math.sqrt(192)), (192, 1 / math.sqrt(192)), (192, None)]
