@@ -1,7 +1,8 @@
 """Head dims without a kernel of their own on the GPU (flashgen.head_dims: zero-padded to the next built head dim),
 and v of another width than q and k (DeepSeek-V3's MLA prefill: 192 and 128), through the public calls: forward of
 each family, backward (sm90 family on Hopper; sm80 deterministic), varlen forward and backward, the KV cache with
-an append, a decode-shaped call; odd and unequal lengths, GQA. Against float64: the forward's bar is 2 x PyTorch's
+an append, a decode-shaped call; odd and unequal lengths, GQA; and the kernels built at the dense-only head dims
+(192) launched directly into NaN-poisoned buffers. Against float64: the forward's bar is 2 x PyTorch's
 error in the input dtype + 1e-5 (flashgen.verify.reference), the gradients' 2 x PyTorch's + 1e-4 (judge_backward).
 The outputs and gradients come from torch's caching allocator, which each call first fills with NaN (a block of
 the sizes it hands out, freed), so an element the padded path leaves unwritten shows up as NaN."""
@@ -17,14 +18,21 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
+from flashgen.compile import compile_kernel, target_for  # noqa: E402
+from flashgen.config import DENSE_ONLY_HEAD_DIMS, HALF_DTYPES, default_bwd_config, default_config  # noqa: E402
 from flashgen.head_dims import kernel_head_dim  # noqa: E402
-from flashgen.verify import judge, judge_backward, packed_ref, reference  # noqa: E402
+from flashgen.verify import judge, judge_backward, packed_ref, reference, verify, verify_backward  # noqa: E402
 
 # (d_qk, d_v): multiples of 8 without a kernel, and MLA's unequal widths.
 DIMS = [(8, 8), (72, 72), (80, 80), (112, 112), (160, 160), (192, 192), (200, 200), (248, 248), (192, 128)]
 PAIRS = [(1, 1), (17, 17), (113, 211), (211, 113), (1023, 1023)]
 LAYOUTS = {"mha": (4, 4), "gqa": (6, 2)}
 IDS = [f"d{a}" if a == b else f"d{a}-{b}" for a, b in DIMS]
+
+
+def _arch() -> str:
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm{major}{minor}"
 
 
 def _families() -> list[str]:
@@ -89,6 +97,43 @@ def test_backward(d_qk, d_v, causal, deterministic):
         res = judge_backward(got, q.detach(), k.detach(), v.detach(), dout, causal, 1 / math.sqrt(d_qk))
         if not res.ok:
             failures.append(f"{sq}x{sk} {layout}: {res.reason}")
+    assert not failures, "; ".join(failures)
+
+
+# -- the dense-only head dims' own kernels, launched directly into NaN-poisoned buffers -------------------------------
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("family", ["sm80", "sm90"])
+@pytest.mark.parametrize("head_dim", DENSE_ONLY_HEAD_DIMS)
+def test_dense_only_forward_kernels(head_dim, family, dtype, causal):
+    if family not in _families():
+        pytest.skip("family sm90 runs on Hopper only")
+    arch = _arch()
+    kern = compile_kernel(default_config(head_dim, dtype, causal, arch, family), target_for(arch, family))
+    failures = []
+    for i, ((sq, sk), (layout, (h, hk))) in enumerate(itertools.product(PAIRS, LAYOUTS.items())):
+        res = verify(kern, 2, sq, sk, h, hk, seed=i)
+        if not res.ok:
+            failures.append(f"{kern.name} {sq}x{sk} {layout}: {res.reason}")
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("head_dim", DENSE_ONLY_HEAD_DIMS)
+def test_dense_only_backward_kernels(head_dim, dtype, causal, deterministic):
+    """The sm80 family's backward at its own tiles (the one Ampere/Ada and deterministic calls take)."""
+    arch = _arch()
+    target = target_for(arch, "sm80")
+    bwd = compile_kernel(default_bwd_config(head_dim, dtype, causal, arch, deterministic, family="sm80"), target)
+    fwd = compile_kernel(default_config(head_dim, dtype, causal, arch, "sm80"), target)
+    failures = []
+    for i, ((sq, sk), (layout, (h, hk))) in enumerate(itertools.product(PAIRS, LAYOUTS.items())):
+        res = verify_backward(bwd, fwd, 2, sq, sk, h, hk, seed=i)
+        if not res.ok:
+            failures.append(f"{bwd.name} {sq}x{sk} {layout}: {res.reason}")
     assert not failures, "; ".join(failures)
 
 
