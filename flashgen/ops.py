@@ -124,12 +124,19 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           softmax_scale: Optional[float], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), contiguous, like q, k, v: the backward kernels of this GPU (flashgen.kernels.backward; sm90 family
     on Hopper, sm80 elsewhere and when deterministic: bit-identical gradients run to run, no atomics)."""
+    return dense_backward(dout, q, k, v, out, lse, dlse, causal, softmax_scale, deterministic)
+
+
+def dense_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, causal: bool,
+                   softmax_scale: float | None, deterministic: bool) -> tuple[Any, Any, Any]:
+    """The body of flashgen::attention_backward. A head dim the sm90 backward has no kernel for (a dense-only one:
+    flashgen.head_dims) runs there at its next head dim, on zero-padded copies, with the forward's scale."""
     d = q.shape[3]
     bd = backward_head_dim(d, not deterministic and arch_and_slots(q.get_device())[0] == "sm90")
-    if bd != d:  # the sm90 backward has no kernel at this head dim: its next one, on zero-padded copies
+    if bd != d:
         scale = default_scale(d) if softmax_scale is None else softmax_scale  # the forward's, not the padded dim's
-        grads = attention_backward_op(*(pad_head_dim(t, bd) for t in (dout, q, k, v, out)), lse, dlse, causal,
-                                      scale, deterministic)
+        grads = dense_backward(*(pad_head_dim(t, bd) for t in (dout, q, k, v, out)), lse, dlse, causal, scale,
+                               deterministic)
         return tuple(cut_head_dim(g, d) for g in grads)
     kern = backward_kernel(q.get_device(), d, _HALF[q.dtype], causal, q.shape[1], deterministic)
     return backward(kern, q, k, v, out, dout.contiguous(), lse, softmax_scale, dlse=dlse)
@@ -449,6 +456,7 @@ def kernel_block_map(cfg: Any, mods: Mods, causal: bool, batch: int, heads: int,
 
 
 __all__ = ["attention", "attention_backward_op", "attention_fp8", "attention_fp8_op", "attention_mods_op",
-           "attention_op", "attention_serve_backward_op", "attention_varlen_op", "cut_head_dim", "dense_mods_forward",
+           "attention_op", "attention_serve_backward_op", "attention_varlen_op", "cut_head_dim", "dense_backward",
+           "dense_mods_forward",
            "flex_attention", "flex_backward", "forward_fp8", "forward_torch", "kernel_block_map", "modifier_kernel",
            "pad_head_dim", "sinks_grad", "varlen_forward"]

@@ -18,7 +18,7 @@ from builds import assert_builds_without_spills
 torch = pytest.importorskip("torch")
 
 from flashgen import api, ops  # noqa: E402
-from flashgen.verify import attention_torch  # noqa: E402
+from flashgen.verify import attention_grads, attention_torch  # noqa: E402
 
 EVERY = range(8, 257, 8)
 
@@ -198,3 +198,36 @@ def test_a_call_with_serving_features_pads_a_dense_only_head_dim(monkeypatch):
     assert api.attention(q, k, v).shape == (2, 16, 4, 128)
     assert api.attention(q, k, k).shape == (2, 16, 4, 192)
     assert seen == [(256, 1 / math.sqrt(192)), (192, 1 / math.sqrt(192)), (192, None)]
+
+
+@pytest.mark.parametrize("arch, deterministic, runs_at", [("sm90", False, 256), ("sm90", True, 192),
+                                                            ("sm80", False, 192)])
+@pytest.mark.parametrize("scale", [None, 0.2])
+def test_the_backward_of_a_dense_only_head_dim(monkeypatch, arch, deterministic, runs_at, scale):
+    """flashgen::attention_backward's body with a float64 stand-in for the kernels: on Hopper (not deterministic)
+    it runs the sm90 family's next head dim on zero-padded copies with the forward's scale; the gradients are the
+    unpadded attention's."""
+    seen = []
+
+    def fake_kernel(device, head_dim, dtype, causal, seqlen, deterministic):
+        seen.append(head_dim)
+        return head_dim
+
+    def fake_backward(kern, q, k, v, out, dout, lse, softmax_scale, dlse=None):
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1] == out.shape[-1] == dout.shape[-1] == kern
+        s = 1 / math.sqrt(kern) if softmax_scale is None else softmax_scale  # the kernels' default
+        return attention_grads(q, k, v, dout, True, s, torch.float64)
+
+    monkeypatch.setattr(ops, "arch_and_slots", lambda device: (arch, 132))
+    monkeypatch.setattr(ops, "backward_kernel", fake_kernel)
+    monkeypatch.setattr(ops, "backward", fake_backward)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 17, 4, 192, generator=g).bfloat16()
+    k, v = (torch.randn(2, 23, 2, 192, generator=g).bfloat16() for _ in range(2))
+    dout = torch.randn(2, 17, 4, 192, generator=g).bfloat16()
+    out = attention_torch(q, k, v, True, 0.1)  # its values are the stand-in's to ignore; its width is checked
+    got = ops.dense_backward(dout, q, k, v, out, None, None, True, scale, deterministic)
+    want = attention_grads(q, k, v, dout, True, 1 / math.sqrt(192) if scale is None else scale, torch.float64)
+    assert seen == [runs_at]
+    for g_, w in zip(got, want):
+        assert g_.shape == w.shape and (g_ - w).abs().max().item() < 1e-12
