@@ -227,6 +227,9 @@ SERVE = Block("ServeParams", "FLASHGEN_SERVE_PARAMS", (
     Line("unsigned long long*", ("error",),
          "null, or a word set once to (code << 32) | sequence at the first bad input (SERVE_INPUTS)"),
     _SINKS,
+    # Last: the fields before it keep their offsets, so kernels without a fused combine are unchanged.
+    Line("int*", ("tile_counts",),
+         "split-KV with the combine fused in: one arrival counter per row block, zero between launches"),
 ))
 
 MOD_TENSOR = Block("ModTensor", "FLASHGEN_MOD_TENSOR", (

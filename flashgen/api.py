@@ -12,14 +12,14 @@ from typing import Any
 
 from . import driver, resolve
 from .blockmap import cached_from_block_mask, check_call
-from .checks import (check_cache, check_dense, check_grad_scale, check_head_dims, check_heads, check_int32,
+from .checks import (Mods, check_cache, check_dense, check_grad_scale, check_head_dims, check_heads, check_int32,
                      check_mods, check_offsets, check_sinks, checked_dtype, clamp_window, dtype_name, refuse_grad,
                      traced, wants_grad)
 from .head_dims import default_scale, kernel_head_dim, native
 from .kernels.bad_inputs import check_errors
 from .kernels.dense import Kernel, checked, descale_dict, run_views
 from .kernels.serving import (NO_BACKWARD, KVPlan, append_kv, arch_and_slots, call_features, has_mods, kvcache_launch,
-                              run_plan, serve_config, serve_grids, want_split)
+                              modifier_digests, run_plan, serve_config, serve_grids, want_split)
 from .launch import STREAM_FOR_TORCH
 from .modifiers import trace_cached
 from .resolve import STORE_CHECK_S, choose_config, current_arch, load, tuned_decode
@@ -52,10 +52,13 @@ def _padded(q: Any, k: Any, v: Any, rank: int, dense: bool = False) -> bool:
     """Whether a call's torch tensors run padded to a built head dim (flashgen.head_dims; `dense`: the call takes
     the dense kernels): q, k, v of the call's rank whose widths are not one built head dim (other ranks: the call's
     own checks say what is wrong). FP8 keeps to its built head dims (its checks say which)."""
-    if not (is_torch(q) and all(is_torch(t) and t.dim() == rank for t in (q, k, v))):
+    try:
+        d_q, d_k, d_v = q.shape[-1], k.shape[-1], v.shape[-1]
+    except (AttributeError, IndexError, TypeError):
+        return False  # not tensors: the call's own checks say what is wrong
+    if d_q == d_k and native(d_q, d_v, dense):  # the common case, first: a few attribute reads per call
         return False
-    return str(q.dtype) != "torch.float8_e4m3fn" and not (native(q.shape[-1], v.shape[-1], dense)
-                                                            and k.shape[-1] == q.shape[-1])
+    return all(is_torch(t) and t.dim() == rank for t in (q, k, v)) and str(q.dtype) != "torch.float8_e4m3fn"
 
 
 def _cut(result: Any, d_v: int, return_lse: bool) -> Any:
@@ -158,6 +161,32 @@ def _refuse_mask_grad(mask: Any) -> None:
                                       "(detach it, or call under torch.no_grad())")
 
 
+def _serving_modifiers(q: Any, score_mod: Any, mask_mod: Any, block_mask: Any, mods: Mods, call: str) -> Mods:
+    """`mods` with the call's score_mod and mask_mod traced (attention_varlen, attention_with_kvcache: the sm80 family's
+    serving forward generated with them, without a block map): the dense modifier call's checks, and refusals of what
+    these calls do not build."""
+    if score_mod is None and mask_mod is None and block_mask is None:
+        return mods
+    if block_mask is not None:
+        raise NotImplementedError(f"{call} takes no block_mask (block maps are built for dense calls, "
+                                  "flashgen.attention); pass its mask_mod as mask_mod=, evaluated on every key tile")
+    if mods.sinks is not None:
+        raise ValueError("learnable_sink does not combine with score_mod or mask_mod (the modifier kernels have no "
+                         "sinks)")
+    if score_mod is not None and (mods.softcap or mods.alibi is not None):
+        raise ValueError("a score_mod does not combine with softcap or alibi_slopes: write them into the score_mod")
+    if traced(q):
+        raise NotImplementedError("score_mod and mask_mod run eagerly only (no torch operator takes a Python "
+                                  "modifier yet): not under torch.compile, nor with fake or meta tensors")
+    score = trace_cached(score_mod, "score") if score_mod is not None else None
+    mask = trace_cached(mask_mod, "mask") if mask_mod is not None else None
+    _refuse_mask_grad(mask)
+    if _tables_want_grad(score):
+        raise NotImplementedError(f"{call} with a score_mod is forward only: a tensor it reads requires grad (detach "
+                                  "it, or call under torch.no_grad())")
+    return mods._replace(score_mod=score, mask_mod=mask)
+
+
 def _block_mask_mod(block_mask: Any, mask_mod: Any) -> Any:
     """The mask_mod a call with torch's BlockMask evaluates on its partial tiles: the BlockMask's own (None where it
     is flex_attention's noop_mask, which keeps every score), or `mask_mod` where the call gives one, which must then
@@ -241,10 +270,10 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
                                softcap, alibi_slopes, score_mod, mask_mod, block_mask, deterministic)
     if (arch is None and stream is None and out_dtype is None and q_descale is None and k_descale is None
             and v_descale is None and not block_quant_p and alibi_slopes is None and not softcap
-            and window_size == (-1, -1) and is_torch(q) and _decode_shaped(q, k, v, sinks)):  # first: a decode step
-        return attention_with_kvcache(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                      cache_seqlens=_full_lengths(q, k), return_lse=return_lse,
-                                      learnable_sink=sinks)
+            and window_size == (-1, -1) and is_torch(q)):  # first: a decode step
+        done = _decode_step(q, k, v, causal, softmax_scale, return_lse, sinks)
+        if done is not None:
+            return done
     descale = descale_dict(q_descale, k_descale, v_descale)
     if window_size != (-1, -1) or softcap or alibi_slopes is not None or sinks is not None:
         if has_mods(window_size, softcap, alibi_slopes, causal, sinks):
@@ -294,6 +323,39 @@ def _decode_shaped(q: Any, k: Any, v: Any, sinks: Any = None) -> bool:
     return not (wants_grad(q, k, v, sinks) or traced(q))
 
 
+# attention() calls that took the decode kernels, by _plan_key with a full cache: the cache's lengths and the plan.
+# A call that repeats one (same shapes, strides, dtypes, devices and options; no gradient wanted; not traced, which
+# _plan_key refuses) goes straight to the plan: a one-sequence decode step is bound by the host's time.
+_decode_routes: dict[tuple, tuple[Any, KVPlan]] = {}
+
+
+def _decode_step(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, return_lse: bool,
+                 sinks: Any) -> Any:
+    """attention()'s result through the decode kernels (attention_with_kvcache over a full cache), or None where the
+    call is not decode-shaped."""
+    key = None if sinks is not None else _plan_key(q, k, v, None, None, _FULL, None, causal, softmax_scale,
+                                                    (-1, -1), 0.0, None, 0, return_lse, False)
+    route = _decode_routes.get(key) if key is not None else None
+    if route is not None:
+        check_errors()
+        done = run_plan(route[1], q, k, v, route[0], None, return_lse)
+        if done is not None:
+            return done if return_lse else done[0]
+    if not _decode_shaped(q, k, v, sinks):
+        return None
+    lengths = _full_lengths(q, k)
+    out = attention_with_kvcache(q, k, v, causal=causal, softmax_scale=softmax_scale, cache_seqlens=lengths,
+                                 return_lse=return_lse, learnable_sink=sinks)
+    if key is not None and _lengths.get((q.get_device(), k.shape[0], k.shape[1])) is lengths:  # not a capture's
+        plan = _kv_plans.get(_plan_key(q, k, v, None, None, lengths, None, causal, softmax_scale, (-1, -1), 0.0,
+                                       None, 0, return_lse, False))
+        if plan is not None:
+            if len(_decode_routes) > 256:
+                _decode_routes.clear()
+            _decode_routes[key] = (lengths, plan)
+    return out
+
+
 def _full_lengths(q: Any, k: Any) -> Any:
     """cache_seqlens of a cache that is full: one tensor per shape, kept, so that back-to-back calls repeat a plan."""
     import torch  # noqa: PLC0415  (torch tensors: torch is imported)
@@ -311,7 +373,8 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
                      max_seqlen_k: int, causal: bool = False, softmax_scale: float | None = None,
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
                      return_lse: bool = False, num_splits: int = 1, validate: bool | None = None,
-                     deterministic: bool = False, learnable_sink: Any = None) -> Any:
+                     deterministic: bool = False, learnable_sink: Any = None, score_mod: Any = None,
+                     mask_mod: Any = None, block_mask: Any = None) -> Any:
     """Attention over a packed batch of sequences of different lengths (flash_attn_varlen_func).
 
     q: (total_q, heads, head_dim); k, v: (total_k, heads_k, head_dim); cu_seqlens_q/_k: int32
@@ -328,7 +391,11 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     `flashgen.check_errors()`, e.g. after a CUDA-graph replay) raises a ValueError naming cu_seqlens_q or
     cu_seqlens_k and the sequence; nothing waits for the GPU. The backward kernels do not check the offsets, so a
     call that wants gradients reads them back first (one host sync) and raises there. validate=True asks for that
-    host check on every call (a debugging aid), validate=False never; CUDA-graph capture skips it."""
+    host check on every call (a debugging aid), validate=False never; CUDA-graph capture skips it.
+
+    score_mod, mask_mod: as in `attention` (FlexAttention's signatures), with b the sequence and q_idx, kv_idx
+    positions within it (from 0); forward only (no gradient), no block_mask (the mask_mod runs on every key tile
+    the call visits), not with learnable_sink."""
     import torch  # noqa: PLC0415
 
     _check_options(causal, softmax_scale)
@@ -338,7 +405,8 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
         scale = default_scale(d_qk) if softmax_scale is None else softmax_scale
         return _cut(attention_varlen(pad(q, d), pad(k, d), pad(v, d), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, causal, scale, window_size, softcap, alibi_slopes, return_lse,
-                                     num_splits, validate, deterministic, learnable_sink), d_v, return_lse)
+                                     num_splits, validate, deterministic, learnable_sink, score_mod, mask_mod,
+                                     block_mask), d_v, return_lse)
     check_errors()
     checked_dtype({"q": q, "k": k, "v": v}, "(total, heads, head_dim)")
     total_q, heads, d = q.shape
@@ -361,6 +429,11 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
         check_offsets(cu_seqlens_k, "cu_seqlens_k", total_k, max_seqlen_k)
     mods = clamp_window(check_mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device), total_q,
                         total_k)._replace(sinks=sinks)
+    mods = _serving_modifiers(q, score_mod, mask_mod, block_mask, mods, "attention_varlen")
+    if grad and (mods.score_mod is not None or mods.mask_mod is not None):
+        raise NotImplementedError("attention_varlen with a score_mod or mask_mod is forward only (the varlen backward "
+                                  "has no modifier hook): call it under torch.no_grad() or detach q, k and v; "
+                                  "flashgen.attention's dense calls with modifiers have a backward")
     if grad:
         check_grad_scale(softmax_scale, q, k, v)
         out, lse = _ops().attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -376,7 +449,8 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
                            cache_seqlens: Any = None, block_table: Any = None, causal: bool = False,
                            softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
                            softcap: float = 0.0, alibi_slopes: Any = None, num_splits: int = 0,
-                           return_lse: bool = False, validate: bool = False, learnable_sink: Any = None) -> Any:
+                           return_lse: bool = False, validate: bool = False, learnable_sink: Any = None,
+                           score_mod: Any = None, mask_mod: Any = None, block_mask: Any = None) -> Any:
     """Attention of new queries against a KV cache (flash_attn_with_kvcache).
 
     q: (batch, seqlen_q, heads, head_dim). k_cache, v_cache: (batch, seqlen_cache, heads_k, head_dim),
@@ -395,17 +469,24 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     capture skips it. A call that repeats an earlier one's shapes, strides and options with validate=False (a
     decode loop) reuses its checks and choices (a plan): pointers, then launch. An append (k, v) with bad
     values stays inside the cache too (positions and page ids clamped), but a bad page id can then overwrite
-    another sequence's page: validate=True refuses it before anything is written."""
+    another sequence's page: validate=True refuses it before anything is written.
+
+    score_mod, mask_mod: as in `attention` (FlexAttention's signatures), with b the sequence, q_idx the query's
+    position in its cache (cache_seqlens + seqlen_new - seqlen_q + i for query row i, as causal aligns the queries;
+    at least 0) and kv_idx the key's; no block_mask (the mask_mod runs on every key tile the call visits), not with
+    learnable_sink; the decode tuned store is not used with them."""
     import torch  # noqa: PLC0415
 
     _check_options(causal, softmax_scale)
     if _padded(q, k_cache, v_cache, 4):
         return _kvcache_padded(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
-                               window_size, softcap, alibi_slopes, num_splits, return_lse, validate, learnable_sink)
+                               window_size, softcap, alibi_slopes, num_splits, return_lse, validate, learnable_sink,
+                               score_mod, mask_mod, block_mask)
     check_errors()
     sinks = learnable_sink
+    plain = sinks is None and score_mod is None and mask_mod is None and block_mask is None
     key = _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size,
-                    softcap, alibi_slopes, num_splits, return_lse, validate) if sinks is None else None
+                    softcap, alibi_slopes, num_splits, return_lse, validate) if plain else None
     plan = _kv_plans.get(key) if key is not None else None
     if plan is not None:
         done = run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, return_lse)
@@ -450,6 +531,8 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
         seqlen_new = k.shape[1]
     mods = clamp_window(check_mods(window_size, softcap, alibi_slopes, causal, batch, heads, q.device), seqlen_q,
                         capacity)._replace(sinks=check_sinks(sinks, heads, q))
+    mods = _serving_modifiers(q, score_mod, mask_mod, block_mask, mods, "attention_with_kvcache")
+    traced_mods = modifier_digests(mods)
     longest = capacity  # the most keys a sequence has: bounds the split-KV choice
     if validate and not torch.cuda.is_current_stream_capturing():  # one small copy: no access outside the cache
         longest = check_cache(cache_seqlens, seqlen_new, capacity, block_table, k_cache.shape[0])
@@ -471,17 +554,17 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     rows = seqlen_q * (group if pack else 1)
     features = dict(varlen=True, paged=paged, pack_gqa=pack, **call_features(mods, causal))
     tuned = None
-    if num_splits == 0 and seqlen_q == 1 and not any(call_features(mods, causal).values()):
+    if num_splits == 0 and seqlen_q == 1 and not any(call_features(mods, causal).values()) and not traced_mods:
         tuned = tuned_decode(q.get_device(), d, dtype, heads, heads_k, batch, capacity, page_size)
     if tuned is not None:  # the tile and split count measured fastest for the nearest decode problem
         cfg, splits = tuned
     else:
-        cfg = serve_config(d, dtype, causal, rows, arch, **features)
+        cfg = serve_config(d, dtype, causal, rows, arch, **features, **traced_mods)
         n_blocks = -(-longest // cfg.block_n)
         tiles = serve_grids(cfg, batch, heads, heads_k, seqlen_q, batch * seqlen_q, 1)[0]  # row blocks, one split
         splits = want_split(num_splits, tiles, n_blocks, cfg, sm_count, arch)
         if splits > 1:
-            cfg = serve_config(d, dtype, causal, rows, arch, split=True, **features)
+            cfg = serve_config(d, dtype, causal, rows, arch, split=True, **features, **traced_mods)
     launched = kvcache_launch(cfg, splits, q, k_cache, v_cache, out, lse, seqused, block_table, mods, softmax_scale)
     if key is not None and launched is not None:
         if len(_kv_plans) > 256:
@@ -495,7 +578,8 @@ _kv_plans: dict[tuple, KVPlan] = {}
 
 def _kvcache_padded(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any,
                     causal: bool, softmax_scale: float | None, window_size: Any, softcap: float, alibi_slopes: Any,
-                    num_splits: int, return_lse: bool, validate: bool, learnable_sink: Any) -> Any:
+                    num_splits: int, return_lse: bool, validate: bool, learnable_sink: Any, score_mod: Any,
+                    mask_mod: Any, block_mask: Any) -> Any:
     """attention_with_kvcache at a head dim without a kernel (flashgen.head_dims): the call on zero-padded copies
     of q and the caches (a copy of the whole cache per call), then k, v appended into the caller's caches too."""
     import torch  # noqa: PLC0415  (torch tensors: torch is imported)
@@ -513,7 +597,7 @@ def _kvcache_padded(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_se
     result = attention_with_kvcache(pad(q, d), pad(k_cache, d), pad(v_cache, d), None if k is None else pad(k, d),
                                     None if v is None else pad(v, d), seqlens, block_table, causal, scale,
                                     window_size, softcap, alibi_slopes, num_splits, return_lse, validate,
-                                    learnable_sink)
+                                    learnable_sink, score_mod, mask_mod, block_mask)
     if k is not None:  # the padded call checked k, v and the cache; the caller's cache gets them too
         if seqlens is None:
             seqlens = torch.full((q.shape[0],), k_cache.shape[1], dtype=torch.int32, device=q.device)
@@ -529,8 +613,9 @@ def _plan_key(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens:
     With num_splits=0 the tuned store's stamp is part of it: a store change makes new plans."""
     import torch  # noqa: PLC0415
 
-    if validate or k is not None or v is not None or alibi_slopes is not None or not isinstance(cache_seqlens,
-                                                                                               torch.Tensor):
+    full = cache_seqlens is _FULL
+    if validate or k is not None or v is not None or alibi_slopes is not None or not (
+            full or isinstance(cache_seqlens, torch.Tensor)):
         return None
     if block_table is not None and not isinstance(block_table, torch.Tensor):  # the full path says what is wrong
         return None
@@ -547,10 +632,14 @@ def _plan_key(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens:
     stamp = None
     if num_splits == 0 and q.is_cuda:
         stamp = resolve.gpu_stamp(q.get_device())[1]
+    lengths = _FULL if full else (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype,
+                                  cache_seqlens.device)
     return (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
-            v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, cache_seqlens.shape, cache_seqlens.stride(),
-            cache_seqlens.dtype, cache_seqlens.device, table, bool(causal), softmax_scale, window, float(softcap),
-            num_splits, bool(return_lse), stamp)
+            v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, lengths, table, bool(causal),
+            softmax_scale, window, float(softcap), num_splits, bool(return_lse), stamp)
+
+
+_FULL = "full"  # _plan_key's cache_seqlens for attention()'s decode route: every cache full (_full_lengths)
 
 
 __all__ = ["Kernel", "STORE_CHECK_S", "attention", "attention_varlen", "attention_with_kvcache", "check_errors",

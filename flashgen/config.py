@@ -202,6 +202,9 @@ class KernelConfig(_AsDict):
     # softmax at small head dims (FlashAttention-4's exp2 emulation). Picked by each element's column in the thread's
     # fragment, fixed at compile time.
     exp2_fma: int = 0
+    # sm80 split-KV: no _combine kernel. The last of a row block's splits to finish (an arrival counter per row
+    # block) merges the partial results: one launch per call instead of two, and no gap between them.
+    fused_combine: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
@@ -302,6 +305,10 @@ class KernelConfig(_AsDict):
         if self.modified and self.family != "sm80":
             raise ConfigError(f"score_mod, mask_mod and block maps are built in family sm80's serving kernels, not "
                               f"{self.family}")
+        _check_choice("fused_combine", self.fused_combine, (False, True))
+        if self.fused_combine and (self.family != "sm80" or not self.split or self.modified):
+            raise ConfigError("fused_combine merges split-KV partial results in the sm80 family's serving kernel: it "
+                              "needs split=True, family sm80 and no score_mod, mask_mod or block map")
         if self.block_map and (self.varlen or self.split or self.pack_gqa):
             raise ConfigError("a block map is built in the dense serving kernel (one row block of one head per CTA, all "
                               "its keys): not with varlen, split or pack_gqa")
@@ -349,6 +356,7 @@ class KernelConfig(_AsDict):
             name += "_hl" if self.lpt_by_head else ""
             name += f"_ef{self.exp2_fma}" if self.exp2_fma else ""
         name += "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
+        name += "_fc" if self.fused_combine else ""
         name += f"_sm{self.score_mod[:8]}" if self.score_mod else ""
         name += f"_mm{self.mask_mod[:8]}" if self.mask_mod else ""
         return name + ("_bmap" if self.block_map else "")
@@ -390,8 +398,10 @@ class KernelConfig(_AsDict):
 
     @property
     def kernel_names(self) -> dict[str, str]:
-        """Role -> `__global__` name of every kernel in the rendered file (split-KV adds its combine)."""
-        return {"main": self.name, "combine": f"{self.name}_combine"} if self.split else {"main": self.name}
+        """Role -> `__global__` name of every kernel in the rendered file (split-KV adds its combine, unless fused)."""
+        if self.split and not self.fused_combine:
+            return {"main": self.name, "combine": f"{self.name}_combine"}
+        return {"main": self.name}
 
     @property
     def threads(self) -> int:

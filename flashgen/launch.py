@@ -102,6 +102,23 @@ def current_stream(device: int) -> int:
     return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
+def capturing() -> bool:
+    """Whether torch's current stream is capturing a CUDA graph (a decode step asks on every call)."""
+    return _capture_check()()
+
+
+@functools.lru_cache(maxsize=1)
+def _capture_check() -> Any:
+    """torch's builtin behind torch.cuda.is_current_stream_capturing, without its Python wrapper, where CUDA is
+    there; the wrapper elsewhere (a CPU build's builtin raises)."""
+    import torch  # noqa: PLC0415
+
+    raw = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+    if raw is not None and torch.cuda.is_available():
+        return raw
+    return lambda: torch.cuda.is_current_stream_capturing()
+
+
 def fill_empty(out: Any, lse: Any) -> None:
     """No key at all: O = 0 and LSE = +inf (lse may be None: not wanted)."""
     if hasattr(out, "zero_"):
@@ -114,5 +131,5 @@ def fill_empty(out: Any, lse: Any) -> None:
             lse.fill(math.inf)
 
 
-__all__ = ["FWD", "FwdParams", "LOG2E", "SM90_BYTES", "STREAM_FOR_TORCH", "current_stream", "descale_args",
+__all__ = ["FWD", "FwdParams", "LOG2E", "SM90_BYTES", "STREAM_FOR_TORCH", "capturing", "current_stream", "descale_args",
            "fill_empty", "pack_params", "scale_args", "softcap_args", "tmap_box", "tmap_box_packed"]

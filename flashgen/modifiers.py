@@ -63,6 +63,9 @@ class Node:
             object.__setattr__(self, "_hash", cached)
         return cached
 
+    def __reduce__(self) -> tuple:  # without the cached hash: string hashes differ from process to process
+        return Node, (self.op, self.args, self.type, self.value)
+
 
 @dataclass(frozen=True)
 class Captured:
@@ -131,8 +134,9 @@ class Modifier:
 
 
 # Every modifier traced or given as CUDA in this process, by digest: a KernelConfig names its modifiers by digest
-# only (it stays small, hashable and serializable), and the render finds their text here. The entry keeps no live
-# tensors, so the registry holds no device memory.
+# only (it stays small, hashable and serializable), and the render finds their text here. The entry keeps the graph
+# (the host reference of a process the modifier is sent to, e.g. the tuner's GPU worker) but no live tensors, so the
+# registry holds no device memory.
 _REGISTRY: dict[str, Modifier] = {}
 _REGISTRY_LOCK = threading.Lock()
 MAX_CAPTURED = 4  # captured tensors one kernel takes (score_mod's and mask_mod's together): ModTensor slots
@@ -141,10 +145,23 @@ MAX_RANK = 4  # dimensions of one captured tensor: a ModTensor's strides
 
 def register(mod: Modifier) -> Modifier:
     """Record `mod` under its digest (for the render) and return it."""
-    entry = Modifier(mod.kind, mod.expr, mod.captured, mod.source, mod.digest, mod.grad_expr)
+    entry = Modifier(mod.kind, mod.expr, mod.captured, mod.source, mod.digest, mod.grad_expr, mod.root, mod.grad_root)
     with _REGISTRY_LOCK:
         _REGISTRY.setdefault(mod.digest, entry)
     return mod
+
+
+def registered(digests: tuple[str, ...]) -> tuple[Modifier, ...]:
+    """The registered modifiers of these digests ("" skipped), without tensors: what another process registers
+    (`register`) to render and evaluate them. ModifierError where one was not traced in this process."""
+    out = []
+    for d in digests:
+        if d:
+            mod = _REGISTRY.get(d)
+            if mod is None:
+                raise ModifierError(f"no modifier with digest {d!r} was traced in this process")
+            out.append(mod)
+    return tuple(out)
 
 
 def lookup(digest: str, kind: str) -> Modifier:

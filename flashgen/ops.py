@@ -21,8 +21,8 @@ from .head_dims import backward_head_dim, default_scale
 from .modifier_grads import captured_grads
 from .kernels.backward import ServeArgs, backward
 from .kernels.dense import checked, descale_dict, launch_torch, signature
-from .kernels.serving import (arch_and_slots, call_features, launch_prefill, modifier_config, serve_config, serve_grids,
-                              want_split)
+from .kernels.serving import (arch_and_slots, call_features, launch_prefill, modifier_config, modifier_digests,
+                              serve_config, serve_grids, want_split)
 from .resolve import (backward_kernel, load, modifier_backward_kernel, prefill_config, resolver, serve_backward_kernel,
                       tuned_modifier)
 
@@ -326,12 +326,13 @@ def varlen_forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
     if total_q and heads and batch:
         arch, sm_count = arch_and_slots(q.get_device())
         features = dict(varlen=True, **call_features(mods, causal))
-        cfg = serve_config(d, dtype, causal, max_seqlen_q, arch, **features)
+        traced_mods = modifier_digests(mods)  # a score_mod / mask_mod: serve_config's tiles, generated with them
+        cfg = serve_config(d, dtype, causal, max_seqlen_q, arch, **features, **traced_mods)
         tiles = serve_grids(cfg, batch, heads, heads_k, max_seqlen_q, total_q, 1)[0]  # row blocks, one split
         splits = want_split(num_splits, tiles, -(-max_seqlen_k // cfg.block_n), cfg, sm_count, arch)
         if splits > 1:
-            cfg = serve_config(d, dtype, causal, max_seqlen_q, arch, split=True, **features)
-        else:
+            cfg = serve_config(d, dtype, causal, max_seqlen_q, arch, split=True, **features, **traced_mods)
+        elif not traced_mods:
             cfg = prefill_config(q.get_device(), d, dtype, causal, max_seqlen_q, max_seqlen_k, features, mods.window[0])
         launch_prefill(cfg, q, k, v, out, lse, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                        max_seqlen_k=max_seqlen_k, num_splits=splits, mods=mods, softmax_scale=softmax_scale)

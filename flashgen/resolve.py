@@ -352,7 +352,7 @@ def _decode(gpu_name: str, arch: str, stamp: tuple | None, head_dim: int, dtype:
     if cfg.unfit_reason(arch) is not None:
         return None
     cfg = decode_config(head_dim, dtype, (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages), bool(page_size),
-                        e["num_splits"] > 1)
+                        e["num_splits"] > 1, cfg.fused_combine and e["num_splits"] > 1)
     return cfg, int(e["num_splits"])
 
 

@@ -180,10 +180,12 @@ LATE_KNOBS = {f.name: f.default for f in fields(KernelConfig)
               if f.name in SM90_KNOBS[SM90_KNOBS.index("overlap_epilogue"):]}
 # The same for the sm90 backward: its knobs after num_stages and stagger.
 LATE_BWD_KNOBS = {f.name: f.default for f in fields(BwdConfig) if f.name == "dq_tma"}
+# The same for decode: the fused combine.
+LATE_DECODE_KNOBS = {"fused_combine": False}
 
 
 def _params(t: FrozenTrial, family: str) -> Params:
-    late = LATE_BWD_KNOBS if family.startswith("bwd_") else LATE_KNOBS
+    late = LATE_BWD_KNOBS if family.startswith("bwd_") else LATE_DECODE_KNOBS if family == "decode" else LATE_KNOBS
     return tuple(t.params[p] if p in t.params or p not in late else late[p] for p in FAMILY_PARAMS[family])
 
 

@@ -15,7 +15,7 @@ its `Kind` here (`kind_of`):
 - `kernels`: the configurations to compile ahead for a candidate; `compile_reason`: why a compiled one is
   refused before it is timed (a varlen kernel that spills);
 - `trial_task` / `retime_task`: the worker's tasks that verify against the float64 reference and time (None:
-  the worker's own dense tasks);
+  the worker's own dense tasks), and `task_args`: what else they are given (a modifier problem's modifiers, as data);
 - `rate`: the figure a time gives (TFLOP/s; decode: TB/s of K/V read), `entry`: the store entry of an outcome,
   `from_entry`: the candidate of a store entry, `from_dict`: the problem a study or entry records.
 
@@ -23,11 +23,13 @@ A candidate has a `name` (unique in its problem: trials, logs and failures are r
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from . import tune_decode as td, tune_varlen as tv
+from . import tune_decode as td, tune_modifier as tm, tune_varlen as tv
 from .bench import flops
 from .config import SM90_KNOBS, BwdConfig, ConfigError, KernelConfig, bwd_space, space as config_space
+from .modifiers import ModifierError, registered
 from .problem import Rule, TuneProblem
 from .store import config_from_entry, make_entry
 
@@ -37,7 +39,7 @@ BWD_PARAMS = ("block_m", "block_n", "num_warps")  # = BwdConfig's tuned fields (
 FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, *SM90_KNOBS),
                  "bwd_sm80": BWD_PARAMS,
                  "bwd_sm90": (*BWD_PARAMS, "num_stages", "stagger", "dq_tma"),
-                 "decode": (*PARAMS, "num_splits")}
+                 "decode": (*PARAMS, "num_splits", "fused_combine")}
 
 Problem = TuneProblem | td.DecodeProblem | tv.VarlenProblem
 Candidate = KernelConfig | BwdConfig | td.DecodeCandidate | Rule
@@ -90,6 +92,10 @@ class Kind:
     def compile_reason(self, problem: Any, kernel: Any) -> str | None:
         return None
 
+    def task_args(self, problem: Any) -> tuple:
+        """What the worker's trial and retime tasks take after their own arguments."""
+        return ()
+
     def rate(self, problem: Any, ms: float) -> float:
         b, sq, sk, h, _ = problem.shape()
         return flops(b, h, sq, sk, problem.head_dim, problem.causal, problem.pass_) / (ms * 1e-3) / 1e12
@@ -140,13 +146,15 @@ class DecodeKind(ServingKind):
         if isinstance(cand, Rule):
             return (0,) * len(FAMILY_PARAMS["decode"])  # no parameters: never sampled, measured aside
         c = cand.config  # type: ignore[union-attr]
-        return c.block_m, c.block_n, c.num_warps, c.num_stages, cand.num_splits  # type: ignore[union-attr]
+        return (c.block_m, c.block_n, c.num_warps, c.num_stages, cand.num_splits,  # type: ignore[union-attr]
+                c.fused_combine)
 
     def candidate(self, problem: Any, params: Params) -> Candidate:
-        *tile, splits = params
+        *tile, splits, fused = params
         if splits < 1:
             raise ConfigError(f"num_splits={splits}; at least 1")
-        cfg = td.decode_config(problem.head_dim, problem.dtype, tuple(tile), bool(problem.page_size), splits > 1)
+        cfg = td.decode_config(problem.head_dim, problem.dtype, tuple(tile), bool(problem.page_size), splits > 1,
+                               bool(fused))
         return td.DecodeCandidate(cfg, splits)
 
     def space(self, problem: Any) -> list[Candidate]:
@@ -190,7 +198,37 @@ class VarlenKind(ServingKind):
         return KernelConfig.from_dict(e["config"])
 
 
-DENSE, DECODE, VARLEN = Kind(), DecodeKind(), VarlenKind()
+class ModifierKind(Kind):
+    """Forward problems with a score_mod or mask_mod (TuneProblem's digests): the dense space generated with them,
+    compared with the kernel an untuned call takes, verified and timed by flashgen.tune_modifier in the GPU worker,
+    which gets the modifiers as data (`task_args`: their registered Modifiers, CUDA text and graph, no tensors).
+    Stored as dense entries whose keys end in the digests."""
+
+    trial_task = "flashgen.tune_modifier:gpu_trial"
+    retime_task = "flashgen.tune_modifier:gpu_retime"
+
+    def candidate(self, problem: Any, params: Params) -> Candidate:
+        return dataclasses.replace(super().candidate(problem, params), **tm.fields(problem))  # type: ignore[type-var]
+
+    def space(self, problem: Any) -> list[Candidate]:
+        dense = super().space(problem)
+        return tm.with_modifiers(dense, problem.score_mod, problem.mask_mod)  # type: ignore[arg-type, return-value]
+
+    def default(self, problem: Any) -> Candidate:
+        return tm.default_config(problem)
+
+    def compile_reason(self, problem: Any, kernel: Any) -> str | None:
+        return tv.spill_reason(kernel)
+
+    def task_args(self, problem: Any) -> tuple:
+        try:
+            return (registered((problem.score_mod, problem.mask_mod)),)
+        except ModifierError:
+            raise ModifierError(f"{problem.key}: its modifiers were not traced in this process; load the same ones "
+                                "(tune --score-mod / --mask-mod) where it is tuned or collected") from None
+
+
+DENSE, DECODE, VARLEN, MODIFIER = Kind(), DecodeKind(), VarlenKind(), ModifierKind()
 KINDS = {"fwd": DENSE, "bwd": DENSE, "decode": DECODE, "varlen": VARLEN}  # by the problem's pass_
 
 
@@ -199,6 +237,8 @@ def kind_of(problem: Problem) -> Kind:
         return DECODE
     if isinstance(problem, tv.VarlenProblem):
         return VARLEN
+    if problem.score_mod or problem.mask_mod:
+        return MODIFIER
     return DENSE
 
 
@@ -225,5 +265,5 @@ def space_of(problem: Problem) -> list[Candidate]:
     return kind_of(problem).space(problem)
 
 
-__all__ = ["BWD_PARAMS", "Candidate", "FAMILY_PARAMS", "KINDS", "Kind", "PARAMS", "Problem", "candidate_of_entry",
-           "entry_of", "kind_of", "params_of", "problem_from_dict", "space_of"]
+__all__ = ["BWD_PARAMS", "Candidate", "FAMILY_PARAMS", "KINDS", "Kind", "ModifierKind", "PARAMS", "Problem",
+           "candidate_of_entry", "entry_of", "kind_of", "params_of", "problem_from_dict", "space_of"]

@@ -78,11 +78,12 @@ def decode_tiles(head_dim: int, dtype: str, arch: str) -> list[tuple[int, int, i
 
 def space(head_dim: int, dtype: str, arch: str, paged: bool, cache_len: int) -> list[tuple[KernelConfig, int]]:
     """Every (kernel, num_splits) of a decode problem: each tile, unsplit and split 2..128 ways (no more
-    ways than the cache has key blocks)."""
+    ways than the cache has key blocks), a split one with its combine kernel or with the combine fused."""
     out = []
     for tile in decode_tiles(head_dim, dtype, arch):
         blocks = -(-cache_len // tile[1])
-        out += [(decode_config(head_dim, dtype, tile, paged, s > 1), s) for s in SPLITS if s == 1 or s <= blocks]
+        out += [(decode_config(head_dim, dtype, tile, paged, s > 1, fused), s) for s in SPLITS
+                if s == 1 or s <= blocks for fused in ((False, True) if s > 1 else (False,))]
     return out
 
 

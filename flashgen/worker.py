@@ -29,6 +29,7 @@ from .bench import kernel_timer, retime_best, time_backward, time_cuda, time_ker
 from .compile import CompiledKernel, CompileError, compile_kernel, target_for
 from .config import KernelConfig, default_config
 from .launch import FwdParams
+from .modifiers import Modifier, ModifierError, register, registered
 from .problem import TuneProblem
 from .tunable import Candidate, Problem, kind_of
 from .verify import verify, verify_backward
@@ -161,11 +162,12 @@ class CompileAhead:
         with self._lock:
             if (cfg, target) in self._futures:
                 return
+            args = compile_args(cfg, target)
             try:
-                fut = self._executor().submit(compile_kernel, cfg, target)
+                fut = self._executor().submit(*args)
             except BrokenProcessPool:  # a compile process died since the last `get`: a new pool
                 self._replace(self._pool)
-                fut = self._executor().submit(compile_kernel, cfg, target)
+                fut = self._executor().submit(*args)
             fut.pool = self._pool  # type: ignore[attr-defined] - which pool to replace if this one breaks
             self._futures[cfg, target] = fut
 
@@ -188,7 +190,7 @@ class CompileAhead:
         # again in a process of its own, so that only the one that dies again is blamed.
         alone = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=os.setpgrp)
         try:
-            return alone.submit(compile_kernel, cfg, target).result(timeout=self.timeout_s)
+            return alone.submit(*compile_args(cfg, target)).result(timeout=self.timeout_s)
         except BrokenProcessPool as e:
             raise CompileError(f"{cfg.name}: the compile process died, twice ({e}); killed for memory?") from None
         except FutureTimeout:
@@ -215,6 +217,22 @@ class CompileAhead:
                 else:
                     self._pool.shutdown(wait=True)
             self._pool, self._futures = None, {}
+
+
+def compile_args(cfg: KernelConfig, target: str) -> tuple:
+    """A pool's task compiling `cfg`: compile_kernel itself, or, for a kernel generated with modifiers, `compile_with`
+    and the modifiers as data (the pool's processes have not traced them; the render finds them by digest)."""
+    digests = (getattr(cfg, "score_mod", ""), getattr(cfg, "mask_mod", ""))
+    if not any(digests):
+        return compile_kernel, cfg, target
+    return compile_with, cfg, target, registered(digests)
+
+
+def compile_with(cfg: KernelConfig, target: str, mods: tuple[Modifier, ...]) -> CompiledKernel:
+    """compile_kernel in a process that registers the kernel's modifiers first."""
+    for m in mods:
+        register(m)
+    return compile_kernel(cfg, target)
 
 
 def _kill(pool: ProcessPoolExecutor) -> None:
@@ -320,6 +338,10 @@ class GpuBackend:
         kind = kind_of(problem)
         info: dict[str, Any] = {}
         try:
+            extra = kind.task_args(problem)
+        except ModifierError as e:  # a modifier problem whose modifiers this process has not traced
+            return TrialResult("error", reason=str(e))
+        try:
             for cfg in kind.kernels(problem, cand):
                 kernel = self.compiler.get(cfg, self.target(cfg))
                 r = kernel.resources
@@ -331,7 +353,7 @@ class GpuBackend:
         except CompileError as e:
             return TrialResult("compile_failed", reason=compile_reason(e))
         try:
-            status, value = self.worker.call(kind.trial_task, problem, cand, self.warmup, self.reps,
+            status, value = self.worker.call(kind.trial_task, problem, cand, self.warmup, self.reps, *extra,
                                              deadline_s=self.deadline_s)
         except NoGpuError as e:
             return TrialResult("error", reason=str(e), info=info)
@@ -348,8 +370,12 @@ class GpuBackend:
         kind = kind_of(problem)
         if kind.retime_task is not None and configs:
             try:
+                extra = kind.task_args(problem)
+            except ModifierError:
+                return [None] * len(configs)
+            try:
                 status, value = self.worker.call(kind.retime_task, problem, configs, rounds, self.warmup, self.reps,
-                                                 deadline_s=self.deadline_s * rounds)
+                                                 *extra, deadline_s=self.deadline_s * rounds)
             except NoGpuError:
                 return [None] * len(configs)
             return value if status == "ok" else [None] * len(configs)

@@ -11,7 +11,7 @@ from flashgen import abi
 
 def test_layouts_are_the_c_layouts():
     # Sizes and offsets a kernel reads, by C's rules (CUtensorMap aligned to 128 bytes).
-    assert (abi.FWD.size, abi.SERVE.size, abi.BWD.size, abi.BWD_SERVE.size) == (168, 312, 328, 384)
+    assert (abi.FWD.size, abi.SERVE.size, abi.BWD.size, abi.BWD_SERVE.size) == (168, 320, 328, 384)
     assert (abi.SM90_FWD.size, abi.SM90_SERVE_FWD.size, abi.SM90_FP8_FWD.size, abi.SM90_BWD.size) == (640, 640, 640, 896)
     assert abi.SM90_FWD.offset("p.q") == 384 and abi.SM90_BWD.offset("p.q") == 512
     assert abi.SM90_SERVE_FWD.offset("cu_seqlens_q") == 552
@@ -33,10 +33,10 @@ def test_tail_packs_from_a_field_to_the_end():
 
 def test_pointer_positions():
     # q k v o lse, then the serving pointers: what a serving launch fills per call.
-    assert abi.SERVE.pointers == (0, 1, 2, 3, 4, 24, 25, 26, 27, 28, 29, 30, 45, 46)
+    assert abi.SERVE.pointers == (0, 1, 2, 3, 4, 24, 25, 26, 27, 28, 29, 30, 45, 46, 47)
     assert [abi.SERVE.fields[i].path for i in abi.SERVE.pointers[5:]] == [
         "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "alibi_slopes", "o_accum", "lse_accum", "error",
-        "sinks"]
+        "sinks", "tile_counts"]
     assert abi.BWD.pointers == tuple(range(13))
 
 
@@ -46,7 +46,7 @@ def test_serve_bounds_follow_the_older_fields():
     assert [abi.SERVE.offset(f) for f in ("num_pages", "k_capacity", "total_q", "total_k", "error")] == [
         280, 284, 288, 292, 296]
     assert abi.SERVE.offset("sinks") == 304 and abi.SM90_SERVE_FWD.offset("sinks") == 592  # last: nothing moved
-    assert abi.SERVE.size == 312 and abi.SERVE.fields[-1].kind == "ptr"
+    assert abi.SERVE.offset("tile_counts") == 312 and abi.SERVE.size == 320 and abi.SERVE.fields[-1].kind == "ptr"
     assert abi.SERVE_INPUTS == ("block_table", "cache_seqlens", "cu_seqlens_q", "cu_seqlens_k")
 
 

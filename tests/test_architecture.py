@@ -35,6 +35,7 @@ LAYERS = {
     # on top: verification, timing, tuners, benches, comparisons, export, the command line
     "flashgen.verify": 8, "flashgen.bench": 8, "flashgen.backend": 8, "flashgen.studies": 8, "flashgen.search": 8,
     "flashgen.worker": 8, "flashgen.fleet": 8, "flashgen.tune_decode": 8, "flashgen.tune_varlen": 8, "flashgen.tunable": 8,
+    "flashgen.tune_modifier": 8,
     "flashgen.bench_serving": 8, "flashgen.bench_step": 8, "flashgen.compare": 8, "flashgen.export": 8, "flashgen.cli": 8,
     # `python -m flashgen`: the command line
     "flashgen.__main__": 9,

@@ -49,3 +49,25 @@ def test_longer_queries_and_gradients_keep_the_dense_path(monkeypatch):
     q.requires_grad_(True)
     api.attention(q, k, v).sum().backward()  # the decode kernels have no backward: the dense operator serves it
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_a_repeated_decode_call_takes_its_route_and_stays_right(monkeypatch):
+    """The second call of a decode shape goes straight to the first one's plan (attention_with_kvcache is not
+    called again), on new data, with the float64 answer; a call that wants a gradient still takes the dense path."""
+    import torch
+
+    from flashgen.verify import judge, random_qkv, reference
+
+    shape = (1, 1, 8192, 32, 8)
+    q, k, v = random_qkv(*shape, 128, "bf16")
+    api.attention(q, k, v, return_lse=True)
+    monkeypatch.setattr(api, "attention_with_kvcache", lambda *a, **kw: pytest.fail("not the stored route"))
+    for _ in range(3):
+        q, k, v = random_qkv(*shape, 128, "bf16")
+        out, lse = api.attention(q, k, v, return_lse=True)
+        torch.cuda.synchronize()
+        res = judge(out, lse, reference(q, k, v, False))
+        assert res.ok, res
+    q.requires_grad_(True)
+    api.attention(q, k, v).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()

@@ -5,6 +5,7 @@ softcap and ALiBi alone and with causal. The bar is flash-attention's: max error
 of the same computation in the input dtype (+ 1e-5); LSE within 1e-3 with the same +inf pattern."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -310,6 +311,13 @@ def serving_configs(arch: str) -> set:
             for layout, (h, hk) in LAYOUTS.items():
                 add(hd, dtype, False, h // hk if h > hk else 1, varlen=True, paged=True, pack_gqa=h > hk)
     add(128, "bf16", True, 16, varlen=True, pack_gqa=True, window=True, softcap=True)
+    from flashgen.kernels.serving import decode_config  # the fused-combine test's kernels, both ways
+
+    for hd, dtype in ((128, "bf16"), (64, "fp16")):
+        for tile in ((16, 32, 1, 2), (32, 64, 2, 2)):
+            for paged in (False, True):
+                cfg = decode_config(hd, dtype, tile, paged, True)
+                out |= {cfg, dataclasses.replace(cfg, fused_combine=True)}
     return out | sm90_serving_configs(arch)
 
 
@@ -408,3 +416,55 @@ def test_decode_on_two_streams_at_once():
     for i in range(2):
         for o in outs[i]:
             assert torch.equal(o, want[i])
+
+
+@pytest.mark.parametrize("page_size", [0, 16], ids=["contiguous", "page16"])
+@pytest.mark.parametrize("hd,dtype", [(128, "bf16"), (64, "fp16")])
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+def test_fused_combine_equals_the_combine_kernel(page_size, hd, dtype, seqlen_q):
+    """fused_combine (the last split of a row block merges the partials) against the same kernel with the
+    _combine launch: the same bits in out and lse, at several split counts and cache lengths (an empty cache and
+    splits that see no key included), again on a second call (the arrival counters are back at zero) and when
+    replayed from a CUDA graph."""
+    from flashgen.kernels.serving import decode_config, kvcache_launch
+
+    dt = DT[dtype]
+    batch, heads, heads_k = 5, 32, 8
+    lens = torch.tensor([0, 1, 17, 300, 1023], dtype=torch.int32, device="cuda")
+    cap = 1024
+    q = _rand(batch, seqlen_q, heads, hd, dtype=dt)
+    if page_size:
+        pages = batch * cap // page_size
+        k, v = (_rand(pages, page_size, heads_k, hd, dtype=dt) for _ in range(2))
+        table = torch.randperm(pages, device="cuda").to(torch.int32).view(batch, -1)
+    else:
+        k, v = (_rand(batch, cap, heads_k, hd, dtype=dt) for _ in range(2))
+        table = None
+    for tile in ((16, 32, 1, 2), (32, 64, 2, 2)):
+        cfg = decode_config(hd, dtype, tile, bool(page_size), True)
+        fused = dataclasses.replace(cfg, fused_combine=True)
+        for splits in (2, 3, 7, 16, 64):
+            results = []
+            for c in (cfg, fused, fused):
+                out = torch.full_like(q, float("nan"))
+                lse = torch.full((batch, heads, seqlen_q), float("nan"), device="cuda")
+                kvcache_launch(c, splits, q, k, v, out, lse, lens, table)
+                results.append((out, lse))
+            torch.cuda.synchronize()
+            for out, lse in results[1:]:
+                assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1]), (fused.name, splits)
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full((batch, heads, seqlen_q), float("nan"), device="cuda")
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                kvcache_launch(fused, splits, q, k, v, out, lse, lens, table)
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                kvcache_launch(fused, splits, q, k, v, out, lse, lens, table)
+            out.fill_(float("nan"))
+            for _ in range(2):
+                g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1]), (fused.name, splits, "graph")

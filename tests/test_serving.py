@@ -2,8 +2,12 @@
 (sm_80 and sm_90a), and the argument checks that need no device data."""
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 
+from flashgen import abi
 from flashgen.compile import compile_kernel
 from flashgen.config import FEATURES, ConfigError, KernelConfig, space
 from flashgen.render import render
@@ -160,30 +164,68 @@ def test_a_plan_launches_the_struct_the_full_path_packed(monkeypatch):
         def launch(self, grid, threads, params, stream):
             launches.append((self.role, grid, threads, serving.SERVE_PARAMS.unpack(params)))
 
-    monkeypatch.setattr(serving, "_functions", lambda cfg, arch, ctx: (Fn("main"), Fn("combine") if cfg.split else None))
+    monkeypatch.setattr(serving, "_functions",
+                        lambda cfg, arch, ctx: (Fn("main"), Fn("combine") if "combine" in cfg.kernel_names else None))
     monkeypatch.setattr(serving, "arch_and_slots", lambda device: ("sm90", 132))
     monkeypatch.setattr(serving.driver, "use_device", lambda device: None)
     monkeypatch.setattr(serving.driver, "primary_context_id", lambda device: 1)
     monkeypatch.setattr(serving, "current_stream", lambda device: 7)
     monkeypatch.setattr(serving, "error_word", lambda device: 0x5000)
-    monkeypatch.setattr(serving, "_workspace", lambda device, stream, floats: torch.empty(floats))
+    monkeypatch.setattr(serving, "capturing", lambda: False)
+    monkeypatch.setattr(serving, "_workspace", lambda device, stream, floats, fresh: torch.empty(floats))
+    counters = {}
+    monkeypatch.setattr(serving, "_tile_counters",
+                        lambda device, stream, n, fresh: counters.setdefault(n, torch.zeros(n, dtype=torch.int32)))
     q = torch.randn(3, 1, 8, 128, dtype=torch.bfloat16)
     lens = torch.tensor([5, 64, 200], dtype=torch.int32)
     fresh = {3, 4, 29, 30}  # out, lse, o_accum, lse_accum
-    for paged, splits in ((False, 1), (False, 4), (True, 1), (True, 4)):
+    counts = abi.SERVE.index("tile_counts")
+    for paged, splits, fused in ((False, 1, False), (False, 4, False), (True, 1, False), (True, 4, False),
+                                 (False, 4, True), (True, 4, True)):
         kc = torch.randn(12 if paged else 3, 16 if paged else 256, 2, 128, dtype=torch.bfloat16)
         table = torch.arange(12, dtype=torch.int32).view(3, 4) if paged else None
         cfg = serve_config(128, "bf16", False, 4, "sm90", varlen=True, paged=paged, pack_gqa=True, split=splits > 1)
+        cfg = dataclasses.replace(cfg, fused_combine=fused)
         launches.clear()
         run = serving.kvcache_launch(cfg, splits, q, kc, kc, torch.empty_like(q), torch.empty(3, 8, 1), lens, table)
         full = list(launches)
         launches.clear()
         serving.run_plan(serving.KVPlan(run, (3, 8, 1)), q, kc, kc, lens, table, True)
-        assert len(full) == len(launches) == (2 if splits > 1 else 1)
+        assert len(full) == len(launches) == (2 if splits > 1 and not fused else 1)
         for (role_a, grid_a, thr_a, a), (role_b, grid_b, thr_b, b) in zip(full, launches):
             assert (role_a, grid_a, thr_a) == (role_b, grid_b, thr_b)
             assert [x for i, x in enumerate(a) if i not in fresh] == [x for i, x in enumerate(b) if i not in fresh]
             assert all(b[i] != 0 for i in (3, 4)) and (splits == 1 or all(b[i] != 0 for i in (29, 30)))
+            # fused: one counter per row block (the grid over the splits), all zero; otherwise none
+            assert b[counts] == (counters[grid_b[0] // splits].data_ptr() if fused else 0)
+
+
+def test_fused_combine_counters_are_zeroed_and_held_per_stream(monkeypatch):
+    """The fused combine's arrival counters: zero when made, one buffer per (device, stream) grown as needed (a
+    launch leaves its counters zero, so a held buffer serves the next launch), zeroed ones of its own in a capture."""
+    torch = pytest.importorskip("torch")
+    from flashgen.kernels import serving
+
+    made = []
+    real_zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda n, dtype, device: made.append(n) or real_zeros(n, dtype=dtype))
+    monkeypatch.setattr(serving, "_counters", {})
+    a = serving._tile_counters(0, 7, 40, False)
+    assert a.dtype == torch.int32 and not a.any() and serving._tile_counters(0, 7, 8, False) is a and made == [40]
+    assert serving._tile_counters(0, 8, 8, False) is not a and made == [40, 8]
+    grown = serving._tile_counters(0, 7, 100, False)
+    assert grown.numel() == 100 and made == [40, 8, 100]
+    assert serving._tile_counters(0, 7, 4, True) is not serving._tile_counters(0, 7, 4, True) and made[-2:] == [4, 4]
+    assert serving._counters[0, 7] is grown
+
+
+def test_fused_combine_config():
+    cfg = KernelConfig(128, "bf16", False, 32, 64, 2, 2, varlen=True, pack_gqa=True, split=True, fused_combine=True)
+    assert cfg.name.endswith("_sp_pk_fc") and cfg.kernel_names == {"main": cfg.name}
+    assert dataclasses.replace(cfg, fused_combine=False).kernel_names["combine"].endswith("_pk_combine")
+    for bad in ({"split": False}, {"mask_mod": "ab12"}):
+        with pytest.raises(ValueError, match="fused_combine"):
+            dataclasses.replace(cfg, **bad)
 
 
 def test_split_accumulators_are_held_per_stream(monkeypatch):
@@ -195,18 +237,32 @@ def test_split_accumulators_are_held_per_stream(monkeypatch):
     made = []
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda n, dtype, device: made.append(n) or real_empty(n, dtype=dtype))
-    capturing = [False]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     monkeypatch.setattr(serving, "_workspaces", {})
-    a = serving._workspace(0, 7, 100)
-    assert serving._workspace(0, 7, 50) is a and made == [100]  # held on stream 7
-    assert serving._workspace(0, 8, 100) is not a and made == [100, 100]  # another stream, its own
-    grown = serving._workspace(0, 7, 300)
-    assert grown.numel() == 300 and serving._workspace(0, 7, 100) is grown and made == [100, 100, 300]
-    capturing[0] = True
-    assert serving._workspace(0, 7, 10) is not serving._workspace(0, 7, 10) and made[-2:] == [10, 10]
+    a = serving._workspace(0, 7, 100, False)
+    assert serving._workspace(0, 7, 50, False) is a and made == [100]  # held on stream 7
+    assert serving._workspace(0, 8, 100, False) is not a and made == [100, 100]  # another stream, its own
+    grown = serving._workspace(0, 7, 300, False)
+    assert grown.numel() == 300 and serving._workspace(0, 7, 100, False) is grown and made == [100, 100, 300]
+    assert serving._workspace(0, 7, 10, True) is not serving._workspace(0, 7, 10, True) and made[-2:] == [10, 10]
     assert serving._workspaces[0, 7] is grown  # a capture's scratch is not held for eager calls
-    capturing[0] = False
     big = serving._WORKSPACE_KEEP // 4 + 1
-    serving._workspace(0, 7, big)
+    serving._workspace(0, 7, big, False)
     assert made[-1] == big and serving._workspaces[0, 7] is grown
+
+
+def test_fused_combine_builds_one_kernel_that_merges():
+    """A fused-combine decode kernel compiles (sm_80 and Hopper) to one __global__ function, without spills at the
+    stored contiguous tile, arriving on its row block's counter by an atomic add, and reading the other splits'
+    partials from L2 (ld.global.cg)."""
+    from flashgen.compile import disassemble, disassembler
+    from flashgen.kernels.serving import decode_config
+
+    cfg = dataclasses.replace(decode_config(128, "bf16", (32, 64, 2, 2), False, True), fused_combine=True)
+    src = render(cfg)
+    assert "_combine(" not in src and "combine_if_last(p)" in src and "__ldcg" in src
+    for target in ("sm_80", "sm_90"):
+        kern = compile_kernel(cfg, target)
+        assert kern.resources.spills == 0, (target, kern.resources)
+        if disassembler() is not None:
+            sass = disassemble(kern.cubin)
+            assert f".text.{cfg.name}_combine" not in sass and re.search(r"\bATOMG?\.E\.ADD", sass) and "STRONG.GPU" in sass

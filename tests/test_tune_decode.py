@@ -13,9 +13,10 @@ from flashgen.store import FORMAT, lookup, read_store
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _entry(batch: int, n: int, page: int, tile=(16, 32, 1, 2), splits: int = 8, ms: float = 0.3, heads=(32, 8)):
+def _entry(batch: int, n: int, page: int, tile=(16, 32, 1, 2), splits: int = 8, ms: float = 0.3, heads=(32, 8),
+           fused: bool = False):
     p = td.DecodeProblem(128, "bf16", *heads, batch, n, page, "NVIDIA H200", "sm90")
-    cfg = td.decode_config(128, "bf16", tile, bool(page), splits > 1)
+    cfg = td.decode_config(128, "bf16", tile, bool(page), splits > 1, fused)
     return p.key, {"problem": p.to_dict(), "kernel": cfg.name, "config": cfg.to_dict(), "num_splits": splits,
                    "median_ms": ms, "tflops": None, "tb_s": p.kv_bytes / (ms * 1e-3) / 1e12, "trials": 10,
                    "default": {"kernel": "rule (flashgen.serving)", "status": "ok", "median_ms": 2 * ms}}
@@ -28,6 +29,11 @@ def test_problem_key_and_space():
     assert sp and all(c.paged and c.pack_gqa and c.varlen and c.split == (s > 1) for c, s in sp)
     assert all(s <= -(-1024 // c.block_n) for c, s in sp if s > 1)  # no more ways than key blocks
     assert (32, 64, 2, 3) in td.decode_tiles(128, "bf16", "sm90")  # the rule's d128 tile is in the space
+    # every split candidate comes with its combine kernel and with the combine fused; an unsplit one has none
+    split = [(c, s) for c, s in sp if s > 1]
+    assert {c.fused_combine for c, _ in split} == {False, True} and len(split) % 2 == 0
+    assert not any(c.fused_combine for c, s in sp if s == 1)
+    assert len({(c.name, s) for c, s in sp}) == len(sp)
 
 
 def test_store_holds_decode_entries_that_dense_lookups_ignore(tmp_path):
@@ -64,6 +70,40 @@ def test_tuned_decode_gives_the_calls_layout(tmp_path, monkeypatch):
     assert cfg.paged and cfg.split and cfg.pack_gqa
     assert resolve.tuned_decode(0, 128, "bf16", 32, 8, 16, 4096, 0) is None  # none contiguous
     resolve.clear()
+
+
+def test_a_fused_combine_entry_gives_a_fused_kernel(tmp_path, monkeypatch):
+    entries = dict([_entry(1, 8192, 0, tile=(32, 64, 2, 2), splits=32, fused=True),
+                    _entry(32, 8192, 0, tile=(16, 32, 1, 3), splits=1)])
+    (tmp_path / "nvidia-h200-sm90.json").write_text(json.dumps(
+        {"format": FORMAT, "gpu": {"name": "NVIDIA H200", "arch": "sm90"}, "entries": entries}))
+    monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
+    monkeypatch.setattr(resolve, "gpu", lambda device: ("NVIDIA H200", "sm90"))
+    resolve.clear()
+    cfg, splits = resolve.tuned_decode(0, 128, "bf16", 32, 8, 1, 8192, 0)
+    assert splits == 32 and cfg.split and cfg.fused_combine and "combine" not in cfg.kernel_names
+    cfg, splits = resolve.tuned_decode(0, 128, "bf16", 32, 8, 32, 8192, 0)
+    assert splits == 1 and not cfg.split and not cfg.fused_combine
+    resolve.clear()
+
+
+def test_decode_parameters_round_trip_and_an_older_trial_reads_unfused():
+    """The tuner's parameters of a decode candidate name its fused combine; a trial stored before the knob (five
+    parameters) ran with the combine kernel."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+
+    from flashgen import search, tunable
+
+    p = td.DecodeProblem(128, "bf16", 32, 8, 1, 8192, 0, "NVIDIA H200", "sm90")
+    kind = tunable.KINDS["decode"]
+    for cand in td.candidates(p)[:40]:
+        params = kind.params_of(p, cand)
+        assert kind.candidate(p, params) == cand
+    values = dict(zip(("block_m", "block_n", "num_warps", "num_stages", "num_splits"), (32, 64, 2, 2, 16)))
+    t = optuna.trial.create_trial(params=values, value=1.0, user_attrs={"status": "ok"},
+                                  distributions={n: CategoricalDistribution([v]) for n, v in values.items()})
+    assert search._params(t, "decode") == (32, 64, 2, 2, 16, False)
 
 
 def test_cli_decode_arguments_are_checked():

@@ -22,6 +22,7 @@ from flashgen.problem import (BATCH_TOKENS, DEFAULT_TRIALS, EXHAUSTIVE_MAX, HEAD
                               TuneProblem)
 from flashgen.store import config_from_entry, current_gpu, merge, read_store, store_path
 from flashgen.tunable import entry_of, space_of
+from flashgen.tune_modifier import with_modifiers
 
 from flashgen import fleet
 from flashgen.fleet import Job, Tuner, worker_names
@@ -30,7 +31,8 @@ from flashgen.search import SearchOptions, exhaustive_for, viable_count
 from flashgen.studies import describe, resolve
 from . import tune_serving
 from .common import (STORAGE_HELP, CliError, add_problem_args, causal_list, check_choices, check_family, duration,
-                     gpu_list, int_list, open_storage, passes, str_list, table, validate_grid, validate_problem)
+                     gpu_list, int_list, load_modifier, open_storage, passes, str_list, table, validate_grid,
+                     validate_problem)
 from .show import entry_row
 
 
@@ -97,6 +99,12 @@ def add_parser(sub: Any) -> None:
                    help="forward: each problem's space is its stored configuration with only these fields free (e.g. "
                         "lazy_rescale after a new knob: a re-tune of the stored tile, not of the whole space); "
                         "problems without a stored entry keep the whole space")
+    t.add_argument("--score-mod", default=None, metavar="FILE.py:FUNC",
+                   help="tune the forward with this score_mod(score, b, h, q_idx, kv_idx) compiled in (family sm80, "
+                        "as flashgen.attention runs it); the store keys end in its digest, so that "
+                        "attention(..., score_mod=FUNC) finds the entry. Modifiers that read tensors are not tuned")
+    t.add_argument("--mask-mod", default=None, metavar="FILE.py:FUNC",
+                   help="likewise a mask_mod(b, h, q_idx, kv_idx) (true: keep), tuned with its block map")
     t.add_argument("--max-configs", type=int, default=None, help="keep only the first N configurations of the space")
     t.add_argument("--jobs", type=int, default=None, help="compile processes (default: all cores)")
     t.add_argument("--deadline", type=duration, default=120.0, help="a trial hanging longer is killed (default 120s)")
@@ -125,6 +133,8 @@ def restricted_space(args: argparse.Namespace, head_dim: int, dtype: str, causal
         cfgs = C.bwd_space(head_dim, dtype, causal, family=family)
     else:
         cfgs = C.space(args.arch, head_dim, dtype, causal, gqa_group)
+        if getattr(args, "modifiers", None):
+            cfgs = with_modifiers(cfgs, **args.modifiers)
     for field in ("block_m", "block_n", "num_warps") + ("num_stages",) * (pass_ == "fwd" or family == "sm90"):
         keep = getattr(args, field)
         if keep is not None:
@@ -151,9 +161,35 @@ def around_store(args: argparse.Namespace, problem: Any, space: list, stores: di
     return tuple(C.around(config_from_entry(entry), space, args.around_store))
 
 
+def tune_modifiers(args: argparse.Namespace) -> dict[str, str]:
+    """The digests of --score-mod and --mask-mod (traced here, so that the compile pool and the GPU worker can be
+    given them); {} without them. Only dense forward problems of family sm80 take them, and only modifiers that read
+    no tensor (the worker has none to give them)."""
+    if not (args.score_mod or args.mask_mod):
+        return {}
+    given = " and ".join(o for o, v in (("--score-mod", args.score_mod), ("--mask-mod", args.mask_mod)) if v)
+    if args.kind != "dense":
+        raise CliError(f"{given}: --kind {args.kind} takes no modifier (they tune dense forward problems)")
+    if passes(args) != ["fwd"]:
+        raise CliError(f"{given}: tuned for the forward only (--pass fwd; the backward of a modifier call takes "
+                       "family sm80's default tiles)")
+    if args.arch != "sm80":
+        raise CliError(f"{given}: modifier kernels are family sm80 (they run on Hopper too); use --arch sm80")
+    out = {"score_mod": "", "mask_mod": ""}
+    for kind, spec in (("score", args.score_mod), ("mask", args.mask_mod)):
+        if spec:
+            mod = load_modifier(spec, kind)
+            if mod.captured:
+                raise CliError(f"--{kind}-mod {spec!r}: it reads tensors ({', '.join(c.name for c in mod.captured)}); "
+                               "tune takes modifiers that read none (the tuner has no tensors to give the kernel)")
+            out[f"{kind}_mod"] = mod.digest
+    return out
+
+
 def validate(args: argparse.Namespace) -> None:
     """tune's arguments, each wrong one a CliError naming it."""
     validate_problem(args)
+    args.modifiers = tune_modifiers(args)
     validate_grid(args, ("trials", "heartbeat", "grace"))
     if args.retime < 0:
         raise CliError("--retime must be 0 (off) or more")
@@ -318,7 +354,8 @@ def tune(args: argparse.Namespace) -> int:
                     for p, hd, dt, ca, sl, g in itertools.product(passes(args), args.head_dim, args.dtype,
                                                                   causal_list(args.causal), args.seqlen, args.gqa)
                     for prob in [TuneProblem(gpu, arch, pass_family(args, p, hd), dt, hd, ca, sl, g,
-                                             args.batch_tokens, args.heads_dim_total, p)]]
+                                             args.batch_tokens, args.heads_dim_total, p,
+                                             **getattr(args, "modifiers", {}))]]
         empty = [j.problem.key for j in jobs if not j.space]
         if empty:  # only --around-store can empty a problem's space here (validate checked the rest)
             raise CliError(f"--around-store {','.join(args.around_store)}: no configuration of the restricted space "

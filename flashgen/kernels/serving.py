@@ -15,7 +15,7 @@ from .. import abi, driver, grids
 from ..checks import Mods
 from ..compile import target_for
 from ..config import ARCHS, COMBINE_WARPS, DEFAULT_TILES, ELEM_BYTES, MAX_SPLITS, KernelConfig, mod_features
-from ..launch import FWD, SM90_BYTES, current_stream, scale_args, softcap_args, tmap_box
+from ..launch import FWD, SM90_BYTES, capturing, current_stream, scale_args, softcap_args, tmap_box
 from ..modifiers import MAX_CAPTURED, MAX_RANK
 from .bad_inputs import error_word
 from .dense import compiled_kernel
@@ -77,9 +77,13 @@ def serve_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, 
     raise ValueError(f"no serving configuration fits {arch} for head_dim={head_dim}: {reason}")
 
 
-def decode_config(head_dim: int, dtype: str, tile: tuple[int, int, int, int], paged: bool, split: bool) -> KernelConfig:
+def decode_config(head_dim: int, dtype: str, tile: tuple[int, int, int, int], paged: bool, split: bool,
+                  fused_combine: bool = False) -> KernelConfig:
+    """A decode kernel: `tile` (block_m, block_n, warps, stages), pack-GQA, varlen lengths; split-KV with its
+    partial results merged by a combine kernel or (fused_combine) by each row block's last split."""
     bm, bn, w, s = tile
-    return KernelConfig(head_dim, dtype, False, bm, bn, w, s, varlen=True, paged=paged, pack_gqa=True, split=split)
+    return KernelConfig(head_dim, dtype, False, bm, bn, w, s, varlen=True, paged=paged, pack_gqa=True, split=split,
+                        fused_combine=fused_combine)
 
 
 def serve_grids(cfg: KernelConfig, batch: int, heads: int, heads_k: int, seqlen_q: int, total_rows: int,
@@ -134,8 +138,10 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
         0 if block_table is None else block_table.stride(0),
         0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
         lse_strides[0], lse_strides[1], total_rows, page_size, num_splits, mods.window[0], mods.window[1], softcap_pre,
-        k.shape[-4] if block_table is not None else 0, seqlen_k, q.shape[-3], k.shape[-3], error_word(dev), 0)
-    accum = (num_splits * total_rows * heads * d, num_splits * total_rows * heads) if cfg.split else None
+        k.shape[-4] if block_table is not None else 0, seqlen_k, q.shape[-3], k.shape[-3], error_word(dev), 0, 0)
+    # split-KV: floats of o_accum and lse_accum; fused_combine: an arrival counter per row block (blocks per split)
+    accum = ((num_splits * total_rows * heads * d, num_splits * total_rows * heads,
+              blocks // num_splits if cfg.fused_combine else 0) if cfg.split else None)
     run = ServeLaunch(dev, fn, comb, blocks, combine_blocks, cfg.threads, fields, accum,
                       modifier_tail(cfg, mods, dev, batch, heads) if cfg.modified else b"")
     _fire(run, (q, k, v, out, lse, cu_q, cu_k, seqused_k, block_table, alibi, kernel_sinks(mods.sinks)))
@@ -146,7 +152,7 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
 _TENSOR_POINTERS = tuple(abi.SERVE.index(f) for f in ("f.q", "f.k", "f.v", "f.o", "f.lse", "cu_seqlens_q",
                                                        "cu_seqlens_k", "seqused_k", "block_table", "alibi_slopes",
                                                        "sinks"))
-_ACCUM_POINTERS = (abi.SERVE.index("o_accum"), abi.SERVE.index("lse_accum"))
+_ACCUM_POINTERS = (abi.SERVE.index("o_accum"), abi.SERVE.index("lse_accum"), abi.SERVE.index("tile_counts"))
 
 
 def kernel_sinks(sinks: Any) -> Any:
@@ -163,11 +169,13 @@ def _fire(run: "ServeLaunch", tensors: tuple) -> None:
     driver.use_device(run.device)
     stream = current_stream(run.device)
     if run.accum is not None:
-        o_floats, lse_floats = run.accum
-        scratch = _workspace(run.device, stream, o_floats + lse_floats)  # alive past the launches
+        o_floats, lse_floats, counters = run.accum
+        fresh = capturing()
+        scratch = _workspace(run.device, stream, o_floats + lse_floats, fresh)  # alive past the launches
         fields[_ACCUM_POINTERS[0]], fields[_ACCUM_POINTERS[1]] = scratch.data_ptr(), scratch.data_ptr() + 4 * o_floats
+        fields[_ACCUM_POINTERS[2]] = _tile_counters(run.device, stream, counters, fresh).data_ptr() if counters else 0
     else:
-        fields[_ACCUM_POINTERS[0]] = fields[_ACCUM_POINTERS[1]] = 0
+        fields[_ACCUM_POINTERS[0]] = fields[_ACCUM_POINTERS[1]] = fields[_ACCUM_POINTERS[2]] = 0
     params = SERVE_PARAMS.pack(*fields)
     run.fn.launch((run.blocks, 1, 1), run.threads, params + run.tail, stream)
     if run.comb is not None:  # the combine takes ServeParams alone: ServeModParams's prefix
@@ -182,17 +190,36 @@ _WORKSPACE_KEEP = 64 << 20  # bytes: larger accumulators are allocated per call,
 _workspaces: dict[tuple[int, int], Any] = {}
 
 
-def _workspace(device: int, stream: int, floats: int) -> Any:
-    """`floats` fp32 of scratch for a launch on `stream`: held for the next launches there, or (capture, large)
-    fresh, freed once the caller's launches are queued (the caching allocator orders its reuse on the stream)."""
+def _workspace(device: int, stream: int, floats: int, fresh: bool) -> Any:
+    """`floats` fp32 of scratch for a launch on `stream`: held for the next launches there, or (`fresh`: a capture;
+    or large) new, freed once the caller's launches are queued (the caching allocator orders its reuse on the
+    stream)."""
     import torch  # noqa: PLC0415
 
-    if torch.cuda.is_current_stream_capturing() or 4 * floats > _WORKSPACE_KEEP:
+    if fresh or 4 * floats > _WORKSPACE_KEEP:
         return torch.empty(floats, dtype=torch.float32, device=torch.device("cuda", device))
     held = _workspaces.get((device, stream))
     if held is None or held.numel() < floats:
         held = _workspaces[device, stream] = torch.empty(floats, dtype=torch.float32,
                                                         device=torch.device("cuda", device))
+    return held
+
+
+# fused_combine's arrival counters, one per row block, kept per (device, stream) apart from the accumulators (whose
+# layout changes from call to call): zero when allocated, and every launch leaves them zero (the last split of a
+# row block resets its counter). Inside a capture each launch gets zeroed ones of its own, as the accumulators.
+_counters: dict[tuple[int, int], Any] = {}
+
+
+def _tile_counters(device: int, stream: int, n: int, fresh: bool) -> Any:
+    """`n` int32 arrival counters, all zero, for a fused-combine launch on `stream` (`fresh`: a capture's own)."""
+    import torch  # noqa: PLC0415
+
+    if fresh:
+        return torch.zeros(n, dtype=torch.int32, device=torch.device("cuda", device))
+    held = _counters.get((device, stream))
+    if held is None or held.numel() < n:
+        held = _counters[device, stream] = torch.zeros(n, dtype=torch.int32, device=torch.device("cuda", device))
     return held
 
 
@@ -206,7 +233,9 @@ class ServeLaunch(NamedTuple):
     combine_blocks: int
     threads: int
     fields: tuple  # SERVE_PARAMS's fields, pointers 0 (filled per launch by _fire)
-    accum: tuple[int, int] | None  # split-KV: floats of o_accum (splits, rows, heads, d) and lse_accum (.., heads)
+    # split-KV: floats of o_accum (splits, rows, heads, d) and lse_accum (.., heads), and (fused_combine) the
+    # row blocks' arrival counters
+    accum: tuple[int, int, int] | None
     tail: bytes = b""  # a kernel with a score_mod or mask_mod: its captured tensors' slots (ServeModParams)
 
 
@@ -317,7 +346,8 @@ def _functions(cfg: KernelConfig, arch: str, ctx: int) -> tuple[driver.Function,
     """The main kernel and (split-KV) the combine of `cfg`, loaded in context `ctx`."""
     kern, names = compiled_kernel(cfg, target_for(arch, cfg.family)), cfg.kernel_names
     main = driver.get_function(kern.cubin, names["main"], cfg.smem_bytes, f"{kern.digest}:main", ctx)
-    comb = driver.get_function(kern.cubin, names["combine"], 0, f"{kern.digest}:combine", ctx) if cfg.split else None
+    comb = (driver.get_function(kern.cubin, names["combine"], 0, f"{kern.digest}:combine", ctx)
+            if "combine" in names else None)
     return main, comb
 
 
@@ -361,6 +391,14 @@ def modifier_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: st
                         score_mod=mods.score_mod.digest if mods.score_mod is not None else "",
                         mask_mod=mods.mask_mod.digest if mods.mask_mod is not None else "",
                         block_map=mods.mask_mod is not None or mods.block_map is not None)
+
+
+def modifier_digests(mods: Mods) -> dict[str, str]:
+    """The KernelConfig fields of the call's traced score_mod and mask_mod (their digests); {} without either. A
+    varlen or KV-cache kernel takes them without a block map (its sequences' lengths vary)."""
+    out = {"score_mod": mods.score_mod.digest if mods.score_mod is not None else "",
+           "mask_mod": mods.mask_mod.digest if mods.mask_mod is not None else ""}
+    return out if any(out.values()) else {}
 
 
 class KVPlan(NamedTuple):
@@ -422,5 +460,5 @@ def append_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, bl
 
 __all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "ServeLaunch", "append_kv",
            "arch_and_slots", "call_features", "choose_splits", "decode_config", "has_mods", "kernel_sinks",
-           "kvcache_launch", "launch_prefill", "list_slots", "modifier_config", "modifier_tail", "run_plan",
-           "serve_config", "serve_grids", "want_split"]
+           "kvcache_launch", "launch_prefill", "list_slots", "modifier_config", "modifier_digests", "modifier_tail",
+           "run_plan", "serve_config", "serve_grids", "want_split"]

@@ -1,0 +1,179 @@
+"""Tuning a forward problem with a score_mod or mask_mod (`tune --score-mod FILE.py:FUNC --mask-mod FILE.py:FUNC`).
+
+Such a call runs the sm80 family's serving forward generated with its modifiers (a mask_mod with a block map,
+flashgen.blockmap), so its problem (flashgen.problem.TuneProblem with the modifiers' digests, which end its key) is
+searched over the dense space with those fields set, by the pipeline every kind shares (flashgen.tunable's
+ModifierKind). The modifiers reach the compile pool and the GPU worker as data, never as Python callables: the
+`Modifier` of each digest, its CUDA text and its traced graph without tensors (flashgen.modifiers.registered), which
+the other process registers before it renders or evaluates anything. Modifiers that read captured tensors are not
+tuned (the worker has no tensors to give them; the CLI refuses them).
+
+In the worker a candidate is verified on the problem's verification shape (TuneProblem.verify_shape) against
+float64 with the modifiers applied by their graph (`reference`), into a NaN-poisoned output, then timed on the
+problem's own shape through the launcher the calls use (kernels.serving.launch_prefill).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+from .bench import TrialInputs, median_ms, time_cuda
+from .checks import Mods
+from .config import ConfigError, KernelConfig
+from .kernels.serving import launch_prefill, serve_config
+from .modifiers import Modifier, lookup, register
+from .problem import HeldInputs, TuneProblem
+from .tensors import torch_dtype
+from .verify import poisoned_error, random_qkv, ref_budget_bytes, ref_chunk_rows
+
+
+def fields(problem: TuneProblem) -> dict[str, Any]:
+    """The KernelConfig fields of the problem's modifiers: the digests, and a block map with a mask_mod (as the
+    calls' kernels have: kernels.serving.modifier_config)."""
+    return {"score_mod": problem.score_mod, "mask_mod": problem.mask_mod, "block_map": bool(problem.mask_mod)}
+
+
+def with_modifiers(cfgs: list[KernelConfig], score_mod: str, mask_mod: str) -> list[KernelConfig]:
+    """The configurations of a dense sm80 space generated with these modifiers (digests); those the rules refuse
+    (pack_gqa beside a block map) or that gain other features are left out, as a call never takes them."""
+    out: dict[KernelConfig, None] = {}
+    for c in cfgs:
+        try:
+            m = dataclasses.replace(c, score_mod=score_mod, mask_mod=mask_mod, block_map=bool(mask_mod))
+        except ConfigError:
+            continue
+        if not m.features:
+            out[m] = None
+    return list(out)
+
+
+def default_config(problem: TuneProblem) -> KernelConfig:
+    """What `flashgen.attention` takes for the problem without a stored entry: serve_config's modifier tiles."""
+    return serve_config(problem.head_dim, problem.dtype, problem.causal, problem.seqlen, problem.gpu_arch,
+                        **fields(problem))
+
+
+def modifiers_of(problem: TuneProblem) -> tuple[Modifier | None, Modifier | None]:
+    """The problem's (score_mod, mask_mod), registered in this process (ModifierError where not)."""
+    return (lookup(problem.score_mod, "score") if problem.score_mod else None,
+            lookup(problem.mask_mod, "mask") if problem.mask_mod else None)
+
+
+def reference(q: Any, k: Any, v: Any, causal: bool, scale: float, score_mod: Modifier | None,
+              mask_mod: Modifier | None, dtype: Any = None) -> tuple[Any, Any]:
+    """(out (batch, seqlen_q, heads, d), lse (batch, heads, seqlen_q)) of q (batch, seqlen_q, heads, d) against k, v
+    (batch, seqlen_k, heads_k, d) in `dtype` (float64 by default: the reference), with the modifiers applied by their
+    graphs (Modifier.evaluate: FlexAttention's units and indices, q_idx and kv_idx from 0) and causal aligned
+    bottom-right, as the kernels do; a few query rows at a time so that the scores fit. A row with no key: O = 0,
+    LSE = +inf."""
+    import torch  # noqa: PLC0415  (the host reference needs torch; the search does not)
+
+    dtype = dtype or torch.float64
+    batch, sq, heads, d = q.shape
+    sk, heads_k = k.shape[1], k.shape[2]
+    dev = q.device
+    qf = q.to(dtype).transpose(1, 2)
+    kf = k.to(dtype).repeat_interleave(heads // heads_k, dim=2).transpose(1, 2)
+    vf = v.to(dtype).repeat_interleave(heads // heads_k, dim=2).transpose(1, 2)
+    b = torch.arange(batch, device=dev).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=dev).view(1, -1, 1, 1)
+    ki = torch.arange(sk, device=dev).view(1, 1, 1, -1)
+    rows = ref_chunk_rows(batch, heads, sq, sk, ref_budget_bytes(dev) // 4)  # the graphs' temporaries too
+    outs, lses = [], []
+    for r0 in range(0, sq, rows):
+        qi = torch.arange(r0, min(sq, r0 + rows), device=dev).view(1, 1, -1, 1)
+        s = (qf[:, :, r0:r0 + rows] @ kf.transpose(-1, -2)) * scale
+        if score_mod is not None:
+            s = score_mod.evaluate(s, b, h, qi, ki).to(dtype).expand(s.shape)
+        keep = torch.ones(s.shape, dtype=torch.bool, device=dev)
+        if mask_mod is not None:
+            keep = keep & mask_mod.evaluate(b, h, qi, ki)
+        if causal:
+            keep = keep & (ki <= qi + sk - sq)
+        s = s.masked_fill(~keep, -math.inf)
+        m = s.amax(-1, keepdim=True) if sk else torch.full((*s.shape[:3], 1), -math.inf, device=dev, dtype=dtype)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        p = torch.exp(s - m)
+        l_ = p.sum(-1, keepdim=True)
+        seen = l_ > 0
+        safe = torch.where(seen, l_, torch.ones_like(l_))
+        outs.append(torch.where(seen, (p @ vf) / safe, torch.zeros_like(l_)))
+        lses.append(torch.where(seen, m + torch.log(safe), torch.full_like(l_, math.inf)).squeeze(-1))
+        del s, p, keep
+    return torch.cat(outs, dim=2).transpose(1, 2), torch.cat(lses, dim=2)
+
+
+class Inputs(TrialInputs):
+    """A modifier problem's inputs in the GPU worker: a verification set (the problem's verify_shape) with its
+    float64 reference and the bar a candidate must meet (twice PyTorch's own error in the dtype), and a timing set
+    of the problem's shape. Built once per problem (HeldInputs)."""
+
+    def __init__(self, problem: TuneProblem):
+        import torch  # noqa: PLC0415
+
+        self.problem = problem
+        self.score_mod, self.mask_mod = modifiers_of(problem)
+        d = problem.head_dim
+        self.scale = 1.0 / math.sqrt(d)
+        b, sq, sk, h, hk = problem.verify_shape()
+        self.check = random_qkv(b, sq, sk, h, hk, d, problem.dtype, 0)
+        self.ref = reference(*self.check, problem.causal, self.scale, self.score_mod, self.mask_mod)[0]
+        same = reference(*self.check, problem.causal, self.scale, self.score_mod, self.mask_mod,
+                         dtype=torch_dtype(problem.dtype))[0].double()
+        self.bound = 2 * (same - self.ref).abs().max().item() + 1e-5
+        del same
+        self.out = torch.empty_like(self.check[0])
+        b, sq, sk, h, hk = problem.shape()
+        self.timed = random_qkv(b, sq, sk, h, hk, d, problem.dtype, 1)
+        self.timed_out = torch.empty_like(self.timed[0])
+        torch.cuda.empty_cache()
+
+    def call(self, cfg: KernelConfig, qkv: tuple, out: Any) -> Callable[[], None]:
+        """One launch of `cfg` on `qkv` into `out`, its block map (with a mask_mod) built for that shape first."""
+        from .ops import kernel_block_map  # noqa: PLC0415  (torch operators: imported in the GPU worker only)
+
+        q, k, v = qkv
+        mods = Mods(score_mod=self.score_mod, mask_mod=self.mask_mod)
+        if cfg.block_map:
+            mods = mods._replace(block_map=kernel_block_map(cfg, mods, cfg.causal, q.shape[0], q.shape[2],
+                                                            q.shape[1], k.shape[1], q.device))
+        return lambda: launch_prefill(cfg, q, k, v, out, None, cu_q=None, cu_k=None, max_seqlen_q=q.shape[1],
+                                      max_seqlen_k=k.shape[1], num_splits=1, mods=mods, softmax_scale=self.scale)
+
+    def runner(self, cand: KernelConfig) -> tuple[Callable[[], Any], dict[str, Any]]:
+        """One launch on the timing set (what retime times)."""
+        return self.call(cand, self.timed, self.timed_out), {"kernel": cand.name}
+
+    def trial(self, cand: KernelConfig, warmup: int, reps: int) -> dict[str, Any]:
+        """Verify on the verification set (poisoned output against float64), then time on the problem's shape."""
+        err = poisoned_error(self.out, self.ref, self.call(cand, self.check, self.out))
+        if not err <= self.bound:  # NaN (an unwritten element) fails too
+            return {"status": "verify_failed", "reason": f"max error {err:.3g} > {self.bound:.3g}", "max_err": err,
+                    "kernel": cand.name}
+        call, info = self.runner(cand)
+        return {"status": "ok", "ms": median_ms(time_cuda(lambda i: call(), warmup=warmup, reps=reps)), "max_err": err,
+                "reason": "", **info}
+
+
+inputs = HeldInputs(Inputs)  # the GPU worker's, of the problem it is tuning
+
+
+def gpu_trial(problem: TuneProblem, cand: KernelConfig, warmup: int, reps: int,
+              mods: tuple[Modifier, ...]) -> dict[str, Any]:
+    """The GPU worker's trial (flashgen.tunable.ModifierKind): the modifiers registered here, then verify and time."""
+    for m in mods:
+        register(m)
+    return inputs.trial(problem, cand, warmup, reps)
+
+
+def gpu_retime(problem: TuneProblem, cands: list[KernelConfig], rounds: int, warmup: int, reps: int,
+               mods: tuple[Modifier, ...]) -> list[float]:
+    """The GPU worker's side-by-side timing of the leaders."""
+    for m in mods:
+        register(m)
+    return inputs.retime(problem, cands, rounds, warmup, reps)
+
+
+__all__ = ["Inputs", "default_config", "fields", "gpu_retime", "gpu_trial", "modifiers_of", "reference",
+           "with_modifiers"]

@@ -1,0 +1,79 @@
+"""A short real tune of a problem with a score_mod and a mask_mod on the GPU, end to end: the stored entry's key ends in
+their digests, and `flashgen.attention(..., score_mod=, mask_mod=)` takes the stored kernel and is right.
+
+Run on a GPU machine: python -m pytest -q -m gpu tests/test_tune_modifier_gpu.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from conftest import needs_gpu_tuner
+
+REPO = Path(__file__).resolve().parent.parent
+
+pytestmark = needs_gpu_tuner()
+
+MODS = textwrap.dedent("""
+    import torch
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 20.0 * torch.tanh(score / 20.0) + 0.01 * (kv_idx - q_idx)
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= 300)
+""")
+
+CHECK = textwrap.dedent("""
+    import json, math, sys
+    import torch
+    import flashgen
+    from flashgen import ops
+    from flashgen.checks import Mods
+    from flashgen.modifiers import trace_mask_mod, trace_score_mod
+    from flashgen.tune_modifier import reference
+
+    ns = {}
+    exec(open(sys.argv[1]).read(), ns)
+    s, m = trace_score_mod(ns["softcap"]), trace_mask_mod(ns["window"])
+    cfg = ops.modifier_kernel(0, 64, "bf16", False, 1024, 1, Mods(score_mod=s, mask_mod=m))
+    q, k, v = (torch.randn(2, 1000, 32, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = flashgen.attention(q, k, v, score_mod=ns["softcap"], mask_mod=ns["window"])
+    ref, _ = reference(q, k, v, False, 64 ** -0.5, s, m)
+    same, _ = reference(q, k, v, False, 64 ** -0.5, s, m, dtype=torch.bfloat16)
+    err, bound = (out.double() - ref).abs().max().item(), 2 * (same.double() - ref).abs().max().item() + 1e-5
+    print(json.dumps({"kernel": cfg.name, "err": err, "bound": bound}))
+""")
+
+
+def test_a_short_modifier_tune_is_stored_and_taken_by_attention(tmp_path):
+    mods = tmp_path / "mods.py"
+    mods.write_text(MODS)
+    storage, tuned = f"sqlite:///{tmp_path / 'studies.db'}", tmp_path / "tuned"
+    env = {**os.environ, "FLASHGEN_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, str(REPO / "cli.py"), "tune", "--arch", "sm80", "--head-dim", "64",
+                           "--dtype", "bf16", "--causal", "no", "--seqlen", "1024", "--block-m", "64,128",
+                           "--block-n", "32,64", "--num-warps", "4,8", "--trials", "4", "--retime", "2",
+                           "--score-mod", f"{mods}:softcap", "--mask-mod", f"{mods}:window",
+                           "--storage", storage, "--tuned-dir", str(tuned)],
+                          capture_output=True, text=True, env=env, timeout=560, cwd=REPO)
+    print(proc.stdout, proc.stderr[-4000:])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (store_file,) = tuned.glob("*.json")
+    entries = json.loads(store_file.read_text())["entries"]
+    (key, entry), = entries.items()
+    assert "_sm" in key and "_mm" in key and entry["config"]["block_map"]
+    assert entry["median_ms"] > 0 and entry["trials"] >= 1
+
+    check = tmp_path / "check.py"
+    check.write_text(CHECK)
+    proc = subprocess.run([sys.executable, str(check), str(mods)], capture_output=True, text=True, timeout=560,
+                          env={**env, "FLASHGEN_TUNED_DIR": str(tuned)}, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["kernel"] == entry["kernel"]  # the call took the tuned kernel
+    assert got["err"] <= got["bound"], got
