@@ -1,6 +1,7 @@
 """Head dims without a kernel of their own (flashgen.head_dims), without a GPU: which built head dim serves each
 call, the checks, and the public calls' padding: the kernels see only built head dims of one width, the default
-scale is the caller's, and the result is exact (a float64 stand-in for the kernel on CPU tensors)."""
+scale is the caller's, and the result is exact (a float64 stand-in for the kernel on CPU tensors). The dense-only
+head dim 192: its configurations, spill-free builds, the family it takes untuned, and its sm90 backward padding."""
 from __future__ import annotations
 
 import math
@@ -12,6 +13,7 @@ from flashgen.checks import check_head_dims
 from flashgen.compile import target_for
 from flashgen.config import (DENSE_HEAD_DIMS, HEAD_DIMS, BwdConfig, ConfigError, KernelConfig, default_bwd_config,
                              default_config)
+from flashgen.resolve import choose_config
 
 from builds import assert_builds_without_spills
 
@@ -87,6 +89,15 @@ def test_dense_only_head_dims_build_without_spills(family):
 
 
 ARCHS_80 = ("sm80", "sm86", "sm89", "sm90")  # the sm80 family's tiles fit each one's shared memory
+
+
+@pytest.mark.filterwarnings("ignore:no tuned")
+@pytest.mark.parametrize("arch, gpu, family", [("sm90", "NVIDIA H200", "sm90"), ("sm80", "NVIDIA A100", "sm80")])
+def test_an_untuned_dense_only_head_dim_takes_the_gpus_own_family(tmp_path, arch, gpu, family):
+    """Nothing is stored at 192: on Hopper the sm90 family (which the store picks wherever it holds both), else
+    sm80; the stored head dims keep the store's choice and, untuned, sm80's default."""
+    assert choose_config(192, "bf16", True, arch, 4096, None, tmp_path, (gpu, arch)).family == family
+    assert choose_config(128, "bf16", True, arch, 4096, None, tmp_path, (gpu, arch)).family == "sm80"
 
 
 @pytest.mark.parametrize("d", [0, 4, 12, 100, 257, 264, 512, -8, 8.0])
