@@ -17,7 +17,7 @@ FAMILIES = ("sm80", "sm90")
 HEAD_DIMS = (32, 64, 96, 128, 256)  # every kernel kind: dense, serving, decode, modifiers, both passes
 # Built for the dense 16-bit forward (both families) and the sm80 family's dense backward only: no serving
 # feature, modifier or FP8 (their tiles were not fitted there; flashgen.head_dims pads those calls to 256).
-DENSE_ONLY_HEAD_DIMS = (192,)
+DENSE_ONLY_HEAD_DIMS = (160, 192)
 DENSE_HEAD_DIMS = tuple(sorted(HEAD_DIMS + DENSE_ONLY_HEAD_DIMS))
 HALF_DTYPES = ("fp16", "bf16")
 FP8_DTYPES = ("fp8_e4m3",)  # sm90 family only: e4m3 inputs with fp32 descale factors, bf16/fp16 out
@@ -586,6 +586,7 @@ _DEFAULT_TILES_SM90 = {  # FlashAttention-3's choices, roughly: two consumer war
     64: [(128, 128, 12, 2)],
     96: [(128, 128, 12, 2)],
     128: [(128, 128, 12, 2)],
+    160: [(128, 128, 12, 2)],  # 64-byte swizzled rows, as d96's
     192: [(128, 96, 12, 2)],  # Q 48 KB + two stages of K and V at 96 keys: 193 KB
     256: [(128, 64, 12, 2)],
 }
@@ -595,6 +596,7 @@ DEFAULT_TILES = {
     64: [(128, 64, 4, 2), (128, 64, 8, 2)],
     96: [(128, 64, 8, 2), (64, 64, 4, 2)],
     128: [(128, 64, 8, 2), (128, 64, 8, 1), (64, 64, 4, 2)],
+    160: [(128, 64, 8, 2), (64, 32, 4, 2)],  # sm86/sm89 (99 KB): 64 x 32 (64 x 64 spills 68 B)
     192: [(128, 32, 8, 2)],  # 128 x 64 spills 32 B (nvcc 13.0); 96 KB fits sm86/sm89 too
     256: [(128, 64, 8, 2), (128, 64, 8, 1), (64, 32, 4, 2), (64, 32, 4, 1)],
 }
@@ -956,6 +958,7 @@ _DEFAULT_BWD_TILES = {
     64: [(64, 64, 8), (64, 64, 4)],
     96: [(64, 64, 8), (64, 32, 4)],
     128: [(64, 32, 8), (64, 32, 4)],
+    160: [(32, 32, 4)],  # 64 x 64 x 8 warps spills 32-36 B, 64 x 32 x 4 24 B (8 warps cannot tile 32 x 160)
     192: [(64, 32, 8)],  # 217 registers, 175 deterministic (sm_80); 81 KB of shared memory
     256: [(64, 32, 8), (32, 32, 4)],  # 64 x 64 needs 160 accumulators; sm86/sm89 (99 KB): 32 x 32
 }

@@ -1,9 +1,10 @@
 """Head dims without a kernel of their own (flashgen.head_dims), without a GPU: which built head dim serves each
 call, the checks, and the public calls' padding: the kernels see only built head dims of one width, the default
 scale is the caller's, and the result is exact (a float64 stand-in for the kernel on CPU tensors). The dense-only
-head dim 192: its configurations, spill-free builds, the family it takes untuned, and its sm90 backward padding."""
+head dims (160, 192): their configurations, spill-free builds, the family it takes untuned, and its sm90 backward padding."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -27,7 +28,7 @@ EVERY = range(8, 257, 8)
 
 @pytest.mark.parametrize("dense, built, want", [
     (False, HEAD_DIMS, [32, 32, 64, 96, 96, 128, 128, 256, 256, 256, 256, 256]),
-    (True, DENSE_HEAD_DIMS, [32, 32, 64, 96, 96, 128, 128, 192, 192, 256, 256, 256]),
+    (True, DENSE_HEAD_DIMS, [32, 32, 64, 96, 96, 128, 128, 160, 192, 256, 256, 256]),
 ])
 def test_every_multiple_of_8_is_served_by_the_smallest_built_head_dim_that_holds_it(dense, built, want):
     assert head_dims.built(dense) == built
@@ -39,7 +40,7 @@ def test_every_multiple_of_8_is_served_by_the_smallest_built_head_dim_that_holds
 
 @pytest.mark.parametrize("d_qk, d_v, want, dense_want", [
     (192, 128, 256, 192), (128, 192, 256, 192), (128, 64, 128, 128), (64, 128, 128, 128), (8, 256, 256, 256),
-    (96, 96, 96, 96), (40, 32, 64, 64), (176, 176, 256, 192)])
+    (96, 96, 96, 96), (40, 32, 64, 64), (176, 176, 256, 192), (144, 136, 256, 160), (160, 128, 256, 160)])
 def test_q_k_and_v_of_different_widths_take_the_head_dim_that_holds_both(d_qk, d_v, want, dense_want):
     assert head_dims.kernel_head_dim(d_qk, d_v) == want
     assert head_dims.kernel_head_dim(d_qk, d_v, dense=True) == dense_want
@@ -48,8 +49,9 @@ def test_q_k_and_v_of_different_widths_take_the_head_dim_that_holds_both(d_qk, d
 
 
 def test_the_sm90_backward_pads_the_dense_only_head_dims_to_its_next():
-    assert head_dims.backward_head_dim(192, sm90_family=True) == 256
-    assert head_dims.backward_head_dim(192, sm90_family=False) == 192
+    for d in (160, 192):
+        assert head_dims.backward_head_dim(d, sm90_family=True) == 256
+        assert head_dims.backward_head_dim(d, sm90_family=False) == d
     assert all(head_dims.backward_head_dim(d, sm90_family) == d for d in HEAD_DIMS for sm90_family in (False, True))
 
 
@@ -78,17 +80,15 @@ def test_dense_only_head_dims_have_no_fp8_or_sm90_backward():
 @pytest.mark.parametrize("family", ["sm80", "sm90"])
 def test_dense_only_head_dims_build_without_spills(family):
     """Each default configuration at a dense-only head dim (forward, and the sm80 backward with and without
-    deterministic), one mask and dtype (the tiles' registers do not depend on them), for sm_80 and sm_90a."""
-    arch = "sm90" if family == "sm90" else "sm80"
-    for d in set(DENSE_HEAD_DIMS) - set(HEAD_DIMS):
-        cfgs = [default_config(d, "bf16", True, arch, family)]
+    deterministic) on each arch the family runs on (default_config raises where none fits), one mask and dtype (the
+    tiles' registers do not depend on them), for sm_80 and sm_90a."""
+    archs = ("sm90",) if family == "sm90" else ("sm80", "sm86", "sm89", "sm90")
+    cfgs = set()
+    for d, arch in itertools.product(sorted(set(DENSE_HEAD_DIMS) - set(HEAD_DIMS)), archs):
+        cfgs.add(default_config(d, "bf16", True, arch, family))
         if family == "sm80":
-            cfgs += [default_bwd_config(d, "bf16", True, "sm80", deterministic) for deterministic in (False, True)]
-        assert all(c.unfit_reason(a) is None for c in cfgs for a in (("sm90",) if family == "sm90" else ARCHS_80))
-        assert_builds_without_spills(cfgs, target_for(arch, family))
-
-
-ARCHS_80 = ("sm80", "sm86", "sm89", "sm90")  # the sm80 family's tiles fit each one's shared memory
+            cfgs |= {default_bwd_config(d, "bf16", True, arch, deterministic, "sm80") for deterministic in (False, True)}
+    assert_builds_without_spills(sorted(cfgs, key=lambda c: c.name), target_for(archs[0], family))
 
 
 @pytest.mark.filterwarnings("ignore:no tuned")
@@ -104,7 +104,7 @@ def test_an_untuned_dense_only_head_dim_takes_the_gpus_own_family(tmp_path, arch
 def test_other_head_dims_are_refused_naming_what_is_supported(d):
     assert not head_dims.supported(d)
     with pytest.raises(ValueError, match=rf"head_dim={d} is not supported: a head dim must be a multiple of 8 from 8 "
-                                         rf"to 256 \(built natively: 32, 64, 96, 128, 256, and 192 for the dense "
+                                         rf"to 256 \(built natively: 32, 64, 96, 128, 256, and 160, 192 for the dense "
                                          rf"forward and backward"):
         head_dims.kernel_head_dim(d)
     with pytest.raises(ValueError, match=rf"v's head_dim={d} is not supported"):
