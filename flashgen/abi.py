@@ -331,7 +331,9 @@ SM90_BWD = Block("Sm90BwdParams", "FLASHGEN_SM90_BWD_PARAMS", (
     "(batch, heads, seqlen_q_pad, head_dim) fp32, each Q tile's part in the main kernel's register order.",
     "Varlen and window fields are read only by kernels generated with them. Varlen: BwdParams describes",
     "the packed tensors as one batch of total_q rows; sequence b's padded rows (LSE, D, dq_accum) start",
-    "at (cu_seqlens_q[b] + b * BLOCK_M) rounded down to BLOCK_M, whole Q tiles apart from its neighbours'."), (
+    "at (cu_seqlens_q[b] + b * BLOCK_M) rounded down to BLOCK_M, whole Q tiles apart from its neighbours'.",
+    "Deterministic kernels: dq_semaphore has an int32 per BLOCK_M rows of delta (index: flat row / BLOCK_M),",
+    "zeroed before the main kernel, which counts there the dQ parts added to that Q tile."), (
     Line("CUtensorMap", ("tm_q", "tm_k", "tm_v", "tm_do")), Line("BwdParams", ("p",)),
     Line("float*", ("lse2",), "(batch, heads, seqlen_q_pad): LSE * log2(e), +inf on padded rows"),
     Line("int", ("seqlen_q_pad",)),
@@ -340,6 +342,7 @@ SM90_BWD = Block("Sm90BwdParams", "FLASHGEN_SM90_BWD_PARAMS", (
     _WINDOW,
     Line("int", ("num_seqs", "max_seqlen_q", "max_seqlen_k"),
          "the grids: tiles of the longest sequence x heads x num_seqs"),
+    Line("int*", ("dq_semaphore",), "deterministic: int32 zeros, one per BLOCK_M rows of delta (else null)"),
 ))
 
 BLOCKS: dict[str, Block] = {b.name: b for b in (FWD, SERVE, MOD_TENSOR, SERVE_MOD, BWD, BWD_SERVE, BWD_SERVE_MOD, SM90_FWD,

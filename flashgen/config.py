@@ -639,7 +639,8 @@ BWD_ROW_WARPS = 8  # rows per block of the _pre and _convert kernels (one warp p
 BWD_MAX_ACCUM_REGS = 144
 # sm90 family (FlashAttention-3's design): one producer warpgroup (TMA) plus one consumer warpgroup
 # per 64 keys of block_n; each consumer keeps its keys' dK and dV in registers and computes S^T and
-# dP^T (keys as wgmma's M), so P^T and dS^T feed dV and dK from registers. dQ goes by fp32 atomics.
+# dP^T (keys as wgmma's M), so P^T and dS^T feed dV and dK from registers. dQ goes by fp32 atomics (dq_tma: by
+# bulk reduces, which deterministic configs order by n-block).
 # dK + dV of 64 keys take head_dim registers per consumer thread: at 256, two warpgroups share the keys (kv_split);
 # at 96 only one consumer warpgroup fits (block_m 64, block_n 64: dQ cannot split 96 columns into 64-wide slices).
 SM90_BWD_HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -675,7 +676,9 @@ class BwdConfig(_AsDict):
     block_m: int  # query rows per tile
     block_n: int  # keys per tile (one main-kernel block each)
     num_warps: int
-    deterministic: bool = False  # dQ by a separate kernel, no atomics: bit-identical run to run
+    # Bit-identical gradients run to run. sm80: dQ by a separate kernel, no atomics. sm90 (needs dq_tma): the K/V
+    # tiles' bulk reduces into each Q tile's rows of dq_accum take turns in n-block order (a counter per Q tile).
+    deterministic: bool = False
     family: str = "sm80"
     num_stages: int = 2  # sm90: Q/dO tiles in flight (sm80 loads one at a time: stays 2)
     stagger: bool = False  # sm90: consumer warpgroups half a Q tile apart, each tile's dQ one iteration later
@@ -756,8 +759,9 @@ class BwdConfig(_AsDict):
         _check_choice("block_n", self.block_n, SM90_BWD_BLOCK_NS)
         _check_choice("num_stages", self.num_stages, SM90_BWD_STAGES)
         _check_choice("stagger", self.stagger, (False, True))
-        if self.deterministic:
-            raise ConfigError("deterministic=True is built in family sm80 (the sm90 backward adds dQ by fp32 atomics)")
+        if self.deterministic and not self.dq_tma:
+            raise ConfigError("deterministic=True in family sm90 needs dq_tma=True (dQ's bulk reduces are what it orders; "
+                              "the consumers' per-thread atomics have no order)")
         if self.consumers > 2:
             raise ConfigError(f"block_n={self.block_n} at head_dim={self.head_dim} needs {self.consumers} consumer "
                               "warpgroups; family sm90's backward has registers for two")
@@ -809,6 +813,7 @@ class BwdConfig(_AsDict):
                 f"_w{self.num_warps}")
         name += f"_s{self.num_stages}_st{int(self.stagger)}" if self.family == "sm90" else f"_det{int(self.deterministic)}"
         name += "_dqt" if self.dq_tma else ""
+        name += "_det" if self.deterministic and self.family == "sm90" else ""
         name += "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
         name += f"_sm{self.score_mod[:8]}" if self.score_mod else ""
         name += f"_mm{self.mask_mod[:8]}" if self.mask_mod else ""
@@ -833,7 +838,7 @@ class BwdConfig(_AsDict):
     @property
     def kernel_names(self) -> dict[str, str]:
         """Role -> `__global__` name of every kernel in the rendered file."""
-        last = "dq" if self.deterministic else "convert"
+        last = "dq" if self.deterministic and self.family == "sm80" else "convert"
         return {"pre": f"{self.name}_pre", "main": self.name, last: f"{self.name}_{last}"}
 
     @property
@@ -975,19 +980,27 @@ _DEFAULT_BWD_TILES_SM90 = {32: [(128, 128, 12, 2, True)], 64: [(128, 128, 12, 2,
 def default_bwd_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm80",
                        deterministic: bool = False, family: str | None = None) -> BwdConfig:
     """The untuned backward configuration for a problem on `arch`: family sm90 where it has one
-    (sm90, its head dims, not deterministic) unless `family` says otherwise, else sm80."""
+    (sm90, its head dims) unless `family` says otherwise, else sm80. Deterministic in family sm90: the same
+    tiles with dq_tma, in as many of their stages as leave room for the fp32 dQ tile."""
     _check_choice("head_dim", head_dim, DENSE_HEAD_DIMS)
     if family is None:
-        family = "sm90" if (arch_limits(arch).sm == 90 and head_dim in SM90_BWD_HEAD_DIMS
-                            and not deterministic) else "sm80"
+        family = "sm90" if arch_limits(arch).sm == 90 and head_dim in SM90_BWD_HEAD_DIMS else "sm80"
     reason = ""
     tiles = (_DEFAULT_BWD_TILES_SM90.get(head_dim, []) if family == "sm90"
              else [(bm, bn, w, 2, False) for bm, bn, w in _DEFAULT_BWD_TILES[head_dim]])
-    for bm, bn, w, s, st in tiles:
-        cfg = BwdConfig(head_dim, dtype, causal, bm, bn, w, deterministic, family, s, st)
-        reason = cfg.unfit_reason(arch)
-        if reason is None:
-            return cfg
+    sm90_det = family == "sm90" and deterministic
+    for bm, bn, w, stages, st in tiles:
+        for s in range(stages, 0, -1) if sm90_det else (stages,):
+            try:
+                cfg = BwdConfig(head_dim, dtype, causal, bm, bn, w, deterministic, family, s, st, dq_tma=sm90_det)
+            except ConfigError as e:  # sm90 deterministic: the dQ tile does not fit beside this many stages
+                if not sm90_det:
+                    raise
+                reason = str(e)
+                continue
+            reason = cfg.unfit_reason(arch)
+            if reason is None:
+                return cfg
     raise ConfigError(f"no default backward configuration fits {arch} for head_dim={head_dim}: {reason}")
 
 

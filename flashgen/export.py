@@ -148,7 +148,7 @@ _SM90_BWD_HEADER = """\
 // seqlen_q_pad) fp32 and p.dq_accum (batch, heads, seqlen_q_pad, HEAD_DIM) fp32, each 16-byte aligned (its
 // layout is the main kernel's register order: only _convert reads it). p.lse is the forward's (batch, heads,
 // seqlen_q). GQA/MQA (heads != heads_k): p.dk_accum, p.dv_accum are (batch, seqlen_k, heads, head_dim) fp32
-// per query head; sum each group of heads into dk, dv afterwards (null both when heads == heads_k).
+// per query head; sum each group of heads into dk, dv afterwards (null both when heads == heads_k).{det_note}
 // tm_q, tm_do (box rows BLOCK_M) and tm_k, tm_v (box rows BLOCK_N): cuTensorMapEncodeTiled, rank 4 over
 // (head_dim, seqlen, heads, batch) with the tensor's byte strides, element strides 1, box (SMEM_W, rows, 1, 1),
 // swizzle SWIZZLE_BYTES (CU_TENSOR_MAP_SWIZZLE_128B or _64B), L2 promotion 128B, no OOB fill.
@@ -193,6 +193,12 @@ inline cudaError_t launch(const Sm90BwdParams& p, cudaStream_t stream = 0) {{
 }}  // namespace flashgen
 #endif
 """
+
+
+# The sm90 deterministic backward's one more buffer (the main kernel's dQ reduces take turns on it).
+_SM90_DET_NOTE = """
+// Deterministic: p.dq_semaphore is (batch, heads, seqlen_q_pad / BLOCK_M) int32 (varlen: one per BLOCK_M rows of
+// delta), zeroed before every launch(); the main kernel's K/V tiles add to each Q tile's dQ in n-block order."""
 
 
 # A serving kernel takes ServeParams (FwdParams plus the serving fields). Its grids are serving.serve_grids
@@ -442,7 +448,7 @@ def bwd_header(cfg: BwdConfig, tuned_on: list[str], target: str) -> str:
                                        grid_fns="\n".join([grids.CPP_HELPERS, *fns]),
                                        arch_flags=" ".join(arch_flags(target)), params=params, cfg=cfg,
                                        causal=str(cfg.causal).lower(), row_warps=BWD_ROW_WARPS, smem_w=cfg.smem_w,
-                                       swizzle=cfg.row_bytes)
+                                       swizzle=cfg.row_bytes, det_note=_SM90_DET_NOTE if cfg.deterministic else "")
     det = cfg.deterministic
     last = "dq" if det else "convert"
     if det:

@@ -123,7 +123,8 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           lse: torch.Tensor, dlse: Optional[torch.Tensor], causal: bool,
                           softmax_scale: Optional[float], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), contiguous, like q, k, v: the backward kernels of this GPU (flashgen.kernels.backward; sm90 family
-    on Hopper, sm80 elsewhere and when deterministic: bit-identical gradients run to run, no atomics)."""
+    on Hopper, sm80 elsewhere; deterministic: bit-identical gradients run to run, the sm90 family's dQ reduces in a
+    fixed order, sm80's dQ without atomics)."""
     return dense_backward(dout, q, k, v, out, lse, dlse, causal, softmax_scale, deterministic)
 
 
@@ -132,7 +133,7 @@ def dense_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: 
     """The body of flashgen::attention_backward. A head dim the sm90 backward has no kernel for (a dense-only one:
     flashgen.head_dims) runs there at its next head dim, on zero-padded copies, with the forward's scale."""
     d = q.shape[3]
-    bd = backward_head_dim(d, not deterministic and arch_and_slots(q.get_device())[0] == "sm90")
+    bd = backward_head_dim(d, arch_and_slots(q.get_device())[0] == "sm90")
     if bd != d:
         scale = default_scale(d) if softmax_scale is None else softmax_scale  # the forward's, not the padded dim's
         grads = dense_backward(*(pad_head_dim(t, bd) for t in (dout, q, k, v, out)), lse, dlse, causal, scale,

@@ -282,7 +282,8 @@ resolver = Resolver()
 def backward_kernel(device: int, head_dim: int, dtype: str, causal: bool, seqlen: int | None = None,
                     deterministic: bool = False) -> CompiledKernel:
     """The backward for these tensors' GPU: the tuned BwdConfig of the nearest stored seqlen bucket, else
-    the default (deterministic: the default deterministic config, dQ per Q tile without atomics). Cached: the
+    the default (deterministic: the default deterministic config: on Hopper the sm90 backward whose dQ reduces
+    take turns, elsewhere sm80's dQ per Q tile without atomics). Cached: the
     store's buckets are read again only when its file changed (store_stamp), kernels by configuration."""
     (gpu_name, arch), stamp = gpu_stamp(device)
     if deterministic:
@@ -311,10 +312,12 @@ def serve_backward_kernel(device: int, head_dim: int, dtype: str, causal: bool, 
                           deterministic: bool, seqlen: int) -> CompiledKernel:
     """The backward for a call with serving features: the dense backward autograd would take (tuned for the
     nearest seqlen bucket; sm90 family on Hopper), generated with `features`; the sm80 family's default tiles
-    where the sm90 backward lacks a feature (softcap, ALiBi) or the call is deterministic."""
+    where the sm90 backward lacks a feature (softcap, ALiBi); deterministic: the default deterministic config."""
     arch = gpu(device)[1]
-    if deterministic or "softcap" in features or "alibi" in features:
+    if "softcap" in features or "alibi" in features:
         base = default_bwd_config(head_dim, dtype, causal, arch, deterministic, family="sm80")
+    elif deterministic:
+        base = default_bwd_config(head_dim, dtype, causal, arch, deterministic)
     else:
         base = backward_kernel(device, head_dim, dtype, causal, seqlen).config
     return _load_backward(head_dim, dtype, causal, dataclasses.replace(base, **dict.fromkeys(features, True)), arch,

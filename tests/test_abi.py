@@ -12,10 +12,11 @@ from flashgen import abi
 def test_layouts_are_the_c_layouts():
     # Sizes and offsets a kernel reads, by C's rules (CUtensorMap aligned to 128 bytes).
     assert (abi.FWD.size, abi.SERVE.size, abi.BWD.size, abi.BWD_SERVE.size) == (168, 320, 328, 384)
-    assert (abi.SM90_FWD.size, abi.SM90_SERVE_FWD.size, abi.SM90_FP8_FWD.size, abi.SM90_BWD.size) == (640, 640, 640, 896)
+    assert (abi.SM90_FWD.size, abi.SM90_SERVE_FWD.size, abi.SM90_FP8_FWD.size, abi.SM90_BWD.size) == (640, 640, 640, 1024)
     assert abi.SM90_FWD.offset("p.q") == 384 and abi.SM90_BWD.offset("p.q") == 512
     assert abi.SM90_SERVE_FWD.offset("cu_seqlens_q") == 552
     assert abi.SM90_BWD.offset("cu_seqlens_q") == 856 and abi.SM90_BWD.offset("max_seqlen_k") == 888
+    assert abi.SM90_BWD.offset("dq_semaphore") == 896  # appended: the fields before it stay where they were
     assert abi.SM90_FP8_FWD.offset("q_descale.ptr") == 552 and abi.SM90_FP8_FWD.offset("v_descale.head_stride") == 616
 
 

@@ -89,8 +89,9 @@ def test_defaults_fit_every_arch_and_are_in_the_space(arch):
         c = default_bwd_config(hd, dt, causal, arch, det)
         assert c.unfit_reason(arch) is None and c.deterministic == det
         assert c in bwd_space(hd, dt, causal, det, family=c.family)
-        # Hopper takes family sm90 where it has the head dim (its FA3 design), sm80 elsewhere and for determinism
-        assert c.family == ("sm90" if arch == "sm90" and hd in SM90_BWD_HEAD_DIMS and not det else "sm80")
+        # Hopper takes family sm90 where it has the head dim (its FA3 design; deterministic: with dq_tma), sm80 elsewhere
+        assert c.family == ("sm90" if arch == "sm90" and hd in SM90_BWD_HEAD_DIMS else "sm80")
+        assert c.dq_tma == (c.family == "sm90" and det)
 
 
 def test_sm90_rules_name_fields_and_reasons():
@@ -107,7 +108,7 @@ def test_sm90_rules_name_fields_and_reasons():
     assert c.rows_grid(2, 3, 65) == (16 * 3 * 2, 1, 1)  # 128 padded rows in groups of 8
     with pytest.raises(ConfigError, match="num_warps=8 must be 12 for block_n=128"):
         BwdConfig(128, "bf16", True, 64, 128, 8, family="sm90")
-    with pytest.raises(ConfigError, match="deterministic=True is built in family sm80"):
+    with pytest.raises(ConfigError, match="deterministic=True in family sm90 needs dq_tma=True"):
         BwdConfig(128, "bf16", True, 64, 128, 12, True, family="sm90")
     with pytest.raises(ConfigError, match="head_dim=48 is not allowed"):
         BwdConfig(48, "bf16", True, 64, 64, 8, family="sm90")
@@ -148,20 +149,22 @@ def test_sm90_params_tensor_maps(monkeypatch):
     prob = Problem(batch=2, seqlen_q=100, seqlen_k=300, heads=6, heads_k=3, head_dim=96, dtype="bf16")
     raw = bwd._sm90_params(bytes(BWD.size), cfg, prob, (q, k, k, q), 1234, 128, bwd.ServeArgs(window=(5, 7)),
                            (2, 100, 300))
-    assert len(raw) == 896 and struct.unpack_from("=Qi", raw, 512 + BWD.size) == (1234, 128)
-    # the varlen and window fields where templates/sm90/bwd_params.cuh.j2's static_asserts pin them
-    assert struct.unpack_from("=QQ2i3i", raw, 856) == (0, 0, 5, 7, 2, 100, 300)
+    assert len(raw) == 1024 and struct.unpack_from("=Qi", raw, 512 + BWD.size) == (1234, 128)
+    # the varlen, window and semaphore fields where templates/sm90/bwd_params.cuh.j2's static_asserts pin them
+    assert struct.unpack_from("=QQ2i3iiQ", raw, 856) == (0, 0, 5, 7, 2, 100, 300, 0, 0)
     assert [m[2:] for m in maps] == [
         ((96, 100, 6, 2), (2 * 6 * 96, 2 * 96, 2 * 100 * 6 * 96), (32, 64, 1, 1), 64),
         ((96, 300, 3, 2), (2 * 96, 2 * 300 * 96, 2 * 300 * 3 * 96), (32, 64, 1, 1), 64),
         ((96, 300, 3, 2), (2 * 96, 2 * 300 * 96, 2 * 300 * 3 * 96), (32, 64, 1, 1), 64),
         ((96, 100, 6, 2), (2 * 6 * 96, 2 * 96, 2 * 100 * 6 * 96), (32, 64, 1, 1), 64)]
+    det = bwd._sm90_params(bytes(BWD.size), cfg, prob, (q, k, k, q), 1234, 128, bwd.ServeArgs(), (2, 100, 300), 5678)
+    assert struct.unpack_from("=Q", det, 896) == (5678,) and len(det) == 1024
     assert cfg.smem_w == 32 and cfg.row_bytes == 64 and BwdConfig(128, "bf16", True, 64, 128, 12, family="sm90").row_bytes == 128
 
 
 def test_sm90_params_match_the_struct_layout():
     src = render(BwdConfig(64, "bf16", False, 128, 128, 12, family="sm90"))
-    assert "static_assert(sizeof(Sm90BwdParams) == 896" in src and SM90_BWD.size == 896
+    assert "static_assert(sizeof(Sm90BwdParams) == 1024" in src and SM90_BWD.size == 1024
     assert 4 * 128 + BWD.size + SM90_BWD.tail("lse2").size == SM90_BWD.size
 
 
@@ -304,3 +307,66 @@ def test_sm90_dq_tma_compiles_without_spills_or_serialized_wgmma():
         if disassembler() is not None:
             sass = disassemble(k.cubin)
             assert "UBLKRED.G.S.ADD.F32" in sass and "REDG" not in sass, k.name
+
+
+def test_sm90_deterministic_rules_name_defaults_and_render():
+    """deterministic in family sm90 orders dq_tma's bulk reduces, so it needs dq_tma; spelled `_det` after `_dqt`
+    (the kernels without it keep their names); the same three kernels as without it (sm80's has _dq instead of
+    _convert) and the same shared memory; the defaults: the same tiles with dq_tma, in as many stages as fit."""
+    c = BwdConfig(128, "bf16", True, 64, 128, 12, family="sm90", num_stages=2, stagger=True, dq_tma=True)
+    det = dataclasses.replace(c, deterministic=True)
+    assert det.name == c.name + "_det" and BwdConfig.from_dict(det.to_dict()) == det
+    assert det.kernel_names == {"pre": det.name + "_pre", "main": det.name, "convert": det.name + "_convert"}
+    assert det.smem_bytes == c.smem_bytes and det.unfit_reason("sm90") is None
+    with pytest.raises(ConfigError, match="deterministic=True in family sm90 needs dq_tma=True"):
+        dataclasses.replace(c, deterministic=True, dq_tma=False)
+    assert all(x.dq_tma for x in bwd_space(128, "bf16", True, True, family="sm90"))
+    for hd, causal in itertools.product(SM90_BWD_HEAD_DIMS, (False, True)):
+        d, base = default_bwd_config(hd, "bf16", causal, "sm90", True), default_bwd_config(hd, "bf16", causal, "sm90")
+        assert d.family == "sm90" and d.deterministic and d.dq_tma and d.unfit_reason("sm90") is None
+        assert dataclasses.replace(d, deterministic=False, dq_tma=False, num_stages=base.num_stages) == base
+        assert d.num_stages == (1 if hd == 256 else base.num_stages)  # d256: the dQ tile leaves room for one stage
+    assert default_bwd_config(128, "bf16", True, "sm80", True).family == "sm80"
+
+    src = render(det)
+    assert "constexpr bool DETERMINISTIC = true;" in src and "constexpr bool DETERMINISTIC = false;" in render(c)
+    # the writer's turn: wait (acquire), proxy fence, bulk reduce, wait for its writes, proxy fence, count (release)
+    writer = src[src.index("void dq_writer("):]
+    steps = ["ld_acquire_gpu(count)", 'fence.proxy.async.global;', "bulk_reduce_add(", "cp.async.bulk.wait_group 0;",
+             'fence.proxy.async.global;', "red_release_gpu_add(count, 1)"]
+    at = 0
+    for step in steps:
+        at = writer.index(step, at) + len(step)
+    assert "ld.acquire.gpu.global.b32" in src and "red.release.gpu.global.add.s32" in src
+
+
+def _deterministic_configs() -> list[BwdConfig]:
+    """The deterministic defaults of every head dim and mask (bf16; fp16 at d128), and d128 with varlen and window."""
+    cfgs = [default_bwd_config(hd, "bf16", causal, "sm90", True) for hd in SM90_BWD_HEAD_DIMS for causal in (False, True)]
+    cfgs.append(default_bwd_config(128, "fp16", True, "sm90", True))
+    cfgs.append(dataclasses.replace(default_bwd_config(128, "bf16", True, "sm90", True), varlen=True, window=True))
+    return cfgs
+
+
+@pytest.mark.sweep
+def test_sm90_deterministic_compiles_without_spills_or_serialized_wgmma():
+    """The deterministic sm90 backward: no spills, no wgmma advisories, no serialized wgmma; in the SASS the dQ adds
+    are still bulk reduces (no fp32 atomics), and each is preceded by the acquire spin on its Q tile's counter and
+    followed by the wait for its writes and the release add of the counter."""
+    import re
+
+    from conftest import compile_sm90a_clean
+
+    from flashgen.compile import disassemble, disassembler
+
+    for k in compile_sm90a_clean(_deterministic_configs()):
+        assert not re.search(r"C751[239]", k.ptxas_log), f"{k.name}: {k.ptxas_log}"
+        if disassembler() is None:
+            continue
+        sass = disassemble(k.cubin)
+        assert "REDG.E.ADD.F32" not in sass and sass.count("REDG.E.ADD.S32.STRONG.GPU") == 1, k.name
+        at = 0
+        # (the wait for the reduce's writes: its DEPBAR then an L1 invalidate; the wait for its reads alone has none)
+        for op in ("LDG.E.STRONG.GPU", "FENCE.VIEW.ASYNC.G", "UBLKRED.G.S.ADD.F32", "DEPBAR.LE SB0, 0x0", "CCTL.IVALL",
+                   "FENCE.VIEW.ASYNC.G", "MEMBAR.ALL.GPU", "REDG.E.ADD.S32.STRONG.GPU"):
+            at = sass.index(op, at) + len(op)

@@ -288,6 +288,21 @@ def test_exported_sm90_backward_documents_its_buffers_and_links(tmp_path):
     link_app(out, SM90_BWD_MAIN.format(a=cfg.name), (cfg.name,), ("-gencode", "arch=compute_90a,code=sm_90a"))
 
 
+def test_sm90_deterministic_backward_header_asks_for_the_zeroed_semaphores():
+    """Only the deterministic sm90 backward's header names dq_semaphore (the other headers are as they were)."""
+    import dataclasses
+
+    from flashgen.config import BwdConfig
+    from flashgen.export import bwd_header
+
+    cfg = BwdConfig(128, "bf16", True, 64, 128, 12, family="sm90", num_stages=2, stagger=True, dq_tma=True)
+    det = dataclasses.replace(cfg, deterministic=True)
+    h, hdet = bwd_header(cfg, [], "sm_90a"), bwd_header(det, [], "sm_90a")
+    assert "zeroed before every launch()" in hdet and "zeroed before every launch()" not in h
+    added = [line for line in hdet.replace(det.name, cfg.name).splitlines() if line not in h.splitlines()]
+    assert len(added) == 2 and added[0].startswith("// Deterministic: p.dq_semaphore is")
+
+
 # ---- Serving kernels (any of config.FEATURES): not tuned, exported by export_configs / cli.py export --features.
 
 SERVE_SETS = [dict(varlen=True, paged=True, split=True, pack_gqa=True),  # decode: a paged cache, GQA packed, split-KV

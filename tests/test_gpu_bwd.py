@@ -29,6 +29,10 @@ OTHER_SM90 = [(64, 64, 8, 1, True), (64, 64, 8, 2, False), (128, 128, 12, 1, Fal
 # stage (two leave no room for the dQ tile), and one consumer warpgroup at d32-d128.
 DQ_TMA_SM90 = [(128, 128, 12, 2, True), (64, 128, 12, 3, True), (64, 64, 12, 1, False), (64, 64, 8, 2, False)]
 DET_PAIRS = [(17, 17), (113, 211), (211, 113), (1023, 1023)]
+# The sm90 deterministic backward (dQ's bulk reduces in n-block order): odd lengths, unequal both ways, and one long
+# pair whose Q tiles take 32-64 K/V tiles' reduces each (the order matters most where many add to one tile).
+SM90_DET_PAIRS = [(1, 1), (17, 17), (113, 211), (211, 113), (1023, 1023), (17, 1023), (1023, 113)]
+SM90_DET_LONG = (4096, 4096)
 
 
 def _arch() -> str:
@@ -59,7 +63,8 @@ def bwd_configs(arch: str) -> list[BwdConfig]:
     for hd, dt, causal in itertools.product(HEAD_DIMS, HALF_DTYPES, (False, True)):
         out.append(default_bwd_config(hd, dt, causal, arch))
         if dt == "bf16":
-            out.append(default_bwd_config(hd, dt, causal, arch, deterministic=True))
+            out.append(default_bwd_config(hd, dt, causal, arch, deterministic=True))  # Hopper: family sm90's
+            out.append(default_bwd_config(hd, dt, causal, arch, deterministic=True, family="sm80"))
             out += _others(hd, dt, causal, arch)
     return list(dict.fromkeys(out))
 
@@ -157,17 +162,61 @@ def test_deterministic_is_bit_identical_and_correct(kernels, head_dim, causal):
     from flashgen.kernels.dense import run
 
     fwd = kernels[("fwd", head_dim, "bf16", causal)][0]
-    det = kernels[("det", head_dim, "bf16", causal)][0]
     failures = []
-    for (sq, sk), layout in zip(DET_PAIRS, itertools.cycle(LAYOUTS)):
+    for det in kernels[("det", head_dim, "bf16", causal)]:  # Hopper: both families' deterministic backward
+        for (sq, sk), layout in zip(DET_PAIRS, itertools.cycle(LAYOUTS)):
+            q, k, v, dout = _inputs(2, sq, sk, *LAYOUTS[layout], head_dim, "bf16")
+            failures += [f"{det.name} sq={sq} sk={sk} {layout}: {f}" for f in _check(fwd, det, q, k, v, dout, causal)]
+            out, lse, _ = run(fwd, q, k, v)
+            first = [g.clone() for g in backward(det, q, k, v, out, dout, lse)]
+            second = backward(det, q, k, v, out, dout, lse)
+            for name, a, b in zip(("dq", "dk", "dv"), first, second):
+                if not torch.equal(a, b):
+                    failures.append(f"{det.name} sq={sq} sk={sk} {layout}: {name} differs between two runs")
+    assert not failures, "\n".join(failures)
+
+
+def _runs_differ(det, fwd, q, k, v, dout, runs: int) -> list[str]:
+    """Which of dq, dk, dv differ in any bit between `runs` runs of `det` on the same inputs, each into fresh
+    NaN-poisoned buffers."""
+    import torch
+
+    from flashgen.kernels.backward import backward
+    from flashgen.kernels.dense import run
+
+    out, lse, _ = run(fwd, q, k, v)
+    got = []
+    for _ in range(runs):
+        bufs = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        got.append(backward(det, q, k, v, out, dout, lse, None, *bufs))
+    torch.cuda.synchronize()
+    return [name for i, name in enumerate(("dq", "dk", "dv"))
+            if not all(torch.equal(got[0][i], g[i]) for g in got[1:])]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sm90_deterministic_backward_is_bit_identical_and_correct(kernels, head_dim, causal):
+    """The sm90 family's deterministic backward (what deterministic=True runs on Hopper): against float64 with
+    NaN-poisoned gradient buffers at odd and unequal lengths in every head layout, and the same bits run to run,
+    there and on a long GQA problem whose Q tiles each take the reduces of every K/V tile."""
+    if _arch() != "sm90":
+        pytest.skip("family sm90 runs on Hopper (sm90) only")
+    fwd = kernels[("fwd", head_dim, "bf16", causal)][0]
+    det = next(k for k in kernels[("det", head_dim, "bf16", causal)] if k.config.family == "sm90")
+    assert det.config.dq_tma and det.name.endswith("_det")
+    failures = []
+    for (sq, sk), layout in itertools.product(SM90_DET_PAIRS, LAYOUTS):
         q, k, v, dout = _inputs(2, sq, sk, *LAYOUTS[layout], head_dim, "bf16")
         failures += [f"{det.name} sq={sq} sk={sk} {layout}: {f}" for f in _check(fwd, det, q, k, v, dout, causal)]
-        out, lse, _ = run(fwd, q, k, v)
-        first = [g.clone() for g in backward(det, q, k, v, out, dout, lse)]
-        second = backward(det, q, k, v, out, dout, lse)
-        for name, a, b in zip(("dq", "dk", "dv"), first, second):
-            if not torch.equal(a, b):
-                failures.append(f"{det.name} sq={sq} sk={sk} {layout}: {name} differs between two runs")
+        failures += [f"{det.name} sq={sq} sk={sk} {layout}: {g} differs between two runs"
+                     for g in _runs_differ(det, fwd, q, k, v, dout, 2)]
+    sq, sk = SM90_DET_LONG
+    q, k, v, dout = _inputs(1, sq, sk, 8, 2, head_dim, "bf16")
+    failures += [f"{det.name} sq={sq} sk={sk} gqa: {f}" for f in _check(fwd, det, q, k, v, dout, causal)]
+    failures += [f"{det.name} sq={sq} sk={sk} gqa: {g} differs between runs" for g in _runs_differ(det, fwd, q, k, v, dout, 4)]
+    if failures and all(_d256_precision(f) for f in failures):
+        pytest.xfail(D256_PRECISION + "\n".join(failures))
     assert not failures, "\n".join(failures)
 
 

@@ -1,8 +1,9 @@
 """Head dims without a kernel of their own on the GPU (flashgen.head_dims: zero-padded to the next built head dim),
 and v of another width than q and k (DeepSeek-V3's MLA prefill: 192 and 128), through the public calls: forward of
-each family, backward (sm90 family on Hopper; sm80 deterministic), varlen forward and backward, the KV cache with
-an append, a decode-shaped call; odd and unequal lengths, GQA; and the kernels built at the dense-only head dims
-(192) launched directly into NaN-poisoned buffers. Against float64: the forward's bar is 2 x PyTorch's
+each family, backward (default and deterministic: the sm90 family on Hopper, at d256 for the dense-only head dims),
+varlen forward and backward, the KV cache with an append, a decode-shaped call; odd and unequal lengths, GQA; and
+the kernels built at the dense-only head dims (160, 192) launched directly into NaN-poisoned buffers (the sm80
+backward there: what Ampere and Ada run). Against float64: the forward's bar is 2 x PyTorch's
 error in the input dtype + 1e-5 (flashgen.verify.reference), the gradients' 2 x PyTorch's + 1e-4 (judge_backward).
 The outputs and gradients come from torch's caching allocator, which each call first fills with NaN (a block of
 the sizes it hands out, freed), so an element the padded path leaves unwritten shows up as NaN."""
@@ -83,8 +84,7 @@ def test_an_explicit_scale_is_kept():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d_qk, d_v", DIMS, ids=IDS)
 def test_backward(d_qk, d_v, causal, deterministic):
-    """Autograd through the padded call: the default backward (sm90 family on Hopper) and the deterministic one
-    (sm80 family)."""
+    """Autograd through the padded call: the default backward and the deterministic one."""
     failures = []
     for (sq, sk), (layout, (h, hk)) in itertools.product(PAIRS, LAYOUTS.items()):
         q, k, v = (t.requires_grad_() for t in _qkv(2, sq, sk, h, hk, d_qk, d_v, sq * 5 + sk))
@@ -124,7 +124,7 @@ def test_dense_only_forward_kernels(head_dim, family, dtype, causal):
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 @pytest.mark.parametrize("head_dim", DENSE_ONLY_HEAD_DIMS)
 def test_dense_only_backward_kernels(head_dim, dtype, causal, deterministic):
-    """The sm80 family's backward at its own tiles (the one Ampere/Ada and deterministic calls take)."""
+    """The sm80 family's backward at its own tiles (what Ampere and Ada run at these head dims)."""
     arch = _arch()
     target = target_for(arch, "sm80")
     bwd = compile_kernel(default_bwd_config(head_dim, dtype, causal, arch, deterministic, family="sm80"), target)

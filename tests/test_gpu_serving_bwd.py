@@ -167,20 +167,24 @@ def test_dense_modifiers_off_take_the_plain_kernels():
     assert serving.has_mods((-1, -1), 1.0, None, False)
 
 
-@pytest.mark.parametrize("family", ["sm80", "sm90"])
+@pytest.mark.parametrize("family", ["sm80", "sm90", "sm90-det"])
 @pytest.mark.parametrize("hd", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("window", [(-1, -1), (40, 8)], ids=["nowin", "win"])
+@pytest.mark.parametrize("window", [(-1, -1), (40, 8), (100, -1)], ids=["nowin", "win", "left"])
 def test_each_family_varlen_backward(family, hd, causal, window):
     """The varlen (and window) backward of each family through flashgen.kernels.backward directly (autograd takes the
-    sm90 family on Hopper), against the same per-sequence float64 reference."""
+    sm90 family on Hopper), against the same per-sequence float64 reference; sm90-det (the sm90 family's
+    deterministic backward, whose K/V tiles take turns by the window's first visible tile): also the same bits on a
+    second run."""
+    det = family == "sm90-det"
+    family = "sm90" if det else family
     from flashgen.kernels.backward import ServeArgs, backward, load_backward
     from flashgen.config import default_bwd_config, mod_features
 
     major = torch.cuda.get_device_capability()[0]
     if family == "sm90" and major != 9:
         pytest.skip("family sm90 runs on Hopper (sm90) only")
-    seqs = [(0, 5), (1, 1), (113, 211), (211, 113), (65, 64), (128, 300)]
+    seqs = [(0, 5), (1, 1), (113, 211), (211, 113), (65, 64), (128, 300), (700, 900)]  # the last: many tiles each way
     q, k, v, cu_q, cu_k, mq, mk = _packed(seqs, 6, 2, hd, torch.bfloat16, 5)
     icu_q, icu_k = (torch.tensor(c, dtype=torch.int32, device="cuda") for c in (cu_q, cu_k))
     out, lse = flashgen.attention_varlen(q, k, v, icu_q, icu_k, mq, mk, causal=causal, window_size=window,
@@ -188,13 +192,18 @@ def test_each_family_varlen_backward(family, hd, causal, window):
     dout = torch.randn_like(q)
     feats = {f: on for f, on in dict(varlen=True, **mod_features(window, 0.0, False, causal)).items() if on}
     cfg = dataclasses.replace(default_bwd_config(hd, "bf16", causal, f"sm{major}{torch.cuda.get_device_capability()[1]}",
-                                                 family=family), **feats)
+                                                 deterministic=det, family=family), **feats)
     serve = ServeArgs(icu_q, icu_k, mq, mk, (window[0], 0 if causal else window[1]))
-    bufs = tuple(torch.full_like(t, float("nan")).unsqueeze(0) for t in (q, k, v))
-    got = backward(load_backward(hd, "bf16", causal, cfg), *(t.unsqueeze(0) for t in (q, k, v, out, dout)),
-                   lse.unsqueeze(0), None, *bufs, serve=serve)
+    kern = load_backward(hd, "bf16", causal, cfg)
+    runs = []
+    for _ in range(2 if det else 1):
+        bufs = tuple(torch.full_like(t, float("nan")).unsqueeze(0) for t in (q, k, v))
+        runs.append(backward(kern, *(t.unsqueeze(0) for t in (q, k, v, out, dout)), lse.unsqueeze(0), None, *bufs,
+                             serve=serve))
     torch.cuda.synchronize()
-    _judge([g.squeeze(0) for g in got], q, k, v, dout, cu_q, cu_k, causal, 1 / math.sqrt(hd), window)
+    _judge([g.squeeze(0) for g in runs[0]], q, k, v, dout, cu_q, cu_k, causal, 1 / math.sqrt(hd), window)
+    for name, a, b in zip(("dq", "dk", "dv"), runs[0], runs[-1]):
+        assert torch.equal(a, b), f"{cfg.name}: {name} differs between two runs"
 
 
 def serving_bwd_configs(arch: str) -> set:
@@ -221,6 +230,8 @@ def serving_bwd_configs(arch: str) -> set:
         feats = {f: on for f, on in feats.items() if on}
         out.add(serve_config(hd, dtype, causal, rows, arch, **feats))
         out.add(dataclasses.replace(default_bwd_config(hd, dtype, causal, arch, det, family="sm80"), **feats))
+        if det and not (softcap or alibi):  # Hopper: family sm90's deterministic backward
+            out.add(dataclasses.replace(default_bwd_config(hd, dtype, causal, arch, det), **feats))
         if not (det or softcap or alibi):
             out.update(dataclasses.replace(c, **feats) for c in sm90
                        if (c.head_dim, c.dtype, c.causal) == (hd, dtype, causal))
@@ -232,6 +243,8 @@ def serving_bwd_configs(arch: str) -> set:
                                                                       [*MODS.values(), ((40, 8), 0.0, False)]):
         add(hd, dt, causal, 300, window=window, softcap=softcap, alibi=alibi)
     add(64, "bf16", True, rows, det=True, window=(32, -1))
+    for hd, causal, window in itertools.product((64, 128), (False, True), ((-1, -1), (40, 8), (100, -1))):
+        add(hd, "bf16", causal, 700, det=True, window=window)  # test_each_family_varlen_backward's sm90-det
     add(64, "bf16", True, 113, softcap=5.0)
     add(128, "bf16", True, 8192)  # the bench (cli.py bench --kind train)
     add(128, "bf16", True, 16384, window=(1024, -1))

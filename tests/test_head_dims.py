@@ -211,12 +211,12 @@ def test_a_call_with_serving_features_pads_a_dense_only_head_dim(monkeypatch):
     assert seen == [(256, 1 / math.sqrt(192)), (192, 1 / math.sqrt(192)), (192, None)]
 
 
-@pytest.mark.parametrize("arch, deterministic, runs_at", [("sm90", False, 256), ("sm90", True, 192),
-                                                            ("sm80", False, 192)])
+@pytest.mark.parametrize("arch, deterministic, runs_at", [("sm90", False, 256), ("sm90", True, 256),
+                                                            ("sm80", False, 192), ("sm80", True, 192)])
 @pytest.mark.parametrize("scale", [None, 0.2])
 def test_the_backward_of_a_dense_only_head_dim(monkeypatch, arch, deterministic, runs_at, scale):
-    """flashgen::attention_backward's body with a float64 stand-in for the kernels: on Hopper (not deterministic)
-    it runs the sm90 family's next head dim on zero-padded copies with the forward's scale; the gradients are the
+    """flashgen::attention_backward's body with a float64 stand-in for the kernels: on Hopper (deterministic too) it
+    runs the sm90 family's next head dim on zero-padded copies with the forward's scale; the gradients are the
     unpadded attention's."""
     seen = []
 

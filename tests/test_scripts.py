@@ -1,6 +1,7 @@
 """The measurement scripts' host-side logic, without a GPU: kernel names read back, stall profiles summarized."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -131,3 +132,12 @@ def test_profile_grid_reads_ncu_raw_page():
     assert abs(float(row["us"]) - 301.28) < 1e-6
     assert profile_grid.stalls(row, top=2) == "wait 1.75 long_scoreboard 0.80"
     assert profile_grid.flops("bf16 d128 N4096 causal") == 4 * 4 * 16 * 4096 * 4096 * 128 / 2
+
+
+def test_deterministic_timing_compares_the_same_tiles_with_and_without_the_order():
+    import time_deterministic_bwd
+
+    c = time_deterministic_bwd.contenders(128, "bf16", True, "sm90")
+    assert list(c) == ["default", "dq_tma", "det sm90", "det sm80"]
+    assert c["det sm90"].deterministic and c["det sm90"].family == "sm90" and c["det sm80"].family == "sm80"
+    assert c["dq_tma"] == dataclasses.replace(c["det sm90"], deterministic=False) and c["dq_tma"].dq_tma

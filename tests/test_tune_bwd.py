@@ -139,7 +139,8 @@ def test_resolve_backward_kernel_uses_the_tuned_backward(tmp_path, monkeypatch):
     assert resolve.backward_kernel(0, 128, "bf16", True, 10000) == tuned[16384]
     assert resolve.backward_kernel(0, 128, "bf16", False, 1024) == default_bwd_config(128, "bf16", False, "sm90")
     det = resolve.backward_kernel(0, 128, "bf16", True, 900, deterministic=True)  # never the tuned atomics one
-    assert det.deterministic and det.family == "sm80"
+    assert det == default_bwd_config(128, "bf16", True, "sm90", deterministic=True)
+    assert det.deterministic and det.family == "sm90" and det.dq_tma
     n = len(loads)
     monkeypatch.setattr(store, "lookup", lambda *a, **k: pytest.fail("the store was read again"))
     monkeypatch.setattr(resolve, "STORE_CHECK_S", 3600.0)

@@ -5,7 +5,8 @@
 
 Family sm90 (templates/sm90/bwd.cu.j2, FlashAttention-3's design) launches the same three roles
 with TMA maps of q, k, v, dout and buffers padded to whole Q tiles (LSE * log2 e, D, and the dQ
-accumulator in the main kernel's register order). Family sm80, on torch's current stream
+accumulator in the main kernel's register order); a deterministic sm90 config also takes a zeroed int32 counter
+per Q tile (dq_semaphore), on which its K/V tiles' dQ reduces take turns. Family sm80, on torch's current stream
 (templates/sm80/bwd.cu.j2):
 `{name}_pre` (D = rowsum(dO * O) in fp32; zero the fp32 dQ accumulator), `{name}` (one block per
 K/V tile: dK, dV in registers, dQ added to the accumulator by fp32 atomics), `{name}_convert`
@@ -158,7 +159,10 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
     sq_pad = cfg.seqlen_q_pad(sq + seqs * cfg.block_m if packed90 else sq) if sm90 else sq
     delta = torch.empty((b, h, sq_pad), **f32)
     lse2 = torch.empty((b, h, sq_pad), **f32) if sm90 else None
-    dq_accum = None if cfg.deterministic else torch.empty((b, h, sq_pad, d) if sm90 else (b, sq, h, d), **f32)
+    dq_accum = None if cfg.deterministic and not sm90 else torch.empty((b, h, sq_pad, d) if sm90 else (b, sq, h, d), **f32)
+    # sm90 deterministic: the count of dQ parts added to each Q tile, whose K/V tiles add in turn from 0
+    semaphore = torch.zeros((b, h, sq_pad // cfg.block_m), dtype=torch.int32, device=q.device) \
+        if sm90 and cfg.deterministic else None
     grouped = h != hk
     dk_accum = torch.empty((b, sk, h, d), **f32) if grouped else None
     dv_accum = torch.empty((b, sk, h, d), **f32) if grouped else None
@@ -175,7 +179,8 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
     else:
         params = pack_params(ptrs, strides, prob, scale, scale_log2)
     if sm90:
-        params = _sm90_params(params, cfg, prob, (q, k, v, dout), lse2.data_ptr(), sq_pad, serve or ServeArgs(), span)
+        params = _sm90_params(params, cfg, prob, (q, k, v, dout), lse2.data_ptr(), sq_pad, serve or ServeArgs(), span,
+                              ptr(semaphore))
 
     dev = q.get_device()
     driver.use_device(dev)
@@ -254,10 +259,11 @@ def _mod_tail(cfg: BwdConfig, mods: Any, device: int, batch: int, heads: int) ->
 
 
 def _sm90_params(params: bytes, cfg: BwdConfig, prob: Problem, tensors: tuple, lse2_ptr: int, sq_pad: int,
-                 serve: ServeArgs, grid: tuple[int, int, int]) -> bytes:
+                 serve: ServeArgs, grid: tuple[int, int, int], semaphore_ptr: int = 0) -> bytes:
     """Bytes of `struct Sm90BwdParams`: TMA maps of q, k, v, dout (4-d over head_dim, seqlen, heads, batch;
     boxes of SMEM_W x block_m rows for q and dout, block_n for k and v), BwdParams, lse2, seqlen_q_pad, then
-    the varlen offsets, the window and the (sequences, longest q, longest k) the grids cover."""
+    the varlen offsets, the window, the (sequences, longest q, longest k) the grids cover and (deterministic)
+    the zeroed dQ semaphores."""
     maps = []
     for t, rows, n, heads in zip(tensors, (cfg.block_m, cfg.block_n, cfg.block_n, cfg.block_m),
                                  (prob.seqlen_q, prob.seqlen_k, prob.seqlen_k, prob.seqlen_q),
@@ -265,7 +271,7 @@ def _sm90_params(params: bytes, cfg: BwdConfig, prob: Problem, tensors: tuple, l
         dims, strides, box = tmap_box(t.stride(), prob.head_dim, n, heads, prob.batch, ELEM_BYTES, cfg.smem_w, rows)
         maps.append(driver.tensor_map(prob.dtype, t.data_ptr(), dims, strides, box, cfg.row_bytes))
     cu_q, cu_k = (0 if t is None else t.data_ptr() for t in (serve.cu_seqlens_q, serve.cu_seqlens_k))
-    tail = _SM90_TAIL.pack(lse2_ptr, sq_pad, cu_q, cu_k, *serve.window, *grid)
+    tail = _SM90_TAIL.pack(lse2_ptr, sq_pad, cu_q, cu_k, *serve.window, *grid, semaphore_ptr)
     return (b"".join(maps) + params + tail).ljust(_SM90_BWD_BYTES, b"\0")
 
 
