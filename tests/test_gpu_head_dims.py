@@ -102,6 +102,17 @@ def test_backward(d_qk, d_v, causal, deterministic):
 
 # -- the dense-only head dims' own kernels, launched directly into NaN-poisoned buffers -------------------------------
 
+def head_dim_configs(arch: str) -> set:
+    """The kernels this module compiles by name (scripts/fill_kernel_cache.py --tests head_dims): the dense-only head
+    dims' defaults, each family's forward and the sm80 backward. The padded calls load the built head dims' kernels,
+    which the other suites' lists hold."""
+    families = ("sm80", "sm90") if arch == "sm90" else ("sm80",)
+    return ({default_config(d, dt, c, arch, f) for d in DENSE_ONLY_HEAD_DIMS for dt in HALF_DTYPES
+             for c in (False, True) for f in families}
+            | {default_bwd_config(d, dt, c, arch, det, family="sm80") for d in DENSE_ONLY_HEAD_DIMS
+               for dt in HALF_DTYPES for c in (False, True) for det in (False, True)})
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 @pytest.mark.parametrize("family", ["sm80", "sm90"])
