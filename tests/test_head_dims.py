@@ -246,3 +246,18 @@ def test_the_backward_of_a_dense_only_head_dim(monkeypatch, arch, deterministic,
     assert seen == [runs_at]
     for g_, w in zip(got, want):
         assert g_.shape == w.shape and (g_ - w).abs().max().item() < 1e-12
+
+
+def test_the_padded_call_traces_whole_under_torch_compile(monkeypatch):
+    """fullgraph torch.compile (dynamic shapes) through the padding, with a float64 stand-in for the kernel's
+    operator: one graph, the unpadded attention's result."""
+    monkeypatch.setattr(ops, "attention", lambda q, k, v, causal, scale, *rest: (attention_torch(q, k, v, causal,
+                                                                                                   scale), None))
+    f = torch.compile(lambda q, k, v: api.attention(q, k, v, causal=True), backend="eager", dynamic=True,
+                      fullgraph=True)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 17, 4, 72, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, 23, 2, 72, dtype=torch.float64, generator=g) for _ in range(2))
+    out = f(q, k, v)
+    assert out.shape == q.shape
+    assert (out - attention_torch(q, k, v, True, 1 / math.sqrt(72))).abs().max().item() < 1e-12
