@@ -386,12 +386,12 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     operator, whose backward has the same features (window, softcap, ALiBi); deterministic=True gives
     bit-identical gradients run to run.
 
-    Bad offsets (decreasing, or past the packed lengths) never make the forward kernels read or write outside the
-    tensors: that sequence's rows of out and lse become NaN, and the next flashgen call (or
-    `flashgen.check_errors()`, e.g. after a CUDA-graph replay) raises a ValueError naming cu_seqlens_q or
-    cu_seqlens_k and the sequence; nothing waits for the GPU. The backward kernels do not check the offsets, so a
-    call that wants gradients reads them back first (one host sync) and raises there. validate=True asks for that
-    host check on every call (a debugging aid), validate=False never; CUDA-graph capture skips it.
+    Bad offsets (decreasing, or past the packed lengths) never make the kernels read or write outside the tensors:
+    the forward writes NaN to that sequence's rows of out and lse, the backward leaves the sequence out, and the
+    next flashgen call (the backward included, or `flashgen.check_errors()`, e.g. after a CUDA-graph replay) raises
+    a ValueError naming cu_seqlens_q or cu_seqlens_k and the sequence; nothing waits for the GPU. validate=True also
+    reads the offsets back before any launch (one host sync per call, a debugging aid) and raises there; CUDA-graph
+    capture skips it.
 
     score_mod, mask_mod: as in `attention` (FlexAttention's signatures), with b the sequence and q_idx, kv_idx
     positions within it (from 0); forward only (no gradient), no block_mask (the mask_mod runs on every key tile
@@ -423,7 +423,7 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
         raise ValueError("max_seqlen_q and max_seqlen_k must be >= 0")
     sinks = check_sinks(learnable_sink, heads, q)
     grad = wants_grad(q, k, v, sinks) or traced(q)
-    if (grad if validate is None else validate) and not torch.cuda.is_current_stream_capturing():
+    if validate and not torch.cuda.is_current_stream_capturing():
         # one small copy: offsets sound before any launch (the backward's kernels take them as they are)
         check_offsets(cu_seqlens_q, "cu_seqlens_q", total_q, max_seqlen_q)
         check_offsets(cu_seqlens_k, "cu_seqlens_k", total_k, max_seqlen_k)

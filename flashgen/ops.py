@@ -20,6 +20,7 @@ from .checks import Mods, check_grad_scale, check_shapes, dtype_name, refuse_gra
 from .head_dims import backward_head_dim, default_scale
 from .modifier_grads import captured_grads
 from .kernels.backward import ServeArgs, backward
+from .kernels.bad_inputs import check_errors
 from .kernels.dense import checked, descale_dict, launch_torch, signature
 from .kernels.serving import (arch_and_slots, call_features, launch_prefill, modifier_config, modifier_digests,
                               serve_config, serve_grids, want_split)
@@ -259,6 +260,7 @@ def _setup_varlen(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 
 def _backward_varlen(ctx: Any, dout: torch.Tensor, dlse: Optional[torch.Tensor]) -> tuple:
+    check_errors()  # bad offsets the forward found: raised here, before gradients that leave that sequence out
     q, k, v, out, lse, cu_q, cu_k, alibi, sinks = ctx.saved_tensors
     max_q, max_k, causal, scale, left, right, softcap, deterministic = ctx.args
     dq, dk, dv = attention_serve_backward_op(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, causal, scale,

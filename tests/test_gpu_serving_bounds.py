@@ -77,6 +77,23 @@ def test_bad_input_makes_no_invalid_access(case, name, seq, mode):
     assert "ERROR SUMMARY: 0 errors" in out, out
 
 
+# The backward over bad offsets (both families: short sequences take sm80's kernels, long ones sm90's on Hopper).
+BACKWARD = [c for c in CASES if c[0] in ("cu_q_past", "cu_k_decreasing", "cu_q_past_long", "cu_k_decreasing_long")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=f"needs a GPU: {_gpu_reason()}")
+@pytest.mark.parametrize("case, name, seq", BACKWARD, ids=[c[0] for c in BACKWARD])
+def test_backward_over_bad_offsets_is_contained(case, name, seq):
+    """The backward raises the forward's report first; run anyway over the bad offsets, its kernels leave the bad
+    sequence out (under memcheck where it is on PATH: no invalid access), the other sequences' dq rows are those
+    of a good call, and a later good call's gradients are right."""
+    res = _child(case, "backward", sanitizer=shutil.which("compute-sanitizer") is not None)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and f"OK {name} {seq}" in res.stdout, out
+    assert shutil.which("compute-sanitizer") is None or "ERROR SUMMARY: 0 errors" in out, out
+
+
 # -- the child process ---------------------------------------------------------------------------------------------
 
 HEADS, HEADS_K, D = 4, 2, 64
@@ -146,7 +163,7 @@ def _kvcache_case(torch, case: str):
     return setup, launch, rows, refs, bad_seq
 
 
-def _varlen_case(torch, case: str):
+def _varlen_case(torch, case: str, grad: bool = False):
     from flashgen import attention_varlen
     from flashgen.verify import attention_mods_ref
 
@@ -194,9 +211,14 @@ def _varlen_case(torch, case: str):
         cu_k.copy_(offsets[bad][1])
         max_q[0] = max(q_lens) - (bad and kind == "cu_q_past_max")
 
+    if grad:
+        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+
     def launch():
         return attention_varlen(q, k, v, cu_q, cu_k, max_q[0], max(k_lens), num_splits=splits, return_lse=True,
                                 validate=False)
+
+    launch.inputs = (q, k, v)
 
     def rows(out, lse):
         return [(out[cq[b]:cq[b + 1]], lse[:, cq[b]:cq[b + 1]]) for b in range(3)]
@@ -224,10 +246,54 @@ def _close(torch, got, lse, ref) -> None:
         assert (lse[fin] - rl[fin]).abs().max().item() <= 1e-3
 
 
+def backward_main(case: str) -> None:
+    """mode "backward": gradients through attention_varlen with bad offsets."""
+    import torch
+
+    import flashgen
+
+    setup, launch, rows, good_refs, bad_refs, bad_seq, bad_rows = _varlen_case(torch, case, grad=True)
+    name = "cu_seqlens_q" if case.startswith("cu_q") else "cu_seqlens_k"
+    q, k, v = launch.inputs
+    dout = torch.randn_like(q)
+
+    def grads():
+        out, _ = launch()
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    setup(False)
+    good = grads()
+    torch.cuda.synchronize()
+    setup(True)
+    out, _ = launch()
+    try:
+        torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    except ValueError as e:  # the forward's report, raised before the backward launches anything
+        assert str(e).startswith(f"{name} of sequence {bad_seq} is out of bounds"), str(e)
+    else:
+        raise AssertionError("the backward did not raise the forward's report")
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)  # its kernels over the bad offsets
+    torch.cuda.synchronize()
+    flashgen.check_errors()  # the backward reports nothing of its own
+    for b, ((g, _), (h, _)) in enumerate(zip(rows(good[0], good[0][:, :, 0].T), rows(dq, dq[:, :, 0].T))):
+        if b != bad_seq and case.startswith("cu_q"):  # keys unchanged: the same dq as the good call's
+            assert torch.allclose(h.float(), g.float(), rtol=2e-2, atol=2e-2), f"sequence {b}: dq differs"
+    setup(False)
+    again = grads()
+    torch.cuda.synchronize()
+    for a, b_ in zip(again, good):
+        assert torch.allclose(a.float(), b_.float(), rtol=2e-2, atol=2e-2), "a later good call's gradients differ"
+    flashgen.check_errors()
+    print(f"OK {name} {bad_seq}")
+
+
 def main(case: str, mode: str) -> None:
     import torch
 
     import flashgen
+
+    if mode == "backward":
+        return backward_main(case)
 
     if case.startswith("cu_"):
         setup, launch, rows, good_refs, bad_refs, bad_seq, bad_rows = _varlen_case(torch, case)

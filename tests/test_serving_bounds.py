@@ -77,8 +77,8 @@ def test_an_unknown_code_is_still_reported():
 
 
 def test_validate_is_an_opt_in_where_the_kernels_check(monkeypatch):
-    """The forward kernels check their index inputs, so neither serving call reads them back by default (no host
-    sync). The backward kernels do not check the offsets: a packed call that wants gradients reads them back."""
+    """The kernels check their index inputs (the backward's leave a bad sequence out), so neither serving call reads
+    them back by default (no host sync), a packed call that wants gradients included; validate=True does."""
     import inspect
 
     torch = pytest.importorskip("torch")
@@ -93,8 +93,9 @@ def test_validate_is_an_opt_in_where_the_kernels_check(monkeypatch):
     monkeypatch.setattr(ops, "attention_varlen_op", lambda q, *a: (q, None))
     q, k = torch.zeros(6, 2, 64, dtype=torch.bfloat16), torch.zeros(6, 1, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
-    for want_grad, validate, expected in ((False, None, []), (True, None, ["cu_seqlens_q", "cu_seqlens_k"]),
-                                          (False, True, ["cu_seqlens_q", "cu_seqlens_k"]), (True, False, [])):
+    both = ["cu_seqlens_q", "cu_seqlens_k"]
+    for want_grad, validate, expected in ((False, None, []), (True, None, []), (False, True, both), (True, True, both),
+                                          (True, False, [])):
         read_back.clear()
         flashgen.attention_varlen(q.clone().requires_grad_(want_grad), k, k, cu, cu, 4, 4, validate=validate)
         assert read_back == expected, (want_grad, validate)
@@ -221,3 +222,21 @@ def test_serving_combinations_compile_without_spills(cfg, target, tmp_path, monk
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path))
     res = compile_kernel(cfg, target).resources
     assert not res.spills and not res.stack_bytes, f"{cfg.name} on {target}: {res}"
+
+
+def test_the_backward_leaves_out_a_sequence_with_bad_offsets():
+    """Both backward families bound each sequence's offsets by the packed rows before anything is read: a
+    sequence whose offsets decrease or leave [0, total] becomes empty (no rows, no keys)."""
+    import dataclasses
+
+    from flashgen.config import default_bwd_config
+    from flashgen.render import render
+
+    for family, base in (("sm80", "p.b"), ("sm90", "P.p")):  # the packed rows: the one batch BwdParams describes
+        cfg = default_bwd_config(64, "bf16", False, family, family=family)
+        src = render(dataclasses.replace(cfg, varlen=True))
+        view = src[src.index("seq_view("):]
+        view = view[:view.index("\n}\n")]
+        for bound in ("0 <= q_start", "q_start <= q_end", f"q_end <= {base}.seqlen_q", "0 <= k_start",
+                      "k_start <= k_end", f"k_end <= {base}.seqlen_k"):
+            assert bound in view, (family, bound)

@@ -10,7 +10,7 @@ from typing import Any
 
 from flashgen import __version__
 from flashgen import bench_serving as bs
-from flashgen import bench_step
+from flashgen import bench_flex, bench_step
 from flashgen.compare import (PEERS, SimulatedRunner, TorchRunner, grid, host_line, host_problem, matmul_ceiling,
                               run_grid, write)
 from flashgen.compare import table as bench_table
@@ -31,13 +31,14 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "both"), default="fwd",
                    help="time the forward, the backward (flashgen's backward kernels against SDPA's backward "
                         "per peer; 2.5x the forward's FLOPs) or both (default fwd)")
-    b.add_argument("--kind", choices=("dense", "decode", "varlen", "window", "train", "serving", "step"), default="dense",
+    b.add_argument("--kind", choices=("dense", "decode", "varlen", "window", "train", "serving", "step", "flex"), default="dense",
                    help="dense: the grid above; decode: KV-cache decoding (contiguous and paged) against a copy of "
                         "the same bytes and SDPA; varlen: a packed causal batch against the dense kernels; window: a "
                         "causal sliding window at N=16384; train: the backward of those two against the dense backward; "
                         "serving: the last four; step: a training step (forward + backward) of a transformers Llama "
-                        "layer stack (GQA 32/8, d128, 4k tokens) on flashgen against SDPA's flash and cuDNN backends "
-                        "(default dense)")
+                        "layer stack (GQA 32/8, d128, 4k tokens) on flashgen against SDPA's flash and cuDNN backends; "
+                        "flex: FlexAttention's examples (masks and score modifiers) on flashgen against compiled "
+                        "flex_attention, d128, 16 heads, per --seqlen (default dense)")
     b.add_argument("--peers", type=str_list, default=["flash", "cudnn"],
                    help="SDPA backends to compare with: flash,cudnn,efficient (default flash,cudnn)")
     b.add_argument("--out", type=Path, default=None, help="write <gpu>-<date>.json/.csv/.png here")
@@ -102,11 +103,34 @@ def bench_train_step(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_flex_cases(args: argparse.Namespace) -> int:
+    """`bench --kind flex`: FlexAttention's examples on flashgen and on compiled flex_attention, same run."""
+    torch = cuda_torch("bench")
+    gpu = torch.cuda.get_device_name()
+    dtype = args.dtype[0]
+    rows = [r for n in args.seqlen for r in bench_flex.flex_rows(n, 128, 16, args.batch_tokens, dtype)]
+    result = {"gpu": gpu, "date": str(datetime.date.today()), "flashgen": __version__, "torch": torch.__version__,
+              "dtype": dtype, "head_dim": 128, "heads": 16, "flex": rows}
+    print(f"{gpu}, {datetime.date.today()}: FlexAttention's examples, d128, 16 heads, batch x N = {args.batch_tokens}, "
+          f"{dtype}; TFLOP/s forward / backward (2.5x) over the pairs each mask keeps, per call back to back (host "
+          "included); x flex, x built-in: flashgen's ratios; max diff: flashgen's output against flex_attention's")
+    print(bench_flex.flex_table(rows))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = args.out / f"{gpu.lower().replace(' ', '-')}-{datetime.date.today()}-flex"
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        bench_flex.plot_flex(result, stem.with_suffix(".png"))
+        print(f"wrote {stem}.json, {stem}.png")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     validate_problem(args, dense=args.kind == "dense")
     validate_grid(args, ("reps", "rounds"))
     if args.kind == "step":
         return bench_train_step(args)
+    if args.kind == "flex":
+        return bench_flex_cases(args)
     if args.kind != "dense":
         return bench_serving(args)
     check_choices("peers", args.peers, PEERS)
