@@ -12,9 +12,10 @@ from typing import Any
 
 from . import driver, resolve
 from .blockmap import cached_from_block_mask, check_call
-from .checks import (Mods, check_cache, check_dense, check_grad_scale, check_heads, check_int32, check_mods,
-                     check_offsets, check_sinks, checked_dtype, clamp_window, dtype_name, refuse_grad, traced,
-                     wants_grad)
+from .checks import (Mods, check_cache, check_dense, check_grad_scale, check_head_dims, check_heads, check_int32,
+                     check_mods, check_offsets, check_sinks, checked_dtype, clamp_window, dtype_name, refuse_grad,
+                     traced, wants_grad)
+from .head_dims import default_scale, kernel_head_dim, native
 from .kernels.bad_inputs import check_errors
 from .kernels.dense import Kernel, checked, descale_dict, run_views
 from .kernels.serving import (NO_BACKWARD, KVPlan, append_kv, arch_and_slots, call_features, has_mods, kvcache_launch,
@@ -45,6 +46,26 @@ def reload() -> None:
     """Forget every resolved kernel: the next call reads the tuned store again (it is also re-read by
     itself when its file changes, checked at most once a second)."""
     resolve.clear()
+
+
+def _padded(q: Any, k: Any, v: Any, rank: int, dense: bool = False) -> bool:
+    """Whether a call's torch tensors run padded to a built head dim (flashgen.head_dims; `dense`: the call takes
+    the dense kernels): q, k, v of the call's rank whose widths are not one built head dim (other ranks: the call's
+    own checks say what is wrong). FP8 keeps to its built head dims (its checks say which)."""
+    try:
+        d_q, d_k, d_v = q.shape[-1], k.shape[-1], v.shape[-1]
+    except (AttributeError, IndexError, TypeError):
+        return False  # not tensors: the call's own checks say what is wrong
+    if d_q == d_k and native(d_q, d_v, dense):  # the common case, first: a few attribute reads per call
+        return False
+    return all(is_torch(t) and t.dim() == rank for t in (q, k, v)) and str(q.dtype) != "torch.float8_e4m3fn"
+
+
+def _cut(result: Any, d_v: int, return_lse: bool) -> Any:
+    """A padded call's result at the caller's v width (lse is the same at any width)."""
+    if return_lse:
+        return _ops().cut_head_dim(result[0], d_v), result[1]
+    return _ops().cut_head_dim(result, d_v)
 
 
 def _forward_arrays(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None,
@@ -227,6 +248,17 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     Without one, flashgen builds a mask_mod's block map itself (flashgen.blockmap; kept while the tensors it reads
     are unchanged) with the same effect."""
     _check_options(causal, softmax_scale)
+    dense = (score_mod is None and mask_mod is None and block_mask is None and learnable_sink is None
+             and alibi_slopes is None and not softcap and window_size == (-1, -1))  # no serving or modifier kernel
+    if _padded(q, k, v, 4, dense):  # any other multiple of 8, or v of another width: zero-padded to a built head dim
+        d_qk, d_v = check_head_dims(q.shape, k.shape, v.shape)
+        pad, d = _ops().pad_head_dim, kernel_head_dim(d_qk, d_v, dense)
+        scale = default_scale(d_qk) if softmax_scale is None else softmax_scale
+        return _cut(attention(pad(q, d), pad(k, d), pad(v, d), causal, scale, return_lse, stream, arch,
+                              q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
+                              block_quant_p=block_quant_p, deterministic=deterministic, window_size=window_size,
+                              softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, mask_mod=mask_mod,
+                              block_mask=block_mask, learnable_sink=learnable_sink), d_v, return_lse)
     sinks = learnable_sink
     if score_mod is not None or mask_mod is not None or block_mask is not None:
         if sinks is not None:
@@ -367,6 +399,14 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     import torch  # noqa: PLC0415
 
     _check_options(causal, softmax_scale)
+    if _padded(q, k, v, 3):  # any other multiple of 8, or v of another width: zero-padded to a built head dim
+        d_qk, d_v = check_head_dims(q.shape, k.shape, v.shape)
+        pad, d = _ops().pad_head_dim, kernel_head_dim(d_qk, d_v)
+        scale = default_scale(d_qk) if softmax_scale is None else softmax_scale
+        return _cut(attention_varlen(pad(q, d), pad(k, d), pad(v, d), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, causal, scale, window_size, softcap, alibi_slopes, return_lse,
+                                     num_splits, validate, deterministic, learnable_sink, score_mod, mask_mod,
+                                     block_mask), d_v, return_lse)
     check_errors()
     checked_dtype({"q": q, "k": k, "v": v}, "(total, heads, head_dim)")
     total_q, heads, d = q.shape
@@ -438,6 +478,10 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     import torch  # noqa: PLC0415
 
     _check_options(causal, softmax_scale)
+    if _padded(q, k_cache, v_cache, 4):
+        return _kvcache_padded(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
+                               window_size, softcap, alibi_slopes, num_splits, return_lse, validate, learnable_sink,
+                               score_mod, mask_mod, block_mask)
     check_errors()
     sinks = learnable_sink
     plain = sinks is None and score_mod is None and mask_mod is None and block_mask is None
@@ -530,6 +574,35 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
 
 
 _kv_plans: dict[tuple, KVPlan] = {}
+
+
+def _kvcache_padded(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any,
+                    causal: bool, softmax_scale: float | None, window_size: Any, softcap: float, alibi_slopes: Any,
+                    num_splits: int, return_lse: bool, validate: bool, learnable_sink: Any, score_mod: Any,
+                    mask_mod: Any, block_mask: Any) -> Any:
+    """attention_with_kvcache at a head dim without a kernel (flashgen.head_dims): the call on zero-padded copies
+    of q and the caches (a copy of the whole cache per call), then k, v appended into the caller's caches too."""
+    import torch  # noqa: PLC0415  (torch tensors: torch is imported)
+
+    d_qk, d_v = check_head_dims(q.shape, k_cache.shape, v_cache.shape, "k_cache, v_cache")
+    if k is not None and v is not None and (getattr(k, "shape", (0,))[-1:] != (d_qk,)
+                                            or getattr(v, "shape", (0,))[-1:] != (d_v,)):
+        raise ValueError(f"k and v to append must have k_cache's and v_cache's head dims ({d_qk}, {d_v}); got "
+                         f"{tuple(getattr(k, 'shape', ()))} and {tuple(getattr(v, 'shape', ()))}")
+    pad, d = _ops().pad_head_dim, kernel_head_dim(d_qk, d_v)
+    scale = default_scale(d_qk) if softmax_scale is None else softmax_scale
+    seqlens = cache_seqlens
+    if k is not None and isinstance(cache_seqlens, int):  # one tensor for both appends
+        seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    result = attention_with_kvcache(pad(q, d), pad(k_cache, d), pad(v_cache, d), None if k is None else pad(k, d),
+                                    None if v is None else pad(v, d), seqlens, block_table, causal, scale,
+                                    window_size, softcap, alibi_slopes, num_splits, return_lse, validate,
+                                    learnable_sink, score_mod, mask_mod, block_mask)
+    if k is not None:  # the padded call checked k, v and the cache; the caller's cache gets them too
+        if seqlens is None:
+            seqlens = torch.full((q.shape[0],), k_cache.shape[1], dtype=torch.int32, device=q.device)
+        append_kv(k_cache, v_cache, k, v, seqlens, block_table, k_cache.shape[1] if block_table is not None else 0)
+    return _cut(result, d_v, return_lse)
 
 
 def _plan_key(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, causal: bool,

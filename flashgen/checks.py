@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from .config import FAMILIES, HEAD_DIMS
+from .config import DENSE_HEAD_DIMS, FAMILIES, HEAD_DIMS
+from .head_dims import built, head_dim_error
 from .tensors import TORCH_DTYPES, Problem, View, aligned, view
 
 
@@ -47,14 +48,44 @@ def check_qkv(q: View, k: View, v: View) -> Problem:
         raise ValueError(f"batch differs: q has {b}, k and v have {bk}")
     if dk != d:
         raise ValueError(f"head_dim differs: q has {d}, k and v have {dk}")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"head_dim={d} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
+    if d not in DENSE_HEAD_DIMS:
+        raise ValueError(not_built(d, dense=True))
     if hk == 0 or h % hk:
         raise ValueError(f"heads of q ({h}) must be a multiple of heads of k and v ({hk}) (MQA/GQA)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.strides[3] != 1 and t.shape[3] != 1:
             raise ValueError(f"{name} must be contiguous in its last dim (stride {t.strides[3]}); call .contiguous()")
     return Problem(b, sq, sk, h, hk, d, q.dtype)
+
+
+def not_built(d: int, dense: bool = False) -> str:
+    """What a kernel call says of a head dim it has no kernel for (`dense`: the dense forward and backward; the
+    public torch calls pad those: flashgen.head_dims)."""
+    why = head_dim_error(d)
+    if why is not None:
+        return why
+    return (f"head_dim={d} has no kernel of its own (built: {', '.join(map(str, built(dense)))}); flashgen.attention, "
+            "attention_varlen and attention_with_kvcache run it padded for torch tensors, GPU arrays and loaded "
+            "kernels take the built head dims")
+
+
+def check_head_dims(q_shape: tuple, k_shape: tuple, v_shape: tuple, what: str = "") -> tuple[int, int]:
+    """(d_qk, d_v) of a public call's q, k, v shapes (any rank, head dim last, the rest alike in k and v): q and k
+    share d_qk, v may differ; each a multiple of 8 up to 256. `what`: the names of k and v in messages."""
+    kn, vn = (what or "k, v").split(", ")
+    if not (len(q_shape) and len(k_shape) and len(v_shape)):
+        raise ValueError(f"q, {kn} and {vn} need a head dim (last dim); got shapes {tuple(q_shape)}, "
+                         f"{tuple(k_shape)}, {tuple(v_shape)}")
+    d_qk, d_v = q_shape[-1], v_shape[-1]
+    if k_shape[-1] != d_qk:
+        raise ValueError(f"q and {kn} must share head_dim; got {d_qk} and {k_shape[-1]} ({vn} may differ)")
+    if tuple(k_shape[:-1]) != tuple(v_shape[:-1]):
+        raise ValueError(f"{kn} and {vn} must have the same shape but for the head dim; got {tuple(k_shape)} and "
+                         f"{tuple(v_shape)}")
+    why = head_dim_error(d_qk, d_v)
+    if why is not None:
+        raise ValueError(why)
+    return d_qk, d_v
 
 
 def check_family(arch: str | None) -> None:
@@ -80,8 +111,8 @@ def check_shapes(q: Any, k: Any, v: Any, dtypes: tuple | None = None) -> None:
         raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head_dim")
-    if q.shape[3] not in HEAD_DIMS:
-        raise ValueError(f"head_dim={q.shape[3]} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
+    if q.shape[3] not in DENSE_HEAD_DIMS:
+        raise ValueError(not_built(q.shape[3], dense=True))
     if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
         raise ValueError(f"heads of q ({q.shape[2]}) must be a multiple of heads of k and v ({k.shape[2]}) (MQA/GQA)")
 
@@ -185,7 +216,7 @@ def check_int32(t: Any, name: str, shape: tuple[int, ...], device: Any) -> None:
 
 def check_heads(q: Any, k: Any, v: Any, d: int, heads: int, heads_k: int) -> None:
     if d not in HEAD_DIMS:
-        raise ValueError(f"head_dim={d} is not supported; choose one of {HEAD_DIMS}")
+        raise ValueError(not_built(d))
     if k.shape[-1] != d or v.shape[-1] != d:
         raise ValueError(f"q, k and v must share head_dim; got {d}, {k.shape[-1]}, {v.shape[-1]}")
     if heads_k == 0 or heads % heads_k:

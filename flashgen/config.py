@@ -14,7 +14,11 @@ from typing import Any
 from . import grids
 
 FAMILIES = ("sm80", "sm90")
-HEAD_DIMS = (32, 64, 96, 128, 256)
+HEAD_DIMS = (32, 64, 96, 128, 256)  # every kernel kind: dense, serving, decode, modifiers, both passes
+# Built for the dense 16-bit forward (both families) and the sm80 family's dense backward only: no serving
+# feature, modifier or FP8 (their tiles were not fitted there; flashgen.head_dims pads those calls to 256).
+DENSE_ONLY_HEAD_DIMS = (160, 192)
+DENSE_HEAD_DIMS = tuple(sorted(HEAD_DIMS + DENSE_ONLY_HEAD_DIMS))
 HALF_DTYPES = ("fp16", "bf16")
 FP8_DTYPES = ("fp8_e4m3",)  # sm90 family only: e4m3 inputs with fp32 descale factors, bf16/fp16 out
 DTYPES = HALF_DTYPES + FP8_DTYPES
@@ -204,7 +208,7 @@ class KernelConfig(_AsDict):
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
-        _check_choice("head_dim", self.head_dim, HEAD_DIMS)
+        _check_choice("head_dim", self.head_dim, DENSE_HEAD_DIMS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("out_dtype", self.out_dtype, ("",) + OUT_DTYPES)
         _check_choice("block_quant_p", self.block_quant_p, (False, True))
@@ -227,6 +231,9 @@ class KernelConfig(_AsDict):
             if self.block_quant_p:
                 raise ConfigError("block_quant_p is an FP8 option (dtype fp8_e4m3)")
         _check_choice("causal", self.causal, (False, True))
+        if self.head_dim in DENSE_ONLY_HEAD_DIMS and self.serving:
+            raise ConfigError(f"head_dim={self.head_dim} is built for the dense forward only, without serving "
+                              f"features or modifiers; those are built at {', '.join(map(str, HEAD_DIMS))}")
         _check_choice("block_m", self.block_m, FAMILY_BLOCK_MS[self.family])
         _check_choice("block_n", self.block_n, FAMILY_BLOCK_NS[self.family])
         _check_choice("num_warps", self.num_warps, NUM_WARPS)
@@ -579,6 +586,8 @@ _DEFAULT_TILES_SM90 = {  # FlashAttention-3's choices, roughly: two consumer war
     64: [(128, 128, 12, 2)],
     96: [(128, 128, 12, 2)],
     128: [(128, 128, 12, 2)],
+    160: [(128, 128, 12, 2)],  # 64-byte swizzled rows, as d96's
+    192: [(128, 96, 12, 2)],  # Q 48 KB + two stages of K and V at 96 keys: 193 KB
     256: [(128, 64, 12, 2)],
 }
 _DEFAULT_TILES_FP8 = {d: [(128, 128, 12, 2)] for d in FP8_HEAD_DIMS}
@@ -587,6 +596,8 @@ DEFAULT_TILES = {
     64: [(128, 64, 4, 2), (128, 64, 8, 2)],
     96: [(128, 64, 8, 2), (64, 64, 4, 2)],
     128: [(128, 64, 8, 2), (128, 64, 8, 1), (64, 64, 4, 2)],
+    160: [(128, 64, 8, 2), (64, 32, 4, 2)],  # sm86/sm89 (99 KB): 64 x 32 (64 x 64 spills 68 B)
+    192: [(128, 32, 8, 2)],  # 128 x 64 spills 32 B (nvcc 13.0); 96 KB fits sm86/sm89 too
     256: [(128, 64, 8, 2), (128, 64, 8, 1), (64, 32, 4, 2), (64, 32, 4, 1)],
 }
 
@@ -598,7 +609,7 @@ def native_family(arch: str) -> str:
 
 def default_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm80", family: str = "sm80") -> KernelConfig:
     """The untuned configuration `load()` uses for a problem on `arch` (FP8 only exists in family sm90)."""
-    _check_choice("head_dim", head_dim, HEAD_DIMS)
+    _check_choice("head_dim", head_dim, DENSE_HEAD_DIMS)
     reason = ""
     tiles = _DEFAULT_TILES_FP8 if dtype in FP8_DTYPES else _DEFAULT_TILES_SM90 if family == "sm90" else DEFAULT_TILES
     for bm, bn, w, s in tiles.get(head_dim, ()):
@@ -712,7 +723,10 @@ class BwdConfig(_AsDict):
         _check_choice("num_stages", self.num_stages, (2,))
         _check_choice("stagger", self.stagger, (False,))
         _check_choice("dq_tma", self.dq_tma, (False,))
-        _check_choice("head_dim", self.head_dim, HEAD_DIMS)
+        _check_choice("head_dim", self.head_dim, DENSE_HEAD_DIMS)
+        if self.head_dim in DENSE_ONLY_HEAD_DIMS and (self.features or self.modified):
+            raise ConfigError(f"head_dim={self.head_dim} is built for the dense backward only, without serving "
+                              f"features or modifiers; those are built at {', '.join(map(str, HEAD_DIMS))}")
         _check_choice("block_m", self.block_m, BWD_BLOCK_MS)
         _check_choice("block_n", self.block_n, BWD_BLOCK_NS)
         _check_choice("num_warps", self.num_warps, BWD_NUM_WARPS)
@@ -949,6 +963,8 @@ _DEFAULT_BWD_TILES = {
     64: [(64, 64, 8), (64, 64, 4)],
     96: [(64, 64, 8), (64, 32, 4)],
     128: [(64, 32, 8), (64, 32, 4)],
+    160: [(32, 32, 4)],  # 64 x 64 x 8 warps spills 32-36 B, 64 x 32 x 4 24 B (8 warps cannot tile 32 x 160)
+    192: [(64, 32, 8)],  # 217 registers, 175 deterministic (sm_80); 81 KB of shared memory
     256: [(64, 32, 8), (32, 32, 4)],  # 64 x 64 needs 160 accumulators; sm86/sm89 (99 KB): 32 x 32
 }
 
@@ -966,7 +982,7 @@ def default_bwd_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm8
     """The untuned backward configuration for a problem on `arch`: family sm90 where it has one
     (sm90, its head dims) unless `family` says otherwise, else sm80. Deterministic in family sm90: the same
     tiles with dq_tma, in as many of their stages as leave room for the fp32 dQ tile."""
-    _check_choice("head_dim", head_dim, HEAD_DIMS)
+    _check_choice("head_dim", head_dim, DENSE_HEAD_DIMS)
     if family is None:
         family = "sm90" if arch_limits(arch).sm == 90 and head_dim in SM90_BWD_HEAD_DIMS else "sm80"
     reason = ""

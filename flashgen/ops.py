@@ -17,6 +17,7 @@ import torch
 
 from . import blockmap
 from .checks import Mods, check_grad_scale, check_shapes, dtype_name, refuse_grad
+from .head_dims import backward_head_dim, default_scale
 from .modifier_grads import captured_grads
 from .kernels.backward import ServeArgs, backward
 from .kernels.bad_inputs import check_errors
@@ -125,7 +126,21 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     """(dq, dk, dv), contiguous, like q, k, v: the backward kernels of this GPU (flashgen.kernels.backward; sm90 family
     on Hopper, sm80 elsewhere; deterministic: bit-identical gradients run to run, the sm90 family's dQ reduces in a
     fixed order, sm80's dQ without atomics)."""
-    kern = backward_kernel(q.get_device(), q.shape[3], _HALF[q.dtype], causal, q.shape[1], deterministic)
+    return dense_backward(dout, q, k, v, out, lse, dlse, causal, softmax_scale, deterministic)
+
+
+def dense_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, causal: bool,
+                   softmax_scale: float | None, deterministic: bool) -> tuple[Any, Any, Any]:
+    """The body of flashgen::attention_backward. A head dim the sm90 backward has no kernel for (a dense-only one:
+    flashgen.head_dims) runs there at its next head dim, on zero-padded copies, with the forward's scale."""
+    d = q.shape[3]
+    bd = backward_head_dim(d, arch_and_slots(q.get_device())[0] == "sm90")
+    if bd != d:
+        scale = default_scale(d) if softmax_scale is None else softmax_scale  # the forward's, not the padded dim's
+        grads = dense_backward(*(pad_head_dim(t, bd) for t in (dout, q, k, v, out)), lse, dlse, causal, scale,
+                               deterministic)
+        return tuple(cut_head_dim(g, d) for g in grads)
+    kern = backward_kernel(q.get_device(), d, _HALF[q.dtype], causal, q.shape[1], deterministic)
     return backward(kern, q, k, v, out, dout.contiguous(), lse, softmax_scale, dlse=dlse)
 
 
@@ -273,6 +288,19 @@ def _backward_mods(ctx: Any, dout: torch.Tensor, dlse: Optional[torch.Tensor]) -
 
 
 attention_mods_op.register_autograd(_backward_mods, setup_context=_setup_mods)
+
+
+def pad_head_dim(t: Any, d: int) -> Any:
+    """`t` with zero columns appended to its last dim up to `d` (`t` itself where it is that wide already): a copy,
+    differentiable (the gradient of the zero columns is dropped). flashgen.head_dims says why zeros are exact."""
+    n = d - t.shape[-1]
+    return t if n == 0 else torch.nn.functional.pad(t, (0, n))
+
+
+def cut_head_dim(t: Any, d: int) -> Any:
+    """The first `d` columns of `t`'s last dim, contiguous (`t` itself where it is that wide): a padded call's output
+    back at the caller's width; autograd gives its gradient zero columns, a padded dO."""
+    return t if t.shape[-1] == d else t[..., :d].contiguous()
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
@@ -432,6 +460,7 @@ def kernel_block_map(cfg: Any, mods: Mods, causal: bool, batch: int, heads: int,
 
 
 __all__ = ["attention", "attention_backward_op", "attention_fp8", "attention_fp8_op", "attention_mods_op",
-           "attention_op", "attention_serve_backward_op", "attention_varlen_op", "dense_mods_forward", "flex_attention",
-           "flex_backward", "forward_fp8", "forward_torch", "kernel_block_map", "modifier_kernel", "sinks_grad",
-           "varlen_forward"]
+           "attention_op", "attention_serve_backward_op", "attention_varlen_op", "cut_head_dim", "dense_backward",
+           "dense_mods_forward",
+           "flex_attention", "flex_backward", "forward_fp8", "forward_torch", "kernel_block_map", "modifier_kernel",
+           "pad_head_dim", "sinks_grad", "varlen_forward"]

@@ -20,8 +20,8 @@ from typing import Any, Mapping, Sequence
 from . import driver, store
 from .checks import check_family
 from .compile import CompiledKernel, target_for
-from .config import (FP8_DTYPES, SM90_DENSE_KNOBS, SM90_FEATURES, BwdConfig, ConfigError, KernelConfig,
-                     arch_limits, default_bwd_config, default_config, modifier_bwd_config)
+from .config import (DENSE_ONLY_HEAD_DIMS, FP8_DTYPES, SM90_DENSE_KNOBS, SM90_FEATURES, BwdConfig, ConfigError,
+                     KernelConfig, arch_limits, default_bwd_config, default_config, modifier_bwd_config)
 from .kernels.backward import load_backward
 from .kernels.dense import Kernel, compiled_kernel
 from .kernels.serving import DECODE_ROWS, decode_config, serve_config
@@ -155,9 +155,11 @@ def choose_config(head_dim: int, dtype: str, causal: bool, arch: str, seqlen: in
     the current GPU), nearest seqlen bucket and GQA group `gqa_group` (family None: the fastest family
     tuned), else the family default."""
     arch_limits(arch)
+    # A dense-only head dim has no store entries to pick a family by: on Hopper the sm90 family, which the H200's
+    # store picks over sm80 at every point where it holds both.
+    untuned = "sm90" if dtype in FP8_DTYPES or (head_dim in DENSE_ONLY_HEAD_DIMS and arch == "sm90") else "sm80"
     return store.tuned_config(head_dim, dtype, causal, arch, seqlen, family, tuned_dir, gpu,
-                              gqa_group=gqa_group) or default_config(
-        head_dim, dtype, causal, arch, family or ("sm90" if dtype in FP8_DTYPES else "sm80"))
+                              gqa_group=gqa_group) or default_config(head_dim, dtype, causal, arch, family or untuned)
 
 
 def load(head_dim: int, dtype: str = "bf16", causal: bool = False, config: KernelConfig | None = None,

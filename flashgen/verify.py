@@ -82,12 +82,12 @@ def attention_ref(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | N
     hk = k.shape[2]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     q = (q * scale).reshape(b, sq, hk, h // hk, d)  # GQA: query heads grouped by their k/v head
-    out = torch.empty(b, sq, hk, h // hk, d, dtype=q.dtype, device=q.device)
+    out = torch.empty(b, sq, hk, h // hk, v.shape[-1], dtype=q.dtype, device=q.device)  # v's width may differ
     lse = torch.empty(b, hk, h // hk, sq, dtype=torch.float64 if upcast else torch.float32, device=q.device)
     rows = ref_chunk_rows(b, h, sq, k.shape[1], ref_budget_bytes(q.device) if budget_bytes is None else budget_bytes)
     for r in range(0, sq, rows):
         out[:, r:r + rows], lse[..., r:r + rows] = _ref_rows(q[:, r:r + rows], k, v, causal, r, sq, upcast)
-    out, lse = out.view(b, sq, h, d), lse.view(b, h, sq)
+    out, lse = out.view(b, sq, h, v.shape[-1]), lse.view(b, h, sq)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
     return (out if upcast else out.to(dtype)), lse.float()
 

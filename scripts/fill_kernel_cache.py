@@ -32,7 +32,7 @@ from flashgen.config import (FP8_DTYPES, FP8_HEAD_DIMS, HALF_DTYPES, FAMILIES, H
 from flashgen.store import config_from_entry, read_store  # noqa: E402
 
 
-SUITES = ("fwd", "fp8", "api", "bwd", "serving", "exp2_fma", "sinks")
+SUITES = ("fwd", "fp8", "api", "bwd", "serving", "exp2_fma", "sinks", "head_dims")
 
 
 def test_suite_configs(arch: str, suites: tuple[str, ...] = SUITES) -> set[KernelConfig | BwdConfig]:
@@ -63,6 +63,9 @@ def test_suite_configs(arch: str, suites: tuple[str, ...] = SUITES) -> set[Kerne
         import test_gpu_sinks  # noqa: PLC0415
 
         out |= test_gpu_sinks.sinks_configs(arch)
+    if "head_dims" in suites:
+        import test_gpu_head_dims  # noqa: PLC0415
+        out |= test_gpu_head_dims.head_dim_configs(arch)
     if "exp2_fma" in suites and arch == "sm90":
         import test_gpu_exp2_fma  # noqa: PLC0415
         out |= {c for hd, dt, causal in itertools.product((64, 128), HALF_DTYPES, (False, True))

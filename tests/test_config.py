@@ -6,7 +6,7 @@ GOOD = dict(head_dim=128, dtype="bf16", causal=True, block_m=128, block_n=64, nu
 
 
 @pytest.mark.parametrize("field,value,allowed", [
-    ("head_dim", 80, "32, 64, 96, 128, 256"),
+    ("head_dim", 80, "32, 64, 96, 128, 160, 192, 256"),
     ("dtype", "fp32", "'fp16', 'bf16'"),
     ("causal", 1, "False, True"),
     ("block_m", 96, "64, 128, 256"),

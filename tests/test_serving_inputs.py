@@ -85,8 +85,14 @@ def test_cpu_tensors_are_refused_once_naming_the_device(fn):
 # -- heads and head dims ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("call, match", [
-    (lambda: varlen(q=meta(8, 8, 48), k=meta(8, 2, 48)), r"head_dim=48 is not supported; choose one of"),
-    (lambda: varlen(k=meta(8, 2, 128)), r"q, k and v must share head_dim; got 64, 128, 128"),
+    (lambda: varlen(q=meta(8, 8, 44), k=meta(8, 2, 44)), r"head_dim=44 is not supported: a head dim must be a "
+                                                         r"multiple of 8 from 8 to 256"),
+    (lambda: varlen(v=meta(8, 2, 264)), r"v's head_dim=264 is not supported: a head dim must be a multiple of 8"),
+    (lambda: varlen(k=meta(8, 2, 128)), r"q and k must share head_dim; got 64 and 128 \(v may differ\)"),
+    (lambda: kvcache(kc=meta(2, 64, 2, 72), vc=meta(2, 64, 2, 72)), r"q and k_cache must share head_dim; got 64 "
+                                                                    r"and 72 \(v_cache may differ\)"),
+    (lambda: kvcache(q=meta(2, 1, 8, 72), kc=meta(2, 64, 2, 72), vc=meta(2, 32, 2, 72)),
+     r"k_cache and v_cache must have the same shape but for the head dim"),
     (lambda: varlen(k=meta(8, 3, 64)), r"heads=8 must be a multiple of heads_k=3"),
     (lambda: varlen(k=meta(8, 0, 64)), r"heads=8 must be a multiple of heads_k=0"),
     (lambda: varlen(v=meta(6, 2, 64)), r"v must have k's shape \(8, 2, 64\); got \(6, 2, 64\)"),

@@ -125,7 +125,7 @@ def bench_flex_cases(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    validate_problem(args)
+    validate_problem(args, dense=args.kind == "dense")
     validate_grid(args, ("reps", "rounds"))
     if args.kind == "step":
         return bench_train_step(args)

@@ -76,10 +76,11 @@ def add_problem_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--causal", choices=("yes", "no", "both"), default="both", help="masking (default both)")
 
 
-def validate_problem(args: argparse.Namespace) -> None:
-    """The arguments of add_problem_args: known family, head dims and dtypes; FP8 only where it is built."""
+def validate_problem(args: argparse.Namespace, dense: bool = False) -> None:
+    """The arguments of add_problem_args: known family, head dims (`dense`: dense 16-bit problems, which have the
+    dense-only head dims too) and dtypes; FP8 only where it is built."""
     check_choices("arch", [args.arch], C.FAMILIES)
-    check_choices("head-dim", args.head_dim, C.HEAD_DIMS)
+    check_choices("head-dim", args.head_dim, C.DENSE_HEAD_DIMS if dense else C.HEAD_DIMS)
     check_choices("dtype", args.dtype, C.DTYPES)
     if set(args.dtype) & set(C.FP8_DTYPES):
         if args.arch != "sm90":

@@ -188,7 +188,7 @@ def tune_modifiers(args: argparse.Namespace) -> dict[str, str]:
 
 def validate(args: argparse.Namespace) -> None:
     """tune's arguments, each wrong one a CliError naming it."""
-    validate_problem(args)
+    validate_problem(args, dense=args.kind == "dense" and not (args.score_mod or args.mask_mod))
     args.modifiers = tune_modifiers(args)
     validate_grid(args, ("trials", "heartbeat", "grace"))
     if args.retime < 0:

@@ -1,0 +1,263 @@
+"""Head dims without a kernel of their own (flashgen.head_dims), without a GPU: which built head dim serves each
+call, the checks, and the public calls' padding: the kernels see only built head dims of one width, the default
+scale is the caller's, and the result is exact (a float64 stand-in for the kernel on CPU tensors). The dense-only
+head dims (160, 192): their configurations, spill-free builds, the family it takes untuned, and its sm90 backward padding."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from flashgen import head_dims
+from flashgen.checks import check_head_dims
+from flashgen.compile import target_for
+from flashgen.config import (DENSE_HEAD_DIMS, HEAD_DIMS, BwdConfig, ConfigError, KernelConfig, default_bwd_config,
+                             default_config)
+from flashgen.resolve import choose_config
+
+from builds import assert_builds_without_spills
+from conftest import compile_sm90a_clean
+
+torch = pytest.importorskip("torch")
+
+from flashgen import api, ops  # noqa: E402
+from flashgen.verify import attention_grads, attention_torch  # noqa: E402
+
+EVERY = range(8, 257, 8)
+
+
+@pytest.mark.parametrize("dense, built, want", [
+    (False, HEAD_DIMS, [32, 32, 64, 96, 96, 128, 128, 256, 256, 256, 256, 256]),
+    (True, DENSE_HEAD_DIMS, [32, 32, 64, 96, 96, 128, 128, 160, 192, 256, 256, 256]),
+])
+def test_every_multiple_of_8_is_served_by_the_smallest_built_head_dim_that_holds_it(dense, built, want):
+    assert head_dims.built(dense) == built
+    got = {d: head_dims.kernel_head_dim(d, dense=dense) for d in EVERY}
+    assert got == {d: min(k for k in built if k >= d) for d in EVERY}
+    assert [got[d] for d in (8, 32, 40, 72, 80, 112, 128, 160, 192, 200, 248, 256)] == want
+    assert all(head_dims.native(d, dense=dense) == (got[d] == d) for d in EVERY)
+
+
+@pytest.mark.parametrize("d_qk, d_v, want, dense_want", [
+    (192, 128, 256, 192), (128, 192, 256, 192), (128, 64, 128, 128), (64, 128, 128, 128), (8, 256, 256, 256),
+    (96, 96, 96, 96), (40, 32, 64, 64), (176, 176, 256, 192), (144, 136, 256, 160), (160, 128, 256, 160)])
+def test_q_k_and_v_of_different_widths_take_the_head_dim_that_holds_both(d_qk, d_v, want, dense_want):
+    assert head_dims.kernel_head_dim(d_qk, d_v) == want
+    assert head_dims.kernel_head_dim(d_qk, d_v, dense=True) == dense_want
+    assert not head_dims.native(d_qk, d_v) or d_qk == d_v == want
+    assert head_dims.padded_fraction(d_qk, d_v) == pytest.approx(2 * want / (d_qk + d_v))
+
+
+def test_the_sm90_backward_pads_the_dense_only_head_dims_to_its_next():
+    for d in (160, 192):
+        assert head_dims.backward_head_dim(d, sm90_family=True) == 256
+        assert head_dims.backward_head_dim(d, sm90_family=False) == d
+    assert all(head_dims.backward_head_dim(d, sm90_family) == d for d in HEAD_DIMS for sm90_family in (False, True))
+
+
+# -- the dense-only head dims: configurations and builds ----------------------------------------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda: KernelConfig(192, "bf16", False, 128, 32, 8, 2, varlen=True),
+    lambda: KernelConfig(192, "bf16", False, 32, 32, 2, 3, varlen=True, paged=True, split=True, pack_gqa=True),
+    lambda: KernelConfig(192, "bf16", True, 128, 32, 8, 2, softcap=True),
+    lambda: BwdConfig(192, "bf16", False, 64, 32, 8, varlen=True),
+    lambda: BwdConfig(192, "bf16", False, 64, 32, 8, window=True),
+])
+def test_dense_only_head_dims_refuse_serving_features(make):
+    with pytest.raises(ConfigError, match="head_dim=192 is built for the dense (forward|backward) only"):
+        make()
+
+
+def test_dense_only_head_dims_have_no_fp8_or_sm90_backward():
+    with pytest.raises(ConfigError, match="head_dim=192 is not built for fp8_e4m3"):
+        KernelConfig(192, "fp8_e4m3", False, 128, 128, 12, 2, "sm90")
+    with pytest.raises(ConfigError, match="head_dim=192 is not allowed"):
+        BwdConfig(192, "bf16", False, 64, 64, 12, family="sm90", num_stages=2)
+    assert default_bwd_config(192, "bf16", False, "sm90").family == "sm80"
+
+
+@pytest.mark.parametrize("family", ["sm80", "sm90"])
+def test_dense_only_head_dims_build_without_spills(family):
+    """Each default configuration at a dense-only head dim (forward, and the sm80 backward with and without
+    deterministic) on each arch the family runs on (default_config raises where none fits), one mask and dtype (the
+    tiles' registers do not depend on them), for sm_80 and sm_90a (where no wgmma may be serialized either)."""
+    archs = ("sm90",) if family == "sm90" else ("sm80", "sm86", "sm89", "sm90")
+    cfgs = set()
+    for d, arch in itertools.product(sorted(set(DENSE_HEAD_DIMS) - set(HEAD_DIMS)), archs):
+        cfgs.add(default_config(d, "bf16", True, arch, family))
+        if family == "sm80":
+            cfgs |= {default_bwd_config(d, "bf16", True, arch, deterministic, "sm80") for deterministic in (False, True)}
+    if family == "sm90":  # and no serialized wgmma either
+        compile_sm90a_clean(sorted(cfgs, key=lambda c: c.name))
+    else:
+        assert_builds_without_spills(sorted(cfgs, key=lambda c: c.name), target_for(archs[0], family))
+
+
+@pytest.mark.filterwarnings("ignore:no tuned")
+@pytest.mark.parametrize("arch, gpu, family", [("sm90", "NVIDIA H200", "sm90"), ("sm80", "NVIDIA A100", "sm80")])
+def test_an_untuned_dense_only_head_dim_takes_the_gpus_own_family(tmp_path, arch, gpu, family):
+    """Nothing is stored at 192: on Hopper the sm90 family (which the store picks wherever it holds both), else
+    sm80; the stored head dims keep the store's choice and, untuned, sm80's default."""
+    assert choose_config(192, "bf16", True, arch, 4096, None, tmp_path, (gpu, arch)).family == family
+    assert choose_config(128, "bf16", True, arch, 4096, None, tmp_path, (gpu, arch)).family == "sm80"
+
+
+@pytest.mark.parametrize("d", [0, 4, 12, 100, 257, 264, 512, -8, 8.0])
+def test_other_head_dims_are_refused_naming_what_is_supported(d):
+    assert not head_dims.supported(d)
+    with pytest.raises(ValueError, match=rf"head_dim={d} is not supported: a head dim must be a multiple of 8 from 8 "
+                                         rf"to 256 \(built natively: 32, 64, 96, 128, 256, and 160, 192 for the dense "
+                                         rf"forward and backward"):
+        head_dims.kernel_head_dim(d)
+    with pytest.raises(ValueError, match=rf"v's head_dim={d} is not supported"):
+        head_dims.kernel_head_dim(64, d)
+
+
+def test_the_default_scale_is_the_callers_head_dim():
+    assert head_dims.default_scale(72) == 1 / math.sqrt(72)
+
+
+@pytest.mark.parametrize("shapes, match", [
+    (((2, 8, 4, 72), (2, 8, 4, 64), (2, 8, 4, 72)), r"q and k must share head_dim; got 72 and 64 \(v may differ\)"),
+    (((2, 8, 4, 72), (2, 8, 4, 72), (2, 9, 4, 72)), r"k and v must have the same shape but for the head dim"),
+    (((2, 8, 4, 72), (2, 8, 4, 72), (2, 8, 2, 72)), r"k and v must have the same shape but for the head dim"),
+    (((2, 8, 4, 20), (2, 8, 4, 20), (2, 8, 4, 64)), r"head_dim=20 is not supported"),
+    (((2, 8, 4), (), (2, 8, 4)), r"need a head dim"),
+])
+def test_check_head_dims(shapes, match):
+    with pytest.raises(ValueError, match=match):
+        check_head_dims(*shapes)
+
+
+def test_check_head_dims_gives_both_widths():
+    assert check_head_dims((2, 8, 4, 192), (2, 8, 1, 192), (2, 8, 1, 128)) == (192, 128)
+
+
+# -- the public calls ----------------------------------------------------------------------------------------------
+
+def meta(*shape, grad=False):
+    return torch.empty(shape, dtype=torch.bfloat16, device="meta").requires_grad_(grad)
+
+
+CU = torch.tensor([0, 4, 8], dtype=torch.int32).to("meta")
+
+
+@pytest.mark.parametrize("d_qk, d_v", [(72, 72), (8, 8), (192, 128), (128, 64), (200, 200)])
+def test_varlen_and_dense_give_the_callers_widths_and_gradients(d_qk, d_v):
+    """Through the operators' fake implementations (meta tensors): out at v's width, gradients at the inputs'."""
+    q, k, v = meta(8, 8, d_qk, grad=True), meta(8, 2, d_qk, grad=True), meta(8, 2, d_v, grad=True)
+    out, lse = api.attention_varlen(q, k, v, CU, CU, 4, 4, causal=True, validate=False, return_lse=True)
+    assert out.shape == (8, 8, d_v) and lse.shape == (8, 8)
+    out.sum().backward()
+    assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
+    q, k, v = meta(2, 16, 4, d_qk, grad=True), meta(2, 16, 2, d_qk, grad=True), meta(2, 16, 2, d_v, grad=True)
+    out = api.attention(q, k, v, causal=True)
+    assert out.shape == (2, 16, 4, d_v) and out.is_contiguous()
+    out.sum().backward()
+    assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
+
+
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_varlen_kernels_see_a_built_head_dim_and_the_callers_scale(monkeypatch, scale):
+    seen = {}
+
+    def fake_op(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, *rest):
+        seen.update(dims=(q.shape[-1], k.shape[-1], v.shape[-1]), scale=softmax_scale)
+        return q.new_empty(q.shape), None
+
+    monkeypatch.setattr(ops, "attention_varlen_op", fake_op)  # meta tensors take the operator
+    out = api.attention_varlen(meta(8, 8, 80), meta(8, 2, 80), meta(8, 2, 80), CU, CU, 4, 4, softmax_scale=scale,
+                               validate=False)
+    assert seen == {"dims": (96, 96, 96), "scale": 1 / math.sqrt(80) if scale is None else scale}
+    assert out.shape == (8, 8, 80)
+
+
+@pytest.mark.parametrize("d_qk, d_v", [(72, 72), (8, 8), (192, 128), (112, 112), (64, 128), (248, 248)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_is_exact(monkeypatch, d_qk, d_v, causal):
+    """The dense call with a float64 stand-in for the kernel (it checks that it is given a built head dim of one
+    width): the padded call's output equals attention at the caller's widths, with its default scale."""
+    def fake_kernel(q, k, v, causal, softmax_scale, arch, want_lse=True):
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] in DENSE_HEAD_DIMS
+        seen.append(q.shape[-1])
+        scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale  # the kernels' default
+        return attention_torch(q, k, v, causal, scale), None
+
+    seen = []
+    monkeypatch.setattr(ops, "forward_torch", fake_kernel)
+    g = torch.Generator().manual_seed(d_qk + d_v)
+    q = torch.randn(2, 17, 4, d_qk, dtype=torch.float64, generator=g)
+    k = torch.randn(2, 23, 2, d_qk, dtype=torch.float64, generator=g)
+    v = torch.randn(2, 23, 2, d_v, dtype=torch.float64, generator=g)
+    out = api.attention(q, k, v, causal=causal)
+    ref = attention_torch(q, k, v, causal, 1 / math.sqrt(d_qk))
+    assert out.shape == ref.shape and (out - ref).abs().max().item() < 1e-12
+    assert seen == [head_dims.kernel_head_dim(d_qk, d_v, dense=True)]
+
+
+def test_a_call_with_serving_features_pads_a_dense_only_head_dim(monkeypatch):
+    """softcap takes the serving kernels, which are not built at 192: padded to 256 (meta tensors take the
+    operator); without it the dense kernels run at 192 as it is."""
+    seen = []
+
+    def fake_op(q, k, v, causal, softmax_scale, *rest):
+        seen.append((q.shape[-1], softmax_scale))
+        return q.new_empty(q.shape), q.new_empty(q.shape[:3])
+
+    monkeypatch.setattr(ops, "attention_mods_op", fake_op)
+    monkeypatch.setattr(ops, "attention", fake_op)
+    q, k, v = meta(2, 16, 4, 192), meta(2, 16, 2, 192), meta(2, 16, 2, 128)
+    assert api.attention(q, k, v, softcap=30.0).shape == (2, 16, 4, 128)
+    assert api.attention(q, k, v).shape == (2, 16, 4, 128)
+    assert api.attention(q, k, k).shape == (2, 16, 4, 192)
+    assert seen == [(256, 1 / math.sqrt(192)), (192, 1 / math.sqrt(192)), (192, None)]
+
+
+@pytest.mark.parametrize("arch, deterministic, runs_at", [("sm90", False, 256), ("sm90", True, 256),
+                                                            ("sm80", False, 192), ("sm80", True, 192)])
+@pytest.mark.parametrize("scale", [None, 0.2])
+def test_the_backward_of_a_dense_only_head_dim(monkeypatch, arch, deterministic, runs_at, scale):
+    """flashgen::attention_backward's body with a float64 stand-in for the kernels: on Hopper (deterministic too) it
+    runs the sm90 family's next head dim on zero-padded copies with the forward's scale; the gradients are the
+    unpadded attention's."""
+    seen = []
+
+    def fake_kernel(device, head_dim, dtype, causal, seqlen, deterministic):
+        seen.append(head_dim)
+        return head_dim
+
+    def fake_backward(kern, q, k, v, out, dout, lse, softmax_scale, dlse=None):
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1] == out.shape[-1] == dout.shape[-1] == kern
+        s = 1 / math.sqrt(kern) if softmax_scale is None else softmax_scale  # the kernels' default
+        return attention_grads(q, k, v, dout, True, s, torch.float64)
+
+    monkeypatch.setattr(ops, "arch_and_slots", lambda device: (arch, 132))
+    monkeypatch.setattr(ops, "backward_kernel", fake_kernel)
+    monkeypatch.setattr(ops, "backward", fake_backward)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 17, 4, 192, generator=g).bfloat16()
+    k, v = (torch.randn(2, 23, 2, 192, generator=g).bfloat16() for _ in range(2))
+    dout = torch.randn(2, 17, 4, 192, generator=g).bfloat16()
+    out = attention_torch(q, k, v, True, 0.1)  # its values are the stand-in's to ignore; its width is checked
+    got = ops.dense_backward(dout, q, k, v, out, None, None, True, scale, deterministic)
+    want = attention_grads(q, k, v, dout, True, 1 / math.sqrt(192) if scale is None else scale, torch.float64)
+    assert seen == [runs_at]
+    for g_, w in zip(got, want):
+        assert g_.shape == w.shape and (g_ - w).abs().max().item() < 1e-12
+
+
+def test_the_padded_call_traces_whole_under_torch_compile(monkeypatch):
+    """fullgraph torch.compile (dynamic shapes) through the padding, with a float64 stand-in for the kernel's
+    operator: one graph, the unpadded attention's result."""
+    monkeypatch.setattr(ops, "attention", lambda q, k, v, causal, scale, *rest: (attention_torch(q, k, v, causal,
+                                                                                                   scale), None))
+    f = torch.compile(lambda q, k, v: api.attention(q, k, v, causal=True), backend="eager", dynamic=True,
+                      fullgraph=True)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 17, 4, 72, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, 23, 2, 72, dtype=torch.float64, generator=g) for _ in range(2))
+    out = f(q, k, v)
+    assert out.shape == q.shape
+    assert (out - attention_torch(q, k, v, True, 1 / math.sqrt(72))).abs().max().item() < 1e-12
