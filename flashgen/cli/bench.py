@@ -95,12 +95,17 @@ def bench_train_step(args: argparse.Namespace) -> int:
           f"included), {shape['layers']} layers, GQA 32/8, d128, {shape['batch']} x {shape['tokens']} tokens, {dtype}")
     print(bench_step.step_table(rows))
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"{gpu.lower().replace(' ', '-')}-{datetime.date.today()}-step"
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        bench_step.plot_step(result, stem.with_suffix(".png"))
-        print(f"wrote {stem}.json, {stem}.png")
+        write_result(args.out, gpu, "step", result, bench_step.plot_step)
     return 0
+
+
+def write_result(out: Path, gpu: str, kind: str, result: dict, plot: Any) -> None:
+    """<out>/<gpu>-<date>-<kind>.json and its plot (.png, drawn by `plot`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{gpu.lower().replace(' ', '-')}-{datetime.date.today()}-{kind}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, stem.with_suffix(".png"))
+    print(f"wrote {stem}.json, {stem}.png")
 
 
 def bench_flex_cases(args: argparse.Namespace) -> int:
@@ -116,11 +121,7 @@ def bench_flex_cases(args: argparse.Namespace) -> int:
           "included); x flex, x built-in: flashgen's ratios; max diff: flashgen's output against flex_attention's")
     print(bench_flex.flex_table(rows))
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"{gpu.lower().replace(' ', '-')}-{datetime.date.today()}-flex"
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        bench_flex.plot_flex(result, stem.with_suffix(".png"))
-        print(f"wrote {stem}.json, {stem}.png")
+        write_result(args.out, gpu, "flex", result, bench_flex.plot_flex)
     return 0
 
 
