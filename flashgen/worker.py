@@ -305,7 +305,6 @@ class GpuBackend:
 
     def evaluate(self, config: Candidate, problem: Problem, reps: int | None = None) -> TrialResult:
         """A trial: compile (ahead), verify, then time with `reps` calls (None: the backend's `reps`)."""
-        reps = self.reps if reps is None else reps
         if kind_of(problem).trial_task is not None:
             return self.evaluate_serving(config, problem, reps)
         try:
@@ -318,6 +317,7 @@ class GpuBackend:
             return TrialResult("compile_failed", reason=compile_reason(e))
         r = kernel.resources
         info = {"registers": r.registers, "spill_bytes": r.spill_stores + r.spill_loads, "smem_bytes": r.smem_bytes}
+        reps = self.reps if reps is None else reps
         try:
             if fwd is None:
                 kind, value = self.worker.call("flashgen.worker:gpu_trial", kernel, problem, self.warmup, reps,
