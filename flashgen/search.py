@@ -40,7 +40,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from .backend import Backend, TrialResult, tflops
 from .config import SM90_KNOBS, BwdConfig, ConfigError, KernelConfig
-from .halving import ETA, RUNG0_REPS, Schedule
+from .halving import RUNG0_REPS, Schedule
 from .problem import DEFAULT_TRIALS, EXHAUSTIVE_MAX, Rule
 from .tunable import BWD_PARAMS, FAMILY_PARAMS, PARAMS, params_of  # noqa: F401 - re-exported
 from .tunable import Candidate, Problem, kind_of
