@@ -7,7 +7,9 @@ with a deterministic cost function so the search can be tested on any machine.
 from __future__ import annotations
 
 import os
+import random
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,7 +54,10 @@ class Backend(Protocol):
 
     def prefetch(self, configs: list[Candidate], problem: Problem) -> None: ...
 
-    def evaluate(self, config: Candidate, problem: Problem) -> TrialResult: ...
+    def evaluate(self, config: Candidate, problem: Problem, reps: int | None = None) -> TrialResult:
+        """Compile, verify and time one configuration; `reps`: timed calls of its median (None: the backend's
+        own number, as every search but a halving one asks)."""
+        ...
 
     def retime(self, configs: list[Candidate], problem: Problem, rounds: int) -> list[float | None]:
         """Verified configurations timed again side by side: median ms each (None: not timed)."""
@@ -68,13 +73,21 @@ class SimulatedBackend:
     play compile failures, wrong kernels, faults and hangs. `delay_s` makes an evaluation take
     that long (tuners then overlap, and one can be killed mid-trial); `log` is a file that gets a
     line "start <problem> <config>" as an evaluation begins and "done ..." as it ends, appended
-    by every process that shares it, so a test can count what a fleet evaluated."""
+    by every process that shares it, so a test can count what a fleet evaluated.
+
+    `jitter` plays timing noise that shrinks with the timed calls: a measurement of `reps` calls is the cost
+    times 1 + jitter * g / sqrt(reps / reps_default), g a standard normal drawn from `seed`, the configuration
+    and how often it was measured before (deterministic; a retime is exact)."""
+
+    REPS = 50  # as GpuBackend's timed calls per trial
 
     def __init__(self, failures: dict[str, str] | None = None, delay_s: float = 0.0, log: str | Path | None = None,
-                 noise: dict[str, float] | None = None):
+                 noise: dict[str, float] | None = None, jitter: float = 0.0, seed: int = 0):
         self.failures = dict(failures or {})
         self.noise = dict(noise or {})  # config name -> factor on its first measurement only (plays a lucky run)
+        self.jitter, self.seed = jitter, seed
         self.calls: list[str] = []
+        self.call_reps: list[int] = []  # the timed calls each evaluation was asked for, as `calls`
         self.retimed: list[list[str]] = []  # the configurations of each retime call
         self.delay_s, self.log = delay_s, Path(log) if log else None
 
@@ -106,17 +119,27 @@ class SimulatedBackend:
         return work * (1.0 + 0.3 * tile + 0.1 * abs(cfg.num_warps - 6) / 2 + 0.15 * abs(getattr(cfg, "num_stages", 3) - 3))
         # a BwdConfig has no stages: its cost is the tiles' and warps' alone
 
-    def evaluate(self, config: Candidate, problem: Problem) -> TrialResult:
+    def evaluate(self, config: Candidate, problem: Problem, reps: int | None = None) -> TrialResult:
+        reps = self.REPS if reps is None else reps
+        before = self.calls.count(config.name)
         self.calls.append(config.name)
+        self.call_reps.append(reps)
         self._log("start", config, problem)
         time.sleep(self.delay_s)
         if config.name in self.failures:
             status = self.failures[config.name]
             res = TrialResult(status, reason=f"simulated {status}")
         else:
-            res = ok_result(problem, self.cost_ms(config, problem) * self.noise.get(config.name, 1.0), simulated=True)
+            ms = self.cost_ms(config, problem) * self.noise.get(config.name, 1.0) * self._jitter(config, before, reps)
+            res = ok_result(problem, ms, simulated=True)
         self._log("done", config, problem)
         return res
+
+    def _jitter(self, config: Candidate, before: int, reps: int) -> float:
+        if not self.jitter:
+            return 1.0
+        g = random.Random(zlib.crc32(f"{self.seed}/{config.name}/{before}".encode())).gauss(0.0, 1.0)
+        return max(0.1, 1.0 + self.jitter * g / (reps / self.REPS) ** 0.5)
 
     def retime(self, configs: list[Candidate], problem: Problem, rounds: int) -> list[float | None]:
         self.retimed.append([c.name for c in configs])

@@ -11,6 +11,11 @@ more before it is final. Studies live in an Optuna storage (SQLite by default, a
 server or a journal file for a fleet: `studies`), so running the same search again
 continues it; a study is named by the problem and the space it samples.
 
+A halving search (`SearchOptions.halving_eta`) times every fitting configuration briefly and the fastest of
+each rung again with more calls (flashgen.halving): its study (the space's, named "...@halving") records each
+measurement as a trial with its rung (user attribute `rung`), so a rerun continues from the recorded rungs, and
+the trials of rungs above 0 are re-measurements: they count neither toward the trials nor the statuses.
+
 Tuners anywhere may share a study; each asks for its next trial. Each keeps a heartbeat on
 the trials it holds, and a trial whose tuner died (no heartbeat for a grace period) is
 failed and retried once by another. The budget counts the trials other tuners hold, and
@@ -35,6 +40,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from .backend import Backend, TrialResult, tflops
 from .config import SM90_KNOBS, BwdConfig, ConfigError, KernelConfig
+from .halving import RUNG0_REPS, Schedule
 from .problem import DEFAULT_TRIALS, EXHAUSTIVE_MAX, Rule
 from .tunable import BWD_PARAMS, FAMILY_PARAMS, PARAMS, params_of  # noqa: F401 - re-exported
 from .tunable import Candidate, Problem, kind_of
@@ -89,6 +95,14 @@ class SearchOptions:
     stop: threading.Event | None = None  # when set: stop after the trial being evaluated (a fleet's Ctrl-C)
     retime_top: int = 5  # the fastest verified configurations timed again side by side before the outcome (0: none)
     retime_rounds: int = 3
+    halving_eta: int = 0  # > 0: a successive-halving search of the whole (restricted) space keeping 1/eta per rung
+    # (flashgen.halving); one tuner only. 0: sampled or exhaustive as `exhaustive` says
+    halving_reps: int = RUNG0_REPS  # the timed calls of a rung-0 measurement; eta times more each rung
+
+    @property
+    def halving(self) -> Schedule | None:
+        """The rungs of a halving search (it ends once at most `retime_top` configurations, or one, remain)."""
+        return Schedule(self.halving_eta, self.halving_reps, max(1, self.retime_top)) if self.halving_eta else None
 
     @property
     def sampler_seed(self) -> int:
@@ -104,6 +118,9 @@ class TrialRecord:
     params: Params
     result: TrialResult
     duplicate_of: int | None = None
+    rung: int | None = None  # a halving search's rung (None: any other search)
+    rung_size: int = 0  # the configurations of that rung
+    rung_done: int = 0  # of which measured, this one included
 
 
 @dataclass
@@ -299,13 +316,17 @@ class _Heartbeat:
         self._thread.join()
 
 
-def evaluate(backend: Backend, cfg: AnyConfig, problem: Problem) -> TrialResult:
+def evaluate(backend: Backend, cfg: AnyConfig, problem: Problem, reps: int | None = None) -> TrialResult:
     """The backend's result, with a transient failure (RETRIED) tried once more before it is final:
-    a configuration is never timed twice, so a first error would otherwise stay for good."""
-    res = backend.evaluate(cfg, problem)
+    a configuration is never timed twice, so a first error would otherwise stay for good. `reps`: the
+    timed calls (None: the backend's own number; only then is a backend asked without it)."""
+    def once() -> TrialResult:
+        return backend.evaluate(cfg, problem) if reps is None else backend.evaluate(cfg, problem, reps=reps)
+
+    res = once()
     if res.status not in RETRIED:
         return res
-    again = backend.evaluate(cfg, problem)
+    again = once()
     return replace(again, info={**again.info, "first_try": f"{res.status}: {res.reason}"})
 
 
@@ -380,6 +401,8 @@ def search(problem: Problem, backend: Backend, opts: SearchOptions, space: list[
     opts = replace(opts, exhaustive=exhaustive_for(problem, opts, space))
     if not space:
         raise ValueError(f"the search space of {problem.key} is empty")
+    if opts.halving is not None:
+        return _halving_search(problem, backend, opts, space, on_trial)
     allowed = {params_for(problem, c) for c in space}
     viable = {params_for(problem, c) for c in space if _unfit(problem, c) is None}
     kind = params_key(problem)
@@ -469,21 +492,118 @@ def search(problem: Problem, backend: Backend, opts: SearchOptions, space: list[
             study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
     # Trials other tuners still hold (budget met or not) will change the outcome: come back for them.
     in_flight = 0 if stopped() or asks >= max_asks else len(_view(study, kind).held)
-    default_res = view.done.get(params_for(problem, default))
+    return _conclude(study, problem, backend, opts, default, allowed, view.done.get(params_for(problem, default)),
+                     stopped(), in_flight)
+
+
+def _conclude(study: optuna.Study, problem: Problem, backend: Backend, opts: SearchOptions, default: AnyConfig,
+              allowed: set[Params], default_res: FrozenTrial | None, stopped: bool, in_flight: int,
+              lead: list[FrozenTrial] | None = None) -> SearchOutcome:
+    """The outcome of a search run: the default measured aside where the space lacks it, the leaders (`lead`, by
+    default the fastest verified trials) re-timed once the study is complete, and the study's best."""
     if default_res is not None:
         default_value: TrialResult | None = result_of(default_res)
     elif params_for(problem, default) not in allowed:  # outside a restricted space: measured aside, once per study,
         default_value = default_aside(study, default)  # by a tuner leaving it finished
-        if default_value is None and not stopped() and not in_flight:
+        if default_value is None and not stopped and not in_flight:
             default_value = evaluate(backend, default, problem)
             study.set_user_attr("default_aside", {"kernel": default.name, "result": default_value.to_dict()})
     else:
         default_value = None
-    if not stopped() and not in_flight and opts.retime_top > 0:
-        retime_leaders(study, problem, backend, opts, default)
+    if not stopped and not in_flight and opts.retime_top > 0:
+        retime_leaders(study, problem, backend, opts, default, lead)
     out = outcome(study, problem, default, default_value)
     out.in_flight = in_flight
     return out
+
+
+def _rung(t: FrozenTrial) -> int:
+    return t.user_attrs.get("rung", 0)
+
+
+def _record(study: optuna.Study, dists: dict[str, CategoricalDistribution], params: Params, res: TrialResult,
+            attrs: dict[str, Any]) -> None:
+    """A measurement told to the study as a finished trial (a halving search holds none while it measures: a
+    measurement interrupted before it is recorded is simply taken again)."""
+    user_attrs: dict[str, Any] = {"status": res.status, "reason": res.reason, **attrs}
+    if res.ok:
+        user_attrs.update(ms=res.ms, tflops=res.tflops)
+    if res.info:
+        user_attrs["info"] = res.info
+    state = TrialState.COMPLETE if res.ok else TrialState.PRUNED if res.status == "pruned" else TrialState.FAIL
+    study.add_trial(optuna.trial.create_trial(params=dict(zip(dists, params)), distributions=dists, state=state,
+                                              value=res.ms if res.ok else None, user_attrs=user_attrs))
+
+
+def halving_study_name(problem: Problem, space: list[AnyConfig]) -> str:
+    """A halving search's study: its short measurements stay out of the sampled and exhaustive studies' ranking."""
+    return f"{study_name(problem, space)}@halving"
+
+
+def _halving_search(problem: Problem, backend: Backend, opts: SearchOptions, space: list[AnyConfig],
+                    on_trial: Callable[[TrialRecord], Any] | None) -> SearchOutcome:
+    """Successive halving over the fitting configurations of `space` (flashgen.halving), continuing from the
+    measurements its study records: a configuration measured at a rung is never measured there again. Once the
+    last rung is timed, its configurations are the leaders the retime ranks."""
+    sched = opts.halving
+    assert sched is not None
+    kind = params_key(problem)
+    allowed = {params_for(problem, c) for c in space}
+    order = list(dict.fromkeys(params_for(problem, c) for c in space if _unfit(problem, c) is None))
+    dists = distributions(problem, space)
+    study = open_study(problem, opts, halving_study_name(problem, space))
+    default = kind_of(problem).default(problem)
+    measured: dict[int, dict[Params, TrialResult]] = {}
+    recorded = study.get_trials(deepcopy=False)
+    for t in recorded:
+        if t.state.is_finished() and "status" in t.user_attrs:
+            measured.setdefault(_rung(t), {}).setdefault(_params(t, kind), result_of(t))
+    number, start = len(recorded), time.monotonic()
+    ahead = max(1, opts.ahead)
+    attrs: dict[str, Any] = {"worker": opts.worker} if opts.worker else {}
+    if opts.versions:
+        attrs["versions"] = opts.versions
+
+    def stopped() -> bool:
+        return (opts.timeout_s is not None and time.monotonic() - start > opts.timeout_s) or (
+            opts.stop is not None and opts.stop.is_set())
+
+    cands, rung, timed, finished = order, 0, [], False
+    while not stopped():
+        done = measured.setdefault(rung, {})
+        todo = [p for p in cands if p not in done]
+        reps = sched.reps(rung)
+        if todo:
+            backend.prefetch([config_of(problem, p) for p in todo[:ahead]], problem)
+        for i, params in enumerate(todo):
+            if stopped():
+                break
+            if i + ahead < len(todo):  # compiles ahead of the one being timed (rung 0: the only compiles)
+                backend.prefetch([config_of(problem, todo[i + ahead])], problem)
+            cfg = config_of(problem, params)
+            res = evaluate(backend, cfg, problem, reps)
+            if opts.stop is not None and opts.stop.is_set() and not res.ok:
+                break  # Ctrl-C reaches the GPU worker too: its death is not the kernel's failure
+            _record(study, dists, params, res, {**attrs, "rung": rung, "reps": reps})
+            done[params] = res
+            _report(on_trial, number, cfg, params, res, rung=rung, rung_size=len(cands),
+                    rung_done=len(cands) - len(todo) + i + 1)
+            number += 1
+        if any(p not in done for p in cands):
+            break
+        timed = [(p, done[p].ms) for p in cands if done[p].ok]
+        if sched.finished(len(timed)):
+            finished = True
+            break
+        cands, rung = sched.promoted(timed), rung + 1
+    lead: list[FrozenTrial] = []
+    if finished:
+        last = {p for p, _ in timed}
+        for t in _verified(study):
+            if _rung(t) == rung and _params(t, kind) in last and all(_params(t, kind) != _params(x, kind) for x in lead):
+                lead.append(t)
+    # The default's figure is left to `outcome`: its re-timed or highest rung's, not its rung-0 one.
+    return _conclude(study, problem, backend, opts, default, allowed, None, not finished, 0, lead)
 
 
 def _verified(study: optuna.Study) -> list[FrozenTrial]:
@@ -497,19 +617,22 @@ def _retimed(study: optuna.Study, ok: list[FrozenTrial]) -> dict[str, float]:
 
 
 def retime_leaders(study: optuna.Study, problem: Problem, backend: Backend, opts: SearchOptions,
-                   default: AnyConfig) -> None:
+                   default: AnyConfig, lead: list[FrozenTrial] | None = None) -> None:
     """Time the `retime_top` fastest verified configurations (and the default, the figure they are compared
     with) again in interleaved rounds on one input set, and record the figures in the study (user attribute
     "retimed"), which `outcome` then ranks by. Each trial's figure is one median of a few dozen calls; among
     hundreds, the fastest is often one that a clock or the GPU's state favoured (single medians of one
-    kernel moved by up to 15%: docs/performance.md). Done once per set of verified trials."""
+    kernel moved by up to 15%: docs/performance.md). Done once per set of verified trials. `lead`: the trials
+    to re-time instead of the fastest (a halving search's last rung)."""
     ok = _verified(study)
     if len(ok) < 2 or _retimed(study, ok) or not hasattr(backend, "retime"):
         return
-    lead = sorted(ok, key=lambda t: (t.user_attrs["ms"], t.number))[:opts.retime_top]
     kind = params_key(problem)
+    if lead is None:
+        lead = sorted(ok, key=lambda t: (t.user_attrs["ms"], t.number))[:opts.retime_top]
+    lead = list(lead)
     dflt = next((t for t in ok if _params(t, kind) == params_for(problem, default)), None)
-    lead += [dflt] if dflt is not None and dflt not in lead else []
+    lead += [dflt] if dflt is not None and all(_params(t, kind) != _params(dflt, kind) for t in lead) else []
     # A serving problem's untuned choice (a Rule, always measured outside the space) is timed beside them too.
     aside = default_aside(study, default) if dflt is None and isinstance(default, Rule) else None
     cands = [config_of(problem, _params(t, kind)) for t in lead] + ([default] if aside is not None and aside.ok else [])
@@ -522,25 +645,28 @@ def retime_leaders(study: optuna.Study, problem: Problem, backend: Backend, opts
 
 
 def _counts(t: FrozenTrial) -> bool:
-    """Whether a finished trial counts toward the budget: evaluated, not pruned, not a repeat."""
-    return t.user_attrs.get("status") != "pruned" and "duplicate_of" not in t.user_attrs
+    """Whether a finished trial counts toward the budget: evaluated, not pruned, not a repeat (nor a halving
+    search's re-measurement at a later rung)."""
+    return t.user_attrs.get("status") != "pruned" and "duplicate_of" not in t.user_attrs and _rung(t) == 0
 
 
 def _report(on_trial: Callable[[TrialRecord], Any] | None, number: int, cfg: AnyConfig | None, params: Params,
-            res: TrialResult, duplicate_of: int | None = None) -> None:
+            res: TrialResult, duplicate_of: int | None = None, **rung: int) -> None:
     if on_trial is not None:
-        on_trial(TrialRecord(number, cfg, params, res, duplicate_of))
+        on_trial(TrialRecord(number, cfg, params, res, duplicate_of, **rung))
 
 
 def outcome(study: optuna.Study, problem: Problem, default: AnyConfig,
             default_res: TrialResult | None = None) -> SearchOutcome:
     """The best verified trial of a study, with counts of every status."""
     finished = _finished(study)
-    counts = Counter(t.user_attrs["status"] for t in finished if "duplicate_of" not in t.user_attrs)
+    counts = Counter(t.user_attrs["status"] for t in finished if "duplicate_of" not in t.user_attrs and _rung(t) == 0)
     ok = _verified(study)
     retimed = _retimed(study, ok)
+    # A halving search's best unretimed figures are those of its highest rung (the most timed calls).
+    top = max(map(_rung, ok), default=0)
     # Re-timed leaders (see retime_leaders) rank by their side-by-side figures; the rest were slower the first time.
-    best = min([t for t in ok if str(t.number) in retimed] or ok,
+    best = min([t for t in ok if str(t.number) in retimed] or [t for t in ok if _rung(t) == top],
                key=lambda t: (retimed.get(str(t.number), t.user_attrs["ms"]), t.number), default=None)
 
     def result(t: FrozenTrial) -> TrialResult:
@@ -550,7 +676,9 @@ def outcome(study: optuna.Study, problem: Problem, default: AnyConfig,
         ms = retimed[str(t.number)]
         return replace(res, ms=ms, tflops=tflops(problem, ms), info={**res.info, "first_ms": res.ms})
 
-    d = next((t for t in finished if _params(t, params_key(problem)) == params_for(problem, default)), None)
+    mine = [t for t in finished if _params(t, params_key(problem)) == params_for(problem, default)]
+    # the default's figure: re-timed, else its highest rung's (the first trial of it when there are no rungs)
+    d = next((t for t in mine if str(t.number) in retimed), max(mine, key=_rung, default=None))
     aside = default_aside(study, default) if d is None and ASIDE in retimed else None
     if d is not None and str(d.number) in retimed:
         default_res = result(d)  # timed beside the leaders: the speed-up is a same-run ratio

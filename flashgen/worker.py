@@ -303,9 +303,10 @@ class GpuBackend:
         for cfg in configs:
             self.compiler.submit(cfg, self.target(cfg))
 
-    def evaluate(self, config: Candidate, problem: Problem) -> TrialResult:
+    def evaluate(self, config: Candidate, problem: Problem, reps: int | None = None) -> TrialResult:
+        """A trial: compile (ahead), verify, then time with `reps` calls (None: the backend's `reps`)."""
         if kind_of(problem).trial_task is not None:
-            return self.evaluate_serving(config, problem)
+            return self.evaluate_serving(config, problem, reps)
         try:
             kernel = self.compiler.get(config, self.target(config))
             fwd = None
@@ -316,13 +317,14 @@ class GpuBackend:
             return TrialResult("compile_failed", reason=compile_reason(e))
         r = kernel.resources
         info = {"registers": r.registers, "spill_bytes": r.spill_stores + r.spill_loads, "smem_bytes": r.smem_bytes}
+        reps = self.reps if reps is None else reps
         try:
             if fwd is None:
-                kind, value = self.worker.call("flashgen.worker:gpu_trial", kernel, problem, self.warmup, self.reps,
+                kind, value = self.worker.call("flashgen.worker:gpu_trial", kernel, problem, self.warmup, reps,
                                                deadline_s=self.deadline_s)
             else:
                 kind, value = self.worker.call("flashgen.worker:gpu_trial_bwd", kernel, fwd, problem, self.warmup,
-                                               self.reps, deadline_s=self.deadline_s)
+                                               reps, deadline_s=self.deadline_s)
         except NoGpuError as e:  # the worker could not be restarted after a fault: still a value
             return TrialResult("error", reason=str(e), info=info)
         if kind != "ok":  # "error" (an exception in the worker, e.g. out of memory), "faulted" or "timeout"
@@ -332,7 +334,7 @@ class GpuBackend:
             return TrialResult(value["status"], reason=value["reason"], info=info)
         return ok_result(problem, value["ms"], **info)
 
-    def evaluate_serving(self, cand: Candidate, problem: Problem) -> TrialResult:
+    def evaluate_serving(self, cand: Candidate, problem: Problem, reps: int | None = None) -> TrialResult:
         """A decode or varlen trial: its kernels compiled here (ahead), then the kind's worker task verifies the
         candidate against float64 on the problem's inputs and times it through the launcher the calls use."""
         kind = kind_of(problem)
@@ -353,7 +355,8 @@ class GpuBackend:
         except CompileError as e:
             return TrialResult("compile_failed", reason=compile_reason(e))
         try:
-            status, value = self.worker.call(kind.trial_task, problem, cand, self.warmup, self.reps, *extra,
+            status, value = self.worker.call(kind.trial_task, problem, cand, self.warmup,
+                                             self.reps if reps is None else reps, *extra,
                                              deadline_s=self.deadline_s)
         except NoGpuError as e:
             return TrialResult("error", reason=str(e), info=info)
@@ -497,18 +500,20 @@ class IsolatedSimulatedBackend(SimulatedBackend):
         self.crash, self.deadline_s = set(crash), deadline_s
         self.worker = Worker()
 
-    def evaluate(self, config: Candidate, problem: Problem) -> TrialResult:
+    def evaluate(self, config: Candidate, problem: Problem, reps: int | None = None) -> TrialResult:
         self.calls.append(config.name)
+        self.call_reps.append(self.REPS if reps is None else reps)
         status, value = self.worker.call("flashgen.worker:simulated_trial", config, problem, self.failures,
-                                         config.name in self.crash, deadline_s=self.deadline_s)
+                                         config.name in self.crash, reps, deadline_s=self.deadline_s)
         return value if status == "ok" else TrialResult(status, reason=value)
 
     def close(self) -> None:
         self.worker.close()
 
 
-def simulated_trial(config: Candidate, problem: Problem, failures: dict[str, str], crash: bool) -> TrialResult:
+def simulated_trial(config: Candidate, problem: Problem, failures: dict[str, str], crash: bool,
+                    reps: int | None = None) -> TrialResult:
     """The worker's task for IsolatedSimulatedBackend: the simulated result, or (`crash`) a fault."""
     if crash:
         raise RuntimeError(f"CUDA error: an illegal memory access was encountered (simulated, {config.name})")
-    return SimulatedBackend(failures).evaluate(config, problem)
+    return SimulatedBackend(failures).evaluate(config, problem, reps)

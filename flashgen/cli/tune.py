@@ -17,6 +17,7 @@ from flashgen import compile as kernel_compile  # as modules: tests stand in for
 from flashgen import config as C
 from flashgen import worker
 from flashgen.backend import SimulatedBackend
+from flashgen.halving import ETA, RUNG0_REPS
 from flashgen.compile import CompileError, target_for
 from flashgen.problem import (BATCH_TOKENS, DEFAULT_TRIALS, EXHAUSTIVE_MAX, HEADS_DIM_TOTAL, SEQLEN_BUCKETS,
                               TuneProblem)
@@ -70,6 +71,16 @@ def add_parser(sub: Any) -> None:
                    help="evaluate every configuration of the (restricted) space; --no-exhaustive: sample "
                         f"--trials with --sampler (default: exhaustive when at most {EXHAUSTIVE_MAX} fit, unless "
                         "--trials is given)")
+    t.add_argument("--search", choices=("auto", "halving"), default="auto",
+                   help="auto: exhaustive or sampled as --exhaustive and --trials say (default); halving: every "
+                        "fitting configuration timed briefly (--halving-reps calls), the fastest 1/eta timed again "
+                        "with eta times the calls, and so on until --retime remain, which are re-timed side by side "
+                        "(about n*eta/(eta-1) short measurements for n configurations; one GPU)")
+    t.add_argument("--halving-eta", type=int, default=ETA, metavar="ETA",
+                   help=f"--search halving: each rung keeps the fastest 1/ETA (default {ETA})")
+    t.add_argument("--halving-reps", type=int, default=RUNG0_REPS, metavar="N",
+                   help=f"--search halving: timed calls of a first-rung measurement, ETA times more each rung "
+                        f"(default {RUNG0_REPS}; a normal trial times 50)")
     t.add_argument("--retime", type=int, default=5, metavar="N",
                    help="before storing, time the N fastest verified configurations (and the default) again, "
                         "side by side in 3 interleaved rounds, and store the fastest of those (0: store the "
@@ -203,6 +214,17 @@ def validate(args: argparse.Namespace) -> None:
         raise CliError("--gpus all needs real GPUs; with --simulate give indices, e.g. --gpus 0,1")
     if args.trials is not None and args.exhaustive:
         raise CliError("--trials and --exhaustive conflict: an exhaustive search evaluates every configuration")
+    if args.search == "halving":
+        if args.trials is not None or args.exhaustive is not None:
+            given = "--trials" if args.trials is not None else "--exhaustive" if args.exhaustive else "--no-exhaustive"
+            raise CliError(f"--search halving and {given} conflict: halving times every fitting configuration "
+                           "(--max-configs or the space options restrict them)")
+        if args.halving_eta < 2:
+            raise CliError(f"--halving-eta {args.halving_eta}: each rung must keep at most half (2 or more)")
+        if args.halving_reps < 1:
+            raise CliError("--halving-reps must be at least 1")
+        if args.gpus == "all" or (args.gpus is not None and len(args.gpus) > 1):
+            raise CliError("--search halving runs on one GPU: give --gpus one index, or leave it out")
     dense_bm = tuple(b for b in C.FAMILY_BLOCK_MS[args.arch] if b >= C.DENSE_MIN_BLOCK_M)  # decode tiles: not here
     choices = {"fwd": (("block_m", dense_bm), ("block_n", C.FAMILY_BLOCK_NS[args.arch]),
                        ("num_warps", tuple(w for w in C.NUM_WARPS if w > 1)), ("num_stages", C.NUM_STAGES)),
@@ -342,7 +364,8 @@ def tune(args: argparse.Namespace) -> int:
         exhaustive = args.exhaustive if args.exhaustive is not None else (False if args.trials is not None else None)
         opts = SearchOptions(args.trials or DEFAULT_TRIALS, args.timeout, args.sampler, args.seed, exhaustive,
                              args.storage, ahead=ahead, heartbeat_s=args.heartbeat, grace_s=args.grace,
-                             retime_top=args.retime)
+                             retime_top=args.retime, halving_eta=args.halving_eta if args.search == "halving" else 0,
+                             halving_reps=args.halving_reps)
         models = list(dict.fromkeys((t.gpu_name, t.gpu_arch) for t in tuners))
         stores: dict = {}
         if serving is not None:  # decode / varlen: each problem's whole space (--max-configs: its first N)
@@ -365,6 +388,10 @@ def tune(args: argparse.Namespace) -> int:
             n = viable_count(j.problem, list(j.space))
             how = (f"exhaustive: all {n} fitting configurations" if modes[j] else
                    f"{opts.sampler}: {opts.trials} trials of {n} fitting configurations")
+            if opts.halving is not None:
+                sizes = opts.halving.sizes(n)
+                how = (f"halving (eta {opts.halving.eta}): all {n} fitting configurations at {opts.halving.reps0} "
+                       f"timed calls, rungs of {'/'.join(map(str, sizes))}, {sum(sizes)} measurements at most")
             print(f"{j.problem.study_name}: {how}", flush=True)
         per_job = lambda j: viable_count(j.problem, list(j.space)) if modes[j] else opts.trials  # noqa: E731
         single = len(tuners) == 1
@@ -373,13 +400,25 @@ def tune(args: argparse.Namespace) -> int:
             print(f"{len(tuners)} tuners: " + ", ".join(f"{t.name} ({t.gpu_name})" for t in tuners), flush=True)
             bars[None] = tqdm(total=sum(map(per_job, jobs)), desc=f"{len(jobs)} problems", unit="trial")
 
+        rungs: dict = {}  # a halving search's job -> the rung its bar shows
+
         def on_start(tuner, job) -> None:
-            if single and job not in bars:  # one bar per problem, as it starts
+            if single and job not in bars and opts.halving is None:  # one bar per problem, as it starts
                 bars[job] = tqdm(total=per_job(job), desc=job.problem.key, unit="trial", leave=True)
                 state.update(pruned=0, failed=0, best=0.0)
 
         def on_trial(tuner, job, rec) -> None:
             with lock:
+                if rec.rung is not None:  # a halving search: one bar per rung
+                    if rungs.get(job) != rec.rung:
+                        if job in bars:
+                            bars.pop(job).close()
+                        reps = opts.halving.reps(rec.rung) if opts.halving else "?"
+                        bars[job] = tqdm(total=rec.rung_size, desc=f"{job.problem.key} rung {rec.rung} ({reps} calls)",
+                                         unit="config", leave=True)
+                        rungs[job] = rec.rung
+                        state.update(pruned=0, failed=0, best=0.0)
+                    bars[job].n = rec.rung_done - 1
                 bar = bars[job if single else None]
                 if rec.result.status == "pruned":
                     state["pruned"] += 1
@@ -399,7 +438,7 @@ def tune(args: argparse.Namespace) -> int:
             entry = entry_of(out, out.versions or next(t.versions for t in tuners
                                                         if (t.gpu_name, t.gpu_arch) == (p.gpu_name, p.gpu_arch)))
             with lock:
-                if single:
+                if single and job in bars:  # a halving search resumed when complete opened none
                     bars.pop(job).close()
                 action = merge(store_path(p.gpu_name, p.gpu_arch, args.tuned_dir), p.gpu_name, p.gpu_arch,
                                {p.key: entry}, args.force)[p.key] if entry else "nothing verified"
