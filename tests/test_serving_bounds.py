@@ -240,3 +240,22 @@ def test_the_backward_leaves_out_a_sequence_with_bad_offsets():
         for bound in ("0 <= q_start", "q_start <= q_end", f"q_end <= {base}.seqlen_q", "0 <= k_start",
                       "k_start <= k_end", f"k_end <= {base}.seqlen_k"):
             assert bound in view, (family, bound)
+
+
+def test_the_backwards_padded_rows_take_any_offsets():
+    """sm90 varlen's padded row of each packed row (where D and dLSE meet): the sequence's padded start plus the
+    row's place in it for sound offsets, empty sequences included; rows inside the padded buffer, and no error,
+    for offsets that decrease or leave the packed rows (a device-side assert would end the CUDA context)."""
+    torch = pytest.importorskip("torch")
+    from flashgen.kernels.backward import _padded_rows
+
+    bm = 64
+    lens = [5, 0, 130, 1, 64]
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    total = int(cu[-1])
+    padded = total + len(lens) * bm
+    expected = [(int(cu[b]) + b * bm) // bm * bm + i for b, n in enumerate(lens) for i in range(n)]
+    assert _padded_rows(cu, total, bm, padded).tolist() == expected
+    for bad in ([0, 5, 3, 140, 141, 200], [0, 5, 5, 135, 136, total + 40], [-7, 5, 5, 135, 136, total]):
+        rows = _padded_rows(torch.tensor(bad, dtype=torch.int32), total, bm, padded)
+        assert rows.shape == (total,) and int(rows.min()) >= 0 and int(rows.max()) < padded

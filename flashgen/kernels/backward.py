@@ -196,7 +196,7 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
     launch("pre", cfg.rows_grid(rows_b, h, rows_q), cfg.row_threads, 0)
     if dlse is not None:
         if packed90:  # each sequence's rows start at its padded offset
-            rows = _padded_rows(serve.cu_seqlens_q, sq, cfg.block_m)
+            rows = _padded_rows(serve.cu_seqlens_q, sq, cfg.block_m, delta.shape[-1])
             delta[..., rows] = delta[..., rows] - dlse  # (advanced indexing reads a copy: assign back)
         else:
             delta[..., :sq].sub_(dlse)
@@ -215,15 +215,19 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
     return dq, dk, dv
 
 
-def _padded_rows(cu_seqlens_q: Any, total_q: int, block_m: int) -> Any:
-    """sm90 varlen: the padded row of each packed row (templates/sm90/bwd_params.cuh.j2's rule)."""
+def _padded_rows(cu_seqlens_q: Any, total_q: int, block_m: int, padded: int) -> Any:
+    """sm90 varlen: the padded row of each packed row (templates/sm90/bwd_params.cuh.j2's rule), within [0, padded).
+    The sequence of a row is found by searchsorted, which has no device-side assert (repeat_interleave's output_size
+    check does): offsets that decrease or leave the packed rows give wrong rows here, which the kernels leave out,
+    never a CUDA context ended by an assert."""
     import torch  # noqa: PLC0415
 
-    lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    seq = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), lens.long(), output_size=total_q)
+    rows = torch.arange(total_q, device=cu_seqlens_q.device)
+    seqs = cu_seqlens_q.shape[0] - 1
+    seq = torch.searchsorted(cu_seqlens_q[1:].contiguous(), rows.to(cu_seqlens_q.dtype), right=True).clamp_(max=seqs - 1)
     start = cu_seqlens_q[:-1].long()
-    pad_start = (start + torch.arange(start.shape[0], device=start.device) * block_m) // block_m * block_m
-    return torch.arange(total_q, device=lens.device) - start[seq] + pad_start[seq]
+    pad_start = (start + torch.arange(seqs, device=start.device) * block_m) // block_m * block_m
+    return (rows - start[seq] + pad_start[seq]).clamp_(0, padded - 1)
 
 
 def _kernel_grid(cfg: BwdConfig, prob: Problem, serve: ServeArgs | None) -> tuple[int, int, int]:
