@@ -31,6 +31,12 @@ def _ops() -> Any:
     return ops
 
 
+def _traced_modifiers() -> Any:
+    from . import traced_modifiers  # noqa: PLC0415  (torch operators: a torch tensor in the call proves torch is there)
+
+    return traced_modifiers
+
+
 def _check_options(causal: Any, softmax_scale: Any) -> None:
     """The call's flags, before anything else reads them: a string or a tensor there is a caller's mistake that
     would otherwise surface as a wrong mask or an error from deep inside a launch."""
@@ -97,10 +103,19 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
         raise ValueError("score_mod and mask_mod are not built for FP8 inputs")
     if arch not in (None, "sm80"):
         raise ValueError(f"score_mod and mask_mod are built in family sm80 (it runs on Hopper too), not arch={arch!r}")
-    if traced(q):
-        raise NotImplementedError("score_mod and mask_mod run eagerly only (no torch operator takes a Python "
-                                  "modifier yet): not under torch.compile, nor with fake or meta tensors")
     mods = check_dense(q, k, v, window_size, softcap, alibi_slopes, causal)
+    if traced(q):
+        if block_mask is not None:
+            raise NotImplementedError("block_mask is for eager calls: under torch.compile, or with fake or meta "
+                                      "tensors, pass its mask_mod as mask_mod= (flashgen builds the block map from it "
+                                      "on the device)")
+        if score_mod is not None and (mods.softcap or mods.alibi is not None):
+            raise ValueError("a score_mod does not combine with softcap or alibi_slopes: write them into the "
+                             "score_mod")
+        check_grad_scale(softmax_scale, q, k, v)
+        out, lse = _traced_modifiers().modified_attention(q, k, v, causal, softmax_scale, mods, score_mod, mask_mod,
+                                                          deterministic)
+        return (out, lse) if return_lse else out
     block_map = None
     if block_mask is not None:
         mask_mod = _block_mask_mod(block_mask, mask_mod)

@@ -1,0 +1,219 @@
+"""score_mod and mask_mod under torch.compile and with fake or meta tensors: the `flashgen::attention_modified`
+operator and the modifier tracing that stays outside the graph.
+
+A modifier is a Python function run on flashgen's proxies (flashgen.modifiers), which dynamo cannot trace into a
+graph. `graph_modifiers` traces it where dynamo takes the result as a constant (torch.compiler.assume_constant_result:
+dynamo calls it on the real function while compiling) and returns, with the digests, where each tensor the modifier
+reads lives in the function (a closure cell, a global, a default, then list/tuple/dict items). The traced code
+fetches those tensors by path, so dynamo sees them as graph inputs (guarded, read at every call, captured by CUDA
+graphs) and passes them to the operator, whose body finds the registered modifier by digest. The Python numbers and
+strings the function reads are fetched by path too and compared with the values it was traced with: dynamo then
+guards them, and a change recompiles instead of running a stale trace.
+
+Imported only where a torch tensor reaches a modifier call (torch stays optional).
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import types
+from typing import Any, Callable, Optional
+
+import torch
+
+from .checks import Mods
+from .modifier_grads import captured_grads
+from .modifiers import ModifierError, lookup, trace_cached
+from .ops import dense_mods_forward, flex_backward
+
+MAX_DEPTH = 4  # list/tuple/dict nesting searched for a captured tensor (as modifiers.trace_cached fingerprints)
+
+
+@torch.compiler.assume_constant_result
+def graph_modifiers(score_mod: Optional[Callable], mask_mod: Optional[Callable]) -> tuple:
+    """(score digest, mask digest, number of the score_mod's tensors, the tensors' paths (the score_mod's, then the
+    mask_mod's), ((path, value) of each number, string, bool or None the functions read)), "" for a modifier not
+    given. A path is (kind, "closure" | "global" | "default", cell index / name / position, item keys...).
+    ModifierError where a tensor a modifier reads is not reachable by such a path (an object's attribute)."""
+    digests, paths, constants, n_score = [], [], [], 0
+    for kind, fn in (("score", score_mod), ("mask", mask_mod)):
+        if fn is None:
+            digests.append("")
+            continue
+        mod = trace_cached(fn, kind)
+        digests.append(mod.digest)
+        found: dict[int, tuple] = {}
+        for root, value in _roots(fn, kind):
+            _walk(value, root, mod.tensors, found, constants, 0)
+        for c, t in zip(mod.captured, mod.tensors):
+            if id(t) not in found:
+                raise ModifierError(f"{kind}_mod reads tensor {c.name!r}, which torch.compile cannot reach: under "
+                                    "torch.compile (and with fake tensors) a modifier's tensors must be in its "
+                                    "closure, its globals or its defaults (or lists, tuples, dicts there), not an "
+                                    "object's attributes")
+            paths.append(found[id(t)])
+        if kind == "score":
+            n_score = len(mod.tensors)
+    return digests[0], digests[1], n_score, tuple(paths), tuple(constants)
+
+
+def _roots(fn: Callable, kind: str) -> list[tuple[tuple, Any]]:
+    """(path, value) of what `fn` reads from outside itself: the globals its code names, its closure cells, its
+    defaults (what modifiers.trace_cached fingerprints)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    glob = getattr(fn, "__globals__", {})
+    out = [((kind, "global", name), glob[name]) for name in code.co_names if name in glob]
+    for i, cell in enumerate(getattr(fn, "__closure__", None) or ()):
+        try:
+            out.append(((kind, "closure", i), cell.cell_contents))
+        except ValueError:  # an empty cell
+            continue
+    out += [((kind, "default", i), v) for i, v in enumerate(getattr(fn, "__defaults__", None) or ())]
+    return out
+
+
+def _walk(value: Any, path: tuple, tensors: tuple, found: dict[int, tuple], constants: list, depth: int) -> None:
+    if isinstance(value, torch.Tensor):
+        if any(value is t for t in tensors):
+            found.setdefault(id(value), path)
+        return
+    if value is None or isinstance(value, (bool, numbers.Number, str)):
+        if value == value:  # not NaN, which equals nothing
+            constants.append((path, value))
+        return
+    if isinstance(value, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)):
+        return
+    if depth < MAX_DEPTH and isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _walk(v, path + (i,), tensors, found, constants, depth + 1)
+    elif depth < MAX_DEPTH and isinstance(value, dict):
+        for key, v in value.items():
+            if isinstance(key, (str, int)):
+                _walk(v, path + (key,), tensors, found, constants, depth + 1)
+
+
+def fetch(score_mod: Optional[Callable], mask_mod: Optional[Callable], path: tuple) -> Any:
+    """The value at `path` (graph_modifiers) of the modifier functions: plain attribute and item reads, which
+    dynamo traces (and guards)."""
+    fn = score_mod if path[0] == "score" else mask_mod
+    where, key = path[1], path[2]
+    if where == "closure":
+        value = fn.__closure__[key].cell_contents
+    elif where == "global":
+        value = fn.__globals__[key]
+    else:
+        value = fn.__defaults__[key]
+    for item in path[3:]:
+        value = value[item]
+    return value
+
+
+def modified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                       softmax_scale: Optional[float], mods: Mods, score_mod: Optional[Callable],
+                       mask_mod: Optional[Callable], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of `flashgen.attention` with a score_mod or mask_mod (and the window, softcap and ALiBi of `mods`)
+    through flashgen::attention_modified: the route of traced calls (torch.compile, fake and meta tensors)."""
+    score_digest, mask_digest, n_score, paths, constants = graph_modifiers(score_mod, mask_mod)
+    for path, value in constants:
+        if fetch(score_mod, mask_mod, path) != value:  # dynamo guards the read: a changed value recompiles
+            raise ModifierError(f"{path[0]}_mod's {path[1]} {path[2]!r} changed while it was traced")
+    tensors = [fetch(score_mod, mask_mod, p) for p in paths]
+    if torch.is_grad_enabled():
+        for p, t in zip(paths[n_score:], tensors[n_score:]):
+            if t.requires_grad:
+                raise NotImplementedError(f"mask_mod reads tensor {p[2]!r}, which requires grad: a mask has no "
+                                          "gradient (detach it, or call under torch.no_grad())")
+    return attention_modified_op(q, k, v, tensors, score_digest, mask_digest, causal, softmax_scale, *mods.window,
+                                 mods.softcap, mods.alibi, deterministic)
+
+
+def _mods(tensors: list[torch.Tensor], score_digest: str, mask_digest: str, window_left: int, window_right: int,
+          softcap: float, alibi_slopes: Optional[torch.Tensor]) -> Mods:
+    """The call's Mods: the registered modifiers of these digests, each given its tensors (the score_mod's first)."""
+    score = lookup(score_digest, "score") if score_digest else None
+    mask = lookup(mask_digest, "mask") if mask_digest else None
+    n = len(score.captured) if score is not None else 0
+    if n + (len(mask.captured) if mask is not None else 0) != len(tensors):
+        raise ValueError(f"flashgen::attention_modified got {len(tensors)} tensors; its modifiers read "
+                         f"{n} + {len(tensors) - n}")
+    if score is not None:
+        score = dataclasses.replace(score, tensors=tuple(tensors[:n]))
+    if mask is not None:
+        mask = dataclasses.replace(mask, tensors=tuple(tensors[n:]))
+    return Mods((window_left, window_right), softcap, alibi_slopes, score_mod=score, mask_mod=mask)
+
+
+@torch.library.custom_op("flashgen::attention_modified", mutates_args=(), device_types="cuda")
+def attention_modified_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
+                          score_digest: str, mask_digest: str, causal: bool, softmax_scale: Optional[float],
+                          window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
+                          deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of dense q, k, v with the score_mod and mask_mod of these digests (traced in this process; ""
+    for none) reading `tensors` (the score_mod's, then the mask_mod's), and a window, softcap or ALiBi: out like q,
+    lse (batch, heads, seqlen_q) fp32. The block map of a mask_mod is built on the device at the first call and
+    kept while its tensors are unchanged (flashgen.blockmap.cached_from_mask)."""
+    mods = _mods(tensors, score_digest, mask_digest, window_left, window_right, softcap, alibi_slopes)
+    return dense_mods_forward(q, k, v, causal, softmax_scale, mods)
+
+
+@attention_modified_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor], score_digest: str,
+      mask_digest: str, causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
+      softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    b, sq, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgen::attention_modified_backward", mutates_args=(), device_types="cuda")
+def attention_modified_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
+                                   tensors: list[torch.Tensor], score_digest: str, mask_digest: str, causal: bool,
+                                   softmax_scale: Optional[float], window_left: int, window_right: int,
+                                   softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+                                   wanted: list[bool]) -> list[torch.Tensor]:
+    """[dq, dk, dv, then d loss / d each of the score_mod's tensors where `wanted`]: the backward generated with
+    the forward's modifiers (ops.flex_backward) and modifier_grads.captured_grads."""
+    mods = _mods(tensors, score_digest, mask_digest, window_left, window_right, softcap, alibi_slopes)
+    dq, dk, dv, bmap = flex_backward(dout, q, k, v, out, lse, dlse, causal, softmax_scale, mods, deterministic)
+    if not any(wanted):
+        return [dq, dk, dv]
+    tables = captured_grads(dout, q, k, v, out, lse, dlse, causal, softmax_scale, mods, bmap, tuple(wanted))
+    return [dq, dk, dv, *(g for g, w in zip(tables, wanted) if w)]
+
+
+@attention_modified_backward_op.register_fake
+def _(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+      dlse: Optional[torch.Tensor], tensors: list[torch.Tensor], score_digest: str, mask_digest: str, causal: bool,
+      softmax_scale: Optional[float], window_left: int, window_right: int, softcap: float,
+      alibi_slopes: Optional[torch.Tensor], deterministic: bool, wanted: list[bool]) -> list[torch.Tensor]:
+    grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
+    return grads + [torch.empty_like(t) for t, w in zip(tensors, wanted) if w]
+
+
+def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, tensors, score_digest, mask_digest, causal, scale, left, right, softcap, alibi, deterministic = inputs
+    n = len(lookup(score_digest, "score").captured) if score_digest else 0
+    # float tensors of the score_mod that require grad get theirs (a learnable bias); a mask_mod's never do
+    ctx.wanted = [t.requires_grad and t.is_floating_point() for t in tensors[:n]] + [False] * (len(tensors) - n)
+    ctx.save_for_backward(q, k, v, *output, alibi, *tensors)
+    ctx.args = (score_digest, mask_digest, causal, scale, left, right, softcap)
+    ctx.deterministic = deterministic
+
+
+def _backward(ctx: Any, dout: torch.Tensor, dlse: Optional[torch.Tensor]) -> tuple:
+    q, k, v, out, lse, alibi, *tensors = ctx.saved_tensors
+    score_digest, mask_digest, causal, scale, left, right, softcap = ctx.args
+    grads = attention_modified_backward_op(dout, q, k, v, out, lse, dlse, tensors, score_digest, mask_digest, causal,
+                                           scale, left, right, softcap, alibi, ctx.deterministic, ctx.wanted)
+    it = iter(grads[3:])
+    tables = [next(it) if w else None for w in ctx.wanted]
+    return (grads[0], grads[1], grads[2], tables) + (None,) * 9
+
+
+attention_modified_op.register_autograd(_backward, setup_context=_setup)
+
+
+__all__ = ["attention_modified_backward_op", "attention_modified_op", "fetch", "graph_modifiers",
+           "modified_attention"]
