@@ -170,8 +170,8 @@ def _serving_modifiers(q: Any, score_mod: Any, mask_mod: Any, block_mask: Any, m
     if score_mod is not None and (mods.softcap or mods.alibi is not None):
         raise ValueError("a score_mod does not combine with softcap or alibi_slopes: write them into the score_mod")
     if traced(q):
-        raise NotImplementedError("score_mod and mask_mod run eagerly only (no torch operator takes a Python "
-                                  "modifier yet): not under torch.compile, nor with fake or meta tensors")
+        raise NotImplementedError(f"{call} takes score_mod and mask_mod eagerly only: not under torch.compile, nor "
+                                  "with fake or meta tensors (flashgen.attention's dense calls take them there)")
     score = trace_cached(score_mod, "score") if score_mod is not None else None
     mask = trace_cached(mask_mod, "mask") if mask_mod is not None else None
     _refuse_mask_grad(mask)

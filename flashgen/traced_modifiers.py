@@ -26,14 +26,15 @@ from .modifier_grads import captured_grads
 from .modifiers import ModifierError, lookup, trace_cached
 from .ops import dense_mods_forward, flex_backward
 
-MAX_DEPTH = 4  # list/tuple/dict nesting searched for a captured tensor (as modifiers.trace_cached fingerprints)
+MAX_DEPTH = 5  # functions, lists, tuples and dicts searched into for a captured tensor, from the modifier
 
 
 @torch.compiler.assume_constant_result
 def graph_modifiers(score_mod: Optional[Callable], mask_mod: Optional[Callable]) -> tuple:
     """(score digest, mask digest, number of the score_mod's tensors, the tensors' paths (the score_mod's, then the
     mask_mod's), ((path, value) of each number, string, bool or None the functions read)), "" for a modifier not
-    given. A path is (kind, "closure" | "global" | "default", cell index / name / position, item keys...).
+    given. A path is (kind, then steps ("closure", cell index), ("global", name), ("default", position) into a
+    function, ("item", key) into a list, tuple or dict).
     ModifierError where a tensor a modifier reads is not reachable by such a path (an object's attribute)."""
     digests, paths, constants, n_score = [], [], [], 0
     for kind, fn in (("score", score_mod), ("mask", mask_mod)):
@@ -43,38 +44,59 @@ def graph_modifiers(score_mod: Optional[Callable], mask_mod: Optional[Callable])
         mod = trace_cached(fn, kind)
         digests.append(mod.digest)
         found: dict[int, tuple] = {}
-        for root, value in _roots(fn, kind):
-            _walk(value, root, mod.tensors, found, constants, 0)
+        _walk(fn, (kind,), mod.tensors, found, constants, 0, set())
         for c, t in zip(mod.captured, mod.tensors):
             if id(t) not in found:
                 raise ModifierError(f"{kind}_mod reads tensor {c.name!r}, which torch.compile cannot reach: under "
                                     "torch.compile (and with fake tensors) a modifier's tensors must be in its "
-                                    "closure, its globals or its defaults (or lists, tuples, dicts there), not an "
-                                    "object's attributes")
+                                    "closure, its globals or its defaults, or in lists, tuples, dicts or functions "
+                                    "there, not an object's attributes")
             paths.append(found[id(t)])
         if kind == "score":
             n_score = len(mod.tensors)
     return digests[0], digests[1], n_score, tuple(paths), tuple(constants)
 
 
-def _roots(fn: Callable, kind: str) -> list[tuple[tuple, Any]]:
-    """(path, value) of what `fn` reads from outside itself: the globals its code names, its closure cells, its
-    defaults (what modifiers.trace_cached fingerprints)."""
+@torch.compiler.disable
+def _graph_break_modifiers(score_mod: Optional[Callable], mask_mod: Optional[Callable]) -> tuple:
+    """graph_modifiers behind a graph break: for a modifier function made inside the compiled code, which dynamo
+    cannot hand to graph_modifiers as a constant (fullgraph=True refuses the break)."""
+    return graph_modifiers(score_mod, mask_mod)
+
+
+def _outside_graph(fn: Optional[Callable]) -> bool:
+    """Whether `fn` (None included) is an object dynamo can pass to graph_modifiers: true outside torch.compile; a
+    function made inside the compiled code has no __globals__ there (dynamo raises AttributeError on the read)."""
+    if fn is None or not torch.compiler.is_compiling():
+        return True
+    try:
+        fn.__globals__  # noqa: B018  (the read is the test)
+    except AttributeError:
+        return False
+    return True
+
+
+def _roots(fn: Callable) -> list[tuple[tuple, Any]]:
+    """(step, value) of what function `fn` reads from outside itself: the globals its code names, its closure cells,
+    its defaults (what modifiers.trace_cached fingerprints)."""
     code = getattr(fn, "__code__", None)
     if code is None:
         return []
     glob = getattr(fn, "__globals__", {})
-    out = [((kind, "global", name), glob[name]) for name in code.co_names if name in glob]
+    out = [(("global", name), glob[name]) for name in code.co_names if name in glob]
     for i, cell in enumerate(getattr(fn, "__closure__", None) or ()):
         try:
-            out.append(((kind, "closure", i), cell.cell_contents))
+            out.append((("closure", i), cell.cell_contents))
         except ValueError:  # an empty cell
             continue
-    out += [((kind, "default", i), v) for i, v in enumerate(getattr(fn, "__defaults__", None) or ())]
+    out += [(("default", i), v) for i, v in enumerate(getattr(fn, "__defaults__", None) or ())]
     return out
 
 
-def _walk(value: Any, path: tuple, tensors: tuple, found: dict[int, tuple], constants: list, depth: int) -> None:
+def _walk(value: Any, path: tuple, tensors: tuple, found: dict[int, tuple], constants: list, depth: int,
+          seen: set[int]) -> None:
+    """Record in `found` the path of each of `tensors` reachable from `value` (through list/tuple/dict items and the
+    functions it names: a helper the modifier calls), in `constants` the numbers, strings, bools and Nones."""
     if isinstance(value, torch.Tensor):
         if any(value is t for t in tensors):
             found.setdefault(id(value), path)
@@ -83,30 +105,34 @@ def _walk(value: Any, path: tuple, tensors: tuple, found: dict[int, tuple], cons
         if value == value:  # not NaN, which equals nothing
             constants.append((path, value))
         return
-    if isinstance(value, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)):
+    if depth >= MAX_DEPTH or id(value) in seen:
         return
-    if depth < MAX_DEPTH and isinstance(value, (list, tuple)):
+    seen.add(id(value))
+    if isinstance(value, types.FunctionType):
+        for step, v in _roots(value):
+            _walk(v, path + (step,), tensors, found, constants, depth + 1, seen)
+    elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            _walk(v, path + (i,), tensors, found, constants, depth + 1)
-    elif depth < MAX_DEPTH and isinstance(value, dict):
+            _walk(v, path + (("item", i),), tensors, found, constants, depth + 1, seen)
+    elif isinstance(value, dict):
         for key, v in value.items():
             if isinstance(key, (str, int)):
-                _walk(v, path + (key,), tensors, found, constants, depth + 1)
+                _walk(v, path + (("item", key),), tensors, found, constants, depth + 1, seen)
 
 
 def fetch(score_mod: Optional[Callable], mask_mod: Optional[Callable], path: tuple) -> Any:
     """The value at `path` (graph_modifiers) of the modifier functions: plain attribute and item reads, which
     dynamo traces (and guards)."""
-    fn = score_mod if path[0] == "score" else mask_mod
-    where, key = path[1], path[2]
-    if where == "closure":
-        value = fn.__closure__[key].cell_contents
-    elif where == "global":
-        value = fn.__globals__[key]
-    else:
-        value = fn.__defaults__[key]
-    for item in path[3:]:
-        value = value[item]
+    value: Any = score_mod if path[0] == "score" else mask_mod
+    for where, key in path[1:]:
+        if where == "closure":
+            value = value.__closure__[key].cell_contents
+        elif where == "global":
+            value = value.__globals__[key]
+        elif where == "default":
+            value = value.__defaults__[key]
+        else:
+            value = value[key]
     return value
 
 
@@ -115,15 +141,18 @@ def modified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
                        mask_mod: Optional[Callable], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of `flashgen.attention` with a score_mod or mask_mod (and the window, softcap and ALiBi of `mods`)
     through flashgen::attention_modified: the route of traced calls (torch.compile, fake and meta tensors)."""
-    score_digest, mask_digest, n_score, paths, constants = graph_modifiers(score_mod, mask_mod)
+    if _outside_graph(score_mod) and _outside_graph(mask_mod):
+        score_digest, mask_digest, n_score, paths, constants = graph_modifiers(score_mod, mask_mod)
+    else:
+        score_digest, mask_digest, n_score, paths, constants = _graph_break_modifiers(score_mod, mask_mod)
     for path, value in constants:
         if fetch(score_mod, mask_mod, path) != value:  # dynamo guards the read: a changed value recompiles
-            raise ModifierError(f"{path[0]}_mod's {path[1]} {path[2]!r} changed while it was traced")
+            raise ModifierError(f"a value {path[0]}_mod reads ({path[1:]}) changed while it was traced")
     tensors = [fetch(score_mod, mask_mod, p) for p in paths]
     if torch.is_grad_enabled():
         for p, t in zip(paths[n_score:], tensors[n_score:]):
             if t.requires_grad:
-                raise NotImplementedError(f"mask_mod reads tensor {p[2]!r}, which requires grad: a mask has no "
+                raise NotImplementedError(f"mask_mod reads a tensor ({p[1:]}) which requires grad: a mask has no "
                                           "gradient (detach it, or call under torch.no_grad())")
     return attention_modified_op(q, k, v, tensors, score_digest, mask_digest, causal, softmax_scale, *mods.window,
                                  mods.softcap, mods.alibi, deterministic)
