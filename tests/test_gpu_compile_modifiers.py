@@ -16,10 +16,17 @@ from modifier_examples import examples  # noqa: E402
 from test_gpu_modifiers import check, documents, qkv  # noqa: E402
 
 SCALE = 0.125
-EX = examples("cuda", batch=2, heads=8)
-ALIBI = EX["alibi"].score_mod  # reads the per-head slopes from its closure
-DOC = documents(2, 400, seed=5)
-BIAS = (0.1 * torch.randn(8, 2 * 400 - 1, device="cuda")).requires_grad_(True)
+# Made on the GPU by the `tables` fixture (collection needs no GPU): ALiBi reading its per-head slopes from its
+# closure, document ids, a learnable bias table.
+ALIBI = DOC = BIAS = None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def tables():
+    global ALIBI, DOC, BIAS
+    ALIBI = examples("cuda", batch=2, heads=8)["alibi"].score_mod
+    DOC = documents(2, 400, seed=5)
+    BIAS = (0.1 * torch.randn(8, 2 * 400 - 1, device="cuda")).requires_grad_(True)
 
 
 def document(b, h, q_idx, kv_idx):
