@@ -93,8 +93,9 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
                     deterministic: bool = False) -> Any:
     """`attention` with a score_mod, mask_mod or BlockMask: traced (flashgen.modifiers, reused while the function
     and what it reads are the same) into the sm80 family's serving forward, with a block map wherever there is a
-    mask (flashgen.blockmap). Torch tensors, eager; differentiable in q, k, v (the sm80 backward generated with the
-    same modifiers) and the float tensors the score_mod reads."""
+    mask (flashgen.blockmap). Torch tensors; differentiable in q, k, v (the sm80 backward generated with the
+    same modifiers) and the float tensors the score_mod reads. Traced calls (torch.compile, fake and meta tensors)
+    go through the flashgen::attention_modified operator (flashgen.traced_modifiers), without block_mask."""
     if not is_torch(q):
         raise TypeError("score_mod and mask_mod take torch tensors")
     if stream is not None:
@@ -235,8 +236,11 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     (flashgen.modifiers; tensors it indexes are read by the kernel) and compiled into an sm80-family kernel of
     its own. q_idx and kv_idx count from 0 in q and in k (no bottom-right alignment, unlike causal). They combine
     with causal, window_size and (mask_mod) softcap and ALiBi, whose masks apply after them. A row that keeps no
-    key gives O = 0 and LSE = +inf. Torch tensors, eager; differentiable in q, k, v and the float tensors a
-    score_mod reads (a learnable bias; flashgen.modifier_grads).
+    key gives O = 0 and LSE = +inf. Torch tensors; differentiable in q, k, v and the float tensors a
+    score_mod reads (a learnable bias; flashgen.modifier_grads). Under torch.compile (fullgraph=True where the
+    modifiers are defined outside the compiled function) and with fake or meta tensors the call goes through the
+    `flashgen::attention_modified` operator, the modifier traced outside the graph and the tensors it reads passed
+    as the operator's inputs (docs/programmable.md); block_mask is for eager calls.
     block_mask: torch's BlockMask (torch.nn.attention.flex_attention.create_block_mask) for seqlen_q x seqlen_k:
     key tiles it leaves empty are skipped, full ones run without the mask_mod, partial ones with its mask_mod.
     Without one, flashgen builds a mask_mod's block map itself (flashgen.blockmap; kept while the tensors it reads

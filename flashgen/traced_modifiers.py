@@ -233,6 +233,8 @@ def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, dout: torch.Tensor, dlse: Optional[torch.Tensor]) -> tuple:
     q, k, v, out, lse, alibi, *tensors = ctx.saved_tensors
+    if dout is None:  # only lse was used
+        dout = torch.zeros_like(out)
     score_digest, mask_digest, causal, scale, left, right, softcap = ctx.args
     grads = attention_modified_backward_op(dout, q, k, v, out, lse, dlse, tensors, score_digest, mask_digest, causal,
                                            scale, left, right, softcap, alibi, ctx.deterministic, ctx.wanted)
