@@ -65,15 +65,13 @@ def _graph_break_modifiers(score_mod: Optional[Callable], mask_mod: Optional[Cal
 
 
 def _outside_graph(fn: Optional[Callable]) -> bool:
-    """Whether `fn` (None included) is an object dynamo can pass to graph_modifiers: true outside torch.compile; a
-    function made inside the compiled code has no __globals__ there (dynamo raises AttributeError on the read)."""
+    """Whether `fn` (None included) is an object dynamo can pass to graph_modifiers as a constant: always outside
+    torch.compile. Inside, dynamo answers hasattr on a function by building the function object, which fails for one
+    made inside the compiled code around tensors (its closure cells are traced values): False there, and for callables
+    that are not functions."""
     if fn is None or not torch.compiler.is_compiling():
         return True
-    try:
-        fn.__globals__  # noqa: B018  (the read is the test)
-    except AttributeError:
-        return False
-    return True
+    return hasattr(fn, "__qualname__")
 
 
 def _roots(fn: Callable) -> list[tuple[tuple, Any]]:
