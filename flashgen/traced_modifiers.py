@@ -34,7 +34,7 @@ def graph_modifiers(score_mod: Optional[Callable], mask_mod: Optional[Callable])
     """(score digest, mask digest, number of the score_mod's tensors, the tensors' paths (the score_mod's, then the
     mask_mod's), ((path, value) of each number, string, bool or None the functions read)), "" for a modifier not
     given. A path is (kind, then steps ("closure", cell index), ("global", name), ("default", position) into a
-    function, ("item", key) into a list, tuple or dict).
+    function, ("item", key) into a list, tuple or dict, ("attr", name) into an object).
     ModifierError where a tensor a modifier reads is not reachable by such a path (an object's attribute)."""
     digests, paths, constants, n_score = [], [], [], 0
     for kind, fn in (("score", score_mod), ("mask", mask_mod)):
@@ -45,12 +45,14 @@ def graph_modifiers(score_mod: Optional[Callable], mask_mod: Optional[Callable])
         digests.append(mod.digest)
         found: dict[int, tuple] = {}
         _walk(fn, (kind,), mod.tensors, found, constants, 0, set())
+        if len(found) < len(mod.tensors):  # into objects' attributes too (a module's parameters and buffers)
+            _walk(fn, (kind,), mod.tensors, found, constants, 0, set(), objects=True)
         for c, t in zip(mod.captured, mod.tensors):
             if id(t) not in found:
                 raise ModifierError(f"{kind}_mod reads tensor {c.name!r}, which torch.compile cannot reach: under "
-                                    "torch.compile (and with fake tensors) a modifier's tensors must be in its "
-                                    "closure, its globals or its defaults, or in lists, tuples, dicts or functions "
-                                    "there, not an object's attributes")
+                                    "torch.compile (and with fake tensors) a modifier's tensors must be found from "
+                                    "its closure, globals or defaults through lists, tuples, dicts, functions and "
+                                    "attributes, not made while it runs")
             paths.append(found[id(t)])
         if kind == "score":
             n_score = len(mod.tensors)
@@ -92,30 +94,38 @@ def _roots(fn: Callable) -> list[tuple[tuple, Any]]:
 
 
 def _walk(value: Any, path: tuple, tensors: tuple, found: dict[int, tuple], constants: list, depth: int,
-          seen: set[int]) -> None:
-    """Record in `found` the path of each of `tensors` reachable from `value` (through list/tuple/dict items and the
-    functions it names: a helper the modifier calls), in `constants` the numbers, strings, bools and Nones."""
+          seen: set[int], objects: bool = False) -> None:
+    """Record in `found` the path of each of `tensors` reachable from `value` (through list/tuple/dict items, the
+    functions it names: a helper the modifier calls, and with `objects` attributes: a module's parameters, buffers,
+    submodules and plain attributes, another object's instance attributes), in `constants` the numbers, strings,
+    bools and Nones on the way."""
     if isinstance(value, torch.Tensor):
         if any(value is t for t in tensors):
             found.setdefault(id(value), path)
         return
     if value is None or isinstance(value, (bool, numbers.Number, str)):
-        if value == value:  # not NaN, which equals nothing
+        if value == value and (path, value) not in constants:  # not NaN, which equals nothing
             constants.append((path, value))
         return
-    if depth >= MAX_DEPTH or id(value) in seen:
+    if depth >= MAX_DEPTH or id(value) in seen or isinstance(value, (type, types.ModuleType)):
         return
     seen.add(id(value))
     if isinstance(value, types.FunctionType):
-        for step, v in _roots(value):
-            _walk(v, path + (step,), tensors, found, constants, depth + 1, seen)
+        children = [(step, v) for step, v in _roots(value)]
     elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _walk(v, path + (("item", i),), tensors, found, constants, depth + 1, seen)
+        children = [(("item", i), v) for i, v in enumerate(value)]
     elif isinstance(value, dict):
-        for key, v in value.items():
-            if isinstance(key, (str, int)):
-                _walk(v, path + (("item", key),), tensors, found, constants, depth + 1, seen)
+        children = [(("item", k), v) for k, v in value.items() if isinstance(k, (str, int))]
+    elif objects and isinstance(value, torch.nn.Module):
+        members = {**value._parameters, **value._buffers, **value._modules}
+        members.update((k, v) for k, v in vars(value).items() if not k.startswith("_") and k != "training")
+        children = [(("attr", k), v) for k, v in members.items()]
+    elif objects and hasattr(value, "__dict__") and not callable(value):
+        children = [(("attr", k), v) for k, v in vars(value).items() if not k.startswith("__")]
+    else:
+        return
+    for step, v in children:
+        _walk(v, path + (step,), tensors, found, constants, depth + 1, seen, objects)
 
 
 def fetch(score_mod: Optional[Callable], mask_mod: Optional[Callable], path: tuple) -> Any:
@@ -129,6 +139,8 @@ def fetch(score_mod: Optional[Callable], mask_mod: Optional[Callable], path: tup
             value = value.__globals__[key]
         elif where == "default":
             value = value.__defaults__[key]
+        elif where == "attr":
+            value = getattr(value, key)
         else:
             value = value[key]
     return value

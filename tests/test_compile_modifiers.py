@@ -173,16 +173,13 @@ def test_a_modifier_made_inside_the_compiled_function_breaks_the_graph():
 def test_traced_refusals():
     q = meta(1, 32, 8, 64)
 
-    class Holder:
-        table = torch.zeros(8, device="meta")
+    base = torch.zeros(8, device="meta")
 
-    held = Holder()
-
-    def from_attribute(score, b, h, q_idx, kv_idx):
-        return score + held.table[h]
+    def made_while_running(score, b, h, q_idx, kv_idx):
+        return score + (base + 1)[h]  # a table no path leads to
 
     with pytest.raises(ModifierError, match="cannot reach"):
-        flashgen.attention(q, q, q, score_mod=from_attribute)
+        flashgen.attention(q, q, q, score_mod=made_while_running)
     with pytest.raises(NotImplementedError, match="block_mask is for eager calls"):
         flashgen.attention(q, q, q, mask_mod=EX["causal"].mask_mod, block_mask=object())
     with pytest.raises(ValueError, match="does not combine with softcap"):
@@ -194,3 +191,47 @@ def test_traced_refusals():
 
     with pytest.raises(NotImplementedError, match="a mask has no gradient"):
         flashgen.attention(q, q, q, mask_mod=soft_document)
+
+
+class Biased(torch.nn.Module):
+    """FlexAttention's usual shape: the modifier made in forward, reading the module's parameter and settings."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(8, 127, device="meta"))
+        self.window = 16
+
+    def forward(self, q, k, v):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + self.bias[h, q_idx - kv_idx + 63]
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (q_idx - kv_idx <= self.window) & (q_idx >= kv_idx)
+
+        return flashgen.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+
+
+def test_a_modules_modifiers_reach_its_parameters_through_attributes():
+    """Modifiers made in a module's forward read its parameter through `self`: eager on meta tensors, and compiled
+    (a graph break at the trace, the parameter an input of the operator and given its gradient); a changed setting
+    recompiles."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    model = Biased()
+    q = meta(1, 64, 8, 64, grad=True)
+    assert model(q, q, q).shape == q.shape
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    compiled(q, q, q).float().sum().backward()
+    assert model.bias.grad.shape == model.bias.shape
+    assert op_nodes(graphs) and op_nodes(graphs, BACKWARD_OP)
+    forwards = len(op_nodes(graphs))
+    model.window = 8
+    compiled(q, q, q)
+    assert len(op_nodes(graphs)) == forwards + 1  # a new graph with the new mask
