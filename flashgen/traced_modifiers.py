@@ -4,7 +4,8 @@ operator and the modifier tracing that stays outside the graph.
 A modifier is a Python function run on flashgen's proxies (flashgen.modifiers), which dynamo cannot trace into a
 graph. `graph_modifiers` traces it where dynamo takes the result as a constant (torch.compiler.assume_constant_result:
 dynamo calls it on the real function while compiling) and returns, with the digests, where each tensor the modifier
-reads lives in the function (a closure cell, a global, a default, then list/tuple/dict items). The traced code
+reads lives (a closure cell, a global, a default, then list/tuple/dict items, functions it calls, objects'
+attributes). The traced code
 fetches those tensors by path, so dynamo sees them as graph inputs (guarded, read at every call, captured by CUDA
 graphs) and passes them to the operator, whose body finds the registered modifier by digest. The Python numbers and
 strings the function reads are fetched by path too and compared with the values it was traced with: dynamo then
@@ -26,7 +27,7 @@ from .modifier_grads import captured_grads
 from .modifiers import ModifierError, lookup, trace_cached
 from .ops import dense_mods_forward, flex_backward
 
-MAX_DEPTH = 5  # functions, lists, tuples and dicts searched into for a captured tensor, from the modifier
+MAX_DEPTH = 5  # functions, containers and objects searched into for a captured tensor, from the modifier
 
 
 @torch.compiler.assume_constant_result
@@ -35,7 +36,7 @@ def graph_modifiers(score_mod: Optional[Callable], mask_mod: Optional[Callable])
     mask_mod's), ((path, value) of each number, string, bool or None the functions read)), "" for a modifier not
     given. A path is (kind, then steps ("closure", cell index), ("global", name), ("default", position) into a
     function, ("item", key) into a list, tuple or dict, ("attr", name) into an object).
-    ModifierError where a tensor a modifier reads is not reachable by such a path (an object's attribute)."""
+    ModifierError where a tensor a modifier reads is not reachable by such a path (made while the modifier runs)."""
     digests, paths, constants, n_score = [], [], [], 0
     for kind, fn in (("score", score_mod), ("mask", mask_mod)):
         if fn is None:

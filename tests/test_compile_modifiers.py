@@ -235,3 +235,32 @@ def test_a_modules_modifiers_reach_its_parameters_through_attributes():
     model.window = 8
     compiled(q, q, q)
     assert len(op_nodes(graphs)) == forwards + 1  # a new graph with the new mask
+
+
+def test_closures_from_a_factory_reuse_the_graph_until_what_they_read_differs():
+    """New closures of the same code: new tables of the same dtype reuse the compiled graph (they are its inputs); a
+    different number closed over, or a table of another dtype, recompiles with the new digest."""
+    def window(w):
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (q_idx - kv_idx <= w) & (q_idx >= kv_idx)
+        return mask_mod
+
+    def per_head(table):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + table[h]
+        return score_mod
+
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    backend = EagerAndRecordGraphs()
+    block = torch.compile(lambda q, m, s: flashgen.attention(q, q, q, mask_mod=m, score_mod=s), fullgraph=True,
+                          backend=backend)
+    q = meta(1, 32, 8, 64)
+    seen = []
+    for w, dtype in ((4, torch.float32), (4, torch.float32), (8, torch.float32), (8, torch.float16)):
+        block(q, window(w), per_head(torch.zeros(8, dtype=dtype, device="meta")))
+        seen.append((len(backend.graphs), op_nodes(backend.graphs[-1:])[0].args[4:6]))
+    assert [n for n, _ in seen] == [1, 1, 2, 3]
+    digests = [d for _, d in seen]
+    assert digests[2][0] == digests[1][0] and digests[2][1] != digests[1][1]  # the mask's number changed
+    assert digests[3][0] != digests[2][0] and digests[3][1] == digests[2][1]  # the table's dtype changed
