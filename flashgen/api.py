@@ -32,6 +32,12 @@ def _ops() -> Any:
     return ops
 
 
+def _traced_modifiers() -> Any:
+    from . import traced_modifiers  # noqa: PLC0415  (torch operators: a torch tensor in the call proves torch is there)
+
+    return traced_modifiers
+
+
 def _check_options(causal: Any, softmax_scale: Any) -> None:
     """The call's flags, before anything else reads them: a string or a tensor there is a caller's mistake that
     would otherwise surface as a wrong mask or an error from deep inside a launch."""
@@ -108,8 +114,9 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
                     deterministic: bool = False) -> Any:
     """`attention` with a score_mod, mask_mod or BlockMask: traced (flashgen.modifiers, reused while the function
     and what it reads are the same) into the sm80 family's serving forward, with a block map wherever there is a
-    mask (flashgen.blockmap). Torch tensors, eager; differentiable in q, k, v (the sm80 backward generated with the
-    same modifiers) and the float tensors the score_mod reads."""
+    mask (flashgen.blockmap). Torch tensors; differentiable in q, k, v (the sm80 backward generated with the
+    same modifiers) and the float tensors the score_mod reads. Traced calls (torch.compile, fake and meta tensors)
+    go through the flashgen::attention_modified operator (flashgen.traced_modifiers), without block_mask."""
     if not is_torch(q):
         raise TypeError("score_mod and mask_mod take torch tensors")
     if stream is not None:
@@ -118,10 +125,19 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
         raise ValueError("score_mod and mask_mod are not built for FP8 inputs")
     if arch not in (None, "sm80"):
         raise ValueError(f"score_mod and mask_mod are built in family sm80 (it runs on Hopper too), not arch={arch!r}")
-    if traced(q):
-        raise NotImplementedError("score_mod and mask_mod run eagerly only (no torch operator takes a Python "
-                                  "modifier yet): not under torch.compile, nor with fake or meta tensors")
     mods = check_dense(q, k, v, window_size, softcap, alibi_slopes, causal)
+    if traced(q):
+        if block_mask is not None:
+            raise NotImplementedError("block_mask is for eager calls: under torch.compile, or with fake or meta "
+                                      "tensors, pass its mask_mod as mask_mod= (flashgen builds the block map from it "
+                                      "on the device)")
+        if score_mod is not None and (mods.softcap or mods.alibi is not None):
+            raise ValueError("a score_mod does not combine with softcap or alibi_slopes: write them into the "
+                             "score_mod")
+        check_grad_scale(softmax_scale, q, k, v)
+        out, lse = _traced_modifiers().modified_attention(q, k, v, causal, softmax_scale, mods, score_mod, mask_mod,
+                                                          deterministic)
+        return (out, lse) if return_lse else out
     block_map = None
     if block_mask is not None:
         mask_mod = _block_mask_mod(block_mask, mask_mod)
@@ -176,8 +192,8 @@ def _serving_modifiers(q: Any, score_mod: Any, mask_mod: Any, block_mask: Any, m
     if score_mod is not None and (mods.softcap or mods.alibi is not None):
         raise ValueError("a score_mod does not combine with softcap or alibi_slopes: write them into the score_mod")
     if traced(q):
-        raise NotImplementedError("score_mod and mask_mod run eagerly only (no torch operator takes a Python "
-                                  "modifier yet): not under torch.compile, nor with fake or meta tensors")
+        raise NotImplementedError(f"{call} takes score_mod and mask_mod eagerly only: not under torch.compile, nor "
+                                  "with fake or meta tensors (flashgen.attention's dense calls take them there)")
     score = trace_cached(score_mod, "score") if score_mod is not None else None
     mask = trace_cached(mask_mod, "mask") if mask_mod is not None else None
     _refuse_mask_grad(mask)
@@ -241,8 +257,11 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     (flashgen.modifiers; tensors it indexes are read by the kernel) and compiled into an sm80-family kernel of
     its own. q_idx and kv_idx count from 0 in q and in k (no bottom-right alignment, unlike causal). They combine
     with causal, window_size and (mask_mod) softcap and ALiBi, whose masks apply after them. A row that keeps no
-    key gives O = 0 and LSE = +inf. Torch tensors, eager; differentiable in q, k, v and the float tensors a
-    score_mod reads (a learnable bias; flashgen.modifier_grads).
+    key gives O = 0 and LSE = +inf. Torch tensors; differentiable in q, k, v and the float tensors a
+    score_mod reads (a learnable bias; flashgen.modifier_grads). Under torch.compile (fullgraph=True where the
+    modifiers are defined outside the compiled function) and with fake or meta tensors the call goes through the
+    `flashgen::attention_modified` operator, the modifier traced outside the graph and the tensors it reads passed
+    as the operator's inputs (docs/programmable.md); block_mask is for eager calls.
     block_mask: torch's BlockMask (torch.nn.attention.flex_attention.create_block_mask) for seqlen_q x seqlen_k:
     key tiles it leaves empty are skipped, full ones run without the mask_mod, partial ones with its mask_mod.
     Without one, flashgen builds a mask_mod's block map itself (flashgen.blockmap; kept while the tensors it reads

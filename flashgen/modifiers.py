@@ -15,9 +15,11 @@ reads of integer tensors and casts are long long) and "bool".
 from __future__ import annotations
 
 import builtins
+import contextlib
 import hashlib
 import math
 import numbers
+import sys
 import threading
 import types
 import weakref
@@ -234,7 +236,8 @@ def _seen(fn: Callable) -> tuple | None:
 
 def _fingerprint(value: Any, depth: int) -> Any:
     if _is_tensor(value):
-        return ("tensor", id(value), value.data_ptr(), tuple(value.shape), tuple(value.stride()), str(value.dtype),
+        ptr = None if getattr(value, "fake_mode", None) is not None else value.data_ptr()  # a FakeTensor has none
+        return ("tensor", id(value), ptr, tuple(value.shape), tuple(value.stride()), str(value.dtype),
                 str(value.device))
     if value is None or isinstance(value, (numbers.Number, str, bytes)):
         return (type(value).__name__, value)
@@ -608,6 +611,28 @@ def _closure_names(fn: Callable, captured: dict[str, Any] | None) -> dict[int, s
     return names
 
 
+_PROXY_MODE: list = []  # the TorchFunctionMode class, made once torch is imported
+
+
+def _proxy_mode() -> Any:
+    """A torch function mode that sends torch calls taking a proxy to the tracer: a tensor subclass whose own
+    __torch_function__ is disabled (FakeTensor) would otherwise index itself with the proxy (`fake_table[h]`). A null
+    context where torch is not imported (no tensor can be captured then)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return contextlib.nullcontext()
+    if not _PROXY_MODE:
+        class ProxyCalls(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+                kwargs = kwargs or {}
+                if any(isinstance(a, (_Proxy, _View)) for a in _walk((args, kwargs))):
+                    return _Proxy.__torch_function__(func, types, args, kwargs)
+                return func(*args, **kwargs)
+
+        _PROXY_MODE.append(ProxyCalls)
+    return _PROXY_MODE[0]()
+
+
 def _trace(fn: Callable, kind: str, captured: dict[str, Any] | None) -> Modifier:
     tracer = _Tracer(kind, _closure_names(fn, captured))
     inputs = SCORE_INPUTS if kind == "score" else MASK_INPUTS
@@ -615,7 +640,8 @@ def _trace(fn: Callable, kind: str, captured: dict[str, Any] | None) -> Modifier
     with _TRACE_LOCK:  # builtins.min/max take proxies while tracing; the wrappers pass anything else through
         builtins.min, builtins.max = _min, _max
         try:
-            out = fn(*proxies)
+            with _proxy_mode():
+                out = fn(*proxies)
         except ModifierError:
             raise
         except Exception as e:

@@ -29,7 +29,7 @@ LAYERS = {
     # which kernel: the tuned store and every lookup of it
     "flashgen.store": 5, "flashgen.resolve": 5,
     # the torch operators and autograd
-    "flashgen.ops": 6,
+    "flashgen.ops": 6, "flashgen.traced_modifiers": 6,
     # the public face
     "flashgen.api": 7, "flashgen": 7, "flashgen.integrations": 7,
     # on top: verification, timing, tuners, benches, comparisons, export, the command line

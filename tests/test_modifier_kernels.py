@@ -171,16 +171,19 @@ def test_modifier_tail_packs_score_then_mask_tensors():
         modifier_tail(cfg, Mods(score_mod=traced("alibi_causal")[0], mask_mod=doc), 0)  # the CPU slopes
 
 
-def test_attention_with_a_modifier_is_eager():
+def test_attention_with_a_modifier_on_meta_tensors_goes_through_the_operator():
+    """Meta tensors (with or without autograd) take flashgen::attention_modified's fake implementation; a forced
+    family other than sm80 is refused before anything is traced."""
     import flashgen
 
     q = torch.randn(1, 8, 2, 64, dtype=torch.float16, requires_grad=True)
     k = v = torch.randn(1, 8, 2, 64, dtype=torch.float16)
     causal = EXAMPLES["causal"].mask_mod
-    with pytest.raises(NotImplementedError, match="eagerly"):
-        flashgen.attention(q.to("meta"), k.to("meta"), v.to("meta"), mask_mod=causal)
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="eagerly"):
-        flashgen.attention(q.to("meta"), k.to("meta"), v.to("meta"), mask_mod=causal)
+    out = flashgen.attention(q.to("meta"), k.to("meta"), v.to("meta"), mask_mod=causal)
+    assert out.shape == q.shape and out.is_meta and out.requires_grad
+    with torch.no_grad():
+        out, lse = flashgen.attention(q.to("meta"), k.to("meta"), v.to("meta"), mask_mod=causal, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (1, 2, 8) and lse.dtype == torch.float32
     with torch.no_grad(), pytest.raises(ValueError, match="family sm80"):
         flashgen.attention(q, k, v, mask_mod=causal, arch="sm90")
 
