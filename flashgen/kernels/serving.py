@@ -23,6 +23,7 @@ from .dense import compiled_kernel
 SERVE_PARAMS = abi.SERVE.struct
 _MOD_TAIL = abi.SERVE_MOD.tail("t0.ptr")  # the captured tensors' slots after ServeParams (ServeModParams)
 _SM90_SERVE_TAIL = abi.SM90_SERVE_FWD.tail("cu_seqlens_q")  # what follows the tensor maps and FwdParams
+_SM90_SERVE_MOD_TAIL = abi.SM90_SERVE_MOD_FWD.tail("cu_seqlens_q")  # the same with a modifier's slots after it
 # Decode tiles (at most 32 query rows per sequence, packed): (block_m, block_n, num_warps, num_stages)
 # by head dim. Two warps even for 16 rows: one warp alone holds the K/V copies of a tile and its
 # accumulators, and spills at d128 and d256 where pages are smaller than a tile.
@@ -240,10 +241,16 @@ class ServeLaunch(NamedTuple):
 
 
 def modifier_tail(cfg: KernelConfig, mods: Mods, device: int, batch: int = 1, heads: int = 1) -> bytes:
-    """The ModTensor slots of ServeModParams: the tensors of mods.score_mod, then of mods.mask_mod, each its
-    pointer and strides (in elements; 0 past its rank), the rest null; then, with cfg.block_map, the lists of
-    mods.block_map (at cfg's tiles, for `batch` sequences of `heads` heads; a dimension of 1 read with stride 0). The
-    call's modifiers must be the ones `cfg` was generated with (by digest), their tensors on `device`."""
+    """The ModTensor slots of ServeModParams, packed (modifier_values)."""
+    return _MOD_TAIL.pack(*modifier_values(cfg, mods, device, batch, heads))
+
+
+def modifier_values(cfg: KernelConfig, mods: Mods, device: int, batch: int = 1, heads: int = 1) -> list[int]:
+    """The ModTensor slots' values (of ServeModParams, and of Sm90ServeModFwdParams after its serving fields): the
+    tensors of mods.score_mod, then of mods.mask_mod, each its pointer and strides (in elements; 0 past its rank),
+    the rest null; then, with cfg.block_map, the lists of mods.block_map (at cfg's tiles, for `batch` sequences of
+    `heads` heads; a dimension of 1 read with stride 0). The call's modifiers must be the ones `cfg` was generated
+    with (by digest), their tensors on `device`."""
     values: list[int] = []
     for kind, mod in (("score_mod", mods.score_mod), ("mask_mod", mods.mask_mod)):
         digest = mod.digest if mod is not None else ""
@@ -259,7 +266,7 @@ def modifier_tail(cfg: KernelConfig, mods: Mods, device: int, batch: int = 1, he
     if slots > MAX_CAPTURED:
         raise ValueError(f"score_mod and mask_mod read {slots} tensors; a kernel takes at most {MAX_CAPTURED}")
     values += [0] * ((MAX_CAPTURED - slots) * (1 + MAX_RANK))
-    return _MOD_TAIL.pack(*values, *_map_slots(cfg, mods.block_map, device, batch, heads))
+    return values + _map_slots(cfg, mods.block_map, device, batch, heads)
 
 
 def _map_slots(cfg: KernelConfig, block_map: Any, device: int, batch: int, heads: int) -> list[int]:
@@ -331,9 +338,12 @@ def _launch_sm90(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, 
                                                                            cfg.smem_w, rows), cfg.row_bytes)
                     for t, n, heads, rows in ((q, sq, h, cfg.block_m), (k, sk, hk, cfg.block_n), (v, sk, hk, cfg.block_n)))
     sinks = kernel_sinks(mods.sinks)  # alive until the launch is queued (the allocator orders its reuse)
-    tail = _SM90_SERVE_TAIL.pack(0 if cu_q is None else cu_q.data_ptr(), 0 if cu_k is None else cu_k.data_ptr(),
-                                 *mods.window, num_seqs, max_seqlen_q, error_word(dev),
-                                 0 if sinks is None else sinks.data_ptr())
+    serve = (0 if cu_q is None else cu_q.data_ptr(), 0 if cu_k is None else cu_k.data_ptr(), *mods.window, num_seqs,
+             max_seqlen_q, error_word(dev), 0 if sinks is None else sinks.data_ptr())
+    if cfg.modified:  # the captured tensors' and the block map's slots follow (Sm90ServeModFwdParams)
+        tail = _SM90_SERVE_MOD_TAIL.pack(*serve, *modifier_values(cfg, mods, dev, b, h))
+    else:
+        tail = _SM90_SERVE_TAIL.pack(*serve)
     params = (maps + fwd + tail).ljust(SM90_BYTES, b"\0")
     if max_seqlen_q * h * num_seqs:
         grid = cfg.grid(num_seqs, h, max_seqlen_q, arch_and_slots(dev)[1] if cfg.persistent else None)
@@ -461,4 +471,5 @@ def append_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, bl
 __all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "ServeLaunch", "append_kv",
            "arch_and_slots", "call_features", "choose_splits", "decode_config", "has_mods", "kernel_sinks",
            "kvcache_launch", "launch_prefill", "list_slots", "modifier_config", "modifier_digests", "modifier_tail",
+           "modifier_values",
            "run_plan", "serve_config", "serve_grids", "want_split"]
