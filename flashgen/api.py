@@ -86,8 +86,9 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
                     alibi_slopes: Any, score_mod: Any, mask_mod: Any, block_mask: Any = None,
                     deterministic: bool = False) -> Any:
     """`attention` with a score_mod, mask_mod or BlockMask: traced (flashgen.modifiers, reused while the function
-    and what it reads are the same) into the sm80 family's serving forward, with a block map wherever there is a
-    mask (flashgen.blockmap). Torch tensors, eager; differentiable in q, k, v (the sm80 backward generated with the
+    and what it reads are the same) into the forward of family `arch` (None: the GPU's own; on Hopper the sm90
+    family's where it builds the call, else the sm80 family's serving forward), with a block map wherever there is
+    a mask (flashgen.blockmap). Torch tensors, eager; differentiable in q, k, v (the sm80 backward generated with the
     same modifiers) and the float tensors the score_mod reads."""
     if not is_torch(q):
         raise TypeError("score_mod and mask_mod take torch tensors")
@@ -95,8 +96,9 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
         raise TypeError(STREAM_FOR_TORCH)
     if fp8_args or str(q.dtype) == "torch.float8_e4m3fn":
         raise ValueError("score_mod and mask_mod are not built for FP8 inputs")
-    if arch not in (None, "sm80"):
-        raise ValueError(f"score_mod and mask_mod are built in family sm80 (it runs on Hopper too), not arch={arch!r}")
+    if arch not in (None, "sm80", "sm90"):
+        raise ValueError(f"score_mod and mask_mod are built in families sm80 (it runs on Hopper too) and sm90, not "
+                         f"arch={arch!r}")
     if traced(q):
         raise NotImplementedError("score_mod and mask_mod run eagerly only (no torch operator takes a Python "
                                   "modifier yet): not under torch.compile, nor with fake or meta tensors")
@@ -114,9 +116,9 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
     mods = mods._replace(score_mod=score, mask_mod=mask, block_map=block_map)
     if wants_grad(q, k, v) or _tables_want_grad(score):
         check_grad_scale(softmax_scale, q, k, v)
-        out, lse = _ops().flex_attention(q, k, v, causal, softmax_scale, mods, deterministic)
+        out, lse = _ops().flex_attention(q, k, v, causal, softmax_scale, mods, deterministic, arch)
     else:
-        out, lse = _ops().dense_mods_forward(q, k, v, causal, softmax_scale, mods, return_lse)
+        out, lse = _ops().dense_mods_forward(q, k, v, causal, softmax_scale, mods, return_lse, arch)
     return (out, lse) if return_lse else out
 
 

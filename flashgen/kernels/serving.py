@@ -394,13 +394,46 @@ def call_features(mods: Mods, causal: bool) -> dict[str, bool]:
 
 def modifier_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, mods: Mods,
                     **features: bool) -> KernelConfig:
-    """serve_config's kernel for a call with a score_mod, mask_mod or block map (family sm80 on every GPU: the sm90
-    family has no modifier slot), generated with the call's modifiers and other score modifiers; with a block map
+    """serve_config's kernel for a call with a score_mod, mask_mod or block map (family sm80; sm90_modifier_config
+    gives Hopper's own), generated with the call's modifiers and other score modifiers; with a block map
     wherever the call has a mask_mod or a block map (its tiles are the kernel's: blockmap.BlockMap.retile)."""
     return serve_config(head_dim, dtype, causal, rows, arch, **call_features(mods, causal), **features,
                         score_mod=mods.score_mod.digest if mods.score_mod is not None else "",
                         mask_mod=mods.mask_mod.digest if mods.mask_mod is not None else "",
                         block_map=mods.mask_mod is not None or mods.block_map is not None)
+
+
+# The sm90 family's tiles of a kernel with modifiers (block_m, block_n, warps, stages), by head dim, widest first: the
+# in-order schedule holds S and O in registers beside the modifier's reads and arithmetic; a 128-key tile spills with
+# FlexAttention's heavier examples (a table read per score and a mask), 64 keys build them all spill-free.
+_SM90_MODIFIER_TILES = {32: [(128, 128, 12, 2), (128, 64, 12, 2)], 64: [(128, 128, 12, 2), (128, 64, 12, 2)],
+                        96: [(128, 128, 12, 2), (128, 64, 12, 2)], 128: [(128, 128, 12, 2), (128, 64, 12, 2)],
+                        256: [(128, 64, 12, 2)]}
+SM90_MODIFIER_FEATURES = ("window", "sinks")  # what an sm90 modifier kernel also builds (dense: no varlen)
+
+
+def sm90_modifier_config(head_dim: int, dtype: str, causal: bool, mods: Mods) -> KernelConfig | None:
+    """The sm90 family's forward for a dense call with a score_mod, mask_mod or block map (Hopper): the in-order,
+    non-persistent kernel with the call's modifiers, a block map wherever the call has a mask_mod or a block map, and
+    its window or sinks; the widest of _SM90_MODIFIER_TILES that ptxas builds without spills or serialized wgmma. None
+    where the family does not build the call (softcap, ALiBi, FP8, other head dims): the sm80 family's kernel then."""
+    features = call_features(mods, causal)
+    wanted = {f for f, on in features.items() if on}
+    if head_dim not in _SM90_MODIFIER_TILES or dtype not in ("fp16", "bf16") or not wanted <= set(SM90_MODIFIER_FEATURES):
+        return None
+    cfgs = [KernelConfig(head_dim, dtype, causal, bm, bn, w, s, "sm90", **features,
+                         score_mod=mods.score_mod.digest if mods.score_mod is not None else "",
+                         mask_mod=mods.mask_mod.digest if mods.mask_mod is not None else "",
+                         block_map=mods.mask_mod is not None or mods.block_map is not None)
+            for bm, bn, w, s in _SM90_MODIFIER_TILES[head_dim]]
+    return next((c for c in cfgs[:-1] if _builds_clean(c)), cfgs[-1])
+
+
+@functools.lru_cache(maxsize=256)
+def _builds_clean(cfg: KernelConfig) -> bool:
+    """Whether ptxas builds `cfg` for sm_90a without spills and without serializing its wgmmas (C7512/C7513/C7519)."""
+    kern = compiled_kernel(cfg, target_for("sm90", cfg.family))
+    return not kern.resources.spills and not any(code in kern.ptxas_log for code in ("C7512", "C7513", "C7519"))
 
 
 def modifier_digests(mods: Mods) -> dict[str, str]:
@@ -472,4 +505,4 @@ __all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "
            "arch_and_slots", "call_features", "choose_splits", "decode_config", "has_mods", "kernel_sinks",
            "kvcache_launch", "launch_prefill", "list_slots", "modifier_config", "modifier_digests", "modifier_tail",
            "modifier_values",
-           "run_plan", "serve_config", "serve_grids", "want_split"]
+           "run_plan", "serve_config", "serve_grids", "sm90_modifier_config", "want_split"]
