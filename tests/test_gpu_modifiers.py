@@ -98,26 +98,60 @@ def qkv(batch, sq, sk, heads, heads_k, d, dtype, seed=0):
 
 
 NAMES = sorted(examples())
+# The forward's template family (attention's arch=): sm80's serving kernel everywhere; sm90's own on Hopper.
+FAMILIES = ["sm80", "sm90"]
 
 
+def needs_family(family):
+    if family == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 family runs on Hopper only")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("dtype", sorted(DT))
 @pytest.mark.parametrize("name", NAMES)
-def test_examples_against_the_reference(name, dtype, layout):
+def test_examples_against_the_reference(name, dtype, layout, family):
+    needs_family(family)
     heads, heads_k = LAYOUTS[layout]
     ex = examples("cuda", batch=2, heads=heads)[name]
     for i, (sq, sk) in enumerate(SHAPES):
         q, k, v = qkv(2, sq, sk, heads, heads_k, 64, dtype, seed=i)
-        check(q, k, v, 64 ** -0.5, ex.score_mod, ex.mask_mod)
+        check(q, k, v, 64 ** -0.5, ex.score_mod, ex.mask_mod, arch=family)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("head_dim", [96, 128, 256])
 @pytest.mark.parametrize("name", ["alibi_causal", "softcap_document", "relative_bias", "prefix_lm"])
-def test_head_dims(name, head_dim):
+def test_head_dims(name, head_dim, family):
+    needs_family(family)
     ex = examples("cuda", batch=2, heads=4)[name]
     for i, (sq, sk) in enumerate([(17, 113), (1023, 1023)]):
         q, k, v = qkv(2, sq, sk, 4, 2, head_dim, "bf16", seed=i)
-        check(q, k, v, head_dim ** -0.5, ex.score_mod, ex.mask_mod)
+        check(q, k, v, head_dim ** -0.5, ex.score_mod, ex.mask_mod, arch=family)
+
+
+@pytest.mark.parametrize("dtype", sorted(DT))
+def test_sm90_forward_is_taken_and_agrees(dtype):
+    """On Hopper a dense modifier call takes the sm90 family's forward (arch=None); it agrees with the reference at
+    softmax scales the score_mod sees signed (negative, zero), causal beside a mask_mod, a window, and with a
+    captured table; arch="sm80" keeps the sm80 family."""
+    from flashgen import ops
+    from flashgen.checks import Mods
+    from flashgen.modifiers import trace_mask_mod, trace_score_mod
+
+    needs_family("sm90")
+    ex = examples("cuda", batch=2, heads=8)
+    mods = Mods(score_mod=trace_score_mod(ex["relative_bias"].score_mod),
+                mask_mod=trace_mask_mod(ex["document"].mask_mod))
+    assert ops.modifier_kernel(0, 128, dtype, False, 1023, 4, mods).family == "sm90"
+    assert ops.modifier_kernel(0, 128, dtype, False, 1023, 4, mods, "sm80").family == "sm80"
+    for i, (sq, sk) in enumerate([(1, 1023), (113, 211), (1023, 1023), (1023, 517)]):
+        q, k, v = qkv(2, sq, sk, 8, 2, 128, dtype, seed=i)
+        for scale in (0.1, -0.1, 0.0):
+            check(q, k, v, scale, ex["alibi"].score_mod, None)
+        check(q, k, v, 0.1, ex["relative_bias"].score_mod, ex["document"].mask_mod, causal=True)
+        check(q, k, v, 0.1, ex["softcap"].score_mod, ex["prefix_lm"].mask_mod)
 
 
 def test_scales_and_other_modifiers_combine():
