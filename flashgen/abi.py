@@ -349,7 +349,8 @@ SM90_BWD = Block("Sm90BwdParams", "FLASHGEN_SM90_BWD_PARAMS", (
 ))
 
 BLOCKS: dict[str, Block] = {b.name: b for b in (FWD, SERVE, MOD_TENSOR, SERVE_MOD, BWD, BWD_SERVE, BWD_SERVE_MOD, SM90_FWD,
-                                                 SM90_SERVE_FWD, SM90_SERVE_MOD_FWD, FP8_DESCALE, SM90_FP8_FWD, SM90_BWD)}
+                                                 SM90_SERVE_FWD, SM90_SERVE_MOD_FWD, FP8_DESCALE, SM90_FP8_FWD,
+                                                 SM90_BWD)}
 
 __all__ = ["BLOCKS", "BWD", "BWD_SERVE", "BWD_SERVE_MOD", "Block", "FP8_DESCALE", "FWD", "Field", "Line", "MOD_TENSOR", "SERVE",
            "SERVE_INPUTS", "SERVE_MOD",

@@ -154,8 +154,8 @@ class KernelConfig(_AsDict):
     # Attention sinks (gpt-oss): a learnable logit per head joins every row's softmax denominator as a key whose
     # value is zero; folded in once at the row's end (split-KV: in the combine), the key loop is the same.
     sinks: bool = False
-    # Programmable attention (sm80 family's serving kernels; sm90's in-order dense forward): the digests of a traced score_mod and mask_mod
-    # (flashgen.modifiers; "" = none). The render finds their CUDA text by digest.
+    # Programmable attention (sm80 family's serving kernels; sm90's in-order dense forward): the digests of a traced
+    # score_mod and mask_mod (flashgen.modifiers; "" = none). The render finds their CUDA text by digest.
     score_mod: str = ""
     mask_mod: str = ""
     # The key tiles each row block visits come from a block map (flashgen.blockmap): empty tiles are never loaded,

@@ -419,7 +419,9 @@ def sm90_modifier_config(head_dim: int, dtype: str, causal: bool, mods: Mods) ->
     where the family does not build the call (softcap, ALiBi, FP8, other head dims): the sm80 family's kernel then."""
     features = call_features(mods, causal)
     wanted = {f for f, on in features.items() if on}
-    if head_dim not in _SM90_MODIFIER_TILES or dtype not in ("fp16", "bf16") or not wanted <= set(SM90_MODIFIER_FEATURES):
+    if head_dim not in _SM90_MODIFIER_TILES or dtype not in ("fp16", "bf16"):
+        return None
+    if not wanted <= set(SM90_MODIFIER_FEATURES):
         return None
     cfgs = [KernelConfig(head_dim, dtype, causal, bm, bn, w, s, "sm90", **features,
                          score_mod=mods.score_mod.digest if mods.score_mod is not None else "",
