@@ -41,7 +41,8 @@ def test_config_rules():
     assert cfg.modified and cfg.serving and cfg.family == "sm90" and cfg.name.endswith("_bmap")
     assert KernelConfig.from_dict(cfg.to_dict()) == cfg
     sm90_cfg("document", window=True, sinks=True, pingpong=True)  # window, sinks and pingpong build with them
-    for knob in ("overlap", "persistent", "cluster", "o_tma"):
+    sm90_cfg("document", overlap=True, pingpong=True, lazy_rescale=True)
+    for knob in ("persistent", "cluster", "o_tma"):
         with pytest.raises(ConfigError, match=f"non-persistent dense forward: not with {knob}"):
             sm90_cfg("alibi", **{knob: True})
     with pytest.raises(ConfigError, match="not with varlen"):
@@ -71,6 +72,20 @@ def test_render_applies_the_modifiers_on_the_accumulator(name):
     # producer and consumers walk one list of key tiles
     assert src.count("const int n0 = kt.n0(j);") == 3  # the producer's loads, softmax_tile and softmax_into
     assert "const int n_blocks = kt.count;" in src
+
+
+@pytest.mark.parametrize("name", ["relative_prefix_lm", "alibi", "document"])
+def test_render_of_the_overlapped_schedule_applies_them_as_the_softmax_reads_s(name):
+    """With overlap S is only read (its registers belong to an open wgmma stage): softmax_pack applies the modifiers
+    per score it reads, the masked variant on tiles the mask_mod decides."""
+    score, mask = trace(EXAMPLES[name])
+    src = render(sm90_cfg(name, overlap=True, pingpong=True))
+    args = "lane, P, sv, head, kt.full(j)" + (", to_score" if score else "")
+    assert src.count(f"softmax_pack<true>(acc_s, a, m_i, l_i, corr, scale_log2, m0 + warp_row0, n0, sv.seqlen_k, "
+                     f"win_lo, win_hi, {args});") == 1
+    assert ("win_lo || !kt.full(j))" in src) == (mask is not None)
+    assert ("const float x = score_mod_at(s[0][nt][e] * to_score, P, sv, head, row, col);" in src) == (score is not None)
+    assert ("if (!full && !mask_mod_at(P, sv, head, row, col)) return -INFINITY;" in src) == (mask is not None)
 
 
 def test_kernels_without_modifiers_render_without_them():
@@ -139,7 +154,7 @@ def test_routing_takes_the_sm90_forward_on_hopper(monkeypatch):
     monkeypatch.setattr(ops, "arch_and_slots", lambda device: ("sm90", 132))
     monkeypatch.setattr(ops, "tuned_modifier", lambda *a: None)
     cfg = ops.modifier_kernel(0, 128, "bf16", True, 4096, 1, mods_of("softcap_document"))
-    assert cfg.family == "sm90" and cfg.causal and cfg.block_map and not cfg.overlap and not cfg.persistent
+    assert cfg.family == "sm90" and cfg.causal and cfg.block_map and cfg.overlap and not cfg.persistent
     windowed = ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, mods_of("document", window=(64, 0)))
     assert windowed.family == "sm90" and windowed.window
     assert ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, mods_of("document"), "sm80").family == "sm80"
@@ -158,6 +173,8 @@ BUILDS = [("relative_prefix_lm", 128, "fp16", False), ("softcap_document", 64, "
 @needs_nvcc
 def test_sm90_modifier_kernels_compile_without_spills_or_serialized_wgmma():
     cfgs = [sm90_modifier_config(d, dt, causal, mods_of(name)) for name, d, dt, causal in BUILDS]
-    assert [c.block_n for c in cfgs] == [64, 128, 64, 128]  # a table read per score and a mask spill at 128 keys
+    # a table read per score and a mask spill at 128 keys; d256 spills with the overlapped schedule
+    assert [(c.block_n, c.overlap) for c in cfgs] == [(64, True), (128, True), (64, False), (128, True)]
     assert all(c.family == "sm90" and c.block_map for c in cfgs)
-    compile_sm90a_clean(cfgs)
+    in_order = [dataclasses.replace(c, overlap=False, pingpong=False) for c in cfgs[:2]]
+    compile_sm90a_clean(cfgs + in_order)

@@ -403,31 +403,36 @@ def modifier_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: st
                         block_map=mods.mask_mod is not None or mods.block_map is not None)
 
 
-# The sm90 family's tiles of a kernel with modifiers (block_m, block_n, warps, stages), by head dim, widest first: the
-# in-order schedule holds S and O in registers beside the modifier's reads and arithmetic; a 128-key tile spills with
-# FlexAttention's heavier examples (a table read per score and a mask), 64 keys build them all spill-free.
-_SM90_MODIFIER_TILES = {32: [(128, 128, 12, 2), (128, 64, 12, 2)], 64: [(128, 128, 12, 2), (128, 64, 12, 2)],
-                        96: [(128, 128, 12, 2), (128, 64, 12, 2)], 128: [(128, 128, 12, 2), (128, 64, 12, 2)],
-                        256: [(128, 64, 12, 2)]}
+# The sm90 family's kernels with modifiers, by head dim: (block_n, schedule knobs), the first that ptxas builds without
+# spills or serialized wgmma taken (the last unchecked). Two consumer warpgroups of 64 rows. FlashAttention-3's
+# schedule first (S of the next tile beside this one's P V, the warpgroups taking turns), then the in-order one, which
+# needs fewer registers; a table read per score beside a mask (FlexAttention's heavier examples) spills at 128 keys.
+SM90_OVERLAP = (("overlap", True), ("pingpong", True))
+SM90_IN_ORDER: tuple = ()
+SM90_MODIFIER_SCHEDULES = {
+    **{d: ((128, SM90_OVERLAP), (128, SM90_IN_ORDER), (64, SM90_OVERLAP), (64, SM90_IN_ORDER))
+       for d in (32, 64, 96, 128)},
+    256: ((64, SM90_OVERLAP), (64, SM90_IN_ORDER)),
+}
 SM90_MODIFIER_FEATURES = ("window", "sinks")  # what an sm90 modifier kernel also builds (dense: no varlen)
 
 
 def sm90_modifier_config(head_dim: int, dtype: str, causal: bool, mods: Mods) -> KernelConfig | None:
-    """The sm90 family's forward for a dense call with a score_mod, mask_mod or block map (Hopper): the in-order,
+    """The sm90 family's forward for a dense call with a score_mod, mask_mod or block map (Hopper): the
     non-persistent kernel with the call's modifiers, a block map wherever the call has a mask_mod or a block map, and
-    its window or sinks; the widest of _SM90_MODIFIER_TILES that ptxas builds without spills or serialized wgmma. None
-    where the family does not build the call (softcap, ALiBi, FP8, other head dims): the sm80 family's kernel then."""
+    its window or sinks; the first of SM90_MODIFIER_SCHEDULES that ptxas builds without spills or serialized wgmma.
+    None where the family does not build the call (softcap, ALiBi, FP8, other head dims): the sm80 family's then."""
     features = call_features(mods, causal)
     wanted = {f for f, on in features.items() if on}
-    if head_dim not in _SM90_MODIFIER_TILES or dtype not in ("fp16", "bf16"):
+    if head_dim not in SM90_MODIFIER_SCHEDULES or dtype not in ("fp16", "bf16"):
         return None
     if not wanted <= set(SM90_MODIFIER_FEATURES):
         return None
-    cfgs = [KernelConfig(head_dim, dtype, causal, bm, bn, w, s, "sm90", **features,
+    cfgs = [KernelConfig(head_dim, dtype, causal, 128, bn, 12, 2, "sm90", **features, **dict(knobs),
                          score_mod=mods.score_mod.digest if mods.score_mod is not None else "",
                          mask_mod=mods.mask_mod.digest if mods.mask_mod is not None else "",
                          block_map=mods.mask_mod is not None or mods.block_map is not None)
-            for bm, bn, w, s in _SM90_MODIFIER_TILES[head_dim]]
+            for bn, knobs in SM90_MODIFIER_SCHEDULES[head_dim]]
     return next((c for c in cfgs[:-1] if _builds_clean(c)), cfgs[-1])
 
 
@@ -507,4 +512,4 @@ __all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "
            "arch_and_slots", "call_features", "choose_splits", "decode_config", "has_mods", "kernel_sinks",
            "kvcache_launch", "launch_prefill", "list_slots", "modifier_config", "modifier_digests", "modifier_tail",
            "modifier_values",
-           "run_plan", "serve_config", "serve_grids", "sm90_modifier_config", "want_split"]
+           "run_plan", "serve_config", "serve_grids", "sm90_modifier_config", "SM90_MODIFIER_SCHEDULES", "want_split"]
