@@ -84,7 +84,8 @@ def test_render_of_the_overlapped_schedule_applies_them_as_the_softmax_reads_s(n
     assert src.count(f"softmax_pack<true>(acc_s, a, m_i, l_i, corr, scale_log2, m0 + warp_row0, n0, sv.seqlen_k, "
                      f"win_lo, win_hi, {args});") == 1
     assert ("win_lo || !kt.full(j))" in src) == (mask is not None)
-    assert ("const float x = score_mod_at(s[0][nt][e] * to_score, P, sv, head, row, col);" in src) == (score is not None)
+    pasted = "const float x = score_mod_at(s[0][nt][e] * to_score, P, sv, head, row, col);"
+    assert (pasted in src) == (score is not None)
     assert ("if (!full && !mask_mod_at(P, sv, head, row, col)) return -INFINITY;" in src) == (mask is not None)
 
 
