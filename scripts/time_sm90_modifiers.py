@@ -25,7 +25,8 @@ import flashgen  # noqa: E402
 from flashgen.kernels import serving  # noqa: E402
 
 HEADS = 16
-SCHEDULES = {"in_order": serving.SM90_IN_ORDER, "overlap": serving.SM90_OVERLAP}
+SCHEDULES = {"in_order": serving.SM90_IN_ORDER, "overlap": serving.SM90_OVERLAP,
+             "persistent": serving.SM90_OVERLAP + (("persistent", True),)}
 
 
 def forced(schedule: tuple) -> dict:

@@ -136,7 +136,8 @@ def test_head_dims(name, head_dim, family):
 
 # The sm90 modifier kernel's schedules (kernels.serving.SM90_MODIFIER_SCHEDULES): the rule's choice, and each one
 # forced (S rewritten in place after its wgmma, or read by the softmax beside the previous tile's P V).
-SCHEDULES = {"chosen": None, "in_order": (), "overlap": (("overlap", True), ("pingpong", True))}
+SCHEDULES = {"chosen": None, "in_order": (), "overlap": (("overlap", True), ("pingpong", True)),
+             "persistent": (("overlap", True), ("pingpong", True), ("persistent", True))}
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
@@ -159,6 +160,7 @@ def test_sm90_forward_is_taken_and_agrees(dtype, schedule, monkeypatch):
                 mask_mod=trace_mask_mod(ex["document"].mask_mod))
     cfg = ops.modifier_kernel(0, 128, dtype, False, 1023, 4, mods)
     assert cfg.family == "sm90" and (SCHEDULES[schedule] is None or cfg.overlap == bool(SCHEDULES[schedule]))
+    assert cfg.persistent == (schedule == "persistent")
     assert ops.modifier_kernel(0, 128, dtype, False, 1023, 4, mods, "sm80").family == "sm80"
     for i, (sq, sk) in enumerate([(1, 1023), (113, 211), (1023, 1023), (1023, 517)]):
         for d in (64, 128):

@@ -41,10 +41,13 @@ def test_config_rules():
     assert cfg.modified and cfg.serving and cfg.family == "sm90" and cfg.name.endswith("_bmap")
     assert KernelConfig.from_dict(cfg.to_dict()) == cfg
     sm90_cfg("document", window=True, sinks=True, pingpong=True)  # window, sinks and pingpong build with them
-    sm90_cfg("document", overlap=True, pingpong=True, lazy_rescale=True)
-    for knob in ("persistent", "cluster", "o_tma"):
-        with pytest.raises(ConfigError, match=f"non-persistent dense forward: not with {knob}"):
+    sm90_cfg("document", overlap=True, pingpong=True, lazy_rescale=True, persistent=True)
+    sm90_cfg("document", overlap=True, persistent=True, overlap_epilogue=True)  # a mask_mod leaves the scale alone
+    for knob in ("cluster", "o_tma"):
+        with pytest.raises(ConfigError, match=f"dense forward: not with {knob}"):
             sm90_cfg("alibi", **{knob: True})
+    with pytest.raises(ConfigError, match="not with overlap_epilogue"):  # its LSE reads the kernel's scale
+        sm90_cfg("alibi", overlap=True, persistent=True, overlap_epilogue=True)
     with pytest.raises(ConfigError, match="not with varlen"):
         sm90_cfg("alibi", varlen=True)
     with pytest.raises(ConfigError):
@@ -155,7 +158,7 @@ def test_routing_takes_the_sm90_forward_on_hopper(monkeypatch):
     monkeypatch.setattr(ops, "arch_and_slots", lambda device: ("sm90", 132))
     monkeypatch.setattr(ops, "tuned_modifier", lambda *a: None)
     cfg = ops.modifier_kernel(0, 128, "bf16", True, 4096, 1, mods_of("softcap_document"))
-    assert cfg.family == "sm90" and cfg.causal and cfg.block_map and cfg.overlap and not cfg.persistent
+    assert cfg.family == "sm90" and cfg.causal and cfg.block_map and cfg.overlap
     windowed = ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, mods_of("document", window=(64, 0)))
     assert windowed.family == "sm90" and windowed.window
     assert ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, mods_of("document"), "sm80").family == "sm80"
@@ -178,4 +181,10 @@ def test_sm90_modifier_kernels_compile_without_spills_or_serialized_wgmma():
     assert [(c.block_n, c.overlap) for c in cfgs] == [(64, True), (128, True), (64, False), (128, True)]
     assert all(c.family == "sm90" and c.block_map for c in cfgs)
     in_order = [dataclasses.replace(c, overlap=False, pingpong=False) for c in cfgs[:2]]
-    compile_sm90a_clean(cfgs + in_order)
+    compile_sm90a_clean(cfgs + in_order + [dataclasses.replace(cfgs[0], persistent=True)])
+
+
+def test_persistent_kernels_find_each_tiles_list_in_producer_and_consumers():
+    src = render(sm90_cfg("relative_prefix_lm", block_n=64, overlap=True, pingpong=True, persistent=True))
+    assert src.count("const KeyTiles kt = key_tiles(P, batch, head, m_block, n_end, n_range);") == 2
+    assert src.count("const int n0 = kt.n0(j);") == 3 and src.count("kv_it += n_blocks;") == 2
