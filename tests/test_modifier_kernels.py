@@ -49,8 +49,8 @@ def test_names_carry_the_digests_and_other_names_stay():
 
 def test_config_rules():
     score, mask = traced("alibi_causal")
-    with pytest.raises(ConfigError, match="in-order, non-persistent dense forward: not with overlap"):
-        KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", True, mask_mod=mask.digest)
+    with pytest.raises(ConfigError, match="sm90's dense forward: not with varlen"):
+        KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", varlen=True, mask_mod=mask.digest)
     with pytest.raises(ConfigError, match="softcap or alibi"):
         KernelConfig(128, "bf16", False, 128, 64, 8, 2, score_mod=score.digest, softcap=True)
     with pytest.raises(ConfigError, match="digest"):
@@ -246,8 +246,8 @@ def test_block_map_kernels_are_named_and_ruled():
             KernelConfig(128, "bf16", False, 128, 32, 8, 2, varlen=True, block_map=True, **{feature: True})
     with pytest.raises(ConfigError, match="block map"):
         KernelConfig(128, "bf16", False, 128, 32, 8, 2, varlen=True, block_map=True)
-    with pytest.raises(ConfigError, match="not with persistent"):
-        KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", persistent=True, block_map=True)
+    with pytest.raises(ConfigError, match="not with cluster"):
+        KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", cluster=True, block_map=True)
     # flashgen.attention's kernel: a block map wherever there is a mask_mod (or a BlockMask), none for a score_mod
     assert config_of("document").block_map and not config_of("alibi").block_map
     assert modifier_config(128, "bf16", False, 4096, "sm80", Mods(block_map=object())).block_map
