@@ -184,6 +184,14 @@ def test_sm90_modifier_kernels_compile_without_spills_or_serialized_wgmma():
     compile_sm90a_clean(cfgs + in_order + [dataclasses.replace(cfgs[0], persistent=True)])
 
 
+def test_export_refuses_them(tmp_path):
+    from flashgen.export import export_configs
+
+    with pytest.raises(ValueError, match="not exported"):
+        export_configs([sm90_cfg("document")], tmp_path, "sm90")
+    assert not list(tmp_path.iterdir())
+
+
 def test_persistent_kernels_find_each_tiles_list_in_producer_and_consumers():
     src = render(sm90_cfg("relative_prefix_lm", block_n=64, overlap=True, pingpong=True, persistent=True))
     assert src.count("const KeyTiles kt = key_tiles(P, batch, head, m_block, n_end, n_range);") == 2
