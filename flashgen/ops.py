@@ -406,14 +406,17 @@ def flex_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 def modifier_kernel(device: int, head_dim: int, dtype: str, causal: bool, seqlen: int, gqa_group: int,
                     mods: Mods, family: str | None = None) -> Any:
     """The kernel of a dense call with a score_mod, mask_mod or BlockMask. Family sm90 (family None on Hopper): its
-    in-order forward where it builds the call (sm90_modifier_config). Else the sm80 family's: the one tuned for
+    forward where it builds the call (sm90_modifier_config). Else the sm80 family's: the one tuned for
     exactly its modifiers (flashgen.resolve.tuned_modifier) where the call has no other score modifier, else
     serve_config's tiles."""
-    if (family or native_family(arch_and_slots(device)[0])) == "sm90":
+    arch = arch_and_slots(device)[0]
+    if (family or native_family(arch)) == "sm90":
         sm90 = sm90_modifier_config(head_dim, dtype, causal, mods)
+        if sm90 is not None and sm90.unfit_reason(arch) is not None:
+            raise ValueError(f"arch='sm90': {sm90.unfit_reason(arch)}")
         if sm90 is not None:
             return sm90
-    cfg = modifier_config(head_dim, dtype, causal, seqlen, arch_and_slots(device)[0], mods)
+    cfg = modifier_config(head_dim, dtype, causal, seqlen, arch, mods)
     if cfg.features or mods.score_mod is None and mods.mask_mod is None:
         return cfg
     tuned = tuned_modifier(device, head_dim, dtype, causal, seqlen, gqa_group, cfg.score_mod, cfg.mask_mod)

@@ -165,6 +165,8 @@ def test_routing_takes_the_sm90_forward_on_hopper(monkeypatch):
     assert ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, mods_of("document", softcap=30.0)).family == "sm80"
     monkeypatch.setattr(ops, "arch_and_slots", lambda device: ("sm80", 108))
     assert ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, mods_of("document")).family == "sm80"
+    with pytest.raises(ValueError, match="needs an sm90 GPU"):
+        ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, mods_of("document"), "sm90")
 
 
 # One kernel per example kind, at the tiles sm90_modifier_config picks: a score_mod over a captured table with a
