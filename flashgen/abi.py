@@ -314,6 +314,12 @@ SM90_SERVE_FWD = Block("Sm90ServeFwdParams", "FLASHGEN_SM90_SERVE_FWD_PARAMS", (
     _SINKS,
 ))
 
+SM90_SERVE_MOD_FWD = Block("Sm90ServeModFwdParams", "FLASHGEN_SM90_SERVE_MOD_FWD_PARAMS", (
+    "Sm90ServeFwdParams's fields, then those of a kernel generated with a score_mod, mask_mod or block map: the",
+    "tensors the modifiers read and the block map's lists, as in ServeModParams."), (
+    *SM90_SERVE_FWD.lines, *SERVE_MOD.lines[1:],
+))
+
 FP8_DESCALE = Block("Fp8Descale", "FLASHGEN_FP8_DESCALE", (
     "FP8 descale factors (fp32) of one tensor: the factor of (batch, KV head) is",
     "ptr[batch * batch_stride + head_k * head_stride]; strides 0 give one factor per tensor."), (
@@ -346,8 +352,9 @@ SM90_BWD = Block("Sm90BwdParams", "FLASHGEN_SM90_BWD_PARAMS", (
 ))
 
 BLOCKS: dict[str, Block] = {b.name: b for b in (FWD, SERVE, MOD_TENSOR, SERVE_MOD, BWD, BWD_SERVE, BWD_SERVE_MOD, SM90_FWD,
-                                                 SM90_SERVE_FWD, FP8_DESCALE, SM90_FP8_FWD, SM90_BWD)}
+                                                 SM90_SERVE_FWD, SM90_SERVE_MOD_FWD, FP8_DESCALE, SM90_FP8_FWD,
+                                                 SM90_BWD)}
 
 __all__ = ["BLOCKS", "BWD", "BWD_SERVE", "BWD_SERVE_MOD", "Block", "FP8_DESCALE", "FWD", "Field", "Line", "MOD_TENSOR", "SERVE",
            "SERVE_INPUTS", "SERVE_MOD",
-           "SM90_BWD", "SM90_FP8_FWD", "SM90_FWD", "SM90_SERVE_FWD"]
+           "SM90_BWD", "SM90_FP8_FWD", "SM90_FWD", "SM90_SERVE_FWD", "SM90_SERVE_MOD_FWD"]

@@ -113,18 +113,21 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
                     alibi_slopes: Any, score_mod: Any, mask_mod: Any, block_mask: Any = None,
                     deterministic: bool = False) -> Any:
     """`attention` with a score_mod, mask_mod or BlockMask: traced (flashgen.modifiers, reused while the function
-    and what it reads are the same) into the sm80 family's serving forward, with a block map wherever there is a
-    mask (flashgen.blockmap). Torch tensors; differentiable in q, k, v (the sm80 backward generated with the
-    same modifiers) and the float tensors the score_mod reads. Traced calls (torch.compile, fake and meta tensors)
-    go through the flashgen::attention_modified operator (flashgen.traced_modifiers), without block_mask."""
+    and what it reads are the same) into the forward of family `arch` (None or "sm80": the sm80 family's serving
+    forward, which runs on Hopper too; "sm90": the sm90 family's, on Hopper, where it builds the call), with a block
+    map wherever there is a mask (flashgen.blockmap). Torch tensors; differentiable in q, k, v (the sm80 backward
+    generated with the same modifiers) and the float tensors the score_mod reads. Traced calls (torch.compile, fake
+    and meta tensors) go through the flashgen::attention_modified operator (flashgen.traced_modifiers), without
+    block_mask, in the sm80 family."""
     if not is_torch(q):
         raise TypeError("score_mod and mask_mod take torch tensors")
     if stream is not None:
         raise TypeError(STREAM_FOR_TORCH)
     if fp8_args or str(q.dtype) == "torch.float8_e4m3fn":
         raise ValueError("score_mod and mask_mod are not built for FP8 inputs")
-    if arch not in (None, "sm80"):
-        raise ValueError(f"score_mod and mask_mod are built in family sm80 (it runs on Hopper too), not arch={arch!r}")
+    if arch not in (None, "sm80", "sm90"):
+        raise ValueError(f"score_mod and mask_mod are built in families sm80 (it runs on Hopper too) and sm90, not "
+                         f"arch={arch!r}")
     mods = check_dense(q, k, v, window_size, softcap, alibi_slopes, causal)
     if traced(q):
         if block_mask is not None:
@@ -151,9 +154,9 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
     mods = mods._replace(score_mod=score, mask_mod=mask, block_map=block_map)
     if wants_grad(q, k, v) or _tables_want_grad(score):
         check_grad_scale(softmax_scale, q, k, v)
-        out, lse = _ops().flex_attention(q, k, v, causal, softmax_scale, mods, deterministic)
+        out, lse = _ops().flex_attention(q, k, v, causal, softmax_scale, mods, deterministic, arch)
     else:
-        out, lse = _ops().dense_mods_forward(q, k, v, causal, softmax_scale, mods, return_lse)
+        out, lse = _ops().dense_mods_forward(q, k, v, causal, softmax_scale, mods, return_lse, arch)
     return (out, lse) if return_lse else out
 
 

@@ -158,8 +158,8 @@ class KernelConfig(_AsDict):
     # Attention sinks (gpt-oss): a learnable logit per head joins every row's softmax denominator as a key whose
     # value is zero; folded in once at the row's end (split-KV: in the combine), the key loop is the same.
     sinks: bool = False
-    # Programmable attention (sm80 family, serving kernels): the digests of a traced score_mod and mask_mod
-    # (flashgen.modifiers; "" = none). The render finds their CUDA text by digest.
+    # Programmable attention (sm80 family's serving kernels; sm90's dense forward): the digests of a traced
+    # score_mod and mask_mod (flashgen.modifiers; "" = none). The render finds their CUDA text by digest.
     score_mod: str = ""
     mask_mod: str = ""
     # The key tiles each row block visits come from a block map (flashgen.blockmap): empty tiles are never loaded,
@@ -302,8 +302,16 @@ class KernelConfig(_AsDict):
             if not isinstance(digest, str) or (digest and not all(c in "0123456789abcdef" for c in digest)):
                 raise ConfigError(f"{kind} must be a modifier's digest (lowercase hex) or empty, not {digest!r}")
         _check_choice("block_map", self.block_map, (False, True))
-        if self.modified and self.family != "sm80":
-            raise ConfigError(f"score_mod, mask_mod and block maps are built in family sm80's serving kernels, not "
+        if self.modified and self.family == "sm90":
+            # Producer and consumers walk one key-tile list per tile (flashgen.blockmap's, with a map); the epilogue
+            # overlap's LSE reads the kernel's scale where a score_mod's softmax runs on log2(e) alone.
+            knobs = [k for k in ("o_tma", "cluster", "varlen") if getattr(self, k)]
+            knobs += ["overlap_epilogue"] if self.overlap_epilogue and self.score_mod else []
+            if knobs:
+                raise ConfigError(f"score_mod, mask_mod and block maps are built in family sm90's dense forward: not "
+                                  f"with {', '.join(knobs)}")
+        elif self.modified and self.family != "sm80":
+            raise ConfigError(f"score_mod, mask_mod and block maps are built in families sm80 and sm90, not "
                               f"{self.family}")
         _check_choice("fused_combine", self.fused_combine, (False, True))
         if self.fused_combine and (self.family != "sm80" or not self.split or self.modified):

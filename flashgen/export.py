@@ -648,10 +648,15 @@ def export(family: str, out_dir: Path | str, tuned_dir: Path | str | None = None
 def export_configs(cfgs: Iterable[KernelConfig | BwdConfig], out_dir: Path | str, arch: str = "sm80") -> list[Path]:
     """Write `.cu` + `.h` for the given configurations (serving kernels: they are chosen by
     flashgen.kernels.serving.serve_config, not tuned) for an `arch` GPU, and a manifest; returns the files written."""
+    cfgs = sorted(set(cfgs), key=lambda c: c.name)
+    for cfg in cfgs:  # their launch header (Sm90ServeModFwdParams and the slots) is not written
+        if isinstance(cfg, KernelConfig) and cfg.modified and cfg.family == "sm90":
+            raise ValueError(f"{cfg.name}: the sm90 family's modifier kernels are not exported (export the sm80 "
+                             "family's: --arch sm80)")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written, manifest, families = [], [], set()
-    for cfg in sorted(set(cfgs), key=lambda c: c.name):
+    for cfg in cfgs:
         families.add(cfg.family)
         files, entry = _write_kernel(cfg, out_dir, [], [target_for(arch, cfg.family)], [])
         written += files

@@ -23,7 +23,7 @@ from .kernels.backward import ServeArgs, backward
 from .kernels.bad_inputs import check_errors
 from .kernels.dense import checked, descale_dict, launch_torch, signature
 from .kernels.serving import (arch_and_slots, call_features, launch_prefill, modifier_config, modifier_digests,
-                              serve_config, serve_grids, want_split)
+                              serve_config, serve_grids, sm90_modifier_config, want_split)
 from .resolve import (backward_kernel, load, modifier_backward_kernel, prefill_config, resolver, serve_backward_kernel,
                       tuned_modifier)
 
@@ -347,10 +347,11 @@ def varlen_forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
 
 
 def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, mods: Mods,
-                       want_lse: bool = True) -> tuple[Any, Any]:
+                       want_lse: bool = True, family: str | None = None) -> tuple[Any, Any]:
     """(out, lse or None) of dense (batch, seqlen, heads, head_dim) q, k, v with score modifiers (window,
     softcap, ALiBi, a traced score_mod or mask_mod): the serving kernel without varlen; `flashgen.attention`'s
-    body for such calls."""
+    body for such calls. family: the template family of a score_mod / mask_mod kernel (None: the GPU's own; sm90
+    where it builds the call, see modifier_kernel)."""
     batch, seqlen_q, heads, d = q.shape
     seqlen_k = k.shape[1]
     dtype = dtype_name(q, "q")
@@ -359,7 +360,7 @@ def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: floa
     if batch * seqlen_q * heads == 0:
         return out, lse
     if mods.score_mod is not None or mods.mask_mod is not None or mods.block_map is not None:
-        cfg = modifier_kernel(q.get_device(), d, dtype, causal, seqlen_q, heads // k.shape[2], mods)
+        cfg = modifier_kernel(q.get_device(), d, dtype, causal, seqlen_q, heads // k.shape[2], mods, family)
         if cfg.block_map:
             mods = mods._replace(block_map=kernel_block_map(cfg, mods, causal, batch, heads, seqlen_q, seqlen_k,
                                                             q.device))
@@ -378,9 +379,11 @@ class _FlexAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                softmax_scale: Optional[float], mods: Mods, deterministic: bool,
+                softmax_scale: Optional[float], mods: Mods, deterministic: bool, family: Optional[str],
                 *tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = dense_mods_forward(q, k, v, causal, softmax_scale, mods)
+        # Either family's forward: its LSE (natural log, +inf for a row that sees no key) is what the sm80 backward
+        # generated with the same modifiers reads.
+        out, lse = dense_mods_forward(q, k, v, causal, softmax_scale, mods, family=family)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (causal, softmax_scale, mods, deterministic)
         ctx.set_materialize_grads(False)  # lse's gradient stays None where lse is not used
@@ -391,21 +394,21 @@ class _FlexAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        wanted = tuple(ctx.needs_input_grad[7:])
+        wanted = tuple(ctx.needs_input_grad[8:])
         dq, dk, dv, bmap = flex_backward(dout, q, k, v, out, lse, dlse, *ctx.args)
         tables = [None] * len(wanted)
         if any(wanted):
             causal, scale, mods, _ = ctx.args
             tables = captured_grads(dout, q, k, v, out, lse, dlse, causal, scale, mods, bmap, wanted)
-        return (dq, dk, dv, None, None, None, None, *tables)
+        return (dq, dk, dv, None, None, None, None, None, *tables)
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
-                   mods: Mods, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   mods: Mods, deterministic: bool, family: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of `flashgen.attention` with modifiers where a gradient is wanted: differentiable in q, k, v and in
     the float tensors the score_mod reads."""
     tables = mods.score_mod.tensors if mods.score_mod is not None else ()
-    return _FlexAttention.apply(q, k, v, causal, softmax_scale, mods, deterministic, *tables)
+    return _FlexAttention.apply(q, k, v, causal, softmax_scale, mods, deterministic, family, *tables)
 
 
 def flex_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -431,10 +434,20 @@ def flex_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def modifier_kernel(device: int, head_dim: int, dtype: str, causal: bool, seqlen: int, gqa_group: int,
-                    mods: Mods) -> Any:
-    """The kernel of a dense call with a score_mod, mask_mod or BlockMask: the one tuned for exactly its modifiers
-    (flashgen.resolve.tuned_modifier) where the call has no other score modifier, else serve_config's tiles."""
-    cfg = modifier_config(head_dim, dtype, causal, seqlen, arch_and_slots(device)[0], mods)
+                    mods: Mods, family: str | None = None) -> Any:
+    """The kernel of a dense call with a score_mod, mask_mod or BlockMask. Family sm90 (asked for: its schedules
+    are not yet timed against the sm80 kernels): its forward where it builds the call (sm90_modifier_config). Else,
+    and by default, the sm80 family's: the one tuned for
+    exactly its modifiers (flashgen.resolve.tuned_modifier) where the call has no other score modifier, else
+    serve_config's tiles."""
+    arch = arch_and_slots(device)[0]
+    if family == "sm90":
+        sm90 = sm90_modifier_config(head_dim, dtype, causal, mods)
+        if sm90 is not None and sm90.unfit_reason(arch) is not None:
+            raise ValueError(f"arch='sm90': {sm90.unfit_reason(arch)}")
+        if sm90 is not None:
+            return sm90
+    cfg = modifier_config(head_dim, dtype, causal, seqlen, arch, mods)
     if cfg.features or mods.score_mod is None and mods.mask_mod is None:
         return cfg
     tuned = tuned_modifier(device, head_dim, dtype, causal, seqlen, gqa_group, cfg.score_mod, cfg.mask_mod)

@@ -47,7 +47,8 @@ def render(cfg: KernelConfig | BwdConfig) -> str:
     score_mod, mask_mod, captured = modifiers_of(cfg)
     return template.render(
         cfg=cfg, version=__version__, elem_t=elem_t, out_t=out_t, elem2_t=elem2_t, pack_fn=pack_fn, ptx_type=ptx_type,
-        params_t="Sm90Fp8FwdParams" if cfg.fp8 else ("Sm90ServeFwdParams" if cfg.serving else "Sm90FwdParams"),
+        params_t=("Sm90Fp8FwdParams" if cfg.fp8 else "Sm90ServeModFwdParams" if cfg.modified
+                  else "Sm90ServeFwdParams" if cfg.serving else "Sm90FwdParams"),
         producer_regs=producer_regs, consumer_regs=consumer_regs, combine_warps=COMBINE_WARPS,
         score_mod=score_mod, mask_mod=mask_mod, captured=captured,
     )

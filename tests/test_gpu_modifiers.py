@@ -73,12 +73,15 @@ def poison_allocator(q):
     del junk
 
 
-def check(q, k, v, scale, score_mod, mask_mod, causal=False, **kwargs):
+def check(q, k, v, scale, score_mod, mask_mod, causal=False, ref_mask=None, **kwargs):
+    """flashgen.attention against the float64 reference; ref_mask: the reference's mask where the call adds one of
+    its own (window_size)."""
     poison_allocator(q)
     out, lse = flashgen.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, score_mod=score_mod,
                                   mask_mod=mask_mod, **kwargs)
-    ref, ref_lse = flex_reference(q, k, v, scale, score_mod, mask_mod, causal)
-    pt, _ = flex_reference(q, k, v, scale, score_mod, mask_mod, causal, dtype=q.dtype)
+    ref_mask = mask_mod if ref_mask is None else ref_mask
+    ref, ref_lse = flex_reference(q, k, v, scale, score_mod, ref_mask, causal)
+    pt, _ = flex_reference(q, k, v, scale, score_mod, ref_mask, causal, dtype=q.dtype)
     assert not torch.isnan(out).any(), "NaN in output (an unwritten or poisoned element)"
     bound = 2 * (pt.double() - ref).abs().max().item() + 1e-5
     err = (out.double() - ref).abs().max().item()
@@ -98,26 +101,83 @@ def qkv(batch, sq, sk, heads, heads_k, d, dtype, seed=0):
 
 
 NAMES = sorted(examples())
+# The forward's template family (attention's arch=): sm80's serving kernel everywhere; sm90's own on Hopper.
+FAMILIES = ["sm80", "sm90"]
 
 
+def needs_family(family):
+    if family == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 family runs on Hopper only")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("dtype", sorted(DT))
 @pytest.mark.parametrize("name", NAMES)
-def test_examples_against_the_reference(name, dtype, layout):
+def test_examples_against_the_reference(name, dtype, layout, family):
+    needs_family(family)
     heads, heads_k = LAYOUTS[layout]
     ex = examples("cuda", batch=2, heads=heads)[name]
     for i, (sq, sk) in enumerate(SHAPES):
         q, k, v = qkv(2, sq, sk, heads, heads_k, 64, dtype, seed=i)
-        check(q, k, v, 64 ** -0.5, ex.score_mod, ex.mask_mod)
+        check(q, k, v, 64 ** -0.5, ex.score_mod, ex.mask_mod, arch=family)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("head_dim", [96, 128, 256])
 @pytest.mark.parametrize("name", ["alibi_causal", "softcap_document", "relative_bias", "prefix_lm"])
-def test_head_dims(name, head_dim):
+def test_head_dims(name, head_dim, family):
+    needs_family(family)
     ex = examples("cuda", batch=2, heads=4)[name]
     for i, (sq, sk) in enumerate([(17, 113), (1023, 1023)]):
         q, k, v = qkv(2, sq, sk, 4, 2, head_dim, "bf16", seed=i)
-        check(q, k, v, head_dim ** -0.5, ex.score_mod, ex.mask_mod)
+        check(q, k, v, head_dim ** -0.5, ex.score_mod, ex.mask_mod, arch=family)
+
+
+# The sm90 modifier kernel's schedules (kernels.serving.SM90_MODIFIER_SCHEDULES): the rule's choice, and each one
+# forced (S rewritten in place after its wgmma, or read by the softmax beside the previous tile's P V).
+SCHEDULES = {"chosen": None, "in_order": (), "overlap": (("overlap", True), ("pingpong", True)),
+             "persistent": (("overlap", True), ("pingpong", True), ("persistent", True))}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("dtype", sorted(DT))
+def test_sm90_forward_is_taken_and_agrees(dtype, schedule, monkeypatch):
+    """On Hopper a dense modifier call with arch="sm90" takes the sm90 family's forward; it agrees with the reference at
+    softmax scales the score_mod sees signed (negative, zero), causal and a window beside a mask_mod, a BlockMask,
+    and captured tables, in either schedule; without arch (or arch="sm80") the call keeps the sm80 family."""
+    from flashgen import ops
+    from flashgen.checks import Mods
+    from flashgen.kernels import serving
+    from flashgen.modifiers import trace_mask_mod, trace_score_mod
+
+    needs_family("sm90")
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    if SCHEDULES[schedule] is not None:  # 64 keys: every example builds without spills in both schedules
+        monkeypatch.setattr(serving, "SM90_MODIFIER_SCHEDULES", {d: ((64, SCHEDULES[schedule]),) for d in (64, 128)})
+    ex = examples("cuda", batch=2, heads=8)
+    mods = Mods(score_mod=trace_score_mod(ex["relative_bias"].score_mod),
+                mask_mod=trace_mask_mod(ex["document"].mask_mod))
+    cfg = ops.modifier_kernel(0, 128, dtype, False, 1023, 4, mods, "sm90")
+    assert cfg.family == "sm90" and (SCHEDULES[schedule] is None or cfg.overlap == bool(SCHEDULES[schedule]))
+    assert cfg.persistent == (schedule == "persistent")
+    assert ops.modifier_kernel(0, 128, dtype, False, 1023, 4, mods).family == "sm80"
+    for i, (sq, sk) in enumerate([(1, 1023), (113, 211), (1023, 1023), (1023, 517)]):
+        for d in (64, 128):
+            q, k, v = qkv(2, sq, sk, 8, 2, d, dtype, seed=i)
+            for scale in (0.1, -0.1, 0.0):
+                check(q, k, v, scale, ex["alibi"].score_mod, None, arch="sm90")
+            check(q, k, v, 0.1, ex["relative_bias"].score_mod, ex["document"].mask_mod, causal=True, arch="sm90")
+            prefix = ex["prefix_lm"].mask_mod
+
+            def windowed_prefix(b, h, q_idx, kv_idx, shift=sk - sq):  # window_size=(300, 0), bottom-right aligned
+                return prefix(b, h, q_idx, kv_idx) & (kv_idx <= q_idx + shift) & (kv_idx >= q_idx + shift - 300)
+
+            check(q, k, v, 0.1, ex["softcap"].score_mod, prefix, window_size=(300, 0), ref_mask=windowed_prefix,
+                  arch="sm90")
+            check(q, k, v, 0.1, None, ex["sliding_window"].mask_mod, arch="sm90")
+            bm = fa.create_block_mask(ex["prefix_lm"].mask_mod, 2, None, sq, sk, device="cuda")
+            check(q, k, v, 0.1, ex["relative_bias"].score_mod, ex["prefix_lm"].mask_mod, block_mask=bm, arch="sm90")
 
 
 def test_scales_and_other_modifiers_combine():

@@ -49,8 +49,8 @@ def test_names_carry_the_digests_and_other_names_stay():
 
 def test_config_rules():
     score, mask = traced("alibi_causal")
-    with pytest.raises(ConfigError, match="family sm80"):
-        KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", mask_mod=mask.digest)
+    with pytest.raises(ConfigError, match="sm90's dense forward: not with varlen"):
+        KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", varlen=True, mask_mod=mask.digest)
     with pytest.raises(ConfigError, match="softcap or alibi"):
         KernelConfig(128, "bf16", False, 128, 64, 8, 2, score_mod=score.digest, softcap=True)
     with pytest.raises(ConfigError, match="digest"):
@@ -184,8 +184,8 @@ def test_attention_with_a_modifier_on_meta_tensors_goes_through_the_operator():
     with torch.no_grad():
         out, lse = flashgen.attention(q.to("meta"), k.to("meta"), v.to("meta"), mask_mod=causal, return_lse=True)
     assert out.shape == q.shape and lse.shape == (1, 2, 8) and lse.dtype == torch.float32
-    with torch.no_grad(), pytest.raises(ValueError, match="family sm80"):
-        flashgen.attention(q, k, v, mask_mod=causal, arch="sm90")
+    with torch.no_grad(), pytest.raises(ValueError, match="families sm80"):
+        flashgen.attention(q, k, v, mask_mod=causal, arch="sm89")
 
 
 def test_traces_are_reused_while_what_the_function_reads_is_unchanged():
@@ -249,8 +249,8 @@ def test_block_map_kernels_are_named_and_ruled():
             KernelConfig(128, "bf16", False, 128, 32, 8, 2, varlen=True, block_map=True, **{feature: True})
     with pytest.raises(ConfigError, match="block map"):
         KernelConfig(128, "bf16", False, 128, 32, 8, 2, varlen=True, block_map=True)
-    with pytest.raises(ConfigError, match="family sm80"):
-        KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", block_map=True)
+    with pytest.raises(ConfigError, match="not with cluster"):
+        KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", cluster=True, block_map=True)
     # flashgen.attention's kernel: a block map wherever there is a mask_mod (or a BlockMask), none for a score_mod
     assert config_of("document").block_map and not config_of("alibi").block_map
     assert modifier_config(128, "bf16", False, 4096, "sm80", Mods(block_map=object())).block_map
@@ -371,8 +371,8 @@ def test_a_block_masks_mask_mod_is_the_calls():
     with pytest.raises(ValueError, match="differs from block_mask.mask_mod"):
         api._block_mask_mod(bm, doc)
     q = torch.randn(1, 64, 2, 64, dtype=torch.float16)
-    with torch.no_grad(), pytest.raises(ValueError, match="family sm80"):
-        flashgen.attention(q, q, q, block_mask=bm, arch="sm90")  # a BlockMask alone takes the modifier path
+    with torch.no_grad(), pytest.raises(ValueError, match="families sm80"):
+        flashgen.attention(q, q, q, block_mask=bm, arch="sm89")  # a BlockMask alone takes the modifier path
 
 
 # -- export: a modifier kernel as a standalone .cu (its expressions pasted in) and its launch header -------------
@@ -499,9 +499,9 @@ def test_store_lookups_keep_modifier_kernels_to_their_modifiers(tmp_path, monkey
     monkeypatch.setattr(ops, "arch_and_slots", lambda device: (arch, 132))
     resolve.clear()
     try:
-        assert ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, Mods(mask_mod=doc)) == tuned_doc
-        assert ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, Mods(mask_mod=causal)) == config_of("causal")
-        windowed = ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, Mods(mask_mod=doc, window=(64, 0)))
+        assert ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, Mods(mask_mod=doc), "sm80") == tuned_doc
+        assert ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, Mods(mask_mod=causal), "sm80") == config_of("causal")
+        windowed = ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, Mods(mask_mod=doc, window=(64, 0)), "sm80")
         assert windowed.window and windowed.block_m == 128
     finally:
         resolve.clear()

@@ -23,6 +23,7 @@ from .dense import compiled_kernel
 SERVE_PARAMS = abi.SERVE.struct
 _MOD_TAIL = abi.SERVE_MOD.tail("t0.ptr")  # the captured tensors' slots after ServeParams (ServeModParams)
 _SM90_SERVE_TAIL = abi.SM90_SERVE_FWD.tail("cu_seqlens_q")  # what follows the tensor maps and FwdParams
+_SM90_SERVE_MOD_TAIL = abi.SM90_SERVE_MOD_FWD.tail("cu_seqlens_q")  # the same with a modifier's slots after it
 # Decode tiles (at most 32 query rows per sequence, packed): (block_m, block_n, num_warps, num_stages)
 # by head dim. Two warps even for 16 rows: one warp alone holds the K/V copies of a tile and its
 # accumulators, and spills at d128 and d256 where pages are smaller than a tile.
@@ -240,10 +241,16 @@ class ServeLaunch(NamedTuple):
 
 
 def modifier_tail(cfg: KernelConfig, mods: Mods, device: int, batch: int = 1, heads: int = 1) -> bytes:
-    """The ModTensor slots of ServeModParams: the tensors of mods.score_mod, then of mods.mask_mod, each its
-    pointer and strides (in elements; 0 past its rank), the rest null; then, with cfg.block_map, the lists of
-    mods.block_map (at cfg's tiles, for `batch` sequences of `heads` heads; a dimension of 1 read with stride 0). The
-    call's modifiers must be the ones `cfg` was generated with (by digest), their tensors on `device`."""
+    """The ModTensor slots of ServeModParams, packed (modifier_values)."""
+    return _MOD_TAIL.pack(*modifier_values(cfg, mods, device, batch, heads))
+
+
+def modifier_values(cfg: KernelConfig, mods: Mods, device: int, batch: int = 1, heads: int = 1) -> list[int]:
+    """The ModTensor slots' values (of ServeModParams, and of Sm90ServeModFwdParams after its serving fields): the
+    tensors of mods.score_mod, then of mods.mask_mod, each its pointer and strides (in elements; 0 past its rank),
+    the rest null; then, with cfg.block_map, the lists of mods.block_map (at cfg's tiles, for `batch` sequences of
+    `heads` heads; a dimension of 1 read with stride 0). The call's modifiers must be the ones `cfg` was generated
+    with (by digest), their tensors on `device`."""
     values: list[int] = []
     for kind, mod in (("score_mod", mods.score_mod), ("mask_mod", mods.mask_mod)):
         digest = mod.digest if mod is not None else ""
@@ -259,7 +266,7 @@ def modifier_tail(cfg: KernelConfig, mods: Mods, device: int, batch: int = 1, he
     if slots > MAX_CAPTURED:
         raise ValueError(f"score_mod and mask_mod read {slots} tensors; a kernel takes at most {MAX_CAPTURED}")
     values += [0] * ((MAX_CAPTURED - slots) * (1 + MAX_RANK))
-    return _MOD_TAIL.pack(*values, *_map_slots(cfg, mods.block_map, device, batch, heads))
+    return values + _map_slots(cfg, mods.block_map, device, batch, heads)
 
 
 def _map_slots(cfg: KernelConfig, block_map: Any, device: int, batch: int, heads: int) -> list[int]:
@@ -331,9 +338,12 @@ def _launch_sm90(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, 
                                                                            cfg.smem_w, rows), cfg.row_bytes)
                     for t, n, heads, rows in ((q, sq, h, cfg.block_m), (k, sk, hk, cfg.block_n), (v, sk, hk, cfg.block_n)))
     sinks = kernel_sinks(mods.sinks)  # alive until the launch is queued (the allocator orders its reuse)
-    tail = _SM90_SERVE_TAIL.pack(0 if cu_q is None else cu_q.data_ptr(), 0 if cu_k is None else cu_k.data_ptr(),
-                                 *mods.window, num_seqs, max_seqlen_q, error_word(dev),
-                                 0 if sinks is None else sinks.data_ptr())
+    serve = (0 if cu_q is None else cu_q.data_ptr(), 0 if cu_k is None else cu_k.data_ptr(), *mods.window, num_seqs,
+             max_seqlen_q, error_word(dev), 0 if sinks is None else sinks.data_ptr())
+    if cfg.modified:  # the captured tensors' and the block map's slots follow (Sm90ServeModFwdParams)
+        tail = _SM90_SERVE_MOD_TAIL.pack(*serve, *modifier_values(cfg, mods, dev, b, h))
+    else:
+        tail = _SM90_SERVE_TAIL.pack(*serve)
     params = (maps + fwd + tail).ljust(SM90_BYTES, b"\0")
     if max_seqlen_q * h * num_seqs:
         grid = cfg.grid(num_seqs, h, max_seqlen_q, arch_and_slots(dev)[1] if cfg.persistent else None)
@@ -384,13 +394,53 @@ def call_features(mods: Mods, causal: bool) -> dict[str, bool]:
 
 def modifier_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, mods: Mods,
                     **features: bool) -> KernelConfig:
-    """serve_config's kernel for a call with a score_mod, mask_mod or block map (family sm80 on every GPU: the sm90
-    family has no modifier slot), generated with the call's modifiers and other score modifiers; with a block map
+    """serve_config's kernel for a call with a score_mod, mask_mod or block map (family sm80; sm90_modifier_config
+    gives Hopper's own), generated with the call's modifiers and other score modifiers; with a block map
     wherever the call has a mask_mod or a block map (its tiles are the kernel's: blockmap.BlockMap.retile)."""
     return serve_config(head_dim, dtype, causal, rows, arch, **call_features(mods, causal), **features,
                         score_mod=mods.score_mod.digest if mods.score_mod is not None else "",
                         mask_mod=mods.mask_mod.digest if mods.mask_mod is not None else "",
                         block_map=mods.mask_mod is not None or mods.block_map is not None)
+
+
+# The sm90 family's kernels with modifiers, by head dim: (block_n, schedule knobs), the first that ptxas builds without
+# spills or serialized wgmma taken (the last unchecked). Two consumer warpgroups of 64 rows. FlashAttention-3's
+# schedule first (S of the next tile beside this one's P V, the warpgroups taking turns), then the in-order one, which
+# needs fewer registers; a table read per score beside a mask (FlexAttention's heavier examples) spills at 128 keys.
+SM90_OVERLAP = (("overlap", True), ("pingpong", True))
+SM90_IN_ORDER: tuple = ()
+SM90_MODIFIER_SCHEDULES = {
+    **{d: ((128, SM90_OVERLAP), (128, SM90_IN_ORDER), (64, SM90_OVERLAP), (64, SM90_IN_ORDER))
+       for d in (32, 64, 96, 128)},
+    256: ((64, SM90_OVERLAP), (64, SM90_IN_ORDER)),
+}
+SM90_MODIFIER_FEATURES = ("window", "sinks")  # what an sm90 modifier kernel also builds (dense: no varlen)
+
+
+def sm90_modifier_config(head_dim: int, dtype: str, causal: bool, mods: Mods) -> KernelConfig | None:
+    """The sm90 family's forward for a dense call with a score_mod, mask_mod or block map (Hopper): the
+    non-persistent kernel with the call's modifiers, a block map wherever the call has a mask_mod or a block map, and
+    its window or sinks; the first of SM90_MODIFIER_SCHEDULES that ptxas builds without spills or serialized wgmma.
+    None where the family does not build the call (softcap, ALiBi, FP8, other head dims): the sm80 family's then."""
+    features = call_features(mods, causal)
+    wanted = {f for f, on in features.items() if on}
+    if head_dim not in SM90_MODIFIER_SCHEDULES or dtype not in ("fp16", "bf16"):
+        return None
+    if not wanted <= set(SM90_MODIFIER_FEATURES):
+        return None
+    cfgs = [KernelConfig(head_dim, dtype, causal, 128, bn, 12, 2, "sm90", **features, **dict(knobs),
+                         score_mod=mods.score_mod.digest if mods.score_mod is not None else "",
+                         mask_mod=mods.mask_mod.digest if mods.mask_mod is not None else "",
+                         block_map=mods.mask_mod is not None or mods.block_map is not None)
+            for bn, knobs in SM90_MODIFIER_SCHEDULES[head_dim]]
+    return next((c for c in cfgs[:-1] if _builds_clean(c)), cfgs[-1])
+
+
+@functools.lru_cache(maxsize=256)
+def _builds_clean(cfg: KernelConfig) -> bool:
+    """Whether ptxas builds `cfg` for sm_90a without spills and without serializing its wgmmas (C7512/C7513/C7519)."""
+    kern = compiled_kernel(cfg, target_for("sm90", cfg.family))
+    return not kern.resources.spills and not any(code in kern.ptxas_log for code in ("C7512", "C7513", "C7519"))
 
 
 def modifier_digests(mods: Mods) -> dict[str, str]:
@@ -461,4 +511,5 @@ def append_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, bl
 __all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "ServeLaunch", "append_kv",
            "arch_and_slots", "call_features", "choose_splits", "decode_config", "has_mods", "kernel_sinks",
            "kvcache_launch", "launch_prefill", "list_slots", "modifier_config", "modifier_digests", "modifier_tail",
-           "run_plan", "serve_config", "serve_grids", "want_split"]
+           "modifier_values",
+           "run_plan", "serve_config", "serve_grids", "sm90_modifier_config", "SM90_MODIFIER_SCHEDULES", "want_split"]

@@ -1,0 +1,204 @@
+"""Traced score_mod / mask_mod and block maps in the sm90 family's forward, without a GPU: configuration rules, the
+rendered evaluation order and key-tile list, the parameter block, routing, and nvcc builds for sm_90a without spills
+or serialized wgmma."""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+
+from flashgen import abi, ops
+from flashgen.checks import Mods
+from flashgen.config import ConfigError, KernelConfig
+from flashgen.kernels import serving
+from flashgen.kernels.serving import modifier_values, sm90_modifier_config
+from flashgen.modifiers import MAX_CAPTURED, MAX_RANK
+from flashgen.render import render
+
+torch = pytest.importorskip("torch")
+from conftest import compile_sm90a_clean  # noqa: E402
+from modifier_examples import examples, trace  # noqa: E402
+
+EXAMPLES = examples()
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+
+
+def mods_of(name: str, **extra) -> Mods:
+    score, mask = trace(EXAMPLES[name])
+    return Mods(score_mod=score, mask_mod=mask, **extra)
+
+
+def sm90_cfg(name: str, head_dim: int = 128, dtype: str = "bf16", causal: bool = False, block_n: int = 128,
+             **knobs) -> KernelConfig:
+    score, mask = trace(EXAMPLES[name])
+    return KernelConfig(head_dim, dtype, causal, 128, block_n, 12, 2, "sm90", score_mod=score.digest if score else "",
+                        mask_mod=mask.digest if mask else "", block_map=mask is not None, **knobs)
+
+
+def test_config_rules():
+    cfg = sm90_cfg("softcap_document")
+    assert cfg.modified and cfg.serving and cfg.family == "sm90" and cfg.name.endswith("_bmap")
+    assert KernelConfig.from_dict(cfg.to_dict()) == cfg
+    sm90_cfg("document", window=True, sinks=True, pingpong=True)  # window, sinks and pingpong build with them
+    sm90_cfg("document", overlap=True, pingpong=True, lazy_rescale=True, persistent=True)
+    sm90_cfg("document", overlap=True, persistent=True, overlap_epilogue=True)  # a mask_mod leaves the scale alone
+    for knob in ("cluster", "o_tma"):
+        with pytest.raises(ConfigError, match=f"dense forward: not with {knob}"):
+            sm90_cfg("alibi", **{knob: True})
+    with pytest.raises(ConfigError, match="not with overlap_epilogue"):  # its LSE reads the kernel's scale
+        sm90_cfg("alibi", overlap=True, persistent=True, overlap_epilogue=True)
+    with pytest.raises(ConfigError, match="not with varlen"):
+        sm90_cfg("alibi", varlen=True)
+    with pytest.raises(ConfigError):
+        sm90_cfg("alibi", dtype="fp8_e4m3")
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_render_applies_the_modifiers_on_the_accumulator(name):
+    score, mask = trace(EXAMPLES[name])
+    src = render(sm90_cfg(name))
+    assert "struct Sm90ServeModFwdParams" in src and "(const __grid_constant__ Sm90ServeModFwdParams p)" in src
+    assert ("apply_score_mod(acc_s, P, sv, head" in src) == (score is not None)
+    assert ("apply_mask_mod(acc_s, P, sv, head" in src) == (mask is not None)
+    window = src.index("apply_window(acc_s, m0 + warp_row0")
+    if score is not None:  # before the masks, on S times the softmax scale; the softmax then in log2 units only
+        assert src.index("apply_score_mod(acc_s") < window and score.expr in src
+        assert "const float to_score = p.scale_log2 * LN2, scale_log2 = LOG2E;" in src
+    else:
+        assert "const float scale_log2 = p.scale_log2;" in src and "to_score" not in src
+    if mask is not None:  # after the masks (nothing turns its -inf back), skipped on FULL tiles
+        assert src.index("if (!kt.full(j)) apply_mask_mod(acc_s") > window and mask.expr in src
+        assert "inline constexpr bool BLOCK_MAP = true;" in src
+    for slot, c in enumerate(c for m in (score, mask) if m for c in m.captured):
+        assert f"{c.arg} = static_cast<const {c.c_type}*>(P.t{slot}.ptr)" in src
+    # producer and consumers walk one list of key tiles
+    assert src.count("const int n0 = kt.n0(j);") == 3  # the producer's loads, softmax_tile and softmax_into
+    assert "const int n_blocks = kt.count;" in src
+
+
+@pytest.mark.parametrize("name", ["relative_prefix_lm", "alibi", "document"])
+def test_render_of_the_overlapped_schedule_applies_them_as_the_softmax_reads_s(name):
+    """With overlap S is only read (its registers belong to an open wgmma stage): softmax_pack applies the modifiers
+    per score it reads, the masked variant on tiles the mask_mod decides."""
+    score, mask = trace(EXAMPLES[name])
+    src = render(sm90_cfg(name, overlap=True, pingpong=True))
+    args = "lane, P, sv, head, kt.full(j)" + (", to_score" if score else "")
+    assert src.count(f"softmax_pack<true>(acc_s, a, m_i, l_i, corr, scale_log2, m0 + warp_row0, n0, sv.seqlen_k, "
+                     f"win_lo, win_hi, {args});") == 1
+    assert ("win_lo || !kt.full(j))" in src) == (mask is not None)
+    pasted = "const float x = score_mod_at(s[0][nt][e] * to_score, P, sv, head, row, col);"
+    assert (pasted in src) == (score is not None)
+    assert ("if (!full && !mask_mod_at(P, sv, head, row, col)) return -INFINITY;" in src) == (mask is not None)
+
+
+def test_kernels_without_modifiers_render_without_them():
+    for cfg in (KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, True, True),
+                KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", window=True, sinks=True)):
+        src = render(cfg)
+        for word in ("Sm90ServeModFwdParams", "KeyTiles", "BLOCK_MAP", "apply_score_mod", "apply_mask_mod", "kt.",
+                     "to_score", "ModTensor"):
+            assert word not in src, (cfg.name, word)
+
+
+def test_parameter_block_is_the_serving_block_then_the_modifier_slots():
+    mod, serve = abi.SM90_SERVE_MOD_FWD, abi.SM90_SERVE_FWD
+    for f in serve.fields:  # the serving fields keep their offsets: the templates read them as before
+        assert mod.offset(f.path) == f.offset
+    assert mod.offset("t0.ptr") == serve.offset("sinks") + 8
+    assert mod.offset("map_idx.ptr") - mod.offset("t0.ptr") == (MAX_CAPTURED + 1) * abi.MOD_TENSOR.size
+    # the launcher packs the serving fields and modifier_values after them: the same slots as ServeModParams'
+    tail = mod.tail("cu_seqlens_q")
+    values = [1, 2, 3, 4, 5, 6, 7, 8] + list(range(100, 100 + (MAX_CAPTURED + 2) * (1 + MAX_RANK)))
+    packed = tail.pack(*values)
+    assert len(packed) == mod.size - mod.offset("cu_seqlens_q")
+    start = mod.offset("t0.ptr") - mod.offset("cu_seqlens_q")
+    mod_tail = abi.SERVE_MOD.tail("t0.ptr")
+    assert packed[start:start + mod_tail.size] == mod_tail.pack(*values[8:])
+
+
+class _FakeCuda:
+    """Stands for a CUDA tensor where only its address and layout are read."""
+
+    def __init__(self, ptr: int, strides: tuple[int, ...]):
+        self.ptr, self.strides = ptr, strides
+        self.device = type("Device", (), {"type": "cuda"})()
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def stride(self) -> tuple[int, ...]:
+        return self.strides
+
+    def dim(self) -> int:
+        return len(self.strides)
+
+    def get_device(self) -> int:
+        return 0
+
+
+def test_modifier_values_fill_the_slots_in_capture_order():
+    score, _ = trace(EXAMPLES["relative_bias"])
+    score = dataclasses.replace(score, tensors=(_FakeCuda(0x1000, (1,)),))
+    cfg = KernelConfig(64, "fp16", False, 128, 128, 12, 2, "sm90", score_mod=score.digest)
+    values = modifier_values(cfg, Mods(score_mod=score), 0, 2, 4)
+    assert values == [0x1000, 1, 0, 0, 0] + [0] * (3 * 5) + [0] * 10  # no block map: null lists
+    assert serving.modifier_tail(cfg, Mods(score_mod=score), 0) == abi.SERVE_MOD.tail("t0.ptr").pack(*values)
+
+
+def test_sm90_config_refuses_what_the_family_does_not_build():
+    assert sm90_modifier_config(128, "bf16", False, mods_of("document", softcap=30.0)) is None
+    assert sm90_modifier_config(128, "bf16", False, mods_of("document", alibi=object())) is None
+    assert sm90_modifier_config(128, "fp8_e4m3", False, mods_of("document")) is None
+    assert sm90_modifier_config(80, "bf16", False, mods_of("document")) is None
+
+
+@needs_nvcc
+def test_routing_takes_the_sm90_forward_when_asked(monkeypatch):
+    """Without arch, a modifier call takes the sm80 family's kernel (on Hopper too); arch="sm90" takes the sm90
+    forward where it builds the call, and refuses on a GPU of another family."""
+    monkeypatch.setattr(ops, "arch_and_slots", lambda device: ("sm90", 132))
+    monkeypatch.setattr(ops, "tuned_modifier", lambda *a: None)
+    assert ops.modifier_kernel(0, 128, "bf16", True, 4096, 1, mods_of("softcap_document")).family == "sm80"
+    cfg = ops.modifier_kernel(0, 128, "bf16", True, 4096, 1, mods_of("softcap_document"), "sm90")
+    assert cfg.family == "sm90" and cfg.causal and cfg.block_map and cfg.overlap
+    windowed = ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, mods_of("document", window=(64, 0)), "sm90")
+    assert windowed.family == "sm90" and windowed.window
+    assert ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, mods_of("document"), "sm80").family == "sm80"
+    assert ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, mods_of("document", softcap=30.0),
+                               "sm90").family == "sm80"
+    monkeypatch.setattr(ops, "arch_and_slots", lambda device: ("sm80", 108))
+    assert ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, mods_of("document")).family == "sm80"
+    with pytest.raises(ValueError, match="needs an sm90 GPU"):
+        ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, mods_of("document"), "sm90")
+
+
+# One kernel per example kind, at the tiles sm90_modifier_config picks: a score_mod over a captured table with a
+# mask_mod over another (block map), a score_mod with transcendental arithmetic and a mask over a captured tensor, a
+# score_mod over captured slopes with a causal mask_mod at d256, and a mask_mod alone with causal.
+BUILDS = [("relative_prefix_lm", 128, "fp16", False), ("softcap_document", 64, "bf16", False),
+          ("alibi_causal", 256, "bf16", False), ("sliding_window", 96, "fp16", True)]
+
+
+@needs_nvcc
+def test_sm90_modifier_kernels_compile_without_spills_or_serialized_wgmma():
+    cfgs = [sm90_modifier_config(d, dt, causal, mods_of(name)) for name, d, dt, causal in BUILDS]
+    # a table read per score and a mask spill at 128 keys; d256 spills with the overlapped schedule
+    assert [(c.block_n, c.overlap) for c in cfgs] == [(64, True), (128, True), (64, False), (128, True)]
+    assert all(c.family == "sm90" and c.block_map for c in cfgs)
+    in_order = [dataclasses.replace(c, overlap=False, pingpong=False) for c in cfgs[:2]]
+    compile_sm90a_clean(cfgs + in_order + [dataclasses.replace(cfgs[0], persistent=True)])
+
+
+def test_export_refuses_them(tmp_path):
+    from flashgen.export import export_configs
+
+    with pytest.raises(ValueError, match="not exported"):
+        export_configs([sm90_cfg("document")], tmp_path, "sm90")
+    assert not list(tmp_path.iterdir())
+
+
+def test_persistent_kernels_find_each_tiles_list_in_producer_and_consumers():
+    src = render(sm90_cfg("relative_prefix_lm", block_n=64, overlap=True, pingpong=True, persistent=True))
+    assert src.count("const KeyTiles kt = key_tiles(P, batch, head, m_block, n_end, n_range);") == 2
+    assert src.count("const int n0 = kt.n0(j);") == 3 and src.count("kv_it += n_blocks;") == 2
