@@ -57,6 +57,27 @@ def examples(device: str | torch.device = "cpu", batch: int = 2, heads: int = 4,
     return {e.name: e for e in out}
 
 
+class FakeCuda:
+    """Stands for a CUDA tensor a modifier captures, where only its address and layout are read (a kernel's
+    parameter packing, without a GPU)."""
+
+    def __init__(self, ptr: int, strides: tuple[int, ...]):
+        self.ptr, self.strides = ptr, strides
+        self.device = type("Device", (), {"type": "cuda"})()
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def stride(self) -> tuple[int, ...]:
+        return self.strides
+
+    def dim(self) -> int:
+        return len(self.strides)
+
+    def get_device(self) -> int:
+        return 0
+
+
 def trace(example: Example) -> tuple[Modifier | None, Modifier | None]:
     """The example's score_mod and mask_mod traced into flashgen Modifiers (None where it has none)."""
     return (trace_score_mod(example.score_mod) if example.score_mod else None,

@@ -20,7 +20,7 @@ from flashgen.render import render
 
 torch = pytest.importorskip("torch")
 from builds import assert_builds_without_spills  # noqa: E402
-from modifier_examples import examples, trace  # noqa: E402
+from modifier_examples import FakeCuda, examples, trace  # noqa: E402
 
 EXAMPLES = examples()
 
@@ -130,26 +130,6 @@ def test_modifier_kernels_compile_without_spills(target):
 
 # -- the launch's captured-tensor slots and the public call's routing (no GPU: stand-ins and refusals) ----------
 
-class _FakeCuda:
-    """Stands for a CUDA tensor where only its address and layout are read."""
-
-    def __init__(self, ptr: int, strides: tuple[int, ...]):
-        self.ptr, self.strides = ptr, strides
-        self.device = type("Device", (), {"type": "cuda"})()
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-    def stride(self) -> tuple[int, ...]:
-        return self.strides
-
-    def dim(self) -> int:
-        return len(self.strides)
-
-    def get_device(self) -> int:
-        return 0
-
-
 def test_modifier_tail_packs_score_then_mask_tensors():
     import dataclasses
 
@@ -158,8 +138,8 @@ def test_modifier_tail_packs_score_then_mask_tensors():
 
     score, mask = traced("alibi_causal")
     doc = traced("document")[1]
-    score = dataclasses.replace(score, tensors=(_FakeCuda(0x1000, (1,)),))
-    doc = dataclasses.replace(doc, tensors=(_FakeCuda(0x2000, (2048, 1)),))
+    score = dataclasses.replace(score, tensors=(FakeCuda(0x1000, (1,)),))
+    doc = dataclasses.replace(doc, tensors=(FakeCuda(0x2000, (2048, 1)),))
     cfg = KernelConfig(128, "bf16", False, 128, 64, 8, 2, score_mod=score.digest, mask_mod=doc.digest)
     tail = modifier_tail(cfg, Mods(score_mod=score, mask_mod=doc), 0)
     assert len(tail) == 6 * abi.MOD_TENSOR.size

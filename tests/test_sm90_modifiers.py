@@ -18,7 +18,7 @@ from flashgen.render import render
 
 torch = pytest.importorskip("torch")
 from conftest import compile_sm90a_clean  # noqa: E402
-from modifier_examples import examples, trace  # noqa: E402
+from modifier_examples import FakeCuda, examples, trace  # noqa: E402
 
 EXAMPLES = examples()
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -117,29 +117,9 @@ def test_parameter_block_is_the_serving_block_then_the_modifier_slots():
     assert packed[start:start + mod_tail.size] == mod_tail.pack(*values[8:])
 
 
-class _FakeCuda:
-    """Stands for a CUDA tensor where only its address and layout are read."""
-
-    def __init__(self, ptr: int, strides: tuple[int, ...]):
-        self.ptr, self.strides = ptr, strides
-        self.device = type("Device", (), {"type": "cuda"})()
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-    def stride(self) -> tuple[int, ...]:
-        return self.strides
-
-    def dim(self) -> int:
-        return len(self.strides)
-
-    def get_device(self) -> int:
-        return 0
-
-
 def test_modifier_values_fill_the_slots_in_capture_order():
     score, _ = trace(EXAMPLES["relative_bias"])
-    score = dataclasses.replace(score, tensors=(_FakeCuda(0x1000, (1,)),))
+    score = dataclasses.replace(score, tensors=(FakeCuda(0x1000, (1,)),))
     cfg = KernelConfig(64, "fp16", False, 128, 128, 12, 2, "sm90", score_mod=score.digest)
     values = modifier_values(cfg, Mods(score_mod=score), 0, 2, 4)
     assert values == [0x1000, 1, 0, 0, 0] + [0] * (3 * 5) + [0] * 10  # no block map: null lists
