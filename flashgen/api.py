@@ -365,10 +365,10 @@ def _decode_step(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | No
             return done if return_lse else done[0]
     if not _decode_shaped(q, k, v, sinks):
         return None
-    lengths = _full_lengths(q, k)
+    lengths, kept = _full_lengths(q, k)
     out = attention_with_kvcache(q, k, v, causal=causal, softmax_scale=softmax_scale, cache_seqlens=lengths,
                                  return_lse=return_lse, learnable_sink=sinks)
-    if key is not None and _lengths.get((q.get_device(), k.shape[0], k.shape[1])) is lengths:  # not a capture's
+    if key is not None and kept:  # a capture's lengths are the graph's: no route keeps them
         plan = _kv_plans.get(_plan_key(q, k, v, None, None, lengths, None, causal, softmax_scale, (-1, -1), 0.0,
                                        None, 0, return_lse, False))
         if plan is not None:
@@ -378,17 +378,19 @@ def _decode_step(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | No
     return out
 
 
-def _full_lengths(q: Any, k: Any) -> Any:
-    """cache_seqlens of a cache that is full: one tensor per shape, kept, so that back-to-back calls repeat a plan."""
+def _full_lengths(q: Any, k: Any) -> tuple[Any, bool]:
+    """cache_seqlens of a cache that is full, and whether it is kept: one tensor per shape, so that back-to-back
+    calls repeat a plan (not inside a CUDA-graph capture, whose memory is not for later eager calls)."""
     import torch  # noqa: PLC0415  (torch tensors: torch is imported)
 
     key = (q.get_device(), k.shape[0], k.shape[1])
     lengths = _lengths.get(key)
     if lengths is None:
         lengths = torch.full((k.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
-        if not torch.cuda.is_current_stream_capturing():  # a graph's own memory is not for later eager calls
-            _lengths[key] = lengths
-    return lengths
+        if torch.cuda.is_current_stream_capturing():
+            return lengths, False
+        _lengths[key] = lengths
+    return lengths, True
 
 
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
