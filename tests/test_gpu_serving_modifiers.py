@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
 from modifier_examples import examples  # noqa: E402
-from test_gpu_modifiers import DT, LAYOUTS, LSE_TOL, flex_reference  # noqa: E402
+from test_gpu_modifiers import DT, LAYOUTS, flex_reference, judge  # noqa: E402
 
 NAMES = sorted(examples())
 # Packed sequences: one row, odd lengths, an empty q, keys fewer than queries (causal leaves rows without a key).
@@ -32,18 +32,6 @@ def at(fn, seq: int, offset: int = 0):
     if fn.__code__.co_argcount == 5:
         return lambda s, b, h, qi, ki: fn(s, b + seq, h, qi + offset, ki)
     return lambda b, h, qi, ki: fn(b + seq, h, qi + offset, ki)
-
-
-def judge(out, lse, ref, pt, ref_lse):
-    assert not torch.isnan(out).any(), "NaN in output (an unwritten or poisoned element)"
-    bound = 2 * (pt.double() - ref).abs().max().item() + 1e-5
-    err = (out.double() - ref).abs().max().item() if ref.numel() else 0.0
-    assert err <= bound, f"max error {err:.3g} > bound {bound:.3g}"
-    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse)), "LSE +inf pattern differs from the reference"
-    fin = torch.isfinite(ref_lse)
-    if fin.any():
-        lerr = (lse.double()[fin] - ref_lse[fin]).abs().max().item()
-        assert lerr <= LSE_TOL, f"LSE error {lerr:.3g}"
 
 
 def poison(shapes, dtypes):
