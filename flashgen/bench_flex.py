@@ -111,10 +111,11 @@ def kept_pairs(case: FlexCase, batch: int, n: int, device: Any, rows: int = 1024
 
 
 def flex_rows(n: int, head_dim: int = 128, heads: int = 16, batch_tokens: int = 16384, dtype: str = "bf16",
-              names: tuple[str, ...] = CASES, calls: int = 10,
+              names: tuple[str, ...] = CASES, calls: int = 10, sm90: bool = True,
               progress: Callable[[str], None] = print) -> list[dict]:
     """One row per (case, implementation): forward and backward ms per call back to back, their TFLOP/s over the
-    kept pairs, and the output's max |difference| from flex_attention's."""
+    kept pairs, and the output's max |difference| from flex_attention's. `sm90`: the modifier cases also with
+    arch="sm90" (the sm90 family's forward; the backward is the sm80 family's either way)."""
     import torch  # noqa: PLC0415
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: PLC0415
 
@@ -135,13 +136,16 @@ def flex_rows(n: int, head_dim: int = 128, heads: int = 16, batch_tokens: int = 
                 if case.mask_mod is not None else None)
         out = {"flex_attention": lambda: flex(qt, kt, vt, score_mod=case.score_mod, block_mask=mask).transpose(1, 2),
                "flashgen": lambda: attention(q, k, v, score_mod=case.score_mod, mask_mod=case.mask_mod)}
+        if sm90 and (case.score_mod is not None or case.mask_mod is not None):
+            out["flashgen sm90"] = lambda: attention(q, k, v, score_mod=case.score_mod, mask_mod=case.mask_mod,
+                                                     arch="sm90")
         if case.builtin is not None:
             out["flashgen built-in"] = lambda: attention(q, k, v, **case.builtin)
         return out
 
     def warm(case: FlexCase) -> None:  # flashgen's kernels compile here, the cases side by side (nvcc in subprocesses)
         fns = impls(case)
-        for name in ("flashgen", "flashgen built-in"):
+        for name in ("flashgen", "flashgen sm90", "flashgen built-in"):
             try:
                 if name in fns:
                     torch.autograd.grad(fns[name](), (q, k, v), dout)
@@ -182,22 +186,24 @@ def flex_rows(n: int, head_dim: int = 128, heads: int = 16, batch_tokens: int = 
 def flex_table(rows: list[dict]) -> str:
     """Per case and N: forward / backward TFLOP/s of each implementation, flashgen's ratio to flex_attention and to
     its built-in kernel, and the largest difference from flex_attention's output."""
-    head = ["case", "N", "kept", "flex fwd/bwd", "flashgen fwd/bwd", "x flex", "built-in fwd/bwd", "x built-in",
-            "max diff"]
+    head = ["case", "N", "kept", "flex fwd/bwd", "flashgen fwd/bwd", "x flex", "sm90 fwd/bwd", "x flex",
+            "built-in fwd/bwd", "x built-in", "max diff"]
     out = [head]
     by = {(r["case"], r.get("n"), r["impl"]): r for r in rows if "error" not in r}
     keys = list(dict.fromkeys((r["case"], r.get("n")) for r in rows if "error" not in r))
     for case, n in keys:
-        fl, fg, bi = (by.get((case, n, i)) for i in ("flex_attention", "flashgen", "flashgen built-in"))
+        fl, fg, f9, bi = (by.get((case, n, i)) for i in ("flex_attention", "flashgen", "flashgen sm90",
+                                                          "flashgen built-in"))
         pair = lambda r: f"{r['fwd_tflops']:.0f} / {r['bwd_tflops']:.0f}" if r else "-"  # noqa: E731
         ratio = lambda a, b: (f"{a['fwd_tflops'] / b['fwd_tflops']:.2f} / {a['bwd_tflops'] / b['bwd_tflops']:.2f}"  # noqa: E731
                               if a and b else "-")
-        kept = next(r for r in (fg, fl, bi) if r)["kept"]
-        out.append([case, str(n), f"{kept:.2f}", pair(fl), pair(fg), ratio(fg, fl), pair(bi), ratio(fg, bi),
+        kept = next(r for r in (fg, fl, f9, bi) if r)["kept"]
+        out.append([case, str(n), f"{kept:.2f}", pair(fl), pair(fg), ratio(fg, fl), pair(f9), ratio(f9, fl), pair(bi),
+                    ratio(f9 or fg, bi),
                     f"{fg['max_diff']:.2e}" if fg and fg.get("max_diff") is not None else "-"])
     for r in rows:
         if "error" in r:
-            out.append([r["case"], "-", "-", "-", "-", "-", "-", "-", f"{r['impl']}: {r['error'][:60]}"])
+            out.append([r["case"], "-", "-", "-", "-", "-", "-", "-", "-", "-", f"{r['impl']}: {r['error'][:60]}"])
     widths = [max(len(row[i]) for row in out) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in out)
 
@@ -211,18 +217,19 @@ def plot_flex(result: dict, path: Any) -> None:
 
     rows = [r for r in result["flex"] if "error" not in r]
     ns = sorted({r["n"] for r in rows})
-    impls = ["flex_attention", "flashgen", "flashgen built-in"]
-    colors = {"flex_attention": "tab:gray", "flashgen": "tab:orange", "flashgen built-in": "tab:blue"}
+    impls = ["flex_attention", "flashgen", "flashgen sm90", "flashgen built-in"]
+    colors = {"flex_attention": "tab:gray", "flashgen": "tab:orange", "flashgen sm90": "tab:red",
+              "flashgen built-in": "tab:blue"}
     fig, axes = plt.subplots(2 * len(ns), 1, figsize=(9, 3.2 * 2 * len(ns)), squeeze=False)
     for j, n in enumerate(ns):
         names = list(dict.fromkeys(r["case"] for r in rows if r["n"] == n))
         for d, key in enumerate(("fwd_tflops", "bwd_tflops")):
             ax = axes[2 * j + d][0]
             for i, impl in enumerate(impls):
-                xs = [c + (i - 1) * 0.27 for c in range(len(names))]
+                xs = [c + (i - 1.5) * 0.2 for c in range(len(names))]
                 ys = [next((r[key] for r in rows if r["n"] == n and r["case"] == c and r["impl"] == impl), 0)
                       for c in names]
-                ax.bar(xs, ys, width=0.27, label=impl, color=colors[impl])
+                ax.bar(xs, ys, width=0.2, label=impl, color=colors[impl])
             ax.set_xticks(range(len(names)), names, fontsize=8)
             ax.set_ylabel("TFLOP/s (kept pairs)")
             ax.set_title(f"{result['gpu']}, {result['date']}: {'forward' if d == 0 else 'backward'}, N={n}, "
