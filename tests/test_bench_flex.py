@@ -47,6 +47,17 @@ def test_kept_pairs_counts_the_mask():
         assert bf.kept_pairs(case, batch, n, "cpu", rows=64) == expected, case.name
 
 
+def test_kept_tiles_counts_the_blocks_a_sparse_kernel_computes():
+    n, batch, tile = 300, 2, 64
+    for case in bf.cases(n, batch, 2, "cpu"):
+        m = torch.nn.functional.pad(_dense_mask(case, batch, n) if case.mask_mod is not None
+                                    else torch.ones(batch, n, n, dtype=torch.bool), (0, 20, 0, 20))
+        blocks = m.view(batch, 5, tile, 5, tile).any(4).any(2)
+        assert bf.kept_tiles(case, batch, n, "cpu", tile=tile) == pytest.approx(blocks.float().mean().item()), case.name
+    causal = bf.cases(1024, 1, 2, "cpu", names=("causal",))[0]
+    assert bf.kept_tiles(causal, 1, 1024, "cpu") == pytest.approx(36 / 64)  # 8 tiles a side: the lower triangle
+
+
 def test_table_and_plot_from_rows(tmp_path):
     pytest.importorskip("matplotlib")
     row = lambda case, impl, f, b: {"case": case, "impl": impl, "n": 4096, "batch": 4, "heads": 16,  # noqa: E731
@@ -57,5 +68,10 @@ def test_table_and_plot_from_rows(tmp_path):
             {"case": "document", "impl": "flashgen", "error": "no kernel"}]
     text = bf.flex_table(rows)
     assert "1.40 / 1.10" in text and "0.97 / 1.04" in text and "flashgen: no kernel" in text
+    doc, causal = row("document", "flashgen", 400, 300), row("causal", "flashgen built-in", 500, 380)
+    doc.update(kept=0.06, tiles=0.08)
+    causal.update(kept=0.5, tiles=0.56)
+    tiles_row = next(line for line in bf.flex_table([doc, causal]).splitlines() if "over tiles" in line).split()
+    assert tiles_row[-3:-1] == ["446", "0.67"]  # 400 * 0.06 / 0.08 = 300 over tiles; 500 * 0.5 / 0.56 = 446
     bf.plot_flex({"gpu": "test", "date": "today", "head_dim": 128, "dtype": "bf16", "flex": rows}, tmp_path / "f.png")
     assert (tmp_path / "f.png").stat().st_size > 0
