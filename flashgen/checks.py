@@ -170,6 +170,17 @@ def dtype_name(t: Any, name: str) -> str:
     return dt
 
 
+def misaligned(t: Any) -> bool:
+    """Whether a torch tensor's data starts off a 16-byte boundary. Fake and meta tensors, and tensors seen while
+    torch.compile traces (their data pointer is symbolic), have none to check: the compiled call's operator checks
+    the real one."""
+    import torch  # noqa: PLC0415  (torch tensors: torch is imported)
+
+    if torch.compiler.is_compiling() or type(t) is not torch.Tensor or t.is_meta:
+        return False
+    return t.data_ptr() % 16 != 0
+
+
 def check_same(tensors: dict[str, Any], dtype: str, device: Any) -> None:
     import torch  # noqa: PLC0415  (torch tensors: torch is imported)
 
@@ -182,8 +193,7 @@ def check_same(tensors: dict[str, Any], dtype: str, device: Any) -> None:
             raise TypeError(f"{name} has dtype {t.dtype}; q has {dtype}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim")
-        real = type(t) is torch.Tensor and not t.is_meta  # fake and meta tensors have no data pointer to check
-        if (real and t.data_ptr() % 16) or any(s % 8 for s in t.stride()[:-1]):
+        if misaligned(t) or any(s % 8 for s in t.stride()[:-1]):
             raise ValueError(f"{name} needs a 16-byte aligned base and strides that are multiples of 8 elements")
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .checks import Mods
+from .checks import Mods, checked_dtype
 from .modifier_grads import captured_grads
 from .modifiers import ModifierError, lookup, trace_cached
 from .ops import dense_mods_forward, flex_backward
@@ -194,6 +194,8 @@ def attention_modified_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ten
     for none) reading `tensors` (the score_mod's, then the mask_mod's), and a window, softcap or ALiBi: out like q,
     lse (batch, heads, seqlen_q) fp32. The block map of a mask_mod is built on the device at the first call and
     kept while its tensors are unchanged (flashgen.blockmap.cached_from_mask)."""
+    # The real tensors' alignment: the traced call had no data pointers to check.
+    checked_dtype({"q": q, "k": k, "v": v}, "(batch, seqlen, heads, head_dim)")
     mods = _mods(tensors, score_digest, mask_digest, window_left, window_right, softcap, alibi_slopes)
     return dense_mods_forward(q, k, v, causal, softmax_scale, mods)
 

@@ -264,3 +264,14 @@ def test_closures_from_a_factory_reuse_the_graph_until_what_they_read_differs():
     digests = [d for _, d in seen]
     assert digests[2][0] == digests[1][0] and digests[2][1] != digests[1][1]  # the mask's number changed
     assert digests[3][0] != digests[2][0] and digests[3][1] == digests[2][1]  # the table's dtype changed
+
+
+def test_alignment_check_traces_on_real_tensors_without_a_graph_break():
+    """torch.compile traces real tensors with symbolic data pointers: the input checks skip the alignment test there
+    (the operator's implementation makes it on the real tensors) instead of breaking the graph."""
+    from flashgen import checks
+
+    t = torch.zeros(64, dtype=torch.bfloat16)
+    (doubled, flagged), graphs = recorded(lambda x: (x * 2, checks.misaligned(x)), t)
+    assert flagged is False and len(graphs) == 1 and torch.equal(doubled, t)
+    assert checks.misaligned(t[1:]) and not checks.misaligned(t)
