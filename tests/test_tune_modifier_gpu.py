@@ -1,5 +1,6 @@
 """A short real tune of a problem with a score_mod and a mask_mod on the GPU, end to end: the stored entry's key ends in
-their digests, and `flashgen.attention(..., score_mod=, mask_mod=)` takes the stored kernel and is right.
+their digests, and `flashgen.attention(..., score_mod=, mask_mod=, arch="sm80")` takes the stored kernel and is right
+(without arch, Hopper takes the sm90 family's forward).
 
 Run on a GPU machine: python -m pytest -q -m gpu tests/test_tune_modifier_gpu.py
 """
@@ -40,9 +41,9 @@ CHECK = textwrap.dedent("""
     ns = {}
     exec(open(sys.argv[1]).read(), ns)
     s, m = trace_score_mod(ns["softcap"]), trace_mask_mod(ns["window"])
-    cfg = ops.modifier_kernel(0, 64, "bf16", False, 1024, 1, Mods(score_mod=s, mask_mod=m))
+    cfg = ops.modifier_kernel(0, 64, "bf16", False, 1024, 1, Mods(score_mod=s, mask_mod=m), "sm80")
     q, k, v = (torch.randn(2, 1000, 32, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    out = flashgen.attention(q, k, v, score_mod=ns["softcap"], mask_mod=ns["window"])
+    out = flashgen.attention(q, k, v, score_mod=ns["softcap"], mask_mod=ns["window"], arch="sm80")
     ref, _ = reference(q, k, v, False, 64 ** -0.5, s, m)
     same, _ = reference(q, k, v, False, 64 ** -0.5, s, m, dtype=torch.bfloat16)
     err, bound = (out.double() - ref).abs().max().item(), 2 * (same.double() - ref).abs().max().item() + 1e-5

@@ -118,8 +118,8 @@ def bench_flex_cases(args: argparse.Namespace) -> int:
               "dtype": dtype, "head_dim": 128, "heads": 16, "flex": rows}
     print(f"{gpu}, {datetime.date.today()}: FlexAttention's examples, d128, 16 heads, batch x N = {args.batch_tokens}, "
           f"{dtype}; TFLOP/s forward / backward (2.5x) over the pairs each mask keeps, per call back to back (host "
-          "included); sm90: the modifier forward with arch=\"sm90\"; x flex, x built-in: flashgen's ratios (x built-in: "
-          "the sm90 run where there is one); max diff: flashgen's output against flex_attention's")
+          "included); sm80: the modifier forward with arch=\"sm80\"; x flex, x built-in: flashgen's ratios; max diff: "
+          "flashgen's output against flex_attention's")
     print(bench_flex.flex_table(rows))
     if args.out:
         write_result(args.out, gpu, "flex", result, bench_flex.plot_flex)
