@@ -5,8 +5,9 @@ from dS' back to the tables (a table entry read by many scores sums their contri
 over the scores in torch, so it runs only for tables that require grad."""
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -38,9 +39,10 @@ def _keep(mods: Mods, block_map: BlockMap | None, causal: bool, b: Any, h: Any, 
 
 def captured_grads(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, causal: bool,
                    softmax_scale: float | None, mods: Mods, block_map: BlockMap | None,
-                   wanted: tuple[bool, ...]) -> list[Any]:
+                   wanted: tuple[bool, ...], deterministic: bool = False) -> list[Any]:
     """d loss / d each of mods.score_mod's tensors where `wanted` (None elsewhere), in each tensor's dtype and shape.
-    `block_map`: the map the backward's kernels read (any tiles), None without one."""
+    `block_map`: the map the backward's kernels read (any tiles), None without one. `deterministic`: the same bits on
+    every run (a table entry's contributions are summed by torch's deterministic scatter, not by atomics)."""
     score_mod = mods.score_mod
     leaves = [t.detach().requires_grad_(True) if w else t.detach() for t, w in zip(score_mod.tensors, wanted)]
     batch, sq, heads, d = q.shape
@@ -67,9 +69,25 @@ def captured_grads(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: 
         dp = dout[:, r0:r1].float().transpose(1, 2) @ vf.transpose(2, 3)
         ds = torch.where(keep, p * (dp - delta[:, :, r0:r1, None]), 0.0)
         if modified.requires_grad:
-            torch.autograd.backward(modified, ds)
+            with _deterministic(deterministic):
+                torch.autograd.backward(modified, ds)
     return [t.grad if w and t.grad is not None else (torch.zeros_like(t) if w else None)
             for t, w in zip(leaves, wanted)]
+
+
+@contextlib.contextmanager
+def _deterministic(on: bool) -> Iterator[None]:
+    """torch's deterministic algorithms for the block (a gathered table's backward is an accumulating index_put,
+    atomics otherwise), restored after it."""
+    if not on or torch.are_deterministic_algorithms_enabled():
+        yield
+        return
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False, warn_only=warn_only)
 
 
 __all__ = ["CHUNK_ELEMENTS", "captured_grads"]

@@ -398,8 +398,8 @@ class _FlexAttention(torch.autograd.Function):
         dq, dk, dv, bmap = flex_backward(dout, q, k, v, out, lse, dlse, *ctx.args)
         tables = [None] * len(wanted)
         if any(wanted):
-            causal, scale, mods, _ = ctx.args
-            tables = captured_grads(dout, q, k, v, out, lse, dlse, causal, scale, mods, bmap, wanted)
+            causal, scale, mods, deterministic = ctx.args
+            tables = captured_grads(dout, q, k, v, out, lse, dlse, causal, scale, mods, bmap, wanted, deterministic)
         return (dq, dk, dv, None, None, None, None, None, *tables)
 
 

@@ -221,7 +221,8 @@ def attention_modified_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch
     dq, dk, dv, bmap = flex_backward(dout, q, k, v, out, lse, dlse, causal, softmax_scale, mods, deterministic)
     if not any(wanted):
         return [dq, dk, dv]
-    tables = captured_grads(dout, q, k, v, out, lse, dlse, causal, softmax_scale, mods, bmap, tuple(wanted))
+    tables = captured_grads(dout, q, k, v, out, lse, dlse, causal, softmax_scale, mods, bmap, tuple(wanted),
+                            deterministic)
     return [dq, dk, dv, *(g for g, w in zip(tables, wanted) if w)]
 
 

@@ -71,7 +71,7 @@ def test_render_applies_the_modifiers_on_the_accumulator(name):
         assert src.index("if (!kt.full(j)) apply_mask_mod(acc_s") > window and mask.expr in src
         assert "inline constexpr bool BLOCK_MAP = true;" in src
     for slot, c in enumerate(c for m in (score, mask) if m for c in m.captured):
-        assert f"{c.arg} = static_cast<const {c.c_type}*>(P.t{slot}.ptr)" in src
+        assert f"const ReadOnly<{c.c_type}> {c.arg}{{static_cast<const {c.c_type}*>(P.t{slot}.ptr)}};" in src
     # producer and consumers walk one list of key tiles
     assert src.count("const int n0 = kt.n0(j);") == 3  # the producer's loads, softmax_tile and softmax_into
     assert "const int n_blocks = kt.count;" in src
@@ -80,7 +80,8 @@ def test_render_applies_the_modifiers_on_the_accumulator(name):
 @pytest.mark.parametrize("name", ["relative_prefix_lm", "alibi", "document"])
 def test_render_of_the_overlapped_schedule_applies_them_as_the_softmax_reads_s(name):
     """With overlap S is only read (its registers belong to an open wgmma stage): softmax_pack applies the modifiers
-    per score it reads, the masked variant on tiles the mask_mod decides."""
+    per score it reads (the mask_mod's verdicts taken once per tile), the masked variant on tiles the mask_mod
+    decides."""
     score, mask = trace(EXAMPLES[name])
     src = render(sm90_cfg(name, overlap=True, pingpong=True))
     args = "lane, P, sv, head, kt.full(j)" + (", to_score" if score else "")
@@ -89,7 +90,12 @@ def test_render_of_the_overlapped_schedule_applies_them_as_the_softmax_reads_s(n
     assert ("win_lo || !kt.full(j))" in src) == (mask is not None)
     pasted = "const float x = score_mod_at(s[0][nt][e] * to_score, P, sv, head, row, col);"
     assert (pasted in src) == (score is not None)
-    assert ("if (!full && !mask_mod_at(P, sv, head, row, col)) return -INFINITY;" in src) == (mask is not None)
+    # a mask_mod alone is decided once per element of the tile (its bits), not again by each pass over S
+    bits = mask is not None and score is None
+    assert ("if (MASK && !full) mask_mod_bits(keep, P, sv, head, row0, col0, lane);" in src) == bits
+    assert ("if (!full && !((keep[(nt * 4 + e) / 32] >> ((nt * 4 + e) % 32)) & 1u)) return -INFINITY;" in src) == bits
+    assert ("if (!full && !mask_mod_at(P, sv, head, row, col)) return -INFINITY;" in src) == (mask is not None
+                                                                                              and not bits)
 
 
 def test_kernels_without_modifiers_render_without_them():
