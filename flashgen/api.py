@@ -152,6 +152,11 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
     if score is not None and (mods.softcap or mods.alibi is not None):
         raise ValueError("a score_mod does not combine with softcap or alibi_slopes: write them into the score_mod")
     _refuse_mask_grad(mask)
+    if score is not None and score.is_identity:  # dead code: the call is the kernel without it
+        if mask is None and block_map is None:
+            return attention(q, k, v, causal, softmax_scale, return_lse, arch=arch, deterministic=deterministic,
+                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+        score = None
     mods = mods._replace(score_mod=score, mask_mod=mask, block_map=block_map)
     if wants_grad(q, k, v) or _tables_want_grad(score):
         check_grad_scale(softmax_scale, q, k, v)

@@ -119,6 +119,11 @@ class Modifier:
         return register(cls(kind, expr, tuple(captured), source, _digest(kind, source, captured), grad_expr))
 
     @property
+    def is_identity(self) -> bool:
+        """A score_mod that returns the score unchanged: the call needs no modifier kernel."""
+        return self.kind == "score" and self.expr == "score" and not self.captured
+
+    @property
     def params(self) -> str:
         """The kernel parameters of every captured tensor (empty when none)."""
         return ", ".join(c.params() for c in self.captured)

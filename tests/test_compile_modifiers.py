@@ -275,3 +275,32 @@ def test_alignment_check_traces_on_real_tensors_without_a_graph_break():
     (doubled, flagged), graphs = recorded(lambda x: (x * 2, checks.misaligned(x)), t)
     assert flagged is False and len(graphs) == 1 and torch.equal(doubled, t)
     assert checks.misaligned(t[1:]) and not checks.misaligned(t)
+
+
+def test_an_identity_score_mod_is_no_modifier(monkeypatch):
+    """A score_mod that returns the score unchanged traces to nothing to compile: the call is the plain kernel's
+    (beside a mask_mod, the mask_mod's kernel alone)."""
+    from flashgen import api
+    from flashgen.checks import Mods
+
+    assert modifiers.trace_score_mod(lambda score, b, h, q_idx, kv_idx: score).is_identity
+    assert not modifiers.trace_score_mod(lambda score, b, h, q_idx, kv_idx: score * 2).is_identity
+    assert not modifiers.trace_score_mod(EX["relative_bias"].score_mod).is_identity
+    calls = []
+
+    class Ops:
+        def attention(self, q, k, v, causal, scale, arch, return_lse, deterministic):
+            calls.append(("plain", causal, scale))
+            return q, None
+
+        def dense_mods_forward(self, q, k, v, causal, scale, mods, return_lse, arch):
+            calls.append(("modified", mods.score_mod, mods.mask_mod.digest))
+            return q, None
+
+    monkeypatch.setattr(api, "_ops", lambda: Ops())
+    monkeypatch.setattr(api, "check_dense", lambda *a: Mods())
+    q = torch.zeros(1, 64, 4, 64, dtype=torch.bfloat16)
+    api.attention(q, q, q, causal=True, softmax_scale=0.5, score_mod=lambda score, b, h, q_idx, kv_idx: score)
+    mask = modifiers.trace_mask_mod(EX["causal"].mask_mod)
+    api.attention(q, q, q, score_mod=lambda score, b, h, q_idx, kv_idx: score, mask_mod=EX["causal"].mask_mod)
+    assert calls == [("plain", True, 0.5), ("modified", None, mask.digest)]
