@@ -15,7 +15,7 @@ from .blockmap import cached_from_block_mask, check_call
 from .checks import (Mods, check_cache, check_dense, check_grad_scale, check_head_dims, check_heads, check_int32,
                      check_mods, check_offsets, check_sinks, checked_dtype, clamp_window, dtype_name, refuse_grad,
                      traced, wants_grad)
-from .head_dims import default_scale, kernel_head_dim, native
+from .head_dims import default_scale, kernel_head_dim, native, split_native
 from .kernels.bad_inputs import check_errors
 from .kernels.dense import Kernel, checked, descale_dict, run_views
 from .kernels.serving import (NO_BACKWARD, KVPlan, append_kv, arch_and_slots, call_features, has_mods, kvcache_launch,
@@ -54,17 +54,27 @@ def reload() -> None:
     resolve.clear()
 
 
-def _padded(q: Any, k: Any, v: Any, rank: int, dense: bool = False) -> bool:
+def _padded(q: Any, k: Any, v: Any, rank: int, dense: bool = False, arch: str | None = None) -> bool:
     """Whether a call's torch tensors run padded to a built head dim (flashgen.head_dims; `dense`: the call takes
-    the dense kernels): q, k, v of the call's rank whose widths are not one built head dim (other ranks: the call's
-    own checks say what is wrong). FP8 keeps to its built head dims (its checks say which)."""
+    the dense kernels): q, k, v of the call's rank whose widths are not one built head dim nor a split-width kernel's
+    of the family that runs the call (`arch`, else its GPU's; other ranks: the call's own checks say what is
+    wrong). FP8 keeps to its built head dims (its checks say which)."""
     try:
         d_q, d_k, d_v = q.shape[-1], k.shape[-1], v.shape[-1]
     except (AttributeError, IndexError, TypeError):
         return False  # not tensors: the call's own checks say what is wrong
     if d_q == d_k and native(d_q, d_v, dense):  # the common case, first: a few attribute reads per call
         return False
-    return all(is_torch(t) and t.dim() == rank for t in (q, k, v)) and str(q.dtype) != "torch.float8_e4m3fn"
+    if not all(is_torch(t) and t.dim() == rank for t in (q, k, v)) or str(q.dtype) == "torch.float8_e4m3fn":
+        return False
+    return not (d_q == d_k and split_native(d_q, d_v, dense, arch or _device_family(q)))
+
+
+def _device_family(t: Any) -> str | None:
+    """The family a call on `t`'s GPU takes untuned (sm90 on Hopper); None for tensors on no GPU (meta)."""
+    if not t.is_cuda:
+        return None
+    return "sm90" if resolve.gpu(t.get_device())[1] == "sm90" else "sm80"
 
 
 def _cut(result: Any, d_v: int, return_lse: bool) -> Any:
@@ -79,7 +89,7 @@ def _forward_arrays(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
     """(out, lse) of GPU arrays through the resolved kernel, in the current context, on `stream`."""
     qv, kv, vv, prob = checked(q, k, v, softmax_scale, arch)
     kern = resolve.resolver.kernel(driver.context_device(), prob.head_dim, prob.dtype, causal, prob.seqlen_k, arch,
-                                   gqa_group=prob.heads // prob.heads_k)
+                                   gqa_group=prob.heads // prob.heads_k, head_dim_v=prob.head_dim_v)
     out, lse, _ = run_views(kern.compiled, qv, kv, vv, prob, softmax_scale, stream)
     return out, lse
 
@@ -278,7 +288,7 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     _check_options(causal, softmax_scale)
     dense = (score_mod is None and mask_mod is None and block_mask is None and learnable_sink is None
              and alibi_slopes is None and not softcap and window_size == (-1, -1))  # no serving or modifier kernel
-    if _padded(q, k, v, 4, dense):  # any other multiple of 8, or v of another width: zero-padded to a built head dim
+    if _padded(q, k, v, 4, dense, arch):  # other multiples of 8, v of another width: zero-padded to a built head dim
         d_qk, d_v = check_head_dims(q.shape, k.shape, v.shape)
         pad, d = _ops().pad_head_dim, kernel_head_dim(d_qk, d_v, dense)
         scale = default_scale(d_qk) if softmax_scale is None else softmax_scale

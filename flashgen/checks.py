@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from .config import DENSE_HEAD_DIMS, FAMILIES, HEAD_DIMS
+from .config import DENSE_HEAD_DIMS, FAMILIES, HEAD_DIMS, SPLIT_HEAD_DIMS
 from .head_dims import built, head_dim_error
 from .tensors import TORCH_DTYPES, Problem, View, aligned, view
 
@@ -29,6 +29,16 @@ class Mods(NamedTuple):
 
 # -- dense q, k, v (torch tensors or GPU arrays, as Views) --------------------------------
 
+def check_kv_shapes(k_shape: tuple, v_shape: tuple, split: bool = False) -> None:
+    """k and v of one shape, or (`split`: a kernel with a split width takes them) head dims of SPLIT_HEAD_DIMS."""
+    if k_shape == v_shape or (split and k_shape[:-1] == v_shape[:-1]
+                              and (k_shape[-1], v_shape[-1]) in SPLIT_HEAD_DIMS):
+        return
+    pairs = ", ".join(f"{a} and {c}" for a, c in SPLIT_HEAD_DIMS)
+    raise ValueError(f"k and v must have the same shape{f' (or head dims {pairs})' if split else ''}; got {k_shape} "
+                     f"and {v_shape}")
+
+
 def check_qkv(q: View, k: View, v: View) -> Problem:
     """Validate flash_attn's layout: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, heads_k, head_dim)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -41,8 +51,8 @@ def check_qkv(q: View, k: View, v: View) -> Problem:
     if len({q.device, k.device, v.device}) != 1:
         raise ValueError(f"q, k and v must be on one device; got cuda:{q.device}, cuda:{k.device}, cuda:{v.device}")
     b, sq, h, d = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {k.shape} and {v.shape}")
+    check_kv_shapes(tuple(k.shape), tuple(v.shape), split=True)
+    dv = v.shape[3]
     bk, sk, hk, dk = k.shape
     if bk != b:
         raise ValueError(f"batch differs: q has {b}, k and v have {bk}")
@@ -55,7 +65,7 @@ def check_qkv(q: View, k: View, v: View) -> Problem:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.strides[3] != 1 and t.shape[3] != 1:
             raise ValueError(f"{name} must be contiguous in its last dim (stride {t.strides[3]}); call .contiguous()")
-    return Problem(b, sq, sk, h, hk, d, q.dtype)
+    return Problem(b, sq, sk, h, hk, d, q.dtype, None if dv == d else dv)
 
 
 def not_built(d: int, dense: bool = False) -> str:
@@ -94,9 +104,10 @@ def check_family(arch: str | None) -> None:
         raise ValueError(f"arch={arch!r} is not a template family; choose one of {', '.join(FAMILIES)}")
 
 
-def check_shapes(q: Any, k: Any, v: Any, dtypes: tuple | None = None) -> None:
+def check_shapes(q: Any, k: Any, v: Any, dtypes: tuple | None = None, split: bool = False) -> None:
     """What the operators can check from torch shapes and dtypes alone (fake tensors; the eager body checks the rest).
-    dtypes: the torch dtypes allowed (default fp16 and bf16)."""
+    dtypes: the torch dtypes allowed (default fp16 and bf16). split: v may have the other width of a split-width
+    kernel (SPLIT_HEAD_DIMS)."""
     import torch  # noqa: PLC0415  (torch tensors: torch is imported)
 
     dtypes = dtypes or (torch.float16, torch.bfloat16)
@@ -107,8 +118,7 @@ def check_shapes(q: Any, k: Any, v: Any, dtypes: tuple | None = None) -> None:
             raise TypeError(f"{name} has dtype {t.dtype}; supported: {', '.join(map(str, dtypes))}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    check_kv_shapes(tuple(k.shape), tuple(v.shape), split)
     if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head_dim")
     if q.shape[3] not in DENSE_HEAD_DIMS:

@@ -19,6 +19,9 @@ HEAD_DIMS = (32, 64, 96, 128, 256)  # every kernel kind: dense, serving, decode,
 # feature, modifier or FP8 (their tiles were not fitted there; flashgen.head_dims pads those calls to 256).
 DENSE_ONLY_HEAD_DIMS = (160, 192)
 DENSE_HEAD_DIMS = tuple(sorted(HEAD_DIMS + DENSE_ONLY_HEAD_DIMS))
+# (head_dim, head_dim_v) pairs with a split-width kernel of their own: the sm90 family's 16-bit dense forward
+# (KernelConfig.head_dim_v); every other pair, and these in the backward and the sm80 family, run padded.
+SPLIT_HEAD_DIMS = ((192, 128),)
 HALF_DTYPES = ("fp16", "bf16")
 FP8_DTYPES = ("fp8_e4m3",)  # sm90 family only: e4m3 inputs with fp32 descale factors, bf16/fp16 out
 DTYPES = HALF_DTYPES + FP8_DTYPES
@@ -205,6 +208,16 @@ class KernelConfig(_AsDict):
     # sm80 split-KV: no _combine kernel. The last of a row block's splits to finish (an arrival counter per row
     # block) merges the partial results: one launch per call instead of two, and no gap between them.
     fused_combine: bool = False
+    # sm90 16-bit dense forward: v (and O) of this head dim, narrower than q and k's head_dim (None: head_dim). The
+    # P V product, O's accumulator, epilogue and V's tiles take it; Q K^T keeps head_dim (DeepSeek-V3's MLA prefill:
+    # 192 and 128). See SPLIT_HEAD_DIMS_V.
+    head_dim_v: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        if d["head_dim_v"] is None:  # left out when q, k and v share a head dim: those dicts stay as they were
+            del d["head_dim_v"]
+        return d
 
     def __post_init__(self) -> None:
         _check_choice("family", self.family, FAMILIES)
@@ -342,6 +355,22 @@ class KernelConfig(_AsDict):
                 f"block_m={self.block_m} must be a multiple of 16*num_warps={16 * self.num_warps} "
                 "(each warp owns whole 16-row mma tiles)"
             )
+        if self.head_dim_v is not None:
+            self._check_head_dim_v()
+
+    def _check_head_dim_v(self) -> None:
+        """A v narrower than q and k: the sm90 16-bit dense forward, v's tiles in q's swizzled column blocks."""
+        dv = self.head_dim_v
+        if isinstance(dv, bool) or not isinstance(dv, int):
+            raise ConfigError(f"head_dim_v={dv!r} must be an int or None (None: v has q and k's head_dim)")
+        kind = "+".join(self.features) or ("modifiers" if self.modified else "")
+        if self.family != "sm90" or self.fp8 or kind:
+            raise ConfigError(f"head_dim_v is built in family sm90's 16-bit dense forward, not {self.dtype} / family "
+                              f"{self.family}{' / ' + kind if kind else ''}")
+        if not self.smem_w <= dv < self.head_dim or dv % self.smem_w:
+            raise ConfigError(f"head_dim_v={dv} must be a multiple of {self.smem_w} below head_dim={self.head_dim}: V "
+                              f"loads in TMA boxes of {self.smem_w} columns (head_dim's swizzle), and O is staged in "
+                              "Q's tile (use head_dim_v=None where v is as wide as q and k)")
 
     # -- derived figures -------------------------------------------------------
     @property
@@ -367,7 +396,13 @@ class KernelConfig(_AsDict):
         name += "_fc" if self.fused_combine else ""
         name += f"_sm{self.score_mod[:8]}" if self.score_mod else ""
         name += f"_mm{self.mask_mod[:8]}" if self.mask_mod else ""
-        return name + ("_bmap" if self.block_map else "")
+        name += "_bmap" if self.block_map else ""
+        return name + (f"_dv{self.head_dim_v}" if self.head_dim_v is not None else "")
+
+    @property
+    def v_dim(self) -> int:
+        """The head dim of v and O: head_dim_v, or head_dim where it is None."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @property
     def modified(self) -> bool:
@@ -439,11 +474,12 @@ class KernelConfig(_AsDict):
         mbarriers and 1024 bytes to align the swizzled tiles). FP8 adds a ring of transposed V tiles and its two barriers per
         stage, and with mma_rowsum 8 x block_n bytes of e4m3 ones (the B operand that sums P's rows)."""
         q = self.block_m * self.head_dim
-        kv = (3 if self.fp8 else 2) * self.num_stages * self.block_n * self.head_dim + 8 * self.block_n * self.mma_rowsum
+        v_tiles = (2 if self.fp8 else 1) * self.v_dim  # V (FP8: and its transpose VT)
+        kv = self.num_stages * self.block_n * (self.head_dim + v_tiles) + 8 * self.block_n * self.mma_rowsum
         bars = 1 + self.persistent + (6 if self.fp8 else 4) * self.num_stages
         extra = 8 * bars + 1024 if self.family == "sm90" else 0
         p = self.consumers * 64 * self.block_n if self.p_smem else 0  # a P tile per consumer warpgroup
-        o = self.block_m * (self.head_dim + 8) if self.o_tma else 0  # O's staging rows, padded by 16 bytes
+        o = self.block_m * (self.v_dim + 8) if self.o_tma else 0  # O's staging rows, padded by 16 bytes
         return (q + kv + p + o) * self.elem_bytes + extra
 
     @property
@@ -451,7 +487,7 @@ class KernelConfig(_AsDict):
         """fp32 registers per math thread for the S and O accumulators."""
         extra_p = self.block_n // 4 if self.overlap and not self.p_smem else 0  # a second P in flight
         q = self.head_dim // 4 if self.q_regs else 0  # Q's 16-bit A fragments, held through the tile
-        return self.warp_m_tiles * (self.block_n + self.head_dim) // 2 + extra_p + q
+        return self.warp_m_tiles * (self.block_n + self.v_dim) // 2 + extra_p + q
 
     @property
     def max_accum_regs(self) -> int:
@@ -610,15 +646,39 @@ DEFAULT_TILES = {
 }
 
 
+# Split widths' defaults (family sm90), best first: FlashAttention-3's tile for (192, 128), 128 x 128 with the
+# intra-warpgroup overlap, and the schedule the H200's store picks for d128, whose S and O registers these have.
+# Q 48 KB + two stages of K (48 KB) and V (32 KB): 209 KB. Then the same tile without the schedule knobs.
+_DEFAULT_SPLIT_SM90: dict[tuple[int, int], list[dict[str, Any]]] = {
+    (192, 128): [dict(block_m=128, block_n=128, num_warps=12, num_stages=2, overlap=True, pingpong=True,
+                      persistent=True, lazy_rescale=True),
+                 dict(block_m=128, block_n=128, num_warps=12, num_stages=2)],
+}
+
+
 def native_family(arch: str) -> str:
     """The template family built for an `arch` GPU: sm90 on Hopper (its kernels need sm_90a), else sm80."""
     return "sm90" if arch == "sm90" else "sm80"
 
 
-def default_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm80", family: str = "sm80") -> KernelConfig:
-    """The untuned configuration `load()` uses for a problem on `arch` (FP8 only exists in family sm90)."""
+def default_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm80", family: str = "sm80",
+                   head_dim_v: int | None = None) -> KernelConfig:
+    """The untuned configuration `load()` uses for a problem on `arch` (FP8 only exists in family sm90); with
+    head_dim_v, the split-width kernel of a pair of SPLIT_HEAD_DIMS (family sm90, 16-bit)."""
     _check_choice("head_dim", head_dim, DENSE_HEAD_DIMS)
     reason = ""
+    if head_dim_v is not None and head_dim_v != head_dim:
+        if (head_dim, head_dim_v) not in SPLIT_HEAD_DIMS or family != "sm90" or dtype not in HALF_DTYPES:
+            raise ConfigError(f"no default split-width kernel for head_dim={head_dim}, head_dim_v={head_dim_v}, "
+                              f"{dtype}, family {family}: built for {', '.join(map(str, SPLIT_HEAD_DIMS))} in family "
+                              "sm90's 16-bit dense forward (other pairs run padded)")
+        for knobs in _DEFAULT_SPLIT_SM90[head_dim, head_dim_v]:
+            cfg = KernelConfig(head_dim, dtype, causal, family=family, head_dim_v=head_dim_v, **knobs)
+            reason = cfg.unfit_reason(arch)
+            if reason is None:
+                return cfg
+        raise ConfigError(f"no default split-width configuration fits {arch} for head_dim={head_dim}, "
+                          f"head_dim_v={head_dim_v}: {reason}")
     tiles = _DEFAULT_TILES_FP8 if dtype in FP8_DTYPES else _DEFAULT_TILES_SM90 if family == "sm90" else DEFAULT_TILES
     for bm, bn, w, s in tiles.get(head_dim, ()):
         cfg = KernelConfig(head_dim, dtype, causal, bm, bn, w, s, family)

@@ -17,7 +17,7 @@ import torch
 
 from . import blockmap
 from .checks import Mods, check_grad_scale, check_shapes, dtype_name, refuse_grad
-from .head_dims import backward_head_dim, default_scale
+from .head_dims import backward_head_dim, default_scale, kernel_head_dim
 from .modifier_grads import captured_grads
 from .kernels.backward import ServeArgs, backward
 from .kernels.bad_inputs import check_errors
@@ -40,7 +40,7 @@ def forward_torch(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | N
     if hit is None:
         qv, _, _, prob = checked(q, k, v, softmax_scale, arch)
         kern = r.kernel(qv.device, prob.head_dim, prob.dtype, causal, prob.seqlen_k, arch,
-                        gqa_group=prob.heads // prob.heads_k)
+                        gqa_group=prob.heads // prob.heads_k, head_dim_v=prob.head_dim_v)
         hit = r.remember(sig, (kern, kern.plan(q, k, v, softmax_scale)))
     return launch_torch(hit[0], hit[1], q, k, v, softmax_scale, want_lse)
 
@@ -72,7 +72,7 @@ def forward_fp8(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | Non
 @torch.library.custom_op("flashgen::attention", mutates_args=(), device_types="cuda")
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
                  arch: Optional[str], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse): out (batch, seqlen_q, heads, head_dim) like q, contiguous; lse (batch, heads, seqlen_q) fp32.
+    """(out, lse): out (batch, seqlen_q, heads, v's head_dim) like q, contiguous; lse (batch, heads, seqlen_q) fp32.
     `deterministic` is for the backward (the same gradients bit for bit on every run); the forward is always."""
     return forward_torch(q, k, v, causal, softmax_scale, arch)
 
@@ -80,9 +80,9 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 @attention_op.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
       arch: Optional[str], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    check_shapes(q, k, v)
+    check_shapes(q, k, v, split=True)
     b, sq, h, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
+    return q.new_empty((b, sq, h, v.shape[3])), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("flashgen::attention_fp8", mutates_args=(), device_types="cuda")
@@ -132,14 +132,15 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 def dense_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: Any, causal: bool,
                    softmax_scale: float | None, deterministic: bool) -> tuple[Any, Any, Any]:
     """The body of flashgen::attention_backward. A head dim the sm90 backward has no kernel for (a dense-only one:
-    flashgen.head_dims) runs there at its next head dim, on zero-padded copies, with the forward's scale."""
-    d = q.shape[3]
-    bd = backward_head_dim(d, arch_and_slots(q.get_device())[0] == "sm90")
-    if bd != d:
+    flashgen.head_dims), and v narrower than q and k (a split-width forward's), run at the head dim that holds both
+    (the sm90 family: its next), on zero-padded copies, with the forward's scale."""
+    d, d_v = q.shape[3], v.shape[3]
+    bd = backward_head_dim(kernel_head_dim(d, d_v, dense=True), arch_and_slots(q.get_device())[0] == "sm90")
+    if bd != d or d_v != d:
         scale = default_scale(d) if softmax_scale is None else softmax_scale  # the forward's, not the padded dim's
-        grads = dense_backward(*(pad_head_dim(t, bd) for t in (dout, q, k, v, out)), lse, dlse, causal, scale,
-                               deterministic)
-        return tuple(cut_head_dim(g, d) for g in grads)
+        dq, dk, dv = dense_backward(*(pad_head_dim(t, bd) for t in (dout, q, k, v, out)), lse, dlse, causal, scale,
+                                    deterministic)
+        return cut_head_dim(dq, d), cut_head_dim(dk, d), cut_head_dim(dv, d_v)
     kern = backward_kernel(q.get_device(), d, _HALF[q.dtype], causal, q.shape[1], deterministic)
     return backward(kern, q, k, v, out, dout.contiguous(), lse, softmax_scale, dlse=dlse)
 

@@ -150,11 +150,15 @@ def current_arch(device: int | None = None) -> str:
 
 def choose_config(head_dim: int, dtype: str, causal: bool, arch: str, seqlen: int | None = None,
                   family: str | None = None, tuned_dir: Path | str | None = None,
-                  gpu: tuple[str, str] | None = None, gqa_group: int = 1) -> KernelConfig:
+                  gpu: tuple[str, str] | None = None, gqa_group: int = 1,
+                  head_dim_v: int | None = None) -> KernelConfig:
     """The configuration `load()` uses on an `arch` GPU: the tuned one for `gpu` (name, arch; default
     the current GPU), nearest seqlen bucket and GQA group `gqa_group` (family None: the fastest family
-    tuned), else the family default."""
+    tuned), else the family default. head_dim_v (v narrower than q and k): the split-width default, family sm90
+    (nothing is tuned for it)."""
     arch_limits(arch)
+    if head_dim_v is not None and head_dim_v != head_dim:
+        return default_config(head_dim, dtype, causal, arch, family or "sm90", head_dim_v)
     # A dense-only head dim has no store entries to pick a family by: on Hopper the sm90 family, which the H200's
     # store picks over sm80 at every point where it holds both.
     untuned = "sm90" if dtype in FP8_DTYPES or (head_dim in DENSE_ONLY_HEAD_DIMS and arch == "sm90") else "sm80"
@@ -164,14 +168,16 @@ def choose_config(head_dim: int, dtype: str, causal: bool, arch: str, seqlen: in
 
 def load(head_dim: int, dtype: str = "bf16", causal: bool = False, config: KernelConfig | None = None,
          seqlen: int | None = None, arch: str | None = None, gpu_arch: str | None = None,
-         tuned_dir: Path | str | None = None, device: int | None = None, gqa_group: int = 1) -> Kernel:
+         tuned_dir: Path | str | None = None, device: int | None = None, gqa_group: int = 1,
+         head_dim_v: int | None = None) -> Kernel:
     """A compiled kernel for this problem on a GPU (`device`, an ordinal; default the current one).
 
     arch forces a template family ("sm80", "sm90"); by default the fastest family tuned for
     this GPU (the store in `tuned_dir`, FLASHGEN_TUNED_DIR or tuned/) is used, else sm80's
     default. `config` pins an exact configuration. `gpu_arch` ("sm80", "sm90", ...) compiles
     for that GPU instead, so no GPU is needed. `gqa_group` (heads // heads_k of the calls it will run) picks the
-    store's entry of that group first (sm90's pack_gqa kernels are tuned for GQA problems)."""
+    store's entry of that group first (sm90's pack_gqa kernels are tuned for GQA problems). `head_dim_v`: v's (and
+    the output's) head dim where it is narrower than q and k's, a split-width kernel (config.SPLIT_HEAD_DIMS)."""
     check_family(arch)
     on = None
     if gpu_arch is None:  # the store is looked up for the GPU that will run the kernel
@@ -179,9 +185,12 @@ def load(head_dim: int, dtype: str = "bf16", causal: bool = False, config: Kerne
         on = (info.name, info.arch)
     target_arch = gpu_arch or on[1]
     if config is None:
-        config = choose_config(head_dim, dtype, causal, target_arch, seqlen, arch, tuned_dir, on, gqa_group)
-    elif (config.head_dim, config.dtype, config.causal) != (head_dim, dtype, causal):
-        raise ValueError(f"config {config.name} does not match head_dim={head_dim}, dtype={dtype}, causal={causal}")
+        config = choose_config(head_dim, dtype, causal, target_arch, seqlen, arch, tuned_dir, on, gqa_group,
+                               head_dim_v)
+    elif (config.head_dim, config.dtype, config.causal) != (head_dim, dtype, causal) or (
+            head_dim_v is not None and config.v_dim != head_dim_v):
+        raise ValueError(f"config {config.name} does not match head_dim={head_dim}, dtype={dtype}, causal={causal}"
+                         + (f", head_dim_v={head_dim_v}" if head_dim_v is not None else ""))
     reason = config.unfit_reason(target_arch)
     if reason:
         raise ValueError(f"{config.name} cannot run on {target_arch}: {reason}")
@@ -189,7 +198,7 @@ def load(head_dim: int, dtype: str = "bf16", causal: bool = False, config: Kerne
 
 
 class Resolver:
-    """(device, head_dim, dtype, causal, family, tuned_dir, seqlen) -> Kernel, remembered.
+    """(device, head_dim, dtype, causal, family, tuned_dir, seqlen, head_dim_v) -> Kernel, remembered.
 
     What is remembered per problem is the set of seqlen buckets the store holds for it and the
     kernel of each bucket, so any seqlen (a decode loop's growing cache too) is one dict lookup
@@ -227,21 +236,23 @@ class Resolver:
         return hit
 
     def kernel(self, device: int, head_dim: int, dtype: str, causal: bool, seqlen: int, family: str | None,
-               tuned_dir: Path | str | None = None, gqa_group: int = 1) -> Kernel:
-        key = (device, head_dim, dtype, causal, family, tuned_dir, gqa_group)
+               tuned_dir: Path | str | None = None, gqa_group: int = 1, head_dim_v: int | None = None) -> Kernel:
+        key = (device, head_dim, dtype, causal, family, tuned_dir, gqa_group, head_dim_v)
         self.refresh()
         hit = self._exact.get((key, seqlen))
         if hit is not None:
             return hit
         with self._lock:
             buckets = self._buckets.get(key)
-            if buckets is None:
-                buckets = self._buckets[key] = self._stored_buckets(device, head_dim, dtype, causal, family, tuned_dir)
+            if buckets is None:  # a split width has nothing stored: its default
+                buckets = self._buckets[key] = () if head_dim_v is not None else self._stored_buckets(
+                    device, head_dim, dtype, causal, family, tuned_dir)
             bucket = nearest_bucket(seqlen, buckets)
             kern = self._kernels.get((key, bucket))
             if kern is None:
                 kern = self._kernels[key, bucket] = load(head_dim, dtype, causal, seqlen=bucket or seqlen, arch=family,
-                                                         tuned_dir=tuned_dir, device=device, gqa_group=gqa_group)
+                                                         tuned_dir=tuned_dir, device=device, gqa_group=gqa_group,
+                                                         head_dim_v=head_dim_v)
             if len(self._exact) > 4096:
                 self._exact.clear()
             self._exact[key, seqlen] = kern

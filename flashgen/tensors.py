@@ -78,6 +78,12 @@ class Problem(NamedTuple):
     heads_k: int
     head_dim: int
     dtype: str
+    head_dim_v: int | None = None  # v's and o's, where it is not head_dim (a split-width kernel's)
+
+    @property
+    def v_dim(self) -> int:
+        """The head dim of v and o."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
 
 def align_elems(dtype: str) -> int:

@@ -103,18 +103,18 @@ class VerifyResult:
 
 
 def random_qkv(batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: int, head_dim: int, dtype: str,
-               seed: int | None = None, device: str = "cuda") -> tuple[Any, Any, Any]:
-    """Fresh standard-normal q, k, v in flash_attn's layout (never zeros)."""
+               seed: int | None = None, device: str = "cuda", head_dim_v: int | None = None) -> tuple[Any, Any, Any]:
+    """Fresh standard-normal q, k, v in flash_attn's layout (never zeros); v of width head_dim_v where given."""
     import torch  # noqa: PLC0415
 
     tdt = torch_dtype(dtype)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed if seed is not None else torch.seed() % 2**62)
 
-    def rnd(s: int, hh: int) -> Any:
-        return torch.randn(batch, s, hh, head_dim, generator=gen, device=device, dtype=torch.float32).to(tdt)
+    def rnd(s: int, hh: int, d: int = head_dim) -> Any:
+        return torch.randn(batch, s, hh, d, generator=gen, device=device, dtype=torch.float32).to(tdt)
 
-    return rnd(seqlen_q, heads), rnd(seqlen_k, heads_k), rnd(seqlen_k, heads_k)
+    return rnd(seqlen_q, heads), rnd(seqlen_k, heads_k), rnd(seqlen_k, heads_k, head_dim_v or head_dim)
 
 
 def random_fp8(batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: int, head_dim: int,
@@ -224,12 +224,13 @@ def poisoned_error(out: Any, ref: Any, run: Any) -> float:
     return (out.double() - ref).abs().max().item()
 
 
-def poisoned_outputs(q: Any, dtype: Any = None) -> tuple[Any, Any]:
-    """NaN-filled out (q's dtype, or `dtype`) and lse buffers for q's problem: any element the kernel skips shows up."""
+def poisoned_outputs(q: Any, dtype: Any = None, width: int | None = None) -> tuple[Any, Any]:
+    """NaN-filled out (q's dtype, or `dtype`; q's head dim, or `width`: v's) and lse buffers for q's problem: any
+    element the kernel skips shows up."""
     import torch  # noqa: PLC0415
 
-    b, sq, h, _ = q.shape
-    return (torch.full(q.shape, float("nan"), device=q.device, dtype=dtype or q.dtype),
+    b, sq, h, d = q.shape
+    return (torch.full((b, sq, h, width or d), float("nan"), device=q.device, dtype=dtype or q.dtype),
             torch.full((b, h, sq), float("nan"), device=q.device, dtype=torch.float32))
 
 
@@ -237,7 +238,7 @@ def run_and_judge(kernel: CompiledKernel, q: Any, k: Any, v: Any, ref: Reference
                   softmax_scale: float | None = None, descale: dict[str, Any] | None = None) -> VerifyResult:
     import torch  # noqa: PLC0415
 
-    out, lse = poisoned_outputs(q, torch_dtype(kernel.config.output_dtype))
+    out, lse = poisoned_outputs(q, torch_dtype(kernel.config.output_dtype), v.shape[3])
     run(kernel, q, k, v, softmax_scale, out=out, lse=lse, descale=descale)
     torch.cuda.synchronize()
     return judge(out, lse, ref)
@@ -251,7 +252,8 @@ def verify(kernel: CompiledKernel, batch: int, seqlen_q: int, seqlen_k: int, hea
         q, k, v, descale = random_fp8(batch, seqlen_q, seqlen_k, heads, heads_k or heads, cfg.head_dim, seed)
         ref = reference_fp8(q, k, v, descale, cfg.causal, softmax_scale, torch_dtype(cfg.output_dtype))
         return run_and_judge(kernel, q, k, v, ref, softmax_scale, descale)
-    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k or heads, cfg.head_dim, cfg.dtype, seed)
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k or heads, cfg.head_dim, cfg.dtype, seed,
+                         head_dim_v=cfg.head_dim_v)
     return run_and_judge(kernel, q, k, v, reference(q, k, v, cfg.causal, softmax_scale), softmax_scale)
 
 

@@ -131,6 +131,9 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
     if qv.kind != "torch":
         raise TypeError("backward takes torch CUDA tensors")
     prob = check_qkv(qv, kv, vv)
+    if prob.head_dim_v is not None:
+        raise ValueError(f"the backward takes q, k and v of one head dim, not {prob.head_dim} and v's "
+                         f"{prob.head_dim_v} (flashgen.attention's backward pads them)")
     if prob.head_dim != cfg.head_dim or prob.dtype != cfg.dtype:
         raise ValueError(f"kernel {cfg.name} is for head_dim={cfg.head_dim}, dtype={cfg.dtype}; "
                          f"got head_dim={prob.head_dim}, dtype={prob.dtype}")

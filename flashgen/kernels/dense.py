@@ -21,15 +21,15 @@ from ..tensors import Problem, View, align_elems, aligned, aligned_strides, is_t
 
 def tmap_geometry(q: View, k: View, v: View, prob: Problem, cfg: KernelConfig) -> tuple:
     """(dims, byte strides, box) of the q, k, v tensor maps: boxes of SMEM_W x block_m (q) or kv_box_rows (k, v:
-    block_n, or half of it with cluster) rows (pack_gqa: q's is tmap_box_packed's)."""
+    block_n, or half of it with cluster) rows (pack_gqa: q's is tmap_box_packed's); v's over its own head dim."""
     if cfg.pack_gqa and cfg.family == "sm90":
         qmap = tmap_box_packed(q.strides, prob.head_dim, prob.seqlen_q, prob.heads, prob.heads_k, prob.batch,
                                cfg.elem_bytes, cfg.smem_w, cfg.block_m)
         return (qmap, *tmap_geometry(q, k, v, prob, replace(cfg, pack_gqa=False))[1:])
-    return tuple(tmap_box(t.strides, prob.head_dim, n, heads, prob.batch, cfg.elem_bytes, cfg.smem_w, rows)
-                 for t, n, heads, rows in ((q, prob.seqlen_q, prob.heads, cfg.block_m),
-                                           (k, prob.seqlen_k, prob.heads_k, cfg.kv_box_rows),
-                                           (v, prob.seqlen_k, prob.heads_k, cfg.kv_box_rows)))
+    return tuple(tmap_box(t.strides, d, n, heads, prob.batch, cfg.elem_bytes, cfg.smem_w, rows)
+                 for t, d, n, heads, rows in ((q, prob.head_dim, prob.seqlen_q, prob.heads, cfg.block_m),
+                                              (k, prob.head_dim, prob.seqlen_k, prob.heads_k, cfg.kv_box_rows),
+                                              (v, prob.v_dim, prob.seqlen_k, prob.heads_k, cfg.kv_box_rows)))
 
 
 def sm90_params(p: bytes | FwdParams, q: View, k: View, v: View, prob: Problem, cfg: KernelConfig,
@@ -140,7 +140,7 @@ def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
     scale, scale_log2 = scale_args(softmax_scale, prob.head_dim)
     if not (aligned(qv) and aligned(kv) and aligned(vv)):
         qv, kv, vv = (_fix_alignment(t, n) for t, n in ((qv, "q"), (kv, "k"), (vv, "v")))
-    o_shape, lse_shape = (prob.batch, prob.seqlen_q, prob.heads, prob.head_dim), (prob.batch, prob.heads, prob.seqlen_q)
+    o_shape, lse_shape = (prob.batch, prob.seqlen_q, prob.heads, prob.v_dim), (prob.batch, prob.heads, prob.seqlen_q)
     out_dtype = cfg.output_dtype
     if out is None:
         out = _empty(qv, o_shape, out_dtype)
@@ -184,9 +184,10 @@ def _grid(cfg: KernelConfig, batch: int, heads: int, seqlen_q: int, device: int,
 
 def _checked_kernel(kernel: CompiledKernel, prob: Problem) -> KernelConfig:
     cfg = kernel.config
-    if prob.head_dim != cfg.head_dim or prob.dtype != cfg.dtype:
-        raise ValueError(f"kernel {cfg.name} is for head_dim={cfg.head_dim}, dtype={cfg.dtype}; "
-                         f"got head_dim={prob.head_dim}, dtype={prob.dtype}")
+    if prob.head_dim != cfg.head_dim or prob.dtype != cfg.dtype or prob.v_dim != cfg.v_dim:
+        widths = f"head_dim={cfg.head_dim}" + (f", v's {cfg.v_dim}" if cfg.v_dim != cfg.head_dim else "")
+        got = f"head_dim={prob.head_dim}" + (f", v's {prob.v_dim}" if prob.v_dim != prob.head_dim else "")
+        raise ValueError(f"kernel {cfg.name} is for {widths}, dtype={cfg.dtype}; got {got}, dtype={prob.dtype}")
     return cfg
 
 
@@ -221,8 +222,8 @@ def make_plan(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
     """The plan of torch inputs already viewed and checked (check_qkv), with aligned strides."""
     cfg = _checked_kernel(kernel, prob)
     scale, scale_log2 = scale_args(softmax_scale, prob.head_dim)
-    b, sq, sk, h, hk, d = prob.batch, prob.seqlen_q, prob.seqlen_k, prob.heads, prob.heads_k, prob.head_dim
-    o_strides = (sq * h * d, h * d, d)  # a fresh contiguous out
+    b, sq, sk, h, hk, d = prob.batch, prob.seqlen_q, prob.seqlen_k, prob.heads, prob.heads_k, prob.v_dim
+    o_strides = (sq * h * d, h * d, d)  # a fresh contiguous out, v's width
     fields = (*qv.strides[:3], *kv.strides[:3], *vv.strides[:3], *o_strides, b, h, hk, sq, sk, scale, scale_log2)
     fn, tmaps = None, None
     if b * h * sq and sk:
