@@ -135,15 +135,16 @@ def kernel_timer(cfg: KernelConfig, batch: int, seqlen_q: int, seqlen_k: int, he
 
     hk = heads_k or heads
     eb = cfg.elem_bytes
-    set_bytes = cfg.head_dim * batch * (seqlen_q * heads * (eb + 2) + 2 * eb * seqlen_k * hk)
+    set_bytes = batch * (seqlen_q * heads * (cfg.head_dim * eb + cfg.v_dim * 2) + eb * seqlen_k * hk * (cfg.head_dim + cfg.v_dim))
     if cfg.fp8:
         sets = [random_fp8(batch, seqlen_q, seqlen_k, heads, hk, cfg.head_dim, seed + i)
                 for i in range(l2_rotation(set_bytes))]
     else:
-        sets = [(*random_qkv(batch, seqlen_q, seqlen_k, heads, hk, cfg.head_dim, cfg.dtype, seed + i), None)
+        sets = [(*random_qkv(batch, seqlen_q, seqlen_k, heads, hk, cfg.head_dim, cfg.dtype, seed + i,
+                             head_dim_v=cfg.head_dim_v), None)
                 for i in range(l2_rotation(set_bytes))]
-    outs = [(torch.empty(q.shape, dtype=torch_dtype(cfg.output_dtype), device=q.device), torch.empty(batch, heads, seqlen_q, device=q.device))
-            for q, *_ in sets]
+    outs = [(torch.empty((*q.shape[:3], cfg.v_dim), dtype=torch_dtype(cfg.output_dtype), device=q.device),
+             torch.empty(batch, heads, seqlen_q, device=q.device)) for q, *_ in sets]
 
     def call(kernel: CompiledKernel, i: int) -> None:
         q, k, v, descale = sets[i]

@@ -20,7 +20,8 @@ torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
 from flashgen.compile import compile_kernel, target_for  # noqa: E402
-from flashgen.config import DENSE_ONLY_HEAD_DIMS, HALF_DTYPES, default_bwd_config, default_config  # noqa: E402
+from flashgen.config import (DENSE_ONLY_HEAD_DIMS, HALF_DTYPES, KernelConfig, default_bwd_config,  # noqa: E402
+                             default_config)
 from flashgen.head_dims import kernel_head_dim  # noqa: E402
 from flashgen.verify import judge, judge_backward, packed_ref, reference, verify, verify_backward  # noqa: E402
 
@@ -102,15 +103,30 @@ def test_backward(d_qk, d_v, causal, deterministic):
 
 # -- the dense-only head dims' own kernels, launched directly into NaN-poisoned buffers -------------------------------
 
+def split_width_configs() -> list[KernelConfig]:
+    """The split-width kernels (192, 128) this module runs by name: the defaults (both masks and dtypes) and the
+    schedules whose O leaves another way (plain: staged in Q's tile; o_tma; the persistent epilogue overlap with
+    o_tma; cluster; p_smem)."""
+    base = dict(block_m=128, block_n=128, num_warps=12, num_stages=2, family="sm90", head_dim_v=128)
+    variants = [{}, dict(block_n=96, o_tma=True), dict(overlap=True, pingpong=True, cluster=True),
+                dict(block_n=96, overlap=True, pingpong=True, persistent=True, overlap_epilogue=True, lazy_rescale=True,
+                     o_tma=True),
+                dict(block_n=64, overlap=True, persistent=True, overlap_epilogue=True, p_smem=True)]
+    return ([default_config(192, dt, causal, "sm90", "sm90", head_dim_v=128) for dt in HALF_DTYPES
+             for causal in (False, True)]
+            + [KernelConfig(192, "bf16", causal, **(base | v)) for v in variants for causal in (False, True)])
+
+
 def head_dim_configs(arch: str) -> set:
     """The kernels this module compiles by name (scripts/fill_kernel_cache.py --tests head_dims): the dense-only head
-    dims' defaults, each family's forward and the sm80 backward. The padded calls load the built head dims' kernels,
-    which the other suites' lists hold."""
+    dims' defaults, each family's forward and the sm80 backward, and on Hopper the split-width kernels. The padded
+    calls load the built head dims' kernels, which the other suites' lists hold."""
     families = ("sm80", "sm90") if arch == "sm90" else ("sm80",)
     return ({default_config(d, dt, c, arch, f) for d in DENSE_ONLY_HEAD_DIMS for dt in HALF_DTYPES
              for c in (False, True) for f in families}
             | {default_bwd_config(d, dt, c, arch, det, family="sm80") for d in DENSE_ONLY_HEAD_DIMS
-               for dt in HALF_DTYPES for c in (False, True) for det in (False, True)})
+               for dt in HALF_DTYPES for c in (False, True) for det in (False, True)}
+            | (set(split_width_configs()) if arch == "sm90" else set()))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -146,6 +162,55 @@ def test_dense_only_backward_kernels(head_dim, dtype, causal, deterministic):
         if not res.ok:
             failures.append(f"{bwd.name} {sq}x{sk} {layout}: {res.reason}")
     assert not failures, "; ".join(failures)
+
+
+# -- split widths: (192, 128) in family sm90's kernels of its own -----------------------------------------------------
+
+def _hopper() -> None:
+    if "sm90" not in _families():
+        pytest.skip("the split-width kernels are family sm90's: Hopper only")
+
+
+@pytest.mark.parametrize("cfg", split_width_configs(), ids=lambda c: c.name)
+def test_split_width_kernels(cfg):
+    """Each split-width kernel launched directly (q, k 192 wide, v 128) into NaN-poisoned out and lse, against
+    float64: odd and unequal lengths, MHA and GQA."""
+    _hopper()
+    kern = compile_kernel(cfg, target_for("sm90", "sm90"))
+    failures = []
+    for i, ((sq, sk), (layout, (h, hk))) in enumerate(itertools.product(PAIRS, LAYOUTS.items())):
+        res = verify(kern, 2, sq, sk, h, hk, seed=i)
+        if not res.ok:
+            failures.append(f"{sq}x{sk} {layout}: {res.reason}")
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_192_128_runs_in_its_own_kernel(monkeypatch, dtype, causal):
+    """flashgen.attention at (192, 128) on Hopper (arch None and "sm90"): the split-width kernel, never the padding
+    (pad_head_dim would raise), its output at v's width against float64; the padded d192 kernel's result agrees."""
+    _hopper()
+    from flashgen import ops  # noqa: PLC0415
+    from flashgen.resolve import resolver  # noqa: PLC0415
+
+    def no_padding(t, d):
+        raise AssertionError(f"padded to {d}")
+
+    for arch in (None, "sm90"):
+        q, k, v = _qkv(2, 1023, 1023, 6, 2, 192, 128, 11, dtype)
+        _poison((2, 1023, 6, 128), dtype=dtype)
+        with monkeypatch.context() as m:
+            m.setattr(ops, "pad_head_dim", no_padding)
+            resolver.plans.clear()
+            out, lse = flashgen.attention(q, k, v, causal=causal, arch=arch, return_lse=True)
+        used = {hit[0].config for hit in resolver.plans.values()}
+        assert [c.v_dim for c in used] == [128] and all(c.head_dim == 192 and c.family == "sm90" for c in used)
+        assert out.shape == (2, 1023, 6, 128) and out.dtype == dtype
+        res = judge(out, lse, reference(q, k, v, causal))
+        assert res.ok, res.reason
+    padded = flashgen.attention(q, k, v, causal=causal, arch="sm80")  # the sm80 family pads to its d192 kernel
+    assert (padded.double() - out.double()).abs().max().item() <= 2 * res.bound
 
 
 # (seqlen_q, seqlen_k) per sequence: length 1, odd and unequal both ways, a long one.

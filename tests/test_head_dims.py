@@ -14,7 +14,7 @@ from flashgen.checks import check_head_dims
 from flashgen.compile import target_for
 from flashgen.config import (DENSE_HEAD_DIMS, HEAD_DIMS, BwdConfig, ConfigError, KernelConfig, default_bwd_config,
                              default_config)
-from flashgen.resolve import choose_config
+from flashgen.resolve import choose_config, load
 
 from builds import assert_builds_without_spills
 from conftest import compile_sm90a_clean
@@ -22,6 +22,7 @@ from conftest import compile_sm90a_clean
 torch = pytest.importorskip("torch")
 
 from flashgen import api, ops  # noqa: E402
+from test_gpu_head_dims import split_width_configs  # noqa: E402
 from flashgen.verify import attention_grads, attention_torch  # noqa: E402
 
 EVERY = range(8, 257, 8)
@@ -261,3 +262,155 @@ def test_the_padded_call_traces_whole_under_torch_compile(monkeypatch):
     out = f(q, k, v)
     assert out.shape == q.shape
     assert (out - attention_torch(q, k, v, True, 1 / math.sqrt(72))).abs().max().item() < 1e-12
+
+
+# -- split widths: v narrower than q and k in a kernel of its own (family sm90's dense 16-bit forward) ---------------
+
+def test_a_split_width_config_is_named_and_stored_only_where_set():
+    cfg = default_config(192, "bf16", True, "sm90", "sm90", head_dim_v=128)
+    assert (cfg.head_dim, cfg.head_dim_v, cfg.v_dim, cfg.family) == (192, 128, 128, "sm90")
+    assert cfg.name.endswith("_dv128") and cfg.name.startswith("fwd_sm90_d192_bf16_causal_bm128_bn128_w12_s2")
+    assert KernelConfig.from_dict(cfg.to_dict()) == cfg and cfg.to_dict()["head_dim_v"] == 128
+    plain = default_config(192, "bf16", True, "sm90", "sm90")
+    assert plain.head_dim_v is None and plain.v_dim == 192 and "head_dim_v" not in plain.to_dict()
+    assert "_dv" not in plain.name and KernelConfig.from_dict(plain.to_dict()) == plain
+    # V's tiles and O's accumulator at v's width: Q 48 KB, two stages of K (48 KB) and V (32 KB); S + O registers as d128
+    assert cfg.smem_bytes == 2 * (128 * 192 + 2 * 128 * (192 + 128)) + 8 * (1 + 1 + 4 * 2) + 1024
+    assert cfg.accum_regs == (128 + 128) // 2 + 128 // 4 and cfg.unfit_reason("sm90") is None
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(head_dim_v=96), "head_dim_v=96 must be a multiple of 64 below head_dim=192"),
+    (dict(head_dim_v=192), "head_dim_v=192 must be a multiple of 64 below head_dim=192"),
+    (dict(head_dim_v=256), "head_dim_v=256 must be a multiple of 64"),
+    (dict(head_dim_v=0), "head_dim_v=0 must be a multiple of 64"),
+    (dict(head_dim_v="128"), "head_dim_v='128' must be an int or None"),
+    (dict(head_dim_v=128, family="sm80", num_warps=8), "head_dim_v is built in family sm90's 16-bit dense forward"),
+    (dict(head_dim=256, head_dim_v=128, varlen=True), "head_dim_v is built in family sm90's 16-bit dense forward.*varlen"),
+    (dict(head_dim=256, head_dim_v=128, pack_gqa=True), "head_dim_v is built in family sm90's 16-bit dense forward.*pack_gqa"),
+    (dict(head_dim=256, head_dim_v=128, score_mod="ab12"), "head_dim_v is built in family sm90's 16-bit dense forward.*modifiers"),
+])
+def test_a_split_width_is_refused_where_no_kernel_can_have_it(kw, match):
+    args = dict(head_dim=192, block_m=128, block_n=64, num_warps=12, num_stages=2, family="sm90") | kw
+    with pytest.raises(ConfigError, match=match):
+        KernelConfig(dtype="bf16", causal=False, **args)
+
+
+def test_only_the_built_pairs_have_a_default():
+    with pytest.raises(ConfigError, match="no default split-width kernel for head_dim=192, head_dim_v=64"):
+        default_config(192, "bf16", False, "sm90", "sm90", head_dim_v=64)
+    with pytest.raises(ConfigError, match="family sm80"):
+        default_config(192, "bf16", False, "sm80", "sm80", head_dim_v=128)
+    with pytest.raises(ConfigError, match="no default split-width configuration fits sm80"):
+        default_config(192, "bf16", False, "sm80", "sm90", head_dim_v=128)
+    assert default_config(192, "bf16", False, "sm90", "sm90", head_dim_v=192) == default_config(192, "bf16", False,
+                                                                                                "sm90", "sm90")
+
+
+def test_a_split_width_renders_v_at_its_own_width():
+    """HEAD_DIM stays q and k's (Q K^T's k-dim); HEAD_DIM_V drives P V's n-dim, O and V's tiles; a config without
+    head_dim_v renders both at head_dim."""
+    from flashgen.render import render
+
+    src = render(default_config(192, "bf16", False, "sm90", "sm90", head_dim_v=128))
+    assert "inline constexpr int HEAD_DIM = 192;" in src and "inline constexpr int HEAD_DIM_V = 128;" in src
+    assert "m64n128k16.f32.bf16.bf16" in src  # P V: n = v's width (S = Q K^T is m64n128 too: block_n)
+    assert "m64n192k16" not in src
+    plain = render(default_config(192, "bf16", False, "sm90", "sm90"))
+    assert "inline constexpr int HEAD_DIM_V = 192;" in plain and "m64n192k16.f32.bf16.bf16" in plain
+
+
+def test_split_width_kernels_build_clean_for_sm90a():
+    """The defaults (both masks and dtypes) and the schedules whose O leaves another way (plain: staged in Q's tile;
+    o_tma; the persistent epilogue overlap; cluster; p_smem): no spills, no serialized wgmma."""
+    compile_sm90a_clean(sorted(set(split_width_configs()), key=lambda c: c.name))
+
+
+@pytest.mark.filterwarnings("ignore:no tuned")
+def test_resolve_picks_the_split_width_kernel_on_hopper_only(tmp_path):
+    cfg = choose_config(192, "bf16", True, "sm90", 4096, None, tmp_path, ("NVIDIA H200", "sm90"), head_dim_v=128)
+    assert cfg == default_config(192, "bf16", True, "sm90", "sm90", head_dim_v=128)
+    with pytest.raises(ConfigError, match="sm80"):
+        choose_config(192, "bf16", True, "sm80", 4096, None, tmp_path, ("NVIDIA A100", "sm80"), head_dim_v=128)
+    kern = load(192, "bf16", True, gpu_arch="sm90", head_dim_v=128)
+    assert kern.config.head_dim_v == 128 and kern.config.family == "sm90"
+    with pytest.raises(ValueError, match="does not match.*head_dim_v=64"):
+        load(192, "bf16", True, config=kern.config, gpu_arch="sm90", head_dim_v=64)
+
+
+@pytest.mark.parametrize("arch, padded", [("sm90", False), ("sm80", True), (None, True)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_192_128_runs_unpadded_in_the_sm90_family(monkeypatch, arch, padded, causal):
+    """The dense call with a float64 stand-in for the kernel: (192, 128) reaches it at its own widths in family sm90
+    (CPU tensors have no GPU: arch None pads, as on a GPU that is not Hopper), padded to 192 elsewhere; other pairs
+    pad in every family."""
+    seen = []
+
+    def fake_kernel(q, k, v, causal, softmax_scale, arch, want_lse=True):
+        seen.append((q.shape[-1], k.shape[-1], v.shape[-1], softmax_scale))
+        scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+        return attention_torch(q, k, v, causal, scale), None
+
+    monkeypatch.setattr(ops, "forward_torch", fake_kernel)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 17, 4, 192, dtype=torch.float64, generator=g)
+    k = torch.randn(2, 23, 2, 192, dtype=torch.float64, generator=g)
+    v = torch.randn(2, 23, 2, 128, dtype=torch.float64, generator=g)
+    out = api.attention(q, k, v, causal=causal, arch=arch)
+    ref = attention_torch(q, k, v, causal, 1 / math.sqrt(192))
+    assert out.shape == ref.shape and (out - ref).abs().max().item() < 1e-12
+    assert seen == [(192, 192, 192, 1 / math.sqrt(192)) if padded else (192, 192, 128, None)]
+    seen.clear()
+    api.attention(q, k, v[..., :64], causal=causal, arch=arch)  # (192, 64): no kernel of its own
+    assert seen == [(192, 192, 192, 1 / math.sqrt(192))]
+
+
+def test_a_hopper_tensor_takes_the_sm90_family(monkeypatch):
+    class OnGpu:
+        is_cuda = True
+
+        def get_device(self):
+            return 0
+
+    monkeypatch.setattr(api.resolve, "gpu", lambda device: ("NVIDIA H200", "sm90"))
+    assert api._device_family(OnGpu()) == "sm90"
+    monkeypatch.setattr(api.resolve, "gpu", lambda device: ("NVIDIA A100", "sm80"))
+    assert api._device_family(OnGpu()) == "sm80"
+    assert api._device_family(meta(1)) is None
+
+
+def test_the_split_width_operator_gives_v_width_out_and_every_gradient():
+    """Through the operator's fake implementation (meta tensors, family sm90): out at v's width, the gradients at
+    the inputs' widths."""
+    q, k, v = meta(2, 16, 4, 192, grad=True), meta(2, 16, 2, 192, grad=True), meta(2, 16, 2, 128, grad=True)
+    out, lse = api.attention(q, k, v, causal=True, arch="sm90", return_lse=True)
+    assert out.shape == (2, 16, 4, 128) and lse.shape == (2, 4, 16)
+    out.sum().backward()
+    assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
+
+
+@pytest.mark.parametrize("arch, runs_at", [("sm90", 256), ("sm80", 192)])
+def test_the_backward_of_a_split_width_forward_pads(monkeypatch, arch, runs_at):
+    """flashgen::attention_backward's body given the split forward's tensors (v and out 128 wide): the backward runs
+    at the head dim that holds both (Hopper: the sm90 family's next, 256) on zero-padded copies, with the forward's
+    scale; dq, dk at 192 and dv at 128 are the unpadded attention's gradients."""
+    seen = []
+
+    def fake_backward(kern, q, k, v, out, dout, lse, softmax_scale, dlse=None):
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1] == out.shape[-1] == dout.shape[-1] == kern
+        return attention_grads(q, k, v, dout, True, softmax_scale, torch.float64)
+
+    monkeypatch.setattr(ops, "arch_and_slots", lambda device: (arch, 132))
+    monkeypatch.setattr(ops, "backward_kernel", lambda device, d, *rest: seen.append(d) or d)
+    monkeypatch.setattr(ops, "backward", fake_backward)
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 17, 4, 192, generator=g).bfloat16()
+    k = torch.randn(2, 23, 2, 192, generator=g).bfloat16()
+    v = torch.randn(2, 23, 2, 128, generator=g).bfloat16()
+    dout = torch.randn(2, 17, 4, 128, generator=g).bfloat16()
+    out = attention_torch(q, k, v, True, 0.1)
+    got = ops.dense_backward(dout, q, k, v, out, None, None, True, None, False)
+    want = attention_grads(q, k, v, dout, True, 1 / math.sqrt(192), torch.float64)
+    assert seen == [runs_at]
+    for g_, w in zip(got, want):
+        assert g_.shape == w.shape and (g_ - w).abs().max().item() < 1e-12
