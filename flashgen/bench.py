@@ -135,7 +135,8 @@ def kernel_timer(cfg: KernelConfig, batch: int, seqlen_q: int, seqlen_k: int, he
 
     hk = heads_k or heads
     eb = cfg.elem_bytes
-    set_bytes = batch * (seqlen_q * heads * (cfg.head_dim * eb + cfg.v_dim * 2) + eb * seqlen_k * hk * (cfg.head_dim + cfg.v_dim))
+    set_bytes = batch * (seqlen_q * heads * (cfg.head_dim * eb + cfg.v_dim * 2)  # q, o
+                         + eb * seqlen_k * hk * (cfg.head_dim + cfg.v_dim))  # k, v
     if cfg.fp8:
         sets = [random_fp8(batch, seqlen_q, seqlen_k, heads, hk, cfg.head_dim, seed + i)
                 for i in range(l2_rotation(set_bytes))]

@@ -210,7 +210,7 @@ class KernelConfig(_AsDict):
     fused_combine: bool = False
     # sm90 16-bit dense forward: v (and O) of this head dim, narrower than q and k's head_dim (None: head_dim). The
     # P V product, O's accumulator, epilogue and V's tiles take it; Q K^T keeps head_dim (DeepSeek-V3's MLA prefill:
-    # 192 and 128). See SPLIT_HEAD_DIMS_V.
+    # 192 and 128). See SPLIT_HEAD_DIMS.
     head_dim_v: int | None = None
 
     def to_dict(self) -> dict[str, Any]:

@@ -274,9 +274,12 @@ def test_a_split_width_config_is_named_and_stored_only_where_set():
     plain = default_config(192, "bf16", True, "sm90", "sm90")
     assert plain.head_dim_v is None and plain.v_dim == 192 and "head_dim_v" not in plain.to_dict()
     assert "_dv" not in plain.name and KernelConfig.from_dict(plain.to_dict()) == plain
-    # V's tiles and O's accumulator at v's width: Q 48 KB, two stages of K (48 KB) and V (32 KB); S + O registers as d128
+    # V's tiles and O's accumulator at v's width: Q 48 KB, two stages of K (48 KB) and V (32 KB); S and O as d128's
     assert cfg.smem_bytes == 2 * (128 * 192 + 2 * 128 * (192 + 128)) + 8 * (1 + 1 + 4 * 2) + 1024
     assert cfg.accum_regs == (128 + 128) // 2 + 128 // 4 and cfg.unfit_reason("sm90") is None
+
+
+SPLIT_ONLY = "head_dim_v is built in family sm90's 16-bit dense forward"
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -285,10 +288,10 @@ def test_a_split_width_config_is_named_and_stored_only_where_set():
     (dict(head_dim_v=256), "head_dim_v=256 must be a multiple of 64"),
     (dict(head_dim_v=0), "head_dim_v=0 must be a multiple of 64"),
     (dict(head_dim_v="128"), "head_dim_v='128' must be an int or None"),
-    (dict(head_dim_v=128, family="sm80", num_warps=8), "head_dim_v is built in family sm90's 16-bit dense forward"),
-    (dict(head_dim=256, head_dim_v=128, varlen=True), "head_dim_v is built in family sm90's 16-bit dense forward.*varlen"),
-    (dict(head_dim=256, head_dim_v=128, pack_gqa=True), "head_dim_v is built in family sm90's 16-bit dense forward.*pack_gqa"),
-    (dict(head_dim=256, head_dim_v=128, score_mod="ab12"), "head_dim_v is built in family sm90's 16-bit dense forward.*modifiers"),
+    (dict(head_dim_v=128, family="sm80", num_warps=8), SPLIT_ONLY),
+    (dict(head_dim=256, head_dim_v=128, varlen=True), SPLIT_ONLY + ".*varlen"),
+    (dict(head_dim=256, head_dim_v=128, pack_gqa=True), SPLIT_ONLY + ".*pack_gqa"),
+    (dict(head_dim=256, head_dim_v=128, score_mod="ab12"), SPLIT_ONLY + ".*modifiers"),
 ])
 def test_a_split_width_is_refused_where_no_kernel_can_have_it(kw, match):
     args = dict(head_dim=192, block_m=128, block_n=64, num_warps=12, num_stages=2, family="sm90") | kw
