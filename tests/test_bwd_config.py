@@ -353,20 +353,55 @@ def test_sm90_deterministic_compiles_without_spills_or_serialized_wgmma():
     """The deterministic sm90 backward: no spills, no wgmma advisories, no serialized wgmma; in the SASS the dQ adds
     are still bulk reduces (no fp32 atomics), and each is preceded by the acquire spin on its Q tile's counter and
     followed by the wait for its writes and the release add of the counter."""
+    from conftest import compile_sm90a_clean
+
+    for k in compile_sm90a_clean(_deterministic_configs()):
+        _assert_ordered_reduces(k)
+
+
+def _assert_ordered_reduces(k: CompiledKernel) -> None:
+    """A deterministic sm90 kernel's ptxas log has no wgmma advisories, and its SASS (where a disassembler is
+    installed) has no fp32 atomics and, around each bulk reduce, the acquire spin, the wait for its writes and the
+    release add."""
+    import re
+
+    from flashgen.compile import disassemble, disassembler
+
+    assert not re.search(r"C751[239]", k.ptxas_log), f"{k.name}: {k.ptxas_log}"
+    if disassembler() is None:
+        return
+    sass = disassemble(k.cubin)
+    assert "REDG.E.ADD.F32" not in sass and sass.count("REDG.E.ADD.S32.STRONG.GPU") == 1, k.name
+    at = 0
+    # (the wait for the reduce's writes: its DEPBAR then an L1 invalidate; the wait for its reads alone has none)
+    for op in ("LDG.E.STRONG.GPU", "FENCE.VIEW.ASYNC.G", "UBLKRED.G.S.ADD.F32", "DEPBAR.LE SB0, 0x0", "CCTL.IVALL",
+               "FENCE.VIEW.ASYNC.G", "MEMBAR.ALL.GPU", "REDG.E.ADD.S32.STRONG.GPU"):
+        at = sass.index(op, at) + len(op)
+
+
+def test_sm90_deterministic_causal_walks_its_q_tiles_downward():
+    """Deterministic and causal, each CTA walks its Q tiles from the last down to its diagonal (DESCEND), so the
+    K/V tiles' turns at a Q tile fall on the same step of their loops instead of forming a wavefront. One helper maps
+    a step to its Q tile for the consumers' masks, the loads, dq_add and the dQ writer (whose turns, n_block
+    ascending per Q tile, are unchanged); the descending kernels compile clean for sm_90a."""
     import re
 
     from conftest import compile_sm90a_clean
 
-    from flashgen.compile import disassemble, disassembler
+    det = default_bwd_config(128, "bf16", True, "sm90", True)
+    src = render(det)
+    assert "constexpr bool DESCEND = DETERMINISTIC && IS_CAUSAL;" in src
+    assert "constexpr bool DETERMINISTIC = true;" in src and "constexpr bool IS_CAUSAL = true;" in src
+    for upward in (dataclasses.replace(det, causal=False), dataclasses.replace(det, deterministic=False)):
+        assert re.search(r"constexpr bool (DETERMINISTIC|IS_CAUSAL) = false;", render(upward)), upward.name
+    assert src.count("m_begin + q_tile_of_step(m_count, it)") == 2  # the consumers' m0 and the producer's
+    assert src.count("q_tile_of_step(m_count, j)") == 2             # dq_add and dq_writer
+    assert not re.search(r"m_begin \+ (it|j)\b", src)             # no step taken for a Q tile without it
+    writer = src[src.index("void dq_writer("):]
+    assert "dq_turn(P, n_block, m_begin + t, shift)" in writer and "dst + (int64_t)t * BLOCK_M * HEAD_DIM" in writer
 
-    for k in compile_sm90a_clean(_deterministic_configs()):
-        assert not re.search(r"C751[239]", k.ptxas_log), f"{k.name}: {k.ptxas_log}"
-        if disassembler() is None:
-            continue
-        sass = disassemble(k.cubin)
-        assert "REDG.E.ADD.F32" not in sass and sass.count("REDG.E.ADD.S32.STRONG.GPU") == 1, k.name
-        at = 0
-        # (the wait for the reduce's writes: its DEPBAR then an L1 invalidate; the wait for its reads alone has none)
-        for op in ("LDG.E.STRONG.GPU", "FENCE.VIEW.ASYNC.G", "UBLKRED.G.S.ADD.F32", "DEPBAR.LE SB0, 0x0", "CCTL.IVALL",
-                   "FENCE.VIEW.ASYNC.G", "MEMBAR.ALL.GPU", "REDG.E.ADD.S32.STRONG.GPU"):
-            at = sass.index(op, at) + len(op)
+    # one consumer unstaggered (d96), two staggered (d128), KV_SPLIT (d256); the sweep compiles the other head dims
+    cfgs = [default_bwd_config(hd, "bf16", True, "sm90", True) for hd in (96, 128, 256)]
+    cfgs.append(dataclasses.replace(det, varlen=True, window=True))
+    for k in compile_sm90a_clean(cfgs):
+        _assert_ordered_reduces(k)

@@ -29,9 +29,12 @@ OTHER_SM90 = [(64, 64, 8, 1, True), (64, 64, 8, 2, False), (128, 128, 12, 1, Fal
 # stage (two leave no room for the dQ tile), and one consumer warpgroup at d32-d128.
 DQ_TMA_SM90 = [(128, 128, 12, 2, True), (64, 128, 12, 3, True), (64, 64, 12, 1, False), (64, 64, 8, 2, False)]
 DET_PAIRS = [(17, 17), (113, 211), (211, 113), (1023, 1023)]
-# The sm90 deterministic backward (dQ's bulk reduces in n-block order): odd lengths, unequal both ways, and one long
-# pair whose Q tiles take 32-64 K/V tiles' reduces each (the order matters most where many add to one tile).
-SM90_DET_PAIRS = [(1, 1), (17, 17), (113, 211), (211, 113), (1023, 1023), (17, 1023), (1023, 113)]
+# The sm90 deterministic backward (dQ's bulk reduces in n-block order): odd lengths, unequal both ways (the last two
+# with many Q tiles per CTA and many CTAs per Q tile: causal, each CTA's walk down from the last Q tile to a diagonal
+# that bottom-right alignment shifts), and one long pair whose Q tiles take 32-64 K/V tiles' reduces each (the order
+# matters most where many add to one tile).
+SM90_DET_PAIRS = [(1, 1), (17, 17), (113, 211), (211, 113), (1023, 1023), (17, 1023), (1023, 113), (777, 1301),
+                  (1301, 777)]
 SM90_DET_LONG = (4096, 4096)
 
 
