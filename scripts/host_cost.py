@@ -64,8 +64,11 @@ int cuModuleGetFunction(void **f, void *m, const char *name) { *f = (void *)0x20
 int cuFuncSetAttribute(void *f, int attr, int value) { return 0; }
 int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                    unsigned smem, void *stream, void **params, void **extra) { launches++; return 0; }
+int cuLaunchKernelEx(const void *config, void *f, void **params, void **extra) { launches++; return 0; }
 int cuMemHostAlloc(void **p, size_t n, unsigned flags) { *p = calloc(1, n); return 0; }
-int cuMemHostGetDevicePointer_v2(unsigned long long *d, void *p, unsigned flags) { *d = (unsigned long long)p; return 0; }
+int cuMemHostGetDevicePointer_v2(unsigned long long *d, void *p, unsigned flags) {
+    *d = (unsigned long long)p; return 0;
+}
 long stub_launches(void) { return launches; }
 #if __has_include(<valgrind/callgrind.h>)
 #include <valgrind/callgrind.h>
