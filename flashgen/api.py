@@ -615,7 +615,8 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     if key is not None and launched is not None:  # refuse_grad has passed: no gradient is wanted
         if len(_kv_plans) > 256:
             _kv_plans.clear()
-        _kv_plans[key] = KVPlan(launched, None if lse is None else tuple(lse.shape), num_splits == 0, stamp)
+        _kv_plans[key] = KVPlan(launched, None if lse is None else tuple(lse.shape), num_splits == 0, stamp,
+                                q.is_contiguous())
     return (out, lse) if return_lse else out
 
 

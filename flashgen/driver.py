@@ -142,7 +142,9 @@ def make_current(ctx: int, state: tuple | None = None) -> None:
     """Make context `ctx` current on this thread, only if it is not already (a launch asks on every call); `state`:
     the thread's thread_state() where the caller holds it."""
     _, _, here, ref = _tls.state if state is None else state
-    check(_unchecked(lib()).cuCtxGetCurrent(ref), "cuCtxGetCurrent")
+    rc = _unchecked(lib()).cuCtxGetCurrent(ref)
+    if rc:
+        check(rc, "cuCtxGetCurrent")
     if here.value != ctx:
         check(lib().cuCtxSetCurrent(ctypes.c_void_p(ctx)), "cuCtxSetCurrent")
 

@@ -93,6 +93,10 @@ def test_a_repeated_signature_runs_its_plan(monkeypatch):
         out, lse = step(return_lse=True)
         out, lse = step(return_lse=True)
         assert (got.full, got.planned) == (2, 4) and lse.shape == (2, 8, 1) and lse.dtype == torch.float32
+        for _ in range(2):  # a dense q of another layout (heads outermost): its output contiguous all the same
+            out = step(q=meta(8, 1, 2, 128).permute(2, 1, 0, 3))
+            assert out.shape == (2, 1, 8, 128) and out.is_contiguous()
+        assert (got.full, got.planned) == (3, 5)
 
 
 @pytest.mark.parametrize("other", ["cache length", "batch", "strides", "dtype", "lengths' dtype", "causal", "scale",
