@@ -8,6 +8,8 @@ a second, or after `reload()`) and runs it (flashgen.kernels); torch tensors go 
 from __future__ import annotations
 
 import numbers
+import sys
+import time
 from typing import Any
 
 from . import driver, resolve
@@ -24,6 +26,9 @@ from .launch import STREAM_FOR_TORCH
 from .modifiers import trace_cached
 from .resolve import STORE_CHECK_S, choose_config, current_arch, load, tuned_decode
 from .tensors import is_torch
+
+
+_NO_WINDOW = (-1, -1)  # window_size's default: a plan's key tells it by identity
 
 
 def _ops() -> Any:
@@ -238,7 +243,7 @@ def _block_mask_mod(block_mask: Any, mask_mod: Any) -> Any:
 def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float | None = None,
               return_lse: bool = False, stream: Any = None, arch: str | None = None, *, q_descale: Any = None,
               k_descale: Any = None, v_descale: Any = None, out_dtype: str | None = None,
-              block_quant_p: bool = False, deterministic: bool = False, window_size: tuple[int, int] = (-1, -1),
+              block_quant_p: bool = False, deterministic: bool = False, window_size: tuple[int, int] = _NO_WINDOW,
               softcap: float = 0.0, alibi_slopes: Any = None, score_mod: Any = None, mask_mod: Any = None,
               block_mask: Any = None, learnable_sink: Any = None) -> Any:
     """FlashAttention forward with flash_attn's conventions.
@@ -285,6 +290,13 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     key tiles it leaves empty are skipped, full ones run without the mask_mod, partial ones with its mask_mod.
     Without one, flashgen builds a mask_mod's block map itself (flashgen.blockmap; kept while the tensors it reads
     are unchanged) with the same effect."""
+    if (_decode_routes and learnable_sink is None and score_mod is None and mask_mod is None and block_mask is None
+            and alibi_slopes is None and arch is None and stream is None and out_dtype is None and q_descale is None
+            and k_descale is None and v_descale is None and not block_quant_p and not softcap
+            and (window_size is _NO_WINDOW or window_size == _NO_WINDOW)):  # first: a decode step seen before
+        done = _decode_route(q, k, v, causal, softmax_scale, return_lse)
+        if done is not None:
+            return done
     _check_options(causal, softmax_scale)
     dense = (score_mod is None and mask_mod is None and block_mask is None and learnable_sink is None
              and alibi_slopes is None and not softcap and window_size == (-1, -1))  # no serving or modifier kernel
@@ -362,31 +374,37 @@ def _decode_shaped(q: Any, k: Any, v: Any, sinks: Any = None) -> bool:
 
 
 # attention() calls that took the decode kernels, by _plan_key with a full cache: the cache's lengths and the plan.
-# A call that repeats one (same shapes, strides, dtypes, devices and options; no gradient wanted; not traced, which
-# _plan_key refuses) goes straight to the plan: a one-sequence decode step is bound by the host's time.
+# A call that repeats one (same shapes, strides, dtypes, devices and options; no gradient wanted; not traced)
+# goes straight to the plan (_decode_route, attention's first step): a one-sequence decode step is bound by the
+# host's time.
 _decode_routes: dict[tuple, tuple[Any, KVPlan]] = {}
+
+
+def _decode_route(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_lse: Any) -> Any:
+    """attention()'s result by the route of an earlier call with its signature (_decode_routes), or None."""
+    route = _decode_routes.get(_plan_key(q, k, v, _FULL, None, causal, softmax_scale, _NO_WINDOW, 0.0, 0, return_lse))
+    if route is None or not _plan_holds(route[1], q, k, v) or _compiling():
+        return None
+    check_errors()
+    done = run_plan(route[1], q, k, v, route[0], None, return_lse)
+    if done is None:
+        return None
+    return done if return_lse else done[0]
 
 
 def _decode_step(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, return_lse: bool,
                  sinks: Any) -> Any:
     """attention()'s result through the decode kernels (attention_with_kvcache over a full cache), or None where the
     call is not decode-shaped."""
-    key = None if sinks is not None else _plan_key(q, k, v, None, None, _FULL, None, causal, softmax_scale,
-                                                    (-1, -1), 0.0, None, 0, return_lse, False)
-    route = _decode_routes.get(key) if key is not None else None
-    if route is not None:
-        check_errors()
-        done = run_plan(route[1], q, k, v, route[0], None, return_lse)
-        if done is not None:
-            return done if return_lse else done[0]
     if not _decode_shaped(q, k, v, sinks):
         return None
     lengths, kept = _full_lengths(q, k)
     out = attention_with_kvcache(q, k, v, causal=causal, softmax_scale=softmax_scale, cache_seqlens=lengths,
                                  return_lse=return_lse, learnable_sink=sinks)
+    key = None if sinks is not None else _plan_key(q, k, v, _FULL, None, causal, softmax_scale, _NO_WINDOW, 0.0, 0,
+                                                    return_lse)
     if key is not None and kept:  # a capture's lengths are the graph's: no route keeps them
-        plan = _kv_plans.get(_plan_key(q, k, v, None, None, lengths, None, causal, softmax_scale, (-1, -1), 0.0,
-                                       None, 0, return_lse, False))
+        plan = _kv_plans.get(_plan_key(q, k, v, lengths, None, causal, softmax_scale, _NO_WINDOW, 0.0, 0, return_lse))
         if plan is not None:
             if len(_decode_routes) > 256:
                 _decode_routes.clear()
@@ -487,7 +505,7 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
 
 def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None,
                            cache_seqlens: Any = None, block_table: Any = None, causal: bool = False,
-                           softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
+                           softmax_scale: float | None = None, window_size: tuple[int, int] = _NO_WINDOW,
                            softcap: float = 0.0, alibi_slopes: Any = None, num_splits: int = 0,
                            return_lse: bool = False, validate: bool = False, learnable_sink: Any = None,
                            score_mod: Any = None, mask_mod: Any = None, block_mask: Any = None) -> Any:
@@ -515,6 +533,17 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     position in its cache (cache_seqlens + seqlen_new - seqlen_q + i for query row i, as causal aligns the queries;
     at least 0) and kv_idx the key's; no block_mask (the mask_mod runs on every key tile the call visits), not with
     learnable_sink; the decode tuned store is not used with them."""
+    key = None  # first: a decode step that repeats an earlier call's signature runs its plan
+    if (k is None and v is None and not validate and alibi_slopes is None and learnable_sink is None
+            and score_mod is None and mask_mod is None and block_mask is None):
+        key = _plan_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, window_size, softcap,
+                        num_splits, return_lse)
+        plan = _kv_plans.get(key) if key is not None else None
+        if plan is not None and _plan_holds(plan, q, k_cache, v_cache):
+            check_errors()
+            done = run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, return_lse)
+            if done is not None:
+                return done if return_lse else done[0]
     import torch  # noqa: PLC0415
 
     _check_options(causal, softmax_scale)
@@ -524,14 +553,6 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
                                score_mod, mask_mod, block_mask)
     check_errors()
     sinks = learnable_sink
-    plain = sinks is None and score_mod is None and mask_mod is None and block_mask is None
-    key = _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size,
-                    softcap, alibi_slopes, num_splits, return_lse, validate) if plain else None
-    plan = _kv_plans.get(key) if key is not None else None
-    if plan is not None:
-        done = run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, return_lse)
-        if done is not None:
-            return done if return_lse else done[0]
     dtype = checked_dtype({"q": q, "k_cache": k_cache, "v_cache": v_cache}, "(batch, rows, heads, head_dim)")
     batch, seqlen_q, heads, d = q.shape
     heads_k = k_cache.shape[2]
@@ -589,6 +610,7 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     if batch * seqlen_q * heads == 0:
         return (out, lse) if return_lse else out
     arch, sm_count = arch_and_slots(q.get_device())
+    stamp = resolve.gpu_stamp(q.get_device())[1] if key is not None and num_splits == 0 else None  # a plan's store
     group = heads // heads_k
     pack = group > 1 and alibi_slopes is None
     rows = seqlen_q * (group if pack else 1)
@@ -606,13 +628,15 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
         if splits > 1:
             cfg = serve_config(d, dtype, causal, rows, arch, split=True, **features, **traced_mods)
     launched = kvcache_launch(cfg, splits, q, k_cache, v_cache, out, lse, seqused, block_table, mods, softmax_scale)
-    if key is not None and launched is not None:
+    if key is not None and launched is not None:  # refuse_grad has passed: no gradient is wanted
         if len(_kv_plans) > 256:
             _kv_plans.clear()
-        _kv_plans[key] = KVPlan(launched, None if lse is None else tuple(lse.shape))
+        _kv_plans[key] = KVPlan(launched, None if lse is None else tuple(lse.shape), num_splits == 0, stamp,
+                                q.is_contiguous())
     return (out, lse) if return_lse else out
 
 
+# attention_with_kvcache's plans by _plan_key: a call that repeats one's signature goes straight to run_plan.
 _kv_plans: dict[tuple, KVPlan] = {}
 
 
@@ -645,41 +669,76 @@ def _kvcache_padded(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_se
     return _cut(result, d_v, return_lse)
 
 
-def _plan_key(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, causal: bool,
-              softmax_scale: float | None, window_size: Any, softcap: float, alibi_slopes: Any, num_splits: int,
-              return_lse: bool, validate: bool) -> tuple | None:
-    """What an attention_with_kvcache call's checks and choices depend on, for the calls a plan can repeat (plain
-    tensors, validate=False, no append, no ALiBi, no gradient wanted, cache_seqlens a tensor); None for the others.
-    With num_splits=0 the tuned store's stamp is part of it: a store change makes new plans."""
-    import torch  # noqa: PLC0415
+_FLAGS = frozenset((bool, int))  # the option types a plan's key takes as they are (others: the full path)
+_NUMBERS = frozenset((float, int))
+_Tensor: Any = None  # torch.Tensor, once a plan exists: a plan's tensors are of that type exactly
+_grad_enabled: Any = None  # torch.is_grad_enabled and torch.compiler.is_compiling, the same way
+_compiling: Any = None
 
-    full = cache_seqlens is _FULL
-    if validate or k is not None or v is not None or alibi_slopes is not None or not (
-            full or isinstance(cache_seqlens, torch.Tensor)):
+
+def _plan_key(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, causal: Any,
+              softmax_scale: Any, window_size: Any, softcap: Any, num_splits: Any, return_lse: Any) -> tuple | None:
+    """What an attention_with_kvcache call's checks and choices depend on, where a plan can repeat them: torch
+    tensors (cache_seqlens a tensor, or _FULL), options of the plain types (bool or int flags, float or int numbers, a
+    tuple of two ints for the window); None for the others, which take the full path. The caller leaves out calls
+    with validation, an append, ALiBi, sinks or modifiers; whether a gradient is wanted is asked apart
+    (_plan_holds), and so is the tuned store's stamp. Built on every decode step: attribute reads and one tuple."""
+    tensor = _Tensor
+    if tensor is None:
+        tensor = _bind_torch()
+    if type(q) is not tensor or type(k_cache) is not tensor or type(v_cache) is not tensor:
         return None
-    if block_table is not None and not isinstance(block_table, torch.Tensor):  # the full path says what is wrong
+    if (causal.__class__ not in _FLAGS or return_lse.__class__ not in _FLAGS or num_splits.__class__ is not int
+            or softcap.__class__ not in _NUMBERS or (softmax_scale is not None
+                                                     and softmax_scale.__class__ not in _NUMBERS)):
         return None
-    if type(q) is not torch.Tensor or type(k_cache) is not torch.Tensor or type(v_cache) is not torch.Tensor:
+    if window_size is not _NO_WINDOW and (window_size.__class__ is not tuple or len(window_size) != 2
+                                          or window_size[0].__class__ is not int
+                                          or window_size[1].__class__ is not int):
         return None
-    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+    if cache_seqlens is _FULL:
+        lengths = _FULL
+    elif type(cache_seqlens) is tensor:
+        lengths = (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device)
+    else:
         return None
-    try:
-        window = (int(window_size[0]), int(window_size[1]))
-    except (TypeError, ValueError, IndexError):
+    if block_table is None:
+        table = None
+    elif type(block_table) is tensor:
+        table = (block_table.shape, block_table.stride(), block_table.dtype, block_table.device)
+    else:
         return None
-    table = None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
-                                               block_table.device)
-    stamp = None
-    if num_splits == 0 and q.is_cuda:
-        stamp = resolve.gpu_stamp(q.get_device())[1]
-    lengths = _FULL if full else (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype,
-                                  cache_seqlens.device)
     return (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
-            v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, lengths, table, bool(causal),
-            softmax_scale, window, float(softcap), num_splits, bool(return_lse), stamp)
+            v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, lengths, table, causal, softmax_scale,
+            window_size, softcap, num_splits, return_lse)
 
 
-_FULL = "full"  # _plan_key's cache_seqlens for attention()'s decode route: every cache full (_full_lengths)
+def _bind_torch() -> Any:
+    """torch.Tensor (and torch.is_grad_enabled) for the plan path, where torch is imported; None where not."""
+    global _Tensor, _grad_enabled, _compiling
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    _Tensor, _grad_enabled, _compiling = torch.Tensor, torch.is_grad_enabled, torch.compiler.is_compiling
+    return _Tensor
+
+
+def _plan_holds(plan: KVPlan, q: Any, k: Any, v: Any) -> bool:
+    """Whether a plan found by its key serves this call: no gradient wanted (the full path refuses it, or
+    attention() takes its differentiable kernels), and, where it was chosen with the tuned store, the store unchanged
+    (looked at once a STORE_CHECK_S: resolve.gpu_stamp)."""
+    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    if plan.tracks_store:
+        now = time.monotonic()
+        if now >= plan.look_after:
+            if resolve.gpu_stamp(plan.launch.device)[1] != plan.stamp:
+                return False  # the full path chooses again and replaces the plan
+            plan.look_after = now + STORE_CHECK_S
+    return True
+
+
+_FULL = object()  # _plan_key's cache_seqlens for attention()'s decode route: every cache full (_full_lengths)
 
 
 __all__ = ["Kernel", "STORE_CHECK_S", "attention", "attention_varlen", "attention_with_kvcache", "check_errors",

@@ -9,6 +9,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import struct
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -50,6 +52,8 @@ PROTOTYPES: dict[str, tuple[type, list]] = {
     "cuFuncSetAttribute": (_c.c_int, [_c.c_void_p, _c.c_int, _c.c_int]),
     # f, grid x y z, block x y z, dynamic smem bytes, stream, kernelParams, extra
     "cuLaunchKernel": (_c.c_int, [_c.c_void_p] + [_c.c_uint] * 7 + [_c.c_void_p, _P(_c.c_void_p), _P(_c.c_void_p)]),
+    # const CUlaunchConfig *, f, kernelParams, extra (Prepared calls it without the prototype: _Unchecked)
+    "cuLaunchKernelEx": (_c.c_int, [_c.c_void_p, _c.c_void_p, _P(_c.c_void_p), _P(_c.c_void_p)]),
     # map, dtype, rank, base, dims, strides, box, element strides, interleave, swizzle, L2 promotion, OOB fill
     "cuTensorMapEncodeTiled": (_c.c_int, [_c.c_void_p, _c.c_int, _c.c_uint, _c.c_void_p, _P(_c.c_uint64),
                                           _P(_c.c_uint64), _P(_c.c_uint32), _P(_c.c_uint32)] + [_c.c_int] * 4),
@@ -129,11 +133,20 @@ def primary_context(device: int) -> int:
 
 def use_device(device: int) -> int:
     """Make `device`'s primary context current on this thread (only if it is not already); returns it."""
-    ctx, cur = primary_context(device), ctypes.c_void_p()
-    check(lib().cuCtxGetCurrent(ctypes.byref(cur)), "cuCtxGetCurrent")
-    if cur.value != ctx:
-        check(lib().cuCtxSetCurrent(ctypes.c_void_p(ctx)), "cuCtxSetCurrent")
+    ctx = primary_context(device)
+    make_current(ctx)
     return ctx
+
+
+def make_current(ctx: int, state: tuple | None = None) -> None:
+    """Make context `ctx` current on this thread, only if it is not already (a launch asks on every call); `state`:
+    the thread's thread_state() where the caller holds it."""
+    _, _, here, ref = _tls.state if state is None else state
+    rc = _unchecked(lib()).cuCtxGetCurrent(ref)
+    if rc:
+        check(rc, "cuCtxGetCurrent")
+    if here.value != ctx:
+        check(lib().cuCtxSetCurrent(ctypes.c_void_p(ctx)), "cuCtxSetCurrent")
 
 
 @functools.lru_cache(maxsize=None)
@@ -197,7 +210,85 @@ def _device_info(dev: int) -> DeviceInfo:
 
 
 PARAMS_MAX = 4096  # bytes: the most kernel arguments a launch may pass
-_tls = threading.local()
+_INT_MAX = 2**31 - 1
+
+
+class _Thread(threading.local):
+    """Per thread, as `state`: the kernel-argument buffer every launch passes, kernelParams (one pointer to that
+    buffer: the driver copies the bytes during the call, so one buffer serves every launch of the thread), and the
+    slot cuCtxGetCurrent writes with a reference to it. One tuple: a thread-local attribute read costs more than
+    its unpacking."""
+
+    def __init__(self) -> None:
+        buf, ctx = ctypes.create_string_buffer(PARAMS_MAX), ctypes.c_void_p()
+        self.state = (buf, (ctypes.c_void_p * 1)(ctypes.addressof(buf)), ctx, ctypes.byref(ctx))
+
+
+_tls = _Thread()
+
+
+def thread_state() -> tuple[ctypes.Array, ctypes.Array, ctypes.c_void_p, object]:
+    """This thread's (argument buffer, kernelParams, context slot, its reference): write a Prepared launch's
+    arguments into the buffer, then launch it with kernelParams."""
+    return _tls.state
+
+
+class _Unchecked:
+    """cuLaunchKernelEx (cuLaunchKernel where the driver predates it) and cuCtxGetCurrent of one libcuda without
+    argtypes: ctypes converts each argument by its own type instead of through a prototype's from_param, which costs
+    more than the rest of a small launch's host work, as does each argument more. Callers pass pointers and handles
+    as c_void_p, byref or bytes, and only ints within C int's range, which the checks before them guarantee."""
+
+    def __init__(self, cuda: ctypes.CDLL) -> None:
+        # item access: function objects apart from the declared ones
+        self.ex = hasattr(cuda, "cuLaunchKernelEx")
+        self.launch = cuda["cuLaunchKernelEx" if self.ex else "cuLaunchKernel"]
+        self.cuCtxGetCurrent = cuda["cuCtxGetCurrent"]
+        self.launch.restype = self.cuCtxGetCurrent.restype = ctypes.c_int
+
+
+@functools.lru_cache(maxsize=4)
+def _unchecked(cuda: ctypes.CDLL) -> _Unchecked:
+    return _Unchecked(cuda)
+
+
+# CUlaunchConfig (cuda.h): grid x y z, block x y z, dynamic smem bytes, (4 bytes of padding) the stream, then attrs
+# and numAttrs; packed per launch around the stream's 8 bytes.
+_LAUNCH_DIMS = struct.Struct("=7I4x")
+_LAUNCH_ATTRS = struct.Struct("=QI4x")
+_ORDER = sys.byteorder
+
+
+class Prepared:
+    """Launches of one function with fixed dimensions, as a caller that repeats them (a plan) makes them: the
+    dimensions checked against CUDA's limits once, here, and each launch made with the fewest ctypes conversions
+    (_Unchecked): cuLaunchKernelEx's four pointers, its CUlaunchConfig bytes made for the stream and kept while the
+    stream is the same (one (stream, bytes) pair, read and replaced whole: threads on other streams never mix them).
+    Write the arguments into thread_state()'s buffer, then launch with its kernelParams."""
+
+    __slots__ = ("name", "_fn", "_launch", "_ex", "_head", "_tail", "_dims", "_config")
+
+    def __init__(self, fn: "Function", grid: tuple[int, int, int], block: int) -> None:
+        check_launch(fn.name, grid, block)
+        if not 0 <= fn.smem_bytes <= _INT_MAX:
+            raise ValueError(f"cannot launch {fn.name}: {fn.smem_bytes} bytes of shared memory")
+        unchecked = _unchecked(lib())
+        self.name, self._fn, self._launch, self._ex = fn.name, fn.handle, unchecked.launch, unchecked.ex
+        self._head = _LAUNCH_DIMS.pack(grid[0], grid[1], grid[2], block, 1, 1, fn.smem_bytes)
+        self._tail = _LAUNCH_ATTRS.pack(0, 0)  # no launch attributes
+        self._dims = (fn.handle, grid[0], grid[1], grid[2], block, 1, 1, fn.smem_bytes)
+        self._config: tuple[int | None, bytes] = (None, b"")
+
+    def launch(self, stream: int, kernel_params: ctypes.Array) -> None:
+        if self._ex:
+            config = self._config
+            if config[0] != stream:
+                config = self._config = (stream, self._head + stream.to_bytes(8, _ORDER) + self._tail)
+            rc = self._launch(config[1], self._fn, kernel_params, None)
+        else:
+            rc = self._launch(*self._dims, ctypes.c_void_p(stream), kernel_params, None)
+        if rc:
+            check(rc, f"cuLaunchKernel({self.name}, grid={self._dims[1:4]}, block={self._dims[4]})")
 
 
 class Function:
@@ -213,16 +304,16 @@ class Function:
         check(lib().cuFuncSetAttribute(self.handle, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes),
               f"cuFuncSetAttribute({name}, max dynamic smem {smem_bytes})")
 
+    def prepared(self, grid: tuple[int, int, int], block: int) -> Prepared:
+        """Launches of this function with `grid` and `block`, made by a caller that repeats them (Prepared)."""
+        return Prepared(self, grid, block)
+
     def launch(self, grid: tuple[int, int, int], block: int, params: bytes | ctypes.Structure | ctypes.Array,
                stream: int = 0) -> None:
         # The kernel takes one struct by value: kernelParams holds one pointer to its bytes, which
         # the driver copies during the call, so one buffer per thread serves every launch.
         raw = params if isinstance(params, bytes) else bytes(params)
-        try:
-            buf, args = _tls.buf, _tls.args
-        except AttributeError:
-            buf = _tls.buf = ctypes.create_string_buffer(PARAMS_MAX)
-            args = _tls.args = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
+        buf, args, _, _ = _tls.state
         check_launch(self.name, grid, block)
         buf.raw = raw
         rc = lib().cuLaunchKernel(self.handle, grid[0], grid[1], grid[2], block, 1, 1, self.smem_bytes,

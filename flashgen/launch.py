@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
-from typing import Any
+from typing import Any, Callable
 
 from . import abi
 from .config import pack_rows
@@ -96,10 +96,16 @@ def float32() -> Any:
 
 def current_stream(device: int) -> int:
     """The raw handle of torch's current stream on `device` (capture streams of CUDA graphs included)."""
+    return _raw_stream()(device)
+
+
+@functools.lru_cache(maxsize=1)
+def _raw_stream() -> Callable[[int], int]:
+    """torch's builtin answering current_stream (an int, without making a Stream object), looked up once."""
     import torch  # noqa: PLC0415
 
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # an int, without making a Stream object
-    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw if raw is not None else lambda device: torch.cuda.current_stream(device).cuda_stream
 
 
 def capturing() -> bool:

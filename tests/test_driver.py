@@ -17,8 +17,24 @@ ROOT = Path(__file__).resolve().parent.parent
 # A libcuda stand-in: the calls Function makes, recording the launch's dimensions as the C ABI delivers them.
 STUB_C = r"""
 #include <stdlib.h>
-typedef struct { unsigned gx, gy, gz, bx, by, bz, smem; int launches; } Last;
+#include <string.h>
+typedef struct {
+    unsigned gx, gy, gz, bx, by, bz, smem; int launches; unsigned long long stream; unsigned char params[8]; int ex;
+} Last;
 static Last last;
+static void *current;
+int cuCtxGetCurrent(void **c) { *c = current; return 0; }
+int cuCtxSetCurrent(void *c) { current = c; return 0; }
+#ifndef NO_EX
+typedef struct { unsigned gx, gy, gz, bx, by, bz, smem; void *stream; void *attrs; unsigned n_attrs; } Config;
+int cuLaunchKernelEx(const Config *c, void *f, void **params, void **extra) {
+    if (c->attrs || c->n_attrs || extra) return 1;
+    last.gx = c->gx; last.gy = c->gy; last.gz = c->gz; last.bx = c->bx; last.by = c->by; last.bz = c->bz;
+    last.smem = c->smem; last.stream = (unsigned long long)c->stream; memcpy(last.params, params[0], 8);
+    last.launches++; last.ex = 1;
+    return 0;
+}
+#endif
 int cuInit(unsigned flags) { return 0; }
 int cuGetErrorName(int rc, const char **s) { *s = "CUDA_ERROR_STUB"; return 0; }
 int cuGetErrorString(int rc, const char **s) { *s = "stub"; return 0; }
@@ -28,7 +44,8 @@ int cuFuncSetAttribute(void *f, int attr, int value) { return 0; }
 int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                    unsigned smem, void *stream, void **params, void **extra) {
     last.gx = gx; last.gy = gy; last.gz = gz; last.bx = bx; last.by = by; last.bz = bz; last.smem = smem;
-    last.launches++;
+    last.stream = (unsigned long long)stream; memcpy(last.params, params[0], 8);
+    last.launches++; last.ex = 0;
     return 0;
 }
 int cuMemHostAlloc(void **p, size_t n, unsigned flags) { *p = calloc(1, n); return 0; }
@@ -38,18 +55,22 @@ void stub_last(Last *out) { *out = last; }
 
 
 class Last(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint) for n in ("gx", "gy", "gz", "bx", "by", "bz", "smem")] + [("launches", ctypes.c_int)]
+    _fields_ = ([(n, ctypes.c_uint) for n in ("gx", "gy", "gz", "bx", "by", "bz", "smem")] +
+                [("launches", ctypes.c_int), ("stream", ctypes.c_ulonglong), ("params", ctypes.c_ubyte * 8),
+                 ("ex", ctypes.c_int)])
 
 
-@pytest.fixture
-def stub(tmp_path, monkeypatch):
-    """driver.lib() answering with the C stub, its prototypes declared as for libcuda."""
+@pytest.fixture(params=["ex", "no-ex"])
+def stub(tmp_path, monkeypatch, request):
+    """driver.lib() answering with the C stub, its prototypes declared as for libcuda; a driver with
+    cuLaunchKernelEx and one without it (before CUDA 12.0)."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler for the stub driver")
     src, so = tmp_path / "stub.c", tmp_path / "libcudastub.so"
     src.write_text(STUB_C)
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+    flags = ["-DNO_EX"] if request.param == "no-ex" else []
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(so), str(src), *flags], check=True)
     cuda = driver.declare(ctypes.CDLL(str(so)))
     monkeypatch.setattr(driver, "lib", lambda: cuda)
     monkeypatch.setattr(driver, "_bound", lambda: cuda)
@@ -129,3 +150,43 @@ def test_a_varlen_batch_too_large_for_one_grid_is_refused_before_the_driver(stub
         serving.launch_prefill(cfg, q, q, q, torch.empty_like(q), None, cu_q=cu, cu_k=cu, max_seqlen_q=2**31 - 1,
                                max_seqlen_k=1, num_splits=1, mods=serving.Mods(), softmax_scale=None)
     assert stub().launches == 0
+
+
+def test_a_prepared_launch_reaches_the_driver_intact(stub):
+    """driver.Prepared (a plan's launches, without ctypes prototypes): the largest legal grid, the block, the shared
+    memory, a 64-bit stream handle and the thread's argument buffer reach the driver as given, through
+    cuLaunchKernelEx or, where the driver lacks it, cuLaunchKernel."""
+    fn = driver.Function(b"cubin", "k", 1 << 17)
+    run = fn.prepared((2**31 - 1, 65535, 65535), 1024)
+    buf, params, _, _ = driver.thread_state()
+    buf.raw = b"planned!"
+    run.launch(0x7F12_3456_789A, params)
+    last = stub()
+    assert (last.gx, last.gy, last.gz, last.bx, last.by, last.bz, last.smem) == (2**31 - 1, 65535, 65535, 1024, 1, 1,
+                                                                                 1 << 17)
+    assert last.stream == 0x7F12_3456_789A and bytes(last.params) == b"planned!" and last.launches == 1
+    assert last.ex == hasattr(driver.lib(), "cuLaunchKernelEx")
+    run.launch(0, params)
+    assert stub().stream == 0 and stub().launches == 2
+    run.launch(0x7F12_3456_789A, params)  # a stream again after another: its own configuration
+    assert stub().stream == 0x7F12_3456_789A and stub().launches == 3
+
+
+@pytest.mark.parametrize("grid, block", [((2**31, 1, 1), 128), ((1, 65536, 1), 128), ((0, 1, 1), 128),
+                                         ((1, 1, 1), 1025)])
+def test_a_prepared_launch_past_cudas_limits_is_refused_when_made(stub, grid, block):
+    fn = driver.Function(b"cubin", "serve_main", 0)
+    with pytest.raises(ValueError, match=r"serve_main.*grid"):
+        fn.prepared(grid, block)
+    assert stub().launches == 0
+
+
+def test_make_current_leaves_the_context_current(stub):
+    driver.make_current(0x1000)
+    here = ctypes.c_void_p()
+    driver.lib().cuCtxGetCurrent(ctypes.byref(here))
+    assert here.value == 0x1000
+    driver.make_current(0x1000)
+    driver.make_current(0x2000)
+    driver.lib().cuCtxGetCurrent(ctypes.byref(here))
+    assert here.value == 0x2000

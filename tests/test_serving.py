@@ -2,6 +2,7 @@
 (sm_80 and sm_90a), and the argument checks that need no device data."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import re
 
@@ -125,57 +126,92 @@ def test_decode_tiles_fit_every_arch():
 
 
 def test_plan_keys_only_for_calls_a_plan_can_repeat():
-    """attention_with_kvcache's plan: keyed by shapes, strides and options; none with validation, an append,
-    ALiBi, a gradient wanted or an int cache_seqlens."""
+    """attention_with_kvcache's plan: keyed by shapes, strides, dtypes, devices and options; none for tensors of
+    another type, an int cache_seqlens or options of other types (the full path checks those every call)."""
     torch = pytest.importorskip("torch")
-    from flashgen.api import _plan_key
+    from flashgen.api import _NO_WINDOW, _plan_key
 
     q = torch.empty(2, 1, 8, 64, dtype=torch.bfloat16)
     kc = torch.empty(2, 128, 2, 64, dtype=torch.bfloat16)
     lens = torch.zeros(2, dtype=torch.int32)
-    args = dict(block_table=None, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                alibi_slopes=None, num_splits=1, return_lse=False)
-    key = _plan_key(q, kc, kc, None, None, lens, validate=False, **args)
-    assert key is not None and key == _plan_key(q, kc, kc, None, None, lens.clone(), validate=False, **args)
-    assert key != _plan_key(q, kc.transpose(1, 2).contiguous().transpose(1, 2), kc, None, None, lens, validate=False,
-                            **args)
-    assert key != _plan_key(q, kc, kc, None, None, lens, validate=False, **{**args, "num_splits": 2})
-    assert _plan_key(q, kc, kc, None, None, lens, validate=True, **args) is None
-    assert _plan_key(q, kc, kc, kc[:, :1], kc[:, :1], lens, validate=False, **args) is None
-    assert _plan_key(q, kc, kc, None, kc[:, :1], lens, validate=False, **args) is None  # v alone: the full path refuses
-    assert _plan_key(q, kc, kc, None, None, 5, validate=False, **args) is None
-    assert _plan_key(q, kc, kc, None, None, lens, validate=False, **{**args, "alibi_slopes": torch.ones(8)}) is None
-    assert _plan_key(q.requires_grad_(), kc, kc, None, None, lens, validate=False, **args) is None
+    args = dict(block_table=None, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, num_splits=1,
+                return_lse=False)
+    key = _plan_key(q, kc, kc, lens, **args)
+    assert key is not None and key == _plan_key(q, kc, kc, lens.clone(), **args)
+    assert key == _plan_key(q.clone(), kc.clone(), kc.clone(), lens, **{**args, "window_size": _NO_WINDOW})
+    assert key == _plan_key(q, kc, kc, lens, **{**args, "causal": 0, "softcap": 0})  # equal values, one plan
+    for other in ({"causal": True}, {"num_splits": 2}, {"softmax_scale": 0.5}, {"window_size": (8, 0)},
+                  {"softcap": 30.0}, {"return_lse": True}):
+        assert key != _plan_key(q, kc, kc, lens, **{**args, **other}), other
+    assert key != _plan_key(q, kc.transpose(1, 2).contiguous().transpose(1, 2), kc, lens, **args)  # strides
+    assert key != _plan_key(q, kc, kc[:, :64], lens, **args)  # v's shape
+    assert key != _plan_key(q.half(), kc, kc, lens, **args)
+    assert key != _plan_key(q, kc, kc, lens.long(), **args)
+    assert key != _plan_key(q, kc, kc, lens, **{**args, "block_table": torch.zeros(2, 4, dtype=torch.int32)})
+    assert key != _plan_key(q, kc, kc, torch.zeros(2, dtype=torch.int32, device="meta"), **args)  # its device
+    assert _plan_key(q, kc, kc, 5, **args) is None
+    assert _plan_key(q, kc, kc, None, **args) is None
+    assert _plan_key(torch.nn.Parameter(q), kc, kc, lens, **args) is None  # a subclass: the full path decides
+    for bad in ({"causal": "yes"}, {"softmax_scale": torch.tensor(0.5)}, {"window_size": [-1, -1]},
+                {"window_size": (-1.0, -1)}, {"num_splits": 2.0}, {"softcap": None}, {"block_table": [[0]]}):
+        assert _plan_key(q, kc, kc, lens, **{**args, **bad}) is None, bad
 
+
+class PlanLaunches:
+    """Stands in for the driver under kvcache_launch (through _fire) and run_plan (through driver.Prepared): each
+    launch recorded as (role, grid, threads, ServeParams's values, stream)."""
+
+    def __init__(self, monkeypatch, serving, torch):
+        self.launches: list = []
+        self.counters: dict = {}
+        launches = self.launches
+
+        class Fn:
+            def __init__(self, role):
+                self.role = role
+
+            def launch(self, grid, threads, params, stream):
+                fields = serving.SERVE_PARAMS.unpack(params[:serving.SERVE_PARAMS.size])
+                launches.append((self.role, grid, threads, fields, stream))
+
+            def prepared(self, grid, threads):
+                role = self.role
+
+                class Launch:
+                    def launch(self, stream, kernel_params):
+                        buf = serving.driver.thread_state()[0]
+                        assert ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))[0] == ctypes.addressof(buf)
+                        params = buf.raw[:serving.SERVE_PARAMS.size]
+                        launches.append((role, grid, threads, serving.SERVE_PARAMS.unpack(params), stream))
+                return Launch()
+
+        monkeypatch.setattr(serving, "_functions", lambda cfg, arch, ctx: (
+            Fn("main"), Fn("combine") if "combine" in cfg.kernel_names else None))
+        monkeypatch.setattr(serving, "arch_and_slots", lambda device: ("sm90", 132))
+        monkeypatch.setattr(serving.driver, "use_device", lambda device: None)
+        monkeypatch.setattr(serving.driver, "make_current", lambda ctx, state=None: None)
+        monkeypatch.setattr(serving.driver, "primary_context", lambda device: 0x1000)
+        monkeypatch.setattr(serving.driver, "primary_context_id", lambda device: 1)
+        monkeypatch.setattr(serving, "current_stream", lambda device: self.stream)
+        monkeypatch.setattr(serving, "error_word", lambda device: 0x5000)
+        monkeypatch.setattr(serving, "capturing", lambda: False)
+        monkeypatch.setattr(serving, "_workspaces", {})
+        real_empty = torch.empty
+        monkeypatch.setattr(serving, "_workspace", lambda device, stream, floats, fresh: serving._workspaces.setdefault(
+            (device, stream), real_empty(floats)))
+        monkeypatch.setattr(serving, "_tile_counters", lambda device, stream, n, fresh: self.counters.setdefault(
+            (stream, n), torch.zeros(n, dtype=torch.int32)))
+        self.stream = 7
 
 
 def test_a_plan_launches_the_struct_the_full_path_packed(monkeypatch):
     """run_plan repeats kvcache_launch's ServeParams: every field but out, lse and the split buffers (fresh per
-    call) the same bytes, for split and unsplit, paged and contiguous launches (driver calls recorded, no GPU)."""
+    call) the same bytes, for split and unsplit, paged and contiguous launches, on the same grids and stream
+    (driver calls recorded, no GPU)."""
     torch = pytest.importorskip("torch")
     from flashgen.kernels import serving
 
-    launches = []
-
-    class Fn:
-        def __init__(self, role):
-            self.role = role
-
-        def launch(self, grid, threads, params, stream):
-            launches.append((self.role, grid, threads, serving.SERVE_PARAMS.unpack(params)))
-
-    monkeypatch.setattr(serving, "_functions",
-                        lambda cfg, arch, ctx: (Fn("main"), Fn("combine") if "combine" in cfg.kernel_names else None))
-    monkeypatch.setattr(serving, "arch_and_slots", lambda device: ("sm90", 132))
-    monkeypatch.setattr(serving.driver, "use_device", lambda device: None)
-    monkeypatch.setattr(serving.driver, "primary_context_id", lambda device: 1)
-    monkeypatch.setattr(serving, "current_stream", lambda device: 7)
-    monkeypatch.setattr(serving, "error_word", lambda device: 0x5000)
-    monkeypatch.setattr(serving, "capturing", lambda: False)
-    monkeypatch.setattr(serving, "_workspace", lambda device, stream, floats, fresh: torch.empty(floats))
-    counters = {}
-    monkeypatch.setattr(serving, "_tile_counters",
-                        lambda device, stream, n, fresh: counters.setdefault(n, torch.zeros(n, dtype=torch.int32)))
+    got = PlanLaunches(monkeypatch, serving, torch)
     q = torch.randn(3, 1, 8, 128, dtype=torch.bfloat16)
     lens = torch.tensor([5, 64, 200], dtype=torch.int32)
     fresh = {3, 4, 29, 30}  # out, lse, o_accum, lse_accum
@@ -186,18 +222,46 @@ def test_a_plan_launches_the_struct_the_full_path_packed(monkeypatch):
         table = torch.arange(12, dtype=torch.int32).view(3, 4) if paged else None
         cfg = serve_config(128, "bf16", False, 4, "sm90", varlen=True, paged=paged, pack_gqa=True, split=splits > 1)
         cfg = dataclasses.replace(cfg, fused_combine=fused)
-        launches.clear()
+        got.launches.clear()
         run = serving.kvcache_launch(cfg, splits, q, kc, kc, torch.empty_like(q), torch.empty(3, 8, 1), lens, table)
-        full = list(launches)
-        launches.clear()
-        serving.run_plan(serving.KVPlan(run, (3, 8, 1)), q, kc, kc, lens, table, True)
-        assert len(full) == len(launches) == (2 if splits > 1 and not fused else 1)
-        for (role_a, grid_a, thr_a, a), (role_b, grid_b, thr_b, b) in zip(full, launches):
-            assert (role_a, grid_a, thr_a) == (role_b, grid_b, thr_b)
+        full = list(got.launches)
+        got.launches.clear()
+        out, lse = serving.run_plan(serving.KVPlan(run, (3, 8, 1)), q, kc, kc, lens, table, True)
+        assert out.shape == q.shape and out.is_contiguous() and lse.shape == (3, 8, 1)
+        assert len(full) == len(got.launches) == (2 if splits > 1 and not fused else 1)
+        for (role_a, grid_a, thr_a, a, st_a), (role_b, grid_b, thr_b, b, st_b) in zip(full, got.launches):
+            assert (role_a, grid_a, thr_a, st_a) == (role_b, grid_b, thr_b, st_b)
             assert [x for i, x in enumerate(a) if i not in fresh] == [x for i, x in enumerate(b) if i not in fresh]
-            assert all(b[i] != 0 for i in (3, 4)) and (splits == 1 or all(b[i] != 0 for i in (29, 30)))
+            assert b[3] == out.data_ptr() and b[4] == lse.data_ptr() and b[26] == lens.data_ptr()
+            assert b[27] == (table.data_ptr() if paged else 0)
+            assert splits == 1 or all(b[i] != 0 for i in (29, 30))
             # fused: one counter per row block (the grid over the splits), all zero; otherwise none
-            assert b[counts] == (counters[grid_b[0] // splits].data_ptr() if fused else 0)
+            assert b[counts] == (got.counters[7, grid_b[0] // splits].data_ptr() if fused else 0)
+
+
+def test_a_plans_split_scratch_is_its_streams(monkeypatch):
+    """One plan launched on two streams: each stream's launches read and write that stream's accumulators (and
+    fused-combine counters), never the other's; back on the first stream, the first's again."""
+    torch = pytest.importorskip("torch")
+    from flashgen.kernels import serving
+
+    got = PlanLaunches(monkeypatch, serving, torch)
+    q = torch.randn(1, 1, 8, 128, dtype=torch.bfloat16)
+    kc = torch.randn(1, 1024, 2, 128, dtype=torch.bfloat16)
+    lens = torch.tensor([1000], dtype=torch.int32)
+    cfg = dataclasses.replace(serve_config(128, "bf16", False, 4, "sm90", varlen=True, pack_gqa=True, split=True),
+                              fused_combine=True)
+    plan = serving.KVPlan(serving.kvcache_launch(cfg, 8, q, kc, kc, torch.empty_like(q), None, lens, None), None)
+    scratch = {}
+    for stream in (7, 9, 7):
+        got.stream = stream
+        got.launches.clear()
+        serving.run_plan(plan, q, kc, kc, lens, None, False)
+        (_, _, _, fields, st), = got.launches
+        held = serving._workspaces[plan.launch.device, stream].data_ptr()
+        scratch.setdefault(stream, (held, fields[abi.SERVE.index("tile_counts")]))
+        assert st == stream and (fields[29], fields[abi.SERVE.index("tile_counts")]) == scratch[stream]
+    assert scratch[7][0] != scratch[9][0] and scratch[7][1] != scratch[9][1]
 
 
 def test_fused_combine_counters_are_zeroed_and_held_per_stream(monkeypatch):

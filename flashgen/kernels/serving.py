@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from typing import Any, NamedTuple
 
 from .. import abi, driver, grids
@@ -195,14 +196,11 @@ def _workspace(device: int, stream: int, floats: int, fresh: bool) -> Any:
     """`floats` fp32 of scratch for a launch on `stream`: held for the next launches there, or (`fresh`: a capture;
     or large) new, freed once the caller's launches are queued (the caching allocator orders its reuse on the
     stream)."""
-    import torch  # noqa: PLC0415
-
     if fresh or 4 * floats > _WORKSPACE_KEEP:
-        return torch.empty(floats, dtype=torch.float32, device=torch.device("cuda", device))
+        return _cuda_tensor("empty", floats, "float32", device)
     held = _workspaces.get((device, stream))
     if held is None or held.numel() < floats:
-        held = _workspaces[device, stream] = torch.empty(floats, dtype=torch.float32,
-                                                        device=torch.device("cuda", device))
+        held = _workspaces[device, stream] = _cuda_tensor("empty", floats, "float32", device)
     return held
 
 
@@ -214,14 +212,20 @@ _counters: dict[tuple[int, int], Any] = {}
 
 def _tile_counters(device: int, stream: int, n: int, fresh: bool) -> Any:
     """`n` int32 arrival counters, all zero, for a fused-combine launch on `stream` (`fresh`: a capture's own)."""
-    import torch  # noqa: PLC0415
-
     if fresh:
-        return torch.zeros(n, dtype=torch.int32, device=torch.device("cuda", device))
+        return _cuda_tensor("zeros", n, "int32", device)
     held = _counters.get((device, stream))
     if held is None or held.numel() < n:
-        held = _counters[device, stream] = torch.zeros(n, dtype=torch.int32, device=torch.device("cuda", device))
+        held = _counters[device, stream] = _cuda_tensor("zeros", n, "int32", device)
     return held
+
+
+def _cuda_tensor(make: str, n: int, dtype: str, device: int) -> Any:
+    """torch.empty or torch.zeros of `n` `dtype` on cuda:`device` (torch imported here, off the held buffers' path:
+    a decode step asks for them on every call)."""
+    import torch  # noqa: PLC0415
+
+    return getattr(torch, make)(n, dtype=getattr(torch, dtype), device=torch.device("cuda", device))
 
 
 class ServeLaunch(NamedTuple):
@@ -451,22 +455,73 @@ def modifier_digests(mods: Mods) -> dict[str, str]:
     return out if any(out.values()) else {}
 
 
-class KVPlan(NamedTuple):
-    launch: ServeLaunch
-    lse_shape: tuple | None
+# Where run_plan writes a call's pointers into ServeParams: q, k, v, o, lse lead it; seqused_k and block_table, and
+# o_accum and lse_accum, are neighbours.
+_CALL_POINTERS, _POINTER_PAIR, _POINTER = struct.Struct("=5Q"), struct.Struct("=2Q"), struct.Struct("=Q")
+_SEQUSED_AT, _ACCUM_AT, _COUNTS_AT = (abi.SERVE.offset(f) for f in ("seqused_k", "o_accum", "tile_counts"))
+assert abi.SERVE.offset("f.lse") == 32 and abi.SERVE.offset("block_table") == _SEQUSED_AT + 8
+assert abi.SERVE.offset("lse_accum") == _ACCUM_AT + 8
+_torch: Any = None  # torch, once a plan is made (a plan's tensors are torch tensors)
+
+
+class KVPlan:
+    """What an attention_with_kvcache call repeats for one signature (shapes, strides, dtypes, device, options):
+    ServeParams packed with the call's pointers 0, its launches prepared (driver.Prepared), its context, and what it
+    allocates. run_plan fills in a call's pointers and launches. `stamp`: the tuned store's stamp it was chosen under
+    (`tracks_store`: the choice read the store), which the caller compares once a `look_after` passes."""
+
+    __slots__ = ("launch", "lse_shape", "new_out", "template", "main", "combine", "ctx", "tracks_store", "stamp",
+                 "look_after")
+
+    def __init__(self, launch: ServeLaunch, lse_shape: tuple | None, tracks_store: bool = False,
+                 stamp: tuple | None = None, q_contiguous: bool = True) -> None:
+        global _torch
+        import torch  # noqa: PLC0415  (a plan is made from torch tensors: torch is imported)
+
+        _torch = torch
+        self.launch, self.lse_shape = launch, lse_shape
+        # the output, contiguous: empty_like keeps a contiguous q's layout without being told (a keyword costs)
+        self.new_out = (torch.empty_like if q_contiguous else
+                        functools.partial(torch.empty_like, memory_format=torch.contiguous_format))
+        self.template = SERVE_PARAMS.pack(*launch.fields) + launch.tail
+        self.main = launch.fn.prepared((launch.blocks, 1, 1), launch.threads)
+        self.combine = (None if launch.comb is None else
+                        launch.comb.prepared((launch.combine_blocks, 1, 1), 32 * COMBINE_WARPS))
+        self.ctx = driver.primary_context(launch.device)
+        self.tracks_store, self.stamp, self.look_after = tracks_store, stamp, 0.0
 
 
 def run_plan(plan: KVPlan, q: Any, k_cache: Any, v_cache: Any, seqused: Any, block_table: Any,
-              return_lse: bool) -> tuple[Any, Any] | None:
-    """(out, lse) of a call by its plan; None where a base pointer is not 16-byte aligned (the full path says why)."""
-    import torch  # noqa: PLC0415
-
+             return_lse: bool) -> tuple[Any, Any] | None:
+    """(out, lse) of a call by its plan; None where a base pointer is not 16-byte aligned (the full path says why).
+    The same launches as _fire with the plan's ServeLaunch: its bytes with this call's pointers, on the current
+    stream, split-KV scratch from _workspace."""
     qp, kp, vp = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
     if (qp | kp | vp) & 15:
         return None
-    out = q.new_empty(q.shape)
-    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
-    _fire(plan.launch, (q, k_cache, v_cache, out, lse, None, None, seqused, block_table, None, None))
+    out = plan.new_out(q)  # new_empty(q.shape) parses its size: dearer
+    lse = None if not return_lse else _torch.empty(plan.lse_shape, dtype=_torch.float32, device=q.device)
+    run = plan.launch
+    here = driver.thread_state()
+    driver.make_current(plan.ctx, here)
+    stream = current_stream(run.device)
+    buf = here[0]
+    buf.raw = plan.template
+    _CALL_POINTERS.pack_into(buf, 0, qp, kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr())
+    table = 0 if block_table is None else block_table.data_ptr()
+    _POINTER_PAIR.pack_into(buf, _SEQUSED_AT, seqused.data_ptr(), table)
+    if run.accum is not None:
+        o_floats, lse_floats, counters = run.accum
+        fresh = capturing()
+        scratch = _workspace(run.device, stream, o_floats + lse_floats, fresh)  # alive past the launches
+        at = scratch.data_ptr()
+        _POINTER_PAIR.pack_into(buf, _ACCUM_AT, at, at + 4 * o_floats)
+        if counters:
+            tiles = _tile_counters(run.device, stream, counters, fresh)
+            _POINTER.pack_into(buf, _COUNTS_AT, tiles.data_ptr())
+    plan.main.launch(stream, here[1])
+    if plan.combine is not None:  # the combine reads ServeParams alone: the same bytes' prefix
+        plan.combine.launch(stream, here[1])
     return out, lse
 
 
