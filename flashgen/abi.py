@@ -351,10 +351,16 @@ SM90_BWD = Block("Sm90BwdParams", "FLASHGEN_SM90_BWD_PARAMS", (
     Line("int*", ("dq_semaphore",), "deterministic: int32 zeros, one per BLOCK_M rows of delta (else null)"),
 ))
 
+SM90_MOD_BWD = Block("Sm90ModBwdParams", "FLASHGEN_SM90_MOD_BWD_PARAMS", (
+    "Hopper's backward generated with a score_mod, mask_mod or block map: Sm90BwdParams, then the forward's",
+    "ModTensor slots and lists, then the transposed lists, as in BwdServeModParams (the main kernel reads the",
+    "transposed ones: the q tiles of each key tile)."), (
+    Line("Sm90BwdParams", ("b",)), *BWD_SERVE_MOD.lines[1:],
+))
 BLOCKS: dict[str, Block] = {b.name: b for b in (FWD, SERVE, MOD_TENSOR, SERVE_MOD, BWD, BWD_SERVE, BWD_SERVE_MOD, SM90_FWD,
                                                  SM90_SERVE_FWD, SM90_SERVE_MOD_FWD, FP8_DESCALE, SM90_FP8_FWD,
-                                                 SM90_BWD)}
+                                                 SM90_BWD, SM90_MOD_BWD)}
 
 __all__ = ["BLOCKS", "BWD", "BWD_SERVE", "BWD_SERVE_MOD", "Block", "FP8_DESCALE", "FWD", "Field", "Line", "MOD_TENSOR", "SERVE",
            "SERVE_INPUTS", "SERVE_MOD",
-           "SM90_BWD", "SM90_FP8_FWD", "SM90_FWD", "SM90_SERVE_FWD", "SM90_SERVE_MOD_FWD"]
+           "SM90_BWD", "SM90_FP8_FWD", "SM90_MOD_BWD", "SM90_FWD", "SM90_SERVE_FWD", "SM90_SERVE_MOD_FWD"]

@@ -759,9 +759,10 @@ class BwdConfig(_AsDict):
     # warp of the producer warpgroup adds it to dq_accum by one TMA bulk reduce-add (FlashAttention-3's dQ), instead
     # of the consumers' per-thread vector atomics. Takes BLOCK_M x head_dim fp32 of shared memory (dq_tile_bytes).
     dq_tma: bool = False
-    # Programmable attention (sm80 family, dense): the forward's score_mod and mask_mod digests (KernelConfig's; the
-    # gradient recomputes the modified score and applies d score_mod / d score), and a block map (the q tiles of
-    # each K/V tile for the main kernel, the K/V tiles of each q tile for _dq: empty pairs skipped, full ones unmasked).
+    # Programmable attention (dense): the forward's score_mod and mask_mod digests (KernelConfig's; the gradient
+    # recomputes the modified score and applies d score_mod / d score), and a block map (the q tiles of each K/V tile
+    # for the main kernel, the K/V tiles of each q tile for sm80's _dq: empty pairs skipped, full ones unmasked).
+    # Family sm90: head dims without kv_split, not deterministic with a block map.
     score_mod: str = ""
     mask_mod: str = ""
     block_map: bool = False
@@ -813,9 +814,14 @@ class BwdConfig(_AsDict):
         _check_choice("block_map", self.block_map, (False, True))
         if not self.modified:
             return
-        if self.family != "sm80":
-            raise ConfigError(f"the backward of score_mod, mask_mod and block maps is built in family sm80, not "
-                              f"{self.family}")
+        if self.family == "sm90" and sm90_bwd_kv_split(self.head_dim) > 1:
+            raise ConfigError(f"family sm90's backward of score_mod, mask_mod and block maps is built at head dims "
+                              f"{', '.join(str(d) for d in SM90_BWD_HEAD_DIMS if sm90_bwd_kv_split(d) == 1)}, not "
+                              f"{self.head_dim} (two warpgroups share each key's P^T and dS^T there); family sm80 "
+                              "builds it")
+        if self.family == "sm90" and self.deterministic and self.block_map:
+            raise ConfigError("deterministic=True with a block map is built in family sm80 (family sm90 orders each "
+                              "Q tile's dQ reduces by key tile, and a block map's key tiles need not be consecutive)")
         if self.varlen:
             raise ConfigError("score_mod, mask_mod and block maps have a dense backward (not varlen)")
         if self.score_mod and (self.softcap or self.alibi):
@@ -1075,7 +1081,7 @@ def default_bwd_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm8
 def modifier_bwd_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm80", deterministic: bool = False,
                         features: tuple[str, ...] = (), *, score_mod: str = "", mask_mod: str = "",
                         block_map: bool = False) -> BwdConfig:
-    """The backward of a call with a score_mod, mask_mod or block map: family sm80's default tiles for `arch`
-    (the sm90 backward has no modifier slot), generated with `features` and the forward's modifiers."""
+    """The sm80 family's backward of a call with a score_mod, mask_mod or block map: its default tiles for `arch`,
+    generated with `features` and the forward's modifiers (Hopper's own: kernels.serving.sm90_modifier_bwd_config)."""
     base = default_bwd_config(head_dim, dtype, causal, arch, deterministic, family="sm80")
     return replace(base, **dict.fromkeys(features, True), score_mod=score_mod, mask_mod=mask_mod, block_map=block_map)

@@ -375,18 +375,20 @@ def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: floa
 
 class _FlexAttention(torch.autograd.Function):
     """Autograd of `flashgen.attention` with a traced score_mod, mask_mod or BlockMask (eager only: no torch operator
-    takes a Python modifier): the serving forward, then the sm80 backward generated with the same modifiers. The
-    score_mod's tensors are inputs too: those that require grad get theirs from modifier_grads.captured_grads."""
+    takes a Python modifier): the serving forward, then the backward generated with the same modifiers (flex_backward:
+    on Hopper the sm90 family's where it builds them, else sm80's). The score_mod's tensors are inputs too: those that
+    require grad get theirs from modifier_grads.captured_grads."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                 softmax_scale: Optional[float], mods: Mods, deterministic: bool, family: Optional[str],
                 *tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Either family's forward: its LSE (natural log, +inf for a row that sees no key) is what the sm80 backward
-        # generated with the same modifiers reads.
+        # Either family's forward: its LSE (natural log, +inf for a row that sees no key) is what either family's
+        # backward generated with the same modifiers reads.
         out, lse = dense_mods_forward(q, k, v, causal, softmax_scale, mods, family=family)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (causal, softmax_scale, mods, deterministic)
+        ctx.family = family
         ctx.set_materialize_grads(False)  # lse's gradient stays None where lse is not used
         return out, lse
 
@@ -396,7 +398,7 @@ class _FlexAttention(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         wanted = tuple(ctx.needs_input_grad[8:])
-        dq, dk, dv, bmap = flex_backward(dout, q, k, v, out, lse, dlse, *ctx.args)
+        dq, dk, dv, bmap = flex_backward(dout, q, k, v, out, lse, dlse, *ctx.args, family=ctx.family)
         tables = [None] * len(wanted)
         if any(wanted):
             causal, scale, mods, deterministic = ctx.args
@@ -414,11 +416,12 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 
 def flex_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, dlse: Optional[torch.Tensor], causal: bool, softmax_scale: Optional[float],
-                  mods: Mods, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+                  mods: Mods, deterministic: bool,
+                  family: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
     """(dq, dk, dv, block map or None) of dense_mods_forward with a score_mod, mask_mod or block map: the backward
-    generated with the forward's modifiers (resolve.modifier_backward_kernel), its block map built from the same
-    mask_mod or BlockMask at the backward's tiles (kernel_block_map), read both ways (q tiles per key tile, key tiles
-    per q tile)."""
+    generated with the forward's modifiers (resolve.modifier_backward_kernel: on Hopper the sm90 family's where it
+    builds them, unless family is "sm80"), its block map built from the same mask_mod or BlockMask at the backward's
+    tiles (kernel_block_map), read both ways (q tiles per key tile, key tiles per q tile)."""
     batch, seqlen_q, heads, d = q.shape
     seqlen_k = k.shape[1]
     serve = ServeArgs(window=mods.window, softcap=mods.softcap, alibi_slopes=mods.alibi)
@@ -426,7 +429,7 @@ def flex_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     kern = modifier_backward_kernel(q.get_device(), d, _HALF[q.dtype], causal, features, deterministic,
                                     mods.score_mod.digest if mods.score_mod is not None else "",
                                     mods.mask_mod.digest if mods.mask_mod is not None else "",
-                                    mods.mask_mod is not None or mods.block_map is not None)
+                                    mods.mask_mod is not None or mods.block_map is not None, family)
     bmap = None
     if kern.config.block_map:
         bmap = kernel_block_map(kern.config, mods, causal, batch, heads, seqlen_q, seqlen_k, q.device)

@@ -24,7 +24,7 @@ from .config import (DENSE_ONLY_HEAD_DIMS, FP8_DTYPES, SM90_DENSE_KNOBS, SM90_FE
                      KernelConfig, arch_limits, default_bwd_config, default_config, modifier_bwd_config)
 from .kernels.backward import load_backward
 from .kernels.dense import Kernel, compiled_kernel
-from .kernels.serving import DECODE_ROWS, decode_config, serve_config
+from .kernels.serving import DECODE_ROWS, decode_config, serve_config, sm90_modifier_bwd_config
 
 STORE_CHECK_S = 1.0  # how often a store file is looked at again on disk, to see whether it changed
 
@@ -336,12 +336,20 @@ def serve_backward_kernel(device: int, head_dim: int, dtype: str, causal: bool, 
 
 
 def modifier_backward_kernel(device: int, head_dim: int, dtype: str, causal: bool, features: tuple[str, ...],
-                             deterministic: bool, score_mod: str, mask_mod: str, block_map: bool) -> CompiledKernel:
+                             deterministic: bool, score_mod: str, mask_mod: str, block_map: bool,
+                             family: str | None = None) -> CompiledKernel:
     """The backward of a call with a score_mod, mask_mod or block map (digests and block_map as the forward kernel's
-    KernelConfig): family sm80 (the sm90 backward has no modifier slot) at modifier_bwd_config's tiles."""
+    KernelConfig). On Hopper (family None or "sm90") the sm90 family's where it builds the call clean
+    (kernels.serving.sm90_modifier_bwd_config); else, and with family "sm80", family sm80's at modifier_bwd_config's
+    tiles."""
     arch = gpu(device)[1]
-    cfg = modifier_bwd_config(head_dim, dtype, causal, arch, deterministic, features, score_mod=score_mod,
-                              mask_mod=mask_mod, block_map=block_map)
+    cfg = None
+    if arch == "sm90" and family in (None, "sm90"):
+        cfg = sm90_modifier_bwd_config(head_dim, dtype, causal, features, deterministic, score_mod, mask_mod,
+                                       block_map)
+    if cfg is None:
+        cfg = modifier_bwd_config(head_dim, dtype, causal, arch, deterministic, features, score_mod=score_mod,
+                                  mask_mod=mask_mod, block_map=block_map)
     return _load_backward(head_dim, dtype, causal, cfg, arch, deterministic)
 
 

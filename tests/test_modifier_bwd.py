@@ -52,7 +52,7 @@ def test_names_carry_the_digests_and_other_backwards_stay():
     assert set(plain.to_dict()) == {f.name for f in dataclasses.fields(BwdConfig)} - {"score_mod", "mask_mod",
                                                                                       "block_map"}
     assert BwdConfig.from_dict(cfg.to_dict()) == cfg and BwdConfig.from_dict(plain.to_dict()) == plain
-    # sm90 and Hopper: the modifier backward is family sm80's
+    # modifier_bwd_config is family sm80's on Hopper too (the sm90 family's: test_sm90_bwd_modifiers.py)
     assert bwd_config_of("document", arch="sm90").family == "sm80"
 
 
@@ -65,8 +65,10 @@ def test_config_rules():
         dataclasses.replace(base, mask_mod=mask.digest, varlen=True)
     with pytest.raises(ConfigError, match="softcap or alibi"):
         dataclasses.replace(base, score_mod=score.digest, softcap=True)
-    with pytest.raises(ConfigError, match="family sm80"):
-        dataclasses.replace(default_bwd_config(128, "bf16", False, "sm90"), block_map=True)
+    with pytest.raises(ConfigError, match="family sm80"):  # family sm90: not deterministic with a block map
+        dataclasses.replace(default_bwd_config(128, "bf16", False, "sm90", deterministic=True), block_map=True)
+    with pytest.raises(ConfigError, match="family sm80 builds it"):  # nor at head dim 256 (kv_split)
+        dataclasses.replace(default_bwd_config(256, "bf16", False, "sm90"), mask_mod=mask.digest)
     # a mask_mod combines with the other score modifiers (their backward features)
     assert dataclasses.replace(base, mask_mod=mask.digest, softcap=True, alibi=True, window=True).modified
 
@@ -361,7 +363,8 @@ def emulated(monkeypatch):
     monkeypatch.setattr(ops, "arch_and_slots", lambda device: ("sm90", 132))
     monkeypatch.setattr(ops, "tuned_modifier", lambda *a: None)
     monkeypatch.setattr(ops, "backward", emulated_backward)
-    monkeypatch.setattr(ops, "modifier_backward_kernel", lambda device, d, dt, causal, features, det, sm, mm, bmap:
+    monkeypatch.setattr(ops, "modifier_backward_kernel", lambda device, d, dt, causal, features, det, sm, mm, bmap,
+                        family=None:
                         FakeCompiled(modifier_bwd_config(d, dt, causal, "sm90", det, features, score_mod=sm,
                                                          mask_mod=mm, block_map=bmap)))
     monkeypatch.setattr(api, "check_dense", lambda q, k, v, window, softcap, alibi, causal: checks.clamp_window(

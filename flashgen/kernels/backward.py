@@ -32,6 +32,7 @@ from .serving import list_slots, modifier_tail
 _BWD = abi.BWD.struct
 _SM90_TAIL = abi.SM90_BWD.tail("lse2")  # what follows the tensor maps and BwdParams
 _SM90_BWD_BYTES = abi.SM90_BWD.size
+_SM90_MOD_AT = abi.SM90_MOD_BWD.offset("t0.ptr")  # where Sm90ModBwdParams' ModTensor slots start
 _BWD_SERVE_TAIL = abi.BWD_SERVE.tail("cu_seqlens_q")  # what follows BwdParams
 _BWD_MOD_AT = abi.BWD_SERVE_MOD.offset("t0.ptr")  # where the ModTensor slots start in BwdServeModParams
 _MAP_T_TAIL = abi.BWD_SERVE_MOD.tail("map_t_num.ptr")  # the transposed map's lists, last
@@ -184,6 +185,9 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
     if sm90:
         params = _sm90_params(params, cfg, prob, (q, k, v, dout), lse2.data_ptr(), sq_pad, serve or ServeArgs(), span,
                               ptr(semaphore))
+        if cfg.modified:  # Sm90ModBwdParams: the same slots and lists as BwdServeModParams'
+            params = (params.ljust(_SM90_MOD_AT, b"\0") + _mod_tail(cfg, serve.mods, q.get_device(), b, h)).ljust(
+                abi.SM90_MOD_BWD.size, b"\0")
 
     dev = q.get_device()
     driver.use_device(dev)

@@ -15,7 +15,8 @@ from typing import Any, NamedTuple
 from .. import abi, driver, grids
 from ..checks import Mods
 from ..compile import target_for
-from ..config import ARCHS, COMBINE_WARPS, DEFAULT_TILES, ELEM_BYTES, MAX_SPLITS, KernelConfig, mod_features
+from ..config import (ARCHS, COMBINE_WARPS, DEFAULT_TILES, ELEM_BYTES, MAX_SPLITS, BwdConfig, ConfigError, KernelConfig,
+                      mod_features)
 from ..launch import FWD, SM90_BYTES, capturing, current_stream, scale_args, softcap_args, tmap_box
 from ..modifiers import MAX_CAPTURED, MAX_RANK
 from .bad_inputs import error_word
@@ -441,10 +442,43 @@ def sm90_modifier_config(head_dim: int, dtype: str, causal: bool, mods: Mods) ->
 
 
 @functools.lru_cache(maxsize=256)
-def _builds_clean(cfg: KernelConfig) -> bool:
+def _builds_clean(cfg: KernelConfig | BwdConfig) -> bool:
     """Whether ptxas builds `cfg` for sm_90a without spills and without serializing its wgmmas (C7512/C7513/C7519)."""
     kern = compiled_kernel(cfg, target_for("sm90", cfg.family))
     return not kern.resources.spills and not any(code in kern.ptxas_log for code in ("C7512", "C7513", "C7519"))
+
+
+# The sm90 family's backward with modifiers, by head dim: (block_m, block_n, num_warps, num_stages, stagger), the first
+# that ptxas builds without spills or serialized wgmma taken (none: the sm80 family's backward). The dense default
+# tiles first, then one consumer warpgroup of 64 keys, which has 255 registers: a table read per score (a relative
+# bias) spills beside the two-warpgroup tiles' accumulators. Head dim 256 (two warpgroups per 64 keys) is sm80's.
+SM90_MODIFIER_BWD_SCHEDULES = {
+    32: ((128, 128, 12, 2, True), (64, 64, 8, 2, False)),
+    64: ((128, 128, 12, 2, True), (64, 64, 8, 2, False)),
+    96: ((64, 64, 8, 2, False),),
+    128: ((64, 128, 12, 3, True), (64, 128, 12, 2, False), (64, 64, 8, 2, False)),
+}
+
+
+def sm90_modifier_bwd_config(head_dim: int, dtype: str, causal: bool, features: tuple[str, ...], deterministic: bool,
+                             score_mod: str, mask_mod: str, block_map: bool) -> BwdConfig | None:
+    """The sm90 family's backward of a dense call with a score_mod, mask_mod or block map (Hopper): the first of
+    SM90_MODIFIER_BWD_SCHEDULES that ptxas builds clean (deterministic: with dq_tma, in as many of its stages as
+    leave room for the dQ tile); None where the family does not build the call (softcap, ALiBi, head dim 256,
+    deterministic with a block map) or no schedule builds clean: the sm80 family's backward then."""
+    configs = []
+    for bm, bn, w, stages, stagger in SM90_MODIFIER_BWD_SCHEDULES.get(head_dim, ()):
+        for s in range(stages, 0, -1) if deterministic else (stages,):
+            try:
+                cfg = BwdConfig(head_dim, dtype, causal, bm, bn, w, deterministic, "sm90", s, stagger,
+                                dq_tma=deterministic, **dict.fromkeys(features, True), score_mod=score_mod,
+                                mask_mod=mask_mod, block_map=block_map)
+            except ConfigError:
+                continue
+            if cfg.unfit_reason("sm90") is None:
+                configs.append(cfg)
+                break
+    return next((c for c in configs if _builds_clean(c)), None)
 
 
 def modifier_digests(mods: Mods) -> dict[str, str]:
@@ -567,4 +601,5 @@ __all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "
            "arch_and_slots", "call_features", "choose_splits", "decode_config", "has_mods", "kernel_sinks",
            "kvcache_launch", "launch_prefill", "list_slots", "modifier_config", "modifier_digests", "modifier_tail",
            "modifier_values",
-           "run_plan", "serve_config", "serve_grids", "sm90_modifier_config", "SM90_MODIFIER_SCHEDULES", "want_split"]
+           "run_plan", "serve_config", "serve_grids", "sm90_modifier_bwd_config", "sm90_modifier_config",
+           "SM90_MODIFIER_BWD_SCHEDULES", "SM90_MODIFIER_SCHEDULES", "want_split"]
