@@ -131,8 +131,9 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
     and what it reads are the same) into the forward of family `arch` ("sm80": the sm80 family's serving forward,
     which runs on Hopper too; "sm90": the sm90 family's, on Hopper, where it builds the call; None: sm90's where it
     builds the call on Hopper, else sm80's), with a block
-    map wherever there is a mask (flashgen.blockmap). Torch tensors; differentiable in q, k, v (the sm80 backward
-    generated with the same modifiers) and the float tensors the score_mod reads. Traced calls (torch.compile, fake
+    map wherever there is a mask (flashgen.blockmap). Torch tensors; differentiable in q, k, v (the backward
+    generated with the same modifiers: on Hopper the sm90 family's where it builds them unless arch="sm80", else
+    sm80's) and the float tensors the score_mod reads. Traced calls (torch.compile, fake
     and meta tensors) go through the flashgen::attention_modified operator (flashgen.traced_modifiers), without
     block_mask, in the sm80 family."""
     if not is_torch(q):

@@ -135,7 +135,7 @@ def flex_rows(n: int, head_dim: int = 128, heads: int = 16, batch_tokens: int = 
               progress: Callable[[str], None] = print) -> list[dict]:
     """One row per (case, implementation): forward and backward ms per call back to back, their TFLOP/s over the
     kept pairs, and the output's max |difference| from flex_attention's. `sm80`: the modifier cases also with
-    arch="sm80" (the sm80 family's forward, the default off Hopper; the backward is the sm80 family's either way)."""
+    arch="sm80" (the sm80 family's forward and backward, the default off Hopper)."""
     import torch  # noqa: PLC0415
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: PLC0415
 

@@ -426,10 +426,15 @@ def flex_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     seqlen_k = k.shape[1]
     serve = ServeArgs(window=mods.window, softcap=mods.softcap, alibi_slopes=mods.alibi)
     features = tuple(sorted(f for f, on in serve.features(causal).items() if on))
-    kern = modifier_backward_kernel(q.get_device(), d, _HALF[q.dtype], causal, features, deterministic,
-                                    mods.score_mod.digest if mods.score_mod is not None else "",
-                                    mods.mask_mod.digest if mods.mask_mod is not None else "",
-                                    mods.mask_mod is not None or mods.block_map is not None, family)
+    args = (q.get_device(), d, _HALF[q.dtype], causal, features, deterministic,
+            mods.score_mod.digest if mods.score_mod is not None else "",
+            mods.mask_mod.digest if mods.mask_mod is not None else "",
+            mods.mask_mod is not None or mods.block_map is not None)
+    kern = modifier_backward_kernel(*args, family)
+    given = mods.block_map
+    if (kern.config.family == "sm90" and mods.mask_mod is None and given is not None
+            and (given.block[0] % kern.config.block_m or given.block[1] % kern.config.block_n)):
+        kern = modifier_backward_kernel(*args, "sm80")  # a BlockMask alone whose blocks do not tile sm90's tiles
     bmap = None
     if kern.config.block_map:
         bmap = kernel_block_map(kern.config, mods, causal, batch, heads, seqlen_q, seqlen_k, q.device)

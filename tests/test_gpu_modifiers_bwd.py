@@ -253,3 +253,94 @@ def test_a_mask_mods_tensor_that_requires_grad_is_refused():
     q, k, v = (t.requires_grad_(True) for t in qkv(1, 17, 17, 4, 4, 64, "bf16"))
     with pytest.raises(NotImplementedError, match="a mask has no gradient"):
         flashgen.attention(q, k, v, mask_mod=learned)
+
+
+# -- both template families: the sm90 family's backward on Hopper ------------------------------------------------------
+
+FAMILIES = ["sm80", "sm90"]
+# (seqlen_q, seqlen_k): length 1, odd, unequal both ways, and 1023 x 1023 across many tiles
+FAMILY_SHAPES = [(1, 1), (17, 17), (113, 211), (211, 113), (1023, 1023)]
+
+
+def needs_family(family):
+    if family == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 family runs on Hopper only")
+
+
+class BackwardSpy:
+    """Records the config of every backward kernel ops.backward launches."""
+
+    def __init__(self, monkeypatch):
+        from flashgen import ops
+
+        self.configs = []
+        original = ops.backward
+
+        def spy(kern, *args, **kwargs):
+            self.configs.append(kern.config)
+            return original(kern, *args, **kwargs)
+
+        monkeypatch.setattr(ops, "backward", spy)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", sorted(examples()))
+def test_examples_backward_in_both_families(name, layout, head_dim, family, monkeypatch):
+    """Every example's dq, dk, dv with arch= each family (forward and backward of that family; sm90: the sm90
+    backward where it builds the call) against float64 autograd, into NaN-poisoned buffers."""
+    needs_family(family)
+    heads, heads_k = LAYOUTS[layout]
+    ex = examples("cuda", batch=2, heads=heads)[name]
+    spy = BackwardSpy(monkeypatch)
+    for i, (sq, sk) in enumerate(FAMILY_SHAPES):
+        q, k, v = qkv(2, sq, sk, heads, heads_k, head_dim, "bf16" if i % 2 else "fp16", seed=30 + i)
+        check_grads(q, k, v, head_dim ** -0.5, ex.score_mod, ex.mask_mod, arch=family)
+    assert {c.family for c in spy.configs} == {family}
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+def test_the_sm90_backward_is_taken_on_hopper(head_dim, monkeypatch):
+    """On Hopper the modifier backward is the sm90 family's without arch= (head dims 32 to 128; 256 is sm80's), and the
+    sm80 family's with arch="sm80" or deterministic with a block map."""
+    needs_family("sm90")
+    ex = examples("cuda", batch=2, heads=4)
+    spy = BackwardSpy(monkeypatch)
+    q, k, v = qkv(2, 113, 211, 4, 2, head_dim, "bf16", seed=head_dim)
+    for name in ("relative_bias", "softcap_document", "causal"):
+        check_grads(q, k, v, head_dim ** -0.5, ex[name].score_mod, ex[name].mask_mod)
+    assert {c.family for c in spy.configs} == {"sm90" if head_dim != 256 else "sm80"}
+    spy.configs.clear()
+    check_grads(q, k, v, head_dim ** -0.5, ex["document"].score_mod, ex["document"].mask_mod, arch="sm80")
+    check_grads(q, k, v, head_dim ** -0.5, mask_mod=ex["document"].mask_mod, deterministic=True)
+    assert [c.family for c in spy.configs] == ["sm80", "sm80"]
+
+
+def test_sm90_deterministic_score_mod_is_bit_identical(monkeypatch):
+    """deterministic=True with a score_mod and no block map: the sm90 backward, its dQ reduces in key-tile order."""
+    needs_family("sm90")
+    ex = examples("cuda", batch=2, heads=8)["relative_bias"]
+    spy = BackwardSpy(monkeypatch)
+    q, k, v = qkv(2, 1023, 517, 8, 2, 128, "bf16", seed=8)
+    first = check_grads(q, k, v, 128 ** -0.5, ex.score_mod, deterministic=True)
+    again = check_grads(q, k, v, 128 ** -0.5, ex.score_mod, deterministic=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert {(c.family, c.deterministic) for c in spy.configs} == {("sm90", True)}
+
+
+def test_sm90_backward_with_a_window_lse_gradient_and_tables():
+    """The sm90 backward with a window beside a mask_mod and with torch's BlockMask beside a score_mod, lse's gradient
+    in both (test_learnable_bias_tables runs the tables' gradients beside it on Hopper)."""
+    needs_family("sm90")
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    ex = examples("cuda", batch=2, heads=8)
+    q, k, v = qkv(2, 211, 211, 8, 2, 128, "bf16", seed=12)
+    mask = ex["document"].mask_mod
+
+    def windowed(b, h, q_idx, kv_idx):
+        return mask(b, h, q_idx, kv_idx) & (kv_idx >= q_idx - 64) & (kv_idx <= q_idx + 16)
+
+    check_grads(q, k, v, 0.1, mask_mod=mask, window_size=(64, 16), ref_mask=windowed, with_lse=True)
+    bm = fa.create_block_mask(mask, 2, None, 211, 211, device="cuda")
+    check_grads(q, k, v, 0.1, ex["softcap"].score_mod, mask_mod=mask, block_mask=bm, causal=True, with_lse=True)
