@@ -44,6 +44,9 @@ def captured_grads(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: 
     `block_map`: the map the backward's kernels read (any tiles), None without one. `deterministic`: the same bits on
     every run (a table entry's contributions are summed by torch's deterministic scatter, not by atomics)."""
     score_mod = mods.score_mod
+    # One layout whatever the caller's strides (a compiled graph's dout may differ from eager's): the matmuls below
+    # then take the same cuBLAS kernels, and deterministic calls the same bits.
+    dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
     leaves = [t.detach().requires_grad_(True) if w else t.detach() for t, w in zip(score_mod.tensors, wanted)]
     batch, sq, heads, d = q.shape
     sk, group = k.shape[1], heads // k.shape[2]

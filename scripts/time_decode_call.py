@@ -85,9 +85,9 @@ def measure(point: str, calls: int) -> list[dict]:
     lens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
     reference = flashgen.attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
     rows = []
-    calls = {"attention_with_kvcache": lambda: flashgen.attention_with_kvcache(q, kc, vc, cache_seqlens=lens),
-             "attention": lambda: flashgen.attention(q, kc, vc)}
-    for name, call in calls.items():
+    entries = {"attention_with_kvcache": lambda: flashgen.attention_with_kvcache(q, kc, vc, cache_seqlens=lens),
+               "attention": lambda: flashgen.attention(q, kc, vc)}
+    for name, call in entries.items():
         assert torch.allclose(call(), reference, atol=1e-2, rtol=0), f"{name} differs from attention_with_kvcache"
         row = {"point": point, "call": name,
                "eager_us": back_to_back_ms(lambda i: call(), calls=calls) * 1e3,

@@ -39,3 +39,4 @@ def test_table_gradient_matches_autograd(deterministic):
         again, = captured_grads(dout, q, k, v, out.detach().float(), lse.detach().float(), None, False, scale, mods,
                                 None, (True,), True)
         assert torch.equal(got, again)
+
