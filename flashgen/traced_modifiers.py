@@ -165,8 +165,11 @@ def modified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
             if t.requires_grad:
                 raise NotImplementedError(f"mask_mod reads a tensor ({p[1:]}) which requires grad: a mask has no "
                                           "gradient (detach it, or call under torch.no_grad())")
+    # Which tables get a gradient is decided here, where dynamo sees the real tensors' requires_grad (the operator's
+    # autograd context sees traced stand-ins): float tensors of the score_mod that require grad (a learnable bias).
+    wanted = [t.requires_grad and t.is_floating_point() for t in tensors[:n_score]] + [False] * (len(tensors) - n_score)
     return attention_modified_op(q, k, v, tensors, score_digest, mask_digest, causal, softmax_scale, *mods.window,
-                                 mods.softcap, mods.alibi, deterministic)
+                                 mods.softcap, mods.alibi, deterministic, wanted)
 
 
 def _mods(tensors: list[torch.Tensor], score_digest: str, mask_digest: str, window_left: int, window_right: int,
@@ -189,7 +192,7 @@ def _mods(tensors: list[torch.Tensor], score_digest: str, mask_digest: str, wind
 def attention_modified_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
                           score_digest: str, mask_digest: str, causal: bool, softmax_scale: Optional[float],
                           window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
-                          deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                          deterministic: bool, wanted: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of dense q, k, v with the score_mod and mask_mod of these digests (traced in this process; ""
     for none) reading `tensors` (the score_mod's, then the mask_mod's), and a window, softcap or ALiBi: out like q,
     lse (batch, heads, seqlen_q) fp32. The block map of a mask_mod is built on the device at the first call and
@@ -203,7 +206,8 @@ def attention_modified_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ten
 @attention_modified_op.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor], score_digest: str,
       mask_digest: str, causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
-      softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+      softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+      wanted: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -236,10 +240,8 @@ def _(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
 
 
 def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, tensors, score_digest, mask_digest, causal, scale, left, right, softcap, alibi, deterministic = inputs
-    n = len(lookup(score_digest, "score").captured) if score_digest else 0
-    # float tensors of the score_mod that require grad get theirs (a learnable bias); a mask_mod's never do
-    ctx.wanted = [t.requires_grad and t.is_floating_point() for t in tensors[:n]] + [False] * (len(tensors) - n)
+    q, k, v, tensors, score_digest, mask_digest, causal, scale, left, right, softcap, alibi, deterministic, wanted = inputs
+    ctx.wanted = list(wanted)  # decided by the caller (modified_attention); a mask_mod's tables never get one
     ctx.save_for_backward(q, k, v, *output, alibi, *tensors)
     ctx.args = (score_digest, mask_digest, causal, scale, left, right, softcap)
     ctx.deterministic = deterministic
@@ -254,7 +256,7 @@ def _backward(ctx: Any, dout: torch.Tensor, dlse: Optional[torch.Tensor]) -> tup
                                            scale, left, right, softcap, alibi, ctx.deterministic, ctx.wanted)
     it = iter(grads[3:])
     tables = [next(it) if w else None for w in ctx.wanted]
-    return (grads[0], grads[1], grads[2], tables) + (None,) * 9
+    return (grads[0], grads[1], grads[2], tables) + (None,) * 10
 
 
 attention_modified_op.register_autograd(_backward, setup_context=_setup)
