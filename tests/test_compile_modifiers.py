@@ -136,21 +136,25 @@ def test_compiled_autograd_reaches_the_backward_operator():
     def learned(score, b, h, q_idx, kv_idx):
         return score + bias[h, q_idx - kv_idx + 64]
 
-    backward_graphs = []
+    forward_graphs, backward_graphs = [], []
 
-    def keep(gm, _):
-        backward_graphs.append(gm)
-        return make_boxed_func(gm)
+    def keep(graphs):
+        def compiler(gm, _):
+            graphs.append(gm)
+            return make_boxed_func(gm)
+        return compiler
 
-    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=keep)
+    backend = aot_autograd(fw_compiler=keep(forward_graphs), bw_compiler=keep(backward_graphs))
     q, k, v = meta(2, 64, 8, 64, grad=True), meta(2, 64, 2, 64, grad=True), meta(2, 64, 2, 64, grad=True)
     loss = torch.compile(lambda q, k, v: flashgen.attention(q, k, v, score_mod=learned, mask_mod=EX["causal"].mask_mod)
                          .float().sum(), fullgraph=True, backend=backend)(q, k, v)
     loss.backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
     assert bias.grad.shape == bias.shape and bias.grad.dtype == bias.dtype
-    (backward,) = op_nodes(backward_graphs, BACKWARD_OP)
-    assert list(backward.args[-1]) == [True]  # the table's gradient is asked for, as dynamo saw it require one
+    # The table's gradient is asked for as dynamo saw it require one: decided before the operator (its autograd
+    # context sees stand-ins) and handed from the forward's call to the backward's.
+    (forward,), (backward,) = op_nodes(forward_graphs), op_nodes(backward_graphs, BACKWARD_OP)
+    assert list(forward.args[-1]) == [True] and list(backward.args[-1]) == [True]
 
 
 def test_a_modifier_made_inside_the_compiled_function_breaks_the_graph():
