@@ -22,6 +22,21 @@ def _entry(batch: int, n: int, page: int, tile=(16, 32, 1, 2), splits: int = 8, 
                    "default": {"kernel": "rule (flashgen.serving)", "status": "ok", "median_ms": 2 * ms}}
 
 
+def _write_store(tmp_path, entries: dict):
+    """An H200 store file holding `entries`; its path."""
+    path = tmp_path / "nvidia-h200-sm90.json"
+    path.write_text(json.dumps({"format": FORMAT, "gpu": {"name": "NVIDIA H200", "arch": "sm90"}, "entries": entries}))
+    return path
+
+
+def _use_store(tmp_path, monkeypatch, entries: dict) -> None:
+    """Lookups read a store of `entries` as the H200's."""
+    _write_store(tmp_path, entries)
+    monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
+    monkeypatch.setattr(resolve, "gpu", lambda device: ("NVIDIA H200", "sm90"))
+    resolve.clear()
+
+
 def test_problem_key_and_space():
     p = td.DecodeProblem(128, "bf16", 32, 8, 32, 8192, 16, "NVIDIA H200", "sm90")
     assert p.key == "decode_d128_bf16_h32k8_b32_n8192_p16" and p.to_dict()["pass_"] == "decode"
@@ -38,8 +53,7 @@ def test_problem_key_and_space():
 
 def test_store_holds_decode_entries_that_dense_lookups_ignore(tmp_path):
     entries = dict([_entry(32, 8192, 16), _entry(8, 32768, 0, tile=(32, 32, 2, 3), splits=4)])
-    path = tmp_path / "nvidia-h200-sm90.json"
-    path.write_text(json.dumps({"format": FORMAT, "gpu": {"name": "NVIDIA H200", "arch": "sm90"}, "entries": entries}))
+    path = _write_store(tmp_path, entries)
     assert set(read_store(path, "NVIDIA H200", "sm90")["entries"]) == set(entries)
     assert lookup("NVIDIA H200", "sm90", 128, "bf16", False, 8192, tuned_dir=tmp_path) is None
 
@@ -60,11 +74,7 @@ def test_nearest_entry_matches_layout_group_then_size():
 def test_tuned_decode_gives_the_calls_layout(tmp_path, monkeypatch):
     """The stored tile, rebuilt with the call's paged / split flags, and the stored split count."""
     entries = dict([_entry(32, 8192, 16, tile=(16, 32, 1, 2), splits=8)])
-    (tmp_path / "nvidia-h200-sm90.json").write_text(json.dumps(
-        {"format": FORMAT, "gpu": {"name": "NVIDIA H200", "arch": "sm90"}, "entries": entries}))
-    monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
-    monkeypatch.setattr(resolve, "gpu", lambda device: ("NVIDIA H200", "sm90"))
-    resolve.clear()
+    _use_store(tmp_path, monkeypatch, entries)
     cfg, splits = resolve.tuned_decode(0, 128, "bf16", 32, 8, 16, 4096, 16)
     assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, splits) == (16, 32, 1, 2, 8)
     assert cfg.paged and cfg.split and cfg.pack_gqa
@@ -75,11 +85,7 @@ def test_tuned_decode_gives_the_calls_layout(tmp_path, monkeypatch):
 def test_a_fused_combine_entry_gives_a_fused_kernel(tmp_path, monkeypatch):
     entries = dict([_entry(1, 8192, 0, tile=(32, 64, 2, 2), splits=32, fused=True),
                     _entry(32, 8192, 0, tile=(16, 32, 1, 3), splits=1)])
-    (tmp_path / "nvidia-h200-sm90.json").write_text(json.dumps(
-        {"format": FORMAT, "gpu": {"name": "NVIDIA H200", "arch": "sm90"}, "entries": entries}))
-    monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path))
-    monkeypatch.setattr(resolve, "gpu", lambda device: ("NVIDIA H200", "sm90"))
-    resolve.clear()
+    _use_store(tmp_path, monkeypatch, entries)
     cfg, splits = resolve.tuned_decode(0, 128, "bf16", 32, 8, 1, 8192, 0)
     assert splits == 32 and cfg.split and cfg.fused_combine and "combine" not in cfg.kernel_names
     cfg, splits = resolve.tuned_decode(0, 128, "bf16", 32, 8, 32, 8192, 0)
