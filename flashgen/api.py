@@ -135,7 +135,7 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
     generated with the same modifiers: on Hopper the sm90 family's where it builds them unless arch="sm80", else
     sm80's) and the float tensors the score_mod reads. Traced calls (torch.compile, fake
     and meta tensors) go through the flashgen::attention_modified operator (flashgen.traced_modifiers), without
-    block_mask, in the sm80 family."""
+    block_mask, in the family the GPU takes by default."""
     if not is_torch(q):
         raise TypeError("score_mod and mask_mod take torch tensors")
     if stream is not None:
@@ -146,14 +146,13 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
         raise ValueError(f"score_mod and mask_mod are built in families sm80 (it runs on Hopper too) and sm90, not "
                          f"arch={arch!r}")
     mods = check_dense(q, k, v, window_size, softcap, alibi_slopes, causal)
+    if score_mod is not None and (mods.softcap or mods.alibi is not None):
+        raise ValueError("a score_mod does not combine with softcap or alibi_slopes: write them into the score_mod")
     if traced(q):
         if block_mask is not None:
             raise NotImplementedError("block_mask is for eager calls: under torch.compile, or with fake or meta "
                                       "tensors, pass its mask_mod as mask_mod= (flashgen builds the block map from it "
                                       "on the device)")
-        if score_mod is not None and (mods.softcap or mods.alibi is not None):
-            raise ValueError("a score_mod does not combine with softcap or alibi_slopes: write them into the "
-                             "score_mod")
         check_grad_scale(softmax_scale, q, k, v)
         out, lse = _traced_modifiers().modified_attention(q, k, v, causal, softmax_scale, mods, score_mod, mask_mod,
                                                           deterministic)
@@ -165,8 +164,6 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
         check_call(block_map, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     score = trace_cached(score_mod, "score") if score_mod is not None else None
     mask = trace_cached(mask_mod, "mask") if mask_mod is not None else None
-    if score is not None and (mods.softcap or mods.alibi is not None):
-        raise ValueError("a score_mod does not combine with softcap or alibi_slopes: write them into the score_mod")
     _refuse_mask_grad(mask)
     if score is not None and score.is_identity:  # dead code: the call is the kernel without it
         if mask is None and block_map is None:
