@@ -276,6 +276,8 @@ ARITH = {"add": "+", "sub": "-", "mul": "*"}
 COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 LOGIC = {"and": "&&", "or": "||", "xor": "!="}
 FLOAT_FNS = {"exp": "expf", "exp2": "exp2f", "log": "logf", "tanh": "tanhf"}
+# tanh as the kernels' numeric header writes it: from one ex2 and one reciprocal, absolute error below 1e-6
+FAST_TANH = "tanh_approx({x})"
 SPELLING = {"and": "&", "or": "|", "xor": "^", "floordiv": "//", "mod": "%", "truediv": "/", "neg": "unary -",
             "not": "~"}
 
@@ -718,6 +720,14 @@ def _int_literal(v: int) -> str:
     return f"({text})" if v < 0 else text
 
 
+def _exact_enough_inverse(node: Node) -> float | None:
+    """1 / node for a constant divisor whose inverse is a normal float; None otherwise."""
+    if node.op != "const" or isinstance(node.value, bool) or not node.value:
+        return None
+    inverse = 1.0 / float(node.value)
+    return inverse if math.isfinite(inverse) and 2.0**-126 <= abs(inverse) <= 2.0**127 else None
+
+
 def _positive_constant(node: Node) -> bool:
     return node.op == "const" and node.value > 0
 
@@ -760,6 +770,9 @@ def emit(root: Node, captured: tuple[Captured, ...] = ()) -> str:
             t = node.type
             return f"({as_type(args[0], t, wide)} {ARITH[op]} {as_type(args[1], t, wide)})"
         if op == "truediv":
+            inverse = _exact_enough_inverse(args[1])
+            if inverse is not None:  # an IEEE division costs a subroutine's fast path; a product is within an ulp
+                return f"({as_type(args[0], 'float', wide)} * {_float_literal(inverse)})"
             return f"({as_type(args[0], 'float', wide)} / {as_type(args[1], 'float', wide)})"
         if op == "floordiv":  # Python's floor division: C++'s truncates toward zero
             a, b = as_type(args[0], "int", wide), as_type(args[1], "int", wide)
@@ -784,6 +797,8 @@ def emit(root: Node, captured: tuple[Captured, ...] = ()) -> str:
         if op == "where":
             t = node.type
             return f"({as_type(args[0], 'bool', wide)} ? {as_type(args[1], t, wide)} : {as_type(args[2], t, wide)})"
+        if op == "tanh":
+            return FAST_TANH.format(x=as_type(args[0], "float", wide))
         if op in FLOAT_FNS:
             return f"{FLOAT_FNS[op]}({as_type(args[0], 'float', wide)})"
         if op == "abs":

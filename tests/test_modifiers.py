@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from flashgen import compile as fcompile  # noqa: E402
+from flashgen.render import template_env  # noqa: E402
 from flashgen.modifiers import (Captured, Modifier, ModifierError, trace_mask_mod,  # noqa: E402
                                 trace_score_mod)
 
@@ -353,7 +354,9 @@ def test_emitted_expressions_compile_for_sm90a(tmp_path):
                                      if m.kind == "mask" else m.expr))
         if m.grad_expr is not None:
             kernels.append(KERNEL.format(name=f"g{i}", params=params, value=m.grad_expr))
-    source = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n" + "".join(kernels)
+    numeric = template_env().get_template("common/numeric.cuh.j2").render(elem2_t="__half2",
+                                                                           pack_fn="__floats2half2_rn")
+    source = "#include <cstdint>\n#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n" + numeric + "".join(kernels)
     cu = tmp_path / "modifiers.cu"
     cu.write_text(source)
     out = subprocess.run([nvcc, "-cubin", *fcompile.arch_flags("sm_90a"), "-Werror", "all-warnings",
@@ -378,6 +381,7 @@ HOST = """
 #include <cstdio>
 #include <cstring>
 static float __int_as_float(int x) {{ float f; std::memcpy(&f, &x, 4); return f; }}
+static float tanh_approx(float x) {{ return 1.0f - 2.0f / (1.0f + std::exp2(x * 2.8853900817779268f)); }}
 {arrays}
 int main() {{
     static const float scores[] = {{{scores}}};
