@@ -65,17 +65,36 @@ def captured_grads(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: 
         r1 = min(sq, r0 + rows)
         qi = torch.arange(r0, r1, device=dev).view(1, 1, -1, 1)
         s = (q[:, r0:r1].float().transpose(1, 2) @ kf.transpose(2, 3)) * scale
-        with torch.enable_grad():
+        with _recording():
             modified = score_mod.evaluate(s, b, h, qi, ki, tensors=leaves)
         keep = _keep(mods, block_map, causal, b, h, qi, ki, tuple(s.shape), sq, sk)
         p = torch.where(keep, torch.exp(modified.detach() - lse[:, :, r0:r1, None]), 0.0)
         dp = dout[:, r0:r1].float().transpose(1, 2) @ vf.transpose(2, 3)
         ds = torch.where(keep, p * (dp - delta[:, :, r0:r1, None]), 0.0)
         if modified.requires_grad:
-            with _deterministic(deterministic):
+            with _deterministic(deterministic), _recording():
                 torch.autograd.backward(modified, ds)
     return [t.grad if w and t.grad is not None else (torch.zeros_like(t) if w else None)
             for t, w in zip(leaves, wanted)]
+
+
+_AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView)
+
+
+@contextlib.contextmanager
+def _recording() -> Iterator[None]:
+    """Autograd records in the block, inside a custom operator's body too (the traced route's backward operator,
+    flashgen::attention_modified_backward): the dispatcher runs that body with the autograd keys excluded, where
+    torch.enable_grad alone records nothing and every table's gradient would come back zero."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    if not any(excluded.has(key) for key in _AUTOGRAD_KEYS):
+        with torch.enable_grad():
+            yield
+        return
+    for key in _AUTOGRAD_KEYS:
+        excluded = excluded.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), torch.enable_grad():
+        yield
 
 
 @contextlib.contextmanager

@@ -2,6 +2,8 @@
 autograd of the same attention in float64, plain and deterministic (torch's global mode is left as it was)."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -11,8 +13,11 @@ from flashgen.modifier_grads import captured_grads  # noqa: E402
 from flashgen.modifiers import trace_score_mod  # noqa: E402
 
 
+@pytest.mark.parametrize("below_autograd", [False, True], ids=["eager", "operator"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_table_gradient_matches_autograd(deterministic):
+def test_table_gradient_matches_autograd(deterministic, below_autograd):
+    """below_autograd: run as a custom operator's body runs (the traced route's backward, under torch.compile), with
+    the dispatcher's autograd keys excluded."""
     g = torch.Generator().manual_seed(0)
     batch, n, heads, d = 2, 37, 4, 16
     q, k, v, dout = (torch.randn(batch, n, heads, d, generator=g) for _ in range(4))
@@ -31,8 +36,9 @@ def test_table_gradient_matches_autograd(deterministic):
 
     mods = Mods(score_mod=trace_score_mod(bias))
     before = torch.are_deterministic_algorithms_enabled()
-    (got,) = captured_grads(dout, q, k, v, out.detach().float(), lse.detach().float(), None, False, scale, mods, None,
-                            (True,), deterministic)
+    with torch._C._AutoDispatchBelowAutograd() if below_autograd else contextlib.nullcontext():
+        (got,) = captured_grads(dout, q, k, v, out.detach().float(), lse.detach().float(), None, False, scale, mods,
+                                None, (True,), deterministic)
     assert torch.are_deterministic_algorithms_enabled() == before
     assert got.shape == table.shape and torch.allclose(got.double(), t64.grad, atol=1e-4, rtol=1e-4)
     if deterministic:
