@@ -124,6 +124,28 @@ class Modifier:
         return self.kind == "score" and self.expr == "score" and not self.captured
 
     @property
+    def reads_per_score(self) -> bool:
+        """Whether it reads a captured tensor at an index that depends on q_idx or kv_idx (a bias table, document
+        ids): a load per score, not one per head or sequence. A modifier given as CUDA text: whether it reads any."""
+        if self.root is None:
+            return bool(self.captured)
+        seen: set[int] = set()
+
+        def indexed(node: Node) -> bool:  # the subtree reads q_idx or kv_idx
+            return node.op == "input" and node.value in ("q_idx", "kv_idx") or any(indexed(a) for a in node.args)
+
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            if node.op == "read" and any(indexed(a) for a in node.args):
+                return True
+            stack.extend(node.args)
+        return False
+
+    @property
     def params(self) -> str:
         """The kernel parameters of every captured tensor (empty when none)."""
         return ", ".join(c.params() for c in self.captured)

@@ -335,6 +335,13 @@ extern "C" __global__ void {name}(float* out, const float* scores, int n{params}
 """
 
 
+def test_reads_per_score():
+    """A captured tensor read at an index of q_idx or kv_idx loads per score; one read per head does not."""
+    assert trace_score_mod(relative_bias).reads_per_score and trace_mask_mod(document).reads_per_score
+    assert not trace_score_mod(alibi).reads_per_score and not trace_score_mod(softcap).reads_per_score
+    assert Modifier.from_cuda("score", "score").reads_per_score is False
+
+
 def test_emitted_expressions_compile_for_sm90a(tmp_path):
     """The CUDA text of several modifiers (masks, score mods and their derivatives) builds with nvcc."""
     try:
