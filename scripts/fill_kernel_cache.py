@@ -1,14 +1,15 @@
 """Compile, without a GPU, every kernel a GPU run will load, into FLASHGEN_CACHE_DIR.
 
     FLASHGEN_CACHE_DIR=.kcache python scripts/fill_kernel_cache.py --arch sm90 [--tests [SUITE ...]] [--store]
-        [--around-store FIELD ...] [--space FIELD=V,... ...] [--defaults] [--into DIR]
+        [--around-store FIELD ...] [--space FIELD=V,... ...] [--defaults] [--flex] [--into DIR]
 
 Carry the directory to the GPU machine and point FLASHGEN_CACHE_DIR at it there: device minutes
 then go to the GPU, not to nvcc. --tests: the GPU test suite's kernels; --store: every tuned
 kernel; --around-store FIELD ...: what `tune --around-store` tries (each stored forward kernel with only
 these fields free); --space FIELD=V,... ...: what a restricted `tune` tries (the family's space, both masks, of
 the head_dim and dtype values given, only configurations with these values of the other fields, e.g. `--space
-head_dim=64 dtype=bf16,fp16 block_m=192 block_n=128,192`); --defaults: each family's default for every head dim, dtype and mask. --into DIR: also copy
+head_dim=64 dtype=bf16,fp16 block_m=192 block_n=128,192`); --defaults: each family's default for every head dim, dtype and mask; --flex: the modifier kernels of `bench --kind
+flex` (FlexAttention's examples). --into DIR: also copy
 just these kernels' entries into DIR (a cache that has grown past what one run may carry).
 """
 from __future__ import annotations
@@ -125,12 +126,43 @@ def default_configs(arch: str) -> set[KernelConfig]:
     return out
 
 
+def flex_configs(arch: str) -> set[KernelConfig | BwdConfig]:
+    """The modifier kernels `bench --kind flex` loads (its cases at 4k and 16k tokens, d128, bf16), each case's forward
+    and backward in the sm80 family and, on sm90, in the sm90 family where it builds them; the cases' built-in
+    kernels are --store's and --defaults'. Needs torch (the cases are traced on CPU tensors)."""
+    from flashgen import bench_flex  # noqa: PLC0415
+    from flashgen.checks import Mods  # noqa: PLC0415
+    from flashgen.kernels.serving import modifier_config, sm90_modifier_bwd_config, sm90_modifier_config  # noqa: PLC0415
+    from flashgen.modifiers import trace_cached  # noqa: PLC0415
+    from flashgen.resolve import modifier_bwd_config  # noqa: PLC0415
+
+    out: set[KernelConfig | BwdConfig] = set()
+    for n in (4096, 16384):
+        for case in bench_flex.cases(n, 16384 // n, 16, "cpu"):
+            score = trace_cached(case.score_mod, "score") if case.score_mod is not None else None
+            mask = trace_cached(case.mask_mod, "mask") if case.mask_mod is not None else None
+            score = None if score is not None and score.is_identity else score  # the plain kernel runs
+            if score is None and mask is None:
+                continue
+            digests = {"score_mod": score.digest if score else "", "mask_mod": mask.digest if mask else "",
+                       "block_map": mask is not None}
+            out.add(modifier_config(128, "bf16", False, n, arch, Mods(score_mod=score, mask_mod=mask)))
+            out.add(modifier_bwd_config(128, "bf16", False, arch, False, (), **digests))
+            if arch == "sm90":
+                out |= {c for c in (sm90_modifier_config(128, "bf16", False, Mods(score_mod=score, mask_mod=mask)),
+                                    sm90_modifier_bwd_config(128, "bf16", False, (), False, *digests.values()))
+                        if c is not None}
+    return out
+
+
 def chosen_configs(arch: str, tests: list[str] | None, store: bool, around_store: list[str] | None = None,
                    defaults: bool = False, restrict: dict[str, list] | None = None,
-                   gqa: int = 1, problems: list[str] | None = None) -> set[KernelConfig | BwdConfig]:
+                   gqa: int = 1, problems: list[str] | None = None, flex: bool = False) -> set[KernelConfig | BwdConfig]:
     """The kernels the options name (tests: suite names, [] for all, None for none); each family's defaults when
     they name none."""
     cfgs: set[KernelConfig | BwdConfig] = set()
+    if flex:
+        cfgs |= flex_configs(arch)
     if tests is not None:
         cfgs |= test_suite_configs(arch, tuple(tests) or SUITES)
     if store:
@@ -139,7 +171,7 @@ def chosen_configs(arch: str, tests: list[str] | None, store: bool, around_store
         cfgs |= around_store_configs(arch, [f.replace("-", "_") for f in around_store], gqa, problems)
     if restrict:
         cfgs |= space_configs(arch, restrict)
-    if defaults or not (tests is not None or store or around_store or restrict):
+    if defaults or not (tests is not None or store or around_store or restrict or flex):
         cfgs |= default_configs(arch)
     return cfgs
 
@@ -158,11 +190,13 @@ def main() -> None:
     ap.add_argument("--space", nargs="+", default=None, metavar="FIELD=V,...",
                     help="a restricted tune's space, e.g. head_dim=64 dtype=bf16,fp16 block_m=192 block_n=128,192")
     ap.add_argument("--defaults", action="store_true")
+    ap.add_argument("--flex", action="store_true", help="the modifier kernels of `bench --kind flex` (needs torch)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--into", type=Path, default=None, help="copy these kernels' cache entries into this directory")
     args = ap.parse_args()
     cfgs = chosen_configs(args.arch, args.tests, args.store, args.around_store, args.defaults,
-                          parse_restrictions(args.space) if args.space else None, args.gqa, args.problems)
+                          parse_restrictions(args.space) if args.space else None, args.gqa, args.problems,
+                          args.flex)
     failed = []
 
     used: list[Path] = []  # list.extend from pool threads: atomic under the GIL

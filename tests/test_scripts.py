@@ -108,6 +108,27 @@ def test_fill_kernel_cache_space_is_the_restricted_tune_space():
     assert got == want and {c.causal for c in got} == {False, True} and len(got) > 10
 
 
+def test_fill_kernel_cache_flex_names_each_cases_modifier_kernels(monkeypatch):
+    """--flex: the bench's modifier cases' forward and backward, both families on sm90 (the sm90 family's where its
+    schedules build clean, here all of them), the sm80 family's alone on sm80; the plain kernels are not its."""
+    pytest.importorskip("torch")
+    import fill_kernel_cache
+    from flashgen.config import BwdConfig
+    from flashgen.kernels import serving
+
+    monkeypatch.setattr(serving, "_builds_clean", lambda cfg: True)
+    serving._sm90_modifier_config.cache_clear()
+    try:
+        hopper, ampere = fill_kernel_cache.flex_configs("sm90"), fill_kernel_cache.flex_configs("sm80")
+    finally:
+        serving._sm90_modifier_config.cache_clear()
+    kinds = {(isinstance(c, BwdConfig), c.family) for c in hopper}
+    assert kinds == {(False, "sm80"), (False, "sm90"), (True, "sm80"), (True, "sm90")}
+    assert {c.family for c in ampere} == {"sm80"} and all(c.score_mod or c.mask_mod for c in hopper | ampere)
+    assert all(c.head_dim == 128 and c.dtype == "bf16" for c in hopper | ampere)
+    assert any(c.block_map for c in hopper) and any(not c.block_map for c in hopper)  # masks and score_mods alone
+
+
 def test_schedule_balance_bounds_what_a_dynamic_scheduler_could_gain():
     """The static snake is within a few percent of the ideal at the bench's causal N = 1k (and a greedy hand-out of
     the same order closer), and both are exact on a problem whose tiles all cost the same."""
