@@ -1,40 +1,119 @@
-"""Time the forward of FlexAttention's example modifiers on Hopper: flashgen's sm90 modifier kernel in each schedule
-(kernels.serving.SM90_MODIFIER_SCHEDULES forced one at a time, and the rule's choice), the sm80 family's, compiled
-torch flex_attention with its block mask, and flashgen's built-in kernel where the same attention has one.
+"""Time the sm90 family's modifier kernels schedule by schedule on `bench --kind flex`'s cases (FlexAttention's
+examples, d128 by default, 16 heads, batch x N = 16384): the forward at each block_n in order, overlapped
+(FlashAttention-3's schedule) and persistent, and the backward at each of SM90_MODIFIER_BWD_SCHEDULES, each forced
+one at a time beside the rule's own choice.
 
-    python scripts/time_sm90_modifiers.py --seqlen 4096,16384 --head-dim 128
+    python scripts/time_sm90_modifiers.py [--seqlen 4096,16384] [--cases document,alibi] [--flex]
+    FLASHGEN_CACHE_DIR=.kcache python scripts/time_sm90_modifiers.py --compile   # no GPU: build them all first
 
-batch = 16384 // seqlen, 16 heads (as `flashgen bench --kind flex`); CUDA-event medians of whole calls (host
-included) after warm-up, forward only. Prints one line per case, schedule and seqlen in ms, and the ratios the speed
-targets name: flex_attention / flashgen (>= 1.4 wanted) and flashgen / built-in (a modifier that changes nothing
-within 3%, causal / window / ALiBi / softcap within 10%).
+Prints one line per N, case and pass: TFLOP/s over the pairs the mask keeps (forward 4 d per pair, backward 2.5x),
+CUDA-event medians of the public call (host included, synchronized per call), and where an output differs from
+the rule's choice's by more than a bf16 rounding, that difference. A backward schedule that does not build clean
+falls back to the sm80 family's kernel, and its label says so. --flex adds compiled flex_attention's forward and
+flashgen's built-in kernel where the case has one.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
-
-import torch
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import flashgen  # noqa: E402
+from flashgen import bench_flex, resolve  # noqa: E402
+from flashgen.checks import Mods  # noqa: E402
 from flashgen.kernels import serving  # noqa: E402
+from flashgen.modifiers import trace_cached  # noqa: E402
 
 HEADS = 16
-SCHEDULES = {"in_order": serving.SM90_IN_ORDER, "overlap": serving.SM90_OVERLAP,
-             "persistent": serving.SM90_OVERLAP + (("persistent", True),)}
+OVERLAP, IN_ORDER = serving.SM90_OVERLAP, serving.SM90_IN_ORDER
+KNOBS = {"in_order": IN_ORDER, "overlap": OVERLAP, "persistent": OVERLAP + (("persistent", True),)}
 
 
-def forced(schedule: tuple) -> dict:
-    """SM90_MODIFIER_SCHEDULES with one schedule: 128 keys where that builds clean, else 64 (d256: 64)."""
-    return {d: tuple((bn, schedule) for bn in ((128, 64) if d < 256 else (64,))) for d in (32, 64, 96, 128, 256)}
+def forward_schedules(head_dim: int) -> dict[str, tuple]:
+    """label -> (block_n, knobs): each block_n SM90_MODIFIER_SCHEDULES lists for the head dim, each schedule."""
+    block_ns = dict.fromkeys(bn for bn, _ in serving.SM90_MODIFIER_SCHEDULES[head_dim])
+    return {f"bn{bn}_{name}": (bn, knobs) for bn in block_ns for name, knobs in KNOBS.items()}
+
+
+def backward_schedules(head_dim: int) -> dict[str, tuple]:
+    """label -> one entry of SM90_MODIFIER_BWD_SCHEDULES[head_dim] (block_m, block_n, warps, stages, stagger)."""
+    return {f"bwd_{bm}x{bn}_w{w}_s{s}{'_st' if st else ''}": (bm, bn, w, s, st)
+            for bm, bn, w, s, st in serving.SM90_MODIFIER_BWD_SCHEDULES.get(head_dim, ())}
+
+
+class Forced:
+    """The rule's schedule tables with one schedule in place of the head dim's list (forward, backward or both),
+    restored on exit; the choice caches are emptied either way."""
+
+    def __init__(self, head_dim: int, fwd: tuple | None = None, bwd: tuple | None = None) -> None:
+        self.head_dim, self.fwd, self.bwd = head_dim, fwd, bwd
+
+    def __enter__(self) -> "Forced":
+        self.saved = serving.SM90_MODIFIER_SCHEDULES, serving.SM90_MODIFIER_BWD_SCHEDULES
+        if self.fwd is not None:  # twice: the last entry is taken unchecked, so a spilling schedule runs too
+            serving.SM90_MODIFIER_SCHEDULES = {**self.saved[0], self.head_dim: (self.fwd, self.fwd)}
+        if self.bwd is not None:
+            serving.SM90_MODIFIER_BWD_SCHEDULES = {**self.saved[1], self.head_dim: (self.bwd,)}
+        serving._sm90_modifier_config.cache_clear()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        serving.SM90_MODIFIER_SCHEDULES, serving.SM90_MODIFIER_BWD_SCHEDULES = self.saved
+        serving._sm90_modifier_config.cache_clear()
+
+
+def traced(case: bench_flex.FlexCase) -> tuple[Any, Any]:
+    score = trace_cached(case.score_mod, "score") if case.score_mod is not None else None
+    mask = trace_cached(case.mask_mod, "mask") if case.mask_mod is not None else None
+    return (None if score is not None and score.is_identity else score), mask
+
+
+def kernel_configs(head_dim: int, dtype: str, names: tuple[str, ...]) -> set:
+    """Every kernel the timing loads, for sm90 (forward and backward per schedule), without a GPU."""
+    out = set()
+    for case in bench_flex.cases(4096, 4, HEADS, "cpu", names=names):
+        score, mask = traced(case)
+        if score is None and mask is None:
+            continue
+        mods = Mods(score_mod=score, mask_mod=mask)
+        digests = (score.digest if score else "", mask.digest if mask else "", mask is not None)
+        for fwd in forward_schedules(head_dim).values():
+            with Forced(head_dim, fwd=fwd):
+                out.add(serving.sm90_modifier_config(head_dim, dtype, False, mods))
+        for bwd in backward_schedules(head_dim).values():
+            with Forced(head_dim, bwd=bwd):
+                out.add(serving.sm90_modifier_bwd_config(head_dim, dtype, False, (), False, *digests))
+        out.add(resolve.modifier_bwd_config(head_dim, dtype, False, "sm90", False, (), score_mod=digests[0],
+                                            mask_mod=digests[1], block_map=digests[2]))  # where none builds clean
+    return {c for c in out if c is not None}
+
+
+def compile_all(head_dim: int, dtype: str, names: tuple[str, ...], jobs: int) -> None:
+    from flashgen.compile import CompileError, compile_kernel, target_for  # noqa: PLC0415
+
+    cfgs = sorted(kernel_configs(head_dim, dtype, names), key=lambda c: c.name)
+
+    def one(cfg: Any) -> str | None:
+        try:
+            compile_kernel(cfg, target_for("sm90", cfg.family))
+        except CompileError as e:
+            return f"{cfg.name}: {str(e).splitlines()[0]}"
+        return None
+
+    with ThreadPoolExecutor(jobs) as pool:
+        failed = [f for f in pool.map(one, cfgs) if f]
+    print(f"{len(cfgs) - len(failed)} kernels compiled")
+    for f in failed:
+        print("FAILED", f)
 
 
 def median_ms(fn: Callable[[], object], reps: int) -> float:
+    import torch  # noqa: PLC0415
+
     for _ in range(3):
         fn()
     times = []
@@ -48,72 +127,84 @@ def median_ms(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def cases(n: int, device: str) -> dict[str, tuple[Callable | None, Callable | None, dict]]:
-    """name -> (score_mod, mask_mod, the built-in call's keyword arguments or None)."""
-    slopes = torch.exp2(-8.0 * torch.arange(1, HEADS + 1, device=device) / HEADS)
-    doc = torch.arange(n, device=device) // (n // 8)
+def time_all(args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    import torch  # noqa: PLC0415
 
-    def noop(score, b, h, q_idx, kv_idx):
-        return score
+    import flashgen  # noqa: PLC0415
 
-    def causal(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    d = args.head_dim
+    flex = None
+    if args.flex:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: PLC0415
+        flex = torch.compile(flex_attention, dynamic=False)
+    for n in (int(x) for x in args.seqlen.split(",")):
+        batch = max(1, 16384 // n)
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(batch, n, HEADS, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+        dout = torch.randn_like(q)
+        for case in bench_flex.cases(n, batch, HEADS, q.device, names=names):
+            if traced(case) == (None, None):
+                continue
+            flops = 4 * d * bench_flex.kept_pairs(case, batch, n, q.device) * HEADS
 
-    def window(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx <= n // 4)
+            def call() -> Any:
+                return flashgen.attention(q, k, v, score_mod=case.score_mod, mask_mod=case.mask_mod)
 
-    def alibi(score, b, h, q_idx, kv_idx):
-        return score + slopes[h] * (kv_idx - q_idx)
-
-    def softcap(score, b, h, q_idx, kv_idx):
-        return 30.0 * torch.tanh(score / 30.0)
-
-    def document(b, h, q_idx, kv_idx):
-        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
-
-    def prefix_lm(b, h, q_idx, kv_idx):
-        return (kv_idx < n // 4) | (q_idx >= kv_idx)
-
-    return {"noop": (noop, None, {}), "causal": (None, causal, {"causal": True}),
-            "window": (None, window, {"causal": True, "window_size": (n // 4, 0)}),
-            "alibi": (alibi, None, {"alibi_slopes": slopes}), "softcap": (softcap, None, {"softcap": 30.0}),
-            "document": (None, document, None), "prefix_lm": (None, prefix_lm, None)}
+            with torch.no_grad():
+                ref = call().float()
+                line = [f"rule {flops / median_ms(call, args.reps) / 1e9:4.0f}"]
+                if flex is not None:
+                    qt, kt, vt = (t.detach().transpose(1, 2) for t in (q, k, v))
+                    bm = (create_block_mask(case.mask_mod, batch, None, n, n, device=q.device)
+                          if case.mask_mod is not None else None)
+                    ms = median_ms(lambda: flex(qt, kt, vt, score_mod=case.score_mod, block_mask=bm), args.reps)
+                    line.append(f"flex {flops / ms / 1e9:4.0f}")
+                    if case.builtin is not None:
+                        ms = median_ms(lambda: flashgen.attention(q, k, v, **case.builtin), args.reps)
+                        line.append(f"built-in {flops / ms / 1e9:4.0f}")
+                for label, fwd in forward_schedules(d).items():
+                    with Forced(d, fwd=fwd):
+                        diff = float((call().float() - ref).abs().max())
+                        ms = median_ms(call, args.reps)
+                    line.append(f"{label} {flops / ms / 1e9:4.0f}" + ("" if diff < 0.05 else f" (differs {diff:.2g})"))
+            print(f"N={n:5d} {case.name:13s} forward TFLOP/s: " + " | ".join(line), flush=True)
+            held = call()
+            want = torch.autograd.grad(held, (q, k, v), dout, retain_graph=True)
+            line = []
+            for label, bwd in backward_schedules(d).items():
+                with Forced(d, bwd=bwd):
+                    score, mask = traced(case)
+                    built = serving.sm90_modifier_bwd_config(d, args.dtype, False, (), False,
+                                                             score.digest if score else "",
+                                                             mask.digest if mask else "", mask is not None)
+                    got = torch.autograd.grad(held, (q, k, v), dout, retain_graph=True)
+                    diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want))
+                    ms = median_ms(lambda: torch.autograd.grad(held, (q, k, v), dout, retain_graph=True), args.reps)
+                line.append(f"{label}{'' if built else ' (sm80)'} {2.5 * flops / ms / 1e9:4.0f}"
+                            + ("" if diff < 0.1 else f" (differs {diff:.2g})"))
+            print(f"N={n:5d} {case.name:13s} backward TFLOP/s: " + " | ".join(line), flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqlen", default="4096,16384")
-    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--head-dim", type=int, default=128, choices=sorted(serving.SM90_MODIFIER_SCHEDULES))
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--cases", default=None, help="comma-separated case names of bench --kind flex (default: all)")
+    ap.add_argument("--flex", action="store_true", help="also compiled flex_attention and the built-in kernel")
+    ap.add_argument("--compile", action="store_true", help="build every kernel into FLASHGEN_CACHE_DIR, no GPU")
+    ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args()
-    fa = __import__("torch.nn.attention.flex_attention", fromlist=["flex_attention"])
-    flex = torch.compile(fa.flex_attention)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    default_schedules = serving.SM90_MODIFIER_SCHEDULES
-    with torch.no_grad():
-        for n in (int(x) for x in args.seqlen.split(",")):
-            batch, d = max(1, 16384 // n), args.head_dim
-            q, k, v = (torch.randn(batch, n, HEADS, d, device="cuda", dtype=dtype) for _ in range(3))
-            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-            for name, (score, mask, builtin) in cases(n, "cuda").items():
-                if args.cases and name not in args.cases.split(","):
-                    continue
-                bm = fa.create_block_mask(mask, None, None, n, n, device="cuda") if mask is not None else None
-                theirs = median_ms(lambda: flex(qt, kt, vt, score_mod=score, block_mask=bm), args.reps)
-                plain = (median_ms(lambda: flashgen.attention(q, k, v, **builtin), args.reps)
-                         if builtin is not None else float("nan"))
-                rows = {"sm80": None, "sm90": None, **{f"sm90_{s}": s for s in SCHEDULES}}
-                for label, sched in rows.items():
-                    serving.SM90_MODIFIER_SCHEDULES = (forced(SCHEDULES[sched]) if sched in SCHEDULES
-                                                       else default_schedules)
-                    arch = "sm80" if label == "sm80" else "sm90"
-                    ms = median_ms(lambda: flashgen.attention(q, k, v, score_mod=score, mask_mod=mask, arch=arch),
-                                   args.reps)
-                    print(f"n={n:6d} {name:10s} {label:14s} {ms:8.3f} ms  flex/ours {theirs / ms:5.2f}  "
-                          f"ours/built-in {ms / plain:5.2f}", flush=True)
-                serving.SM90_MODIFIER_SCHEDULES = default_schedules
+    names = tuple(args.cases.split(",")) if args.cases else bench_flex.CASES
+    unknown = set(names) - set(bench_flex.CASES)
+    if unknown:
+        ap.error(f"unknown cases {sorted(unknown)}; bench --kind flex has {', '.join(bench_flex.CASES)}")
+    if args.compile:
+        compile_all(args.head_dim, args.dtype, names, args.jobs)
+        return
+    time_all(args, names)
 
 
 if __name__ == "__main__":

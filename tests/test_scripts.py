@@ -129,6 +129,29 @@ def test_fill_kernel_cache_flex_names_each_cases_modifier_kernels(monkeypatch):
     assert any(c.block_map for c in hopper) and any(not c.block_map for c in hopper)  # masks and score_mods alone
 
 
+def test_time_sm90_modifiers_builds_every_schedule_it_times(monkeypatch):
+    """--compile builds, per case, the forward at each block_n in order, overlapped and persistent, each backward
+    schedule, and the sm80 backward it falls back to; the rule's tables are restored after each forced one."""
+    pytest.importorskip("torch")
+    import time_sm90_modifiers
+    from flashgen.config import BwdConfig
+    from flashgen.kernels import serving
+
+    monkeypatch.setattr(serving, "_builds_clean", lambda cfg: True)
+    tables = serving.SM90_MODIFIER_SCHEDULES, serving.SM90_MODIFIER_BWD_SCHEDULES
+    assert list(time_sm90_modifiers.forward_schedules(128)) == [
+        f"bn{bn}_{s}" for bn in (128, 64) for s in ("in_order", "overlap", "persistent")]
+    cfgs = time_sm90_modifiers.kernel_configs(128, "bf16", ("alibi",))
+    assert (serving.SM90_MODIFIER_SCHEDULES, serving.SM90_MODIFIER_BWD_SCHEDULES) == tables
+    forward = {(c.block_n, c.overlap, c.persistent) for c in cfgs if not isinstance(c, BwdConfig)}
+    assert forward == {(bn, o, p) for bn in (128, 64) for o, p in ((False, False), (True, False), (True, True))}
+    backward = {(c.block_m, c.block_n, c.num_warps, c.num_stages, c.stagger)
+                for c in cfgs if isinstance(c, BwdConfig) and c.family == "sm90"}
+    assert backward == set(serving.SM90_MODIFIER_BWD_SCHEDULES[128])
+    assert any(isinstance(c, BwdConfig) and c.family == "sm80" for c in cfgs)
+    serving._sm90_modifier_config.cache_clear()
+
+
 def test_schedule_balance_bounds_what_a_dynamic_scheduler_could_gain():
     """The static snake is within a few percent of the ideal at the bench's causal N = 1k (and a greedy hand-out of
     the same order closer), and both are exact on a problem whose tiles all cost the same."""
