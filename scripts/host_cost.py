@@ -1,10 +1,14 @@
 """The host cost of a decode call, on a CPU: the public call path with the CUDA driver stubbed.
 
     python scripts/host_cost.py [--calls 20000] [--top 25] [--point b1x8k] [--no-profile]
+    python scripts/host_cost.py --modifier document --modifier causal [--stages]
 
 Times N back-to-back calls of flashgen.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens) and of
 flashgen.attention(q, k, v) (one query token: the same decode plan) with time.perf_counter_ns, and prints
-microseconds per call and a cProfile top list (cumulative and own time).
+microseconds per call and a cProfile top list (cumulative and own time). --modifier CASE: instead, a dense call
+with one of `bench --kind flex`'s cases (4 x 4096 tokens, 16 heads, d128, bf16; forward, and forward with autograd)
+beside the plain call's forward. --stages: the inclusive time per call of each step of that path, each wrapped in a timer (no
+profiler, whose own cost per Python call distorts the split).
 
 Every Python line of a real call runs; what stands in for the GPU:
   * libcuda is a C stub (compiled here with cc; its cuLaunchKernel records a count and returns): the ctypes
@@ -14,7 +18,10 @@ Every Python line of a real call runs; what stands in for the GPU:
     CUDA caching allocator (a CUDA torch.empty costs ~1-3 us more than a CPU one);
   * torch's current raw stream is the builtin `abs` (stream 0 of device 0), whether a capture runs is the builtin
     `bool` (False): the same cost class as torch's C builtins behind them;
-  * kernels are not compiled: the plan's functions are driver.Function objects over the stub's module.
+  * kernels are not compiled: the plan's functions are driver.Function objects over the stub's module (a modifier
+    call's kernel is, once, where the schedule rule asks ptxas whether it builds clean: FLASHGEN_CACHE_DIR keeps it);
+  * --modifier: tensors also say device cuda:0 (a property on torch.Tensor), and the block map is built on the CPU
+    with the real property (once: it is cached).
 So a figure here is what the host spends in flashgen, torch's tensor attributes and allocation on a CPU, and
 ctypes; a real call adds the driver's launch time and the CUDA allocator's, and runs on the GPU host's CPU.
 """
@@ -68,6 +75,10 @@ int cuLaunchKernelEx(const void *config, void *f, void **params, void **extra) {
 int cuMemHostAlloc(void **p, size_t n, unsigned flags) { *p = calloc(1, n); return 0; }
 int cuMemHostGetDevicePointer_v2(unsigned long long *d, void *p, unsigned flags) {
     *d = (unsigned long long)p; return 0;
+}
+int cuTensorMapEncodeTiled(void *map, int dtype, unsigned rank, void *base, const void *dims, const void *strides,
+                           const void *box, const void *elem_strides, int interleave, int swizzle, int l2, int oob) {
+    return 0;
 }
 long stub_launches(void) { return launches; }
 #if __has_include(<valgrind/callgrind.h>)
@@ -198,6 +209,96 @@ def instructions(argv: list[str], calls: int) -> None:
             print(f"{name}: {total / calls:,.0f} instructions/call (callgrind, {calls} calls)")
 
 
+STAGES = (("api", "check_dense"), ("api", "trace_cached"), ("ops", "dense_mods_forward"), ("ops", "modifier_kernel"),
+          ("ops", "kernel_block_map"), ("ops", "launch_prefill"), ("serving", "modifier_values"),
+          ("serving", "tmap_box"), ("serving", "scale_args"), ("driver", "use_device"))
+
+
+def on_device_zero() -> None:
+    """Tensors say cuda:0; block maps are built on the CPU with torch's own device property (then cached)."""
+    import torch
+
+    from flashgen import blockmap
+
+    build = blockmap.from_mask
+
+    def on_cpu(mask: Any, batch: int, heads: int, sq: int, sk: int, bm: int, bn: int, device: Any = None) -> Any:
+        prop = torch.Tensor.device
+        del torch.Tensor.device  # torch's own getter again while the mask is evaluated
+        try:
+            return build(mask, batch, heads, sq, sk, bm, bn, "cpu")
+        finally:
+            torch.Tensor.device = prop
+
+    blockmap.from_mask = on_cpu
+    torch.Tensor.device = property(lambda self: torch.device("cuda", 0))
+
+
+@contextlib.contextmanager
+def stage_timers() -> Iterator[dict[str, float]]:
+    """Each function of STAGES wrapped in a timer: seconds spent inside it (inclusive), by name."""
+    import flashgen.api
+    import flashgen.driver
+    import flashgen.kernels.serving
+    import flashgen.ops
+
+    modules = {"api": flashgen.api, "ops": flashgen.ops, "serving": flashgen.kernels.serving,
+               "driver": flashgen.driver}
+    spent: dict[str, float] = dict.fromkeys((name for _, name in STAGES), 0.0)
+    saved = []
+    for mod_name, name in STAGES:
+        mod = modules[mod_name]
+        fn = getattr(mod, name)
+
+        def timed(*a: Any, _fn: Callable = fn, _name: str = name, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                spent[_name] += time.perf_counter() - t0
+
+        saved.append((mod, name, fn))
+        setattr(mod, name, timed)
+    try:
+        yield spent
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+
+
+def modifier_calls(cases: list[str], calls: int, stages: bool) -> None:
+    """--modifier: the plain dense call and each case's, forward and forward under autograd, per call."""
+    import torch
+
+    import flashgen
+    from flashgen import bench_flex
+
+    on_device_zero()
+    batch, n = 4, 4096
+    q, k, v = (torch.empty(batch, n, 16, 128, dtype=torch.bfloat16) for _ in range(3))
+    by_name = {c.name: c for c in bench_flex.cases(n, batch, 16, "cpu", names=tuple(cases))}
+    entries = {"plain": lambda: flashgen.attention(q, k, v)}
+    for name in cases:
+        c = by_name[name]
+        entries[name] = functools.partial(flashgen.attention, q, k, v, score_mod=c.score_mod, mask_mod=c.mask_mod)
+    for grad in (False, True):
+        for name, call in entries.items():
+            if grad and name == "plain":  # its autograd runs the flashgen::attention operator, CUDA-only
+                continue
+            for t in (q, k, v):
+                t.requires_grad_(grad)
+            with torch.set_grad_enabled(grad), cuda_allocs_on_cpu():
+                call()  # the first call of the signature: its kernel chosen, its block map built
+                least, median = per_call_us(call, calls)
+                line = f"{name}{' (autograd)' if grad else ''}: {least:.1f} us/call least, {median:.1f} median"
+                if stages:
+                    with stage_timers() as spent:
+                        per_call_us(call, calls, loops=1)
+                    line += " | " + ", ".join(f"{k} {v / (calls + 200) * 1e6:.1f}" for k, v in
+                                             sorted(spent.items(), key=lambda kv: -kv[1]) if v)
+            print(line, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=20000)
@@ -207,12 +308,18 @@ def main() -> None:
     ap.add_argument("--instructions", action="store_true",
                     help="count instructions per call under callgrind instead of timing (slow: minutes)")
     ap.add_argument("--under-callgrind", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--modifier", action="append", metavar="CASE",
+                    help="a dense call with this case of bench --kind flex (e.g. document) instead of decode")
+    ap.add_argument("--stages", action="store_true", help="--modifier: time per call of each step of the path")
     args = ap.parse_args()
     points = args.point or ["b1x8k"]
     if args.instructions:
         instructions([a for p in points for a in ("--point", p)], min(args.calls, 500))
         return
     cuda = stub_cuda()
+    if args.modifier:
+        modifier_calls(args.modifier, min(args.calls, 2000), args.stages)
+        return
     import torch
 
     import flashgen

@@ -152,6 +152,26 @@ def test_time_sm90_modifiers_builds_every_schedule_it_times(monkeypatch):
     serving._sm90_modifier_config.cache_clear()
 
 
+def test_host_cost_times_a_modifier_call_stage_by_stage(tmp_path):
+    """host_cost.py --modifier (its own process: it stubs the driver and torch's device property) runs the whole
+    modifier call path, with and without autograd, and splits it into the stages it wraps."""
+    import os
+    import shutil
+    import subprocess
+
+    pytest.importorskip("torch")
+    if shutil.which("nvcc") is None or (shutil.which("cc") or shutil.which("gcc")) is None:
+        pytest.skip("needs nvcc (the schedule rule's ptxas check) and a C compiler (the driver stub)")
+    script = Path(__file__).resolve().parent.parent / "scripts" / "host_cost.py"
+    run = subprocess.run([sys.executable, str(script), "--modifier", "causal", "--calls", "20", "--stages"],
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "FLASHGEN_CACHE_DIR": str(tmp_path)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if "us/call" in line]
+    assert [line.split(":")[0] for line in lines] == ["plain", "causal", "causal (autograd)"]
+    assert all("launch_prefill" in line and "check_dense" in line for line in lines[1:])
+
+
 def test_schedule_balance_bounds_what_a_dynamic_scheduler_could_gain():
     """The static snake is within a few percent of the ideal at the bench's causal N = 1k (and a greedy hand-out of
     the same order closer), and both are exact on a problem whose tiles all cost the same."""
