@@ -23,7 +23,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .modifiers import Modifier, ModifierError, Node
+from .modifiers import Modifier, ModifierError, inputs_used
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 CHUNK_ELEMENTS = 1 << 23  # scores evaluated per pass of from_mask (its index arithmetic is 64-bit)
@@ -153,21 +153,6 @@ def _pool(cells: Any, fm: int, fn: int) -> Any:
     return torch.where(all_full, FULL, torch.where(all_empty, EMPTY, PARTIAL)).to(torch.int8)
 
 
-def _inputs_used(root: Node) -> set[str]:
-    seen: set[int] = set()
-    used: set[str] = set()
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if node.op == "input":
-            used.add(node.value)
-        stack.extend(node.args)
-    return used
-
-
 def from_mask(mask: Modifier, batch: int, heads: int, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
               device: Any = None) -> BlockMap:
     """The block map of a traced mask_mod at block_m x block_n tiles: the mask evaluated with torch (on `device`,
@@ -178,7 +163,7 @@ def from_mask(mask: Modifier, batch: int, heads: int, seqlen_q: int, seqlen_k: i
         raise ModifierError("a block map is built from a traced mask_mod (trace_mask_mod)")
     if device is None:
         device = mask.tensors[0].device if mask.tensors else "cpu"
-    used = _inputs_used(mask.root)
+    used = inputs_used(mask.root)
     nb, nh = (batch if "b" in used else 1), (heads if "h" in used else 1)
     tiles_q, tiles_k = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
     states = torch.empty(nb, nh, tiles_q, tiles_k, dtype=torch.int8, device=device)

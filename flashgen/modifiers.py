@@ -24,7 +24,7 @@ import threading
 import types
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 KINDS = ("score", "mask")
 SCORE_INPUTS = ("score", "b", "h", "q_idx", "kv_idx")
@@ -93,6 +93,23 @@ class Captured:
                          + [f"long long {self.arg}_s{k}" for k in range(self.rank)])
 
 
+def nodes(root: Node) -> Iterator[Node]:
+    """Each node of the graph under `root` once (a shared subexpression is one node)."""
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) not in seen:
+            seen.add(id(node))
+            yield node
+            stack.extend(node.args)
+
+
+def inputs_used(root: Node) -> set[str]:
+    """The inputs (score, b, h, q_idx, kv_idx) the graph under `root` reads."""
+    return {node.value for node in nodes(root) if node.op == "input"}
+
+
 @dataclass(frozen=True)
 class Modifier:
     """A traced (or hand-written) modifier. `expr`: the CUDA expression, in terms of `score` (float; score mods
@@ -129,21 +146,8 @@ class Modifier:
         ids): a load per score, not one per head or sequence. A modifier given as CUDA text: whether it reads any."""
         if self.root is None:
             return bool(self.captured)
-        seen: set[int] = set()
-
-        def indexed(node: Node) -> bool:  # the subtree reads q_idx or kv_idx
-            return node.op == "input" and node.value in ("q_idx", "kv_idx") or any(indexed(a) for a in node.args)
-
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            if node.op == "read" and any(indexed(a) for a in node.args):
-                return True
-            stack.extend(node.args)
-        return False
+        return any(node.op == "read" and any(inputs_used(a) & {"q_idx", "kv_idx"} for a in node.args)
+                   for node in nodes(self.root))
 
     @property
     def params(self) -> str:
@@ -297,9 +301,8 @@ def _common(*types: str) -> str:
 ARITH = {"add": "+", "sub": "-", "mul": "*"}
 COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 LOGIC = {"and": "&&", "or": "||", "xor": "!="}
-FLOAT_FNS = {"exp": "expf", "exp2": "exp2f", "log": "logf", "tanh": "tanhf"}
-# tanh as the kernels' numeric header writes it: from one ex2 and one reciprocal, absolute error below 1e-6
-FAST_TANH = "tanh_approx({x})"
+# tanh as the kernels' numeric header writes it (tanh_approx): one ex2 and one reciprocal, absolute error below 1e-6
+FLOAT_FNS = {"exp": "expf", "exp2": "exp2f", "log": "logf", "tanh": "tanh_approx"}
 SPELLING = {"and": "&", "or": "|", "xor": "^", "floordiv": "//", "mod": "%", "truediv": "/", "neg": "unary -",
             "not": "~"}
 
@@ -819,8 +822,6 @@ def emit(root: Node, captured: tuple[Captured, ...] = ()) -> str:
         if op == "where":
             t = node.type
             return f"({as_type(args[0], 'bool', wide)} ? {as_type(args[1], t, wide)} : {as_type(args[2], t, wide)})"
-        if op == "tanh":
-            return FAST_TANH.format(x=as_type(args[0], "float", wide))
         if op in FLOAT_FNS:
             return f"{FLOAT_FNS[op]}({as_type(args[0], 'float', wide)})"
         if op == "abs":
