@@ -93,6 +93,18 @@ def cases(n: int, batch: int, heads: int, device: Any, seed: int = 0, names: tup
     return [table[c] for c in names]
 
 
+def case_mods(case: FlexCase) -> Any:
+    """The case's traced modifiers as flashgen compiles them (checks.Mods), or None where the plain kernel runs (no
+    modifier, or a score_mod that changes nothing alone)."""
+    from .checks import Mods  # noqa: PLC0415
+    from .modifiers import trace_cached  # noqa: PLC0415
+
+    score = trace_cached(case.score_mod, "score") if case.score_mod is not None else None
+    mask = trace_cached(case.mask_mod, "mask") if case.mask_mod is not None else None
+    score = None if score is not None and score.is_identity else score
+    return None if score is None and mask is None else Mods(score_mod=score, mask_mod=mask)
+
+
 def kept_pairs(case: FlexCase, batch: int, n: int, device: Any, rows: int = 1024) -> int:
     """(query, key) pairs the case's mask keeps, over the batch, for one head (the cases' masks are the same for
     every head)."""
@@ -271,4 +283,4 @@ def plot_flex(result: dict, path: Any) -> None:
     plt.close(fig)
 
 
-__all__ = ["CASES", "FlexCase", "cases", "flex_rows", "flex_table", "kept_pairs", "kept_tiles", "plot_flex"]
+__all__ = ["CASES", "FlexCase", "case_mods", "cases", "flex_rows", "flex_table", "kept_pairs", "kept_tiles", "plot_flex"]

@@ -131,25 +131,21 @@ def flex_configs(arch: str) -> set[KernelConfig | BwdConfig]:
     and backward in the sm80 family and, on sm90, in the sm90 family where it builds them; the cases' built-in
     kernels are --store's and --defaults'. Needs torch (the cases are traced on CPU tensors)."""
     from flashgen import bench_flex  # noqa: PLC0415
-    from flashgen.checks import Mods  # noqa: PLC0415
-    from flashgen.kernels.serving import modifier_config, sm90_modifier_bwd_config, sm90_modifier_config  # noqa: PLC0415
-    from flashgen.modifiers import trace_cached  # noqa: PLC0415
+    from flashgen.kernels.serving import (modifier_config, modifier_digests, sm90_modifier_bwd_config,  # noqa: PLC0415
+                                          sm90_modifier_config)
     from flashgen.resolve import modifier_bwd_config  # noqa: PLC0415
 
     out: set[KernelConfig | BwdConfig] = set()
     for n in (4096, 16384):
         for case in bench_flex.cases(n, 16384 // n, 16, "cpu"):
-            score = trace_cached(case.score_mod, "score") if case.score_mod is not None else None
-            mask = trace_cached(case.mask_mod, "mask") if case.mask_mod is not None else None
-            score = None if score is not None and score.is_identity else score  # the plain kernel runs
-            if score is None and mask is None:
+            mods = bench_flex.case_mods(case)
+            if mods is None:  # the plain kernel runs
                 continue
-            digests = {"score_mod": score.digest if score else "", "mask_mod": mask.digest if mask else "",
-                       "block_map": mask is not None}
-            out.add(modifier_config(128, "bf16", False, n, arch, Mods(score_mod=score, mask_mod=mask)))
+            digests = {**modifier_digests(mods), "block_map": mods.mask_mod is not None}  # score_mod, mask_mod, map
+            out.add(modifier_config(128, "bf16", False, n, arch, mods))
             out.add(modifier_bwd_config(128, "bf16", False, arch, False, (), **digests))
             if arch == "sm90":
-                out |= {c for c in (sm90_modifier_config(128, "bf16", False, Mods(score_mod=score, mask_mod=mask)),
+                out |= {c for c in (sm90_modifier_config(128, "bf16", False, mods),
                                     sm90_modifier_bwd_config(128, "bf16", False, (), False, *digests.values()))
                         if c is not None}
     return out

@@ -7,7 +7,7 @@ one at a time beside the rule's own choice.
     FLASHGEN_CACHE_DIR=.kcache python scripts/time_sm90_modifiers.py --compile   # no GPU: build them all first
 
 Prints one line per N, case and pass: TFLOP/s over the pairs the mask keeps (forward 4 d per pair, backward 2.5x),
-CUDA-event medians of the public call (host included, synchronized per call), and where an output differs from
+the public call back to back (host included, as the bench times it), and where an output differs from
 the rule's choice's by more than a bf16 rounding, that difference. A backward schedule that does not build clean
 falls back to the sm80 family's kernel, and its label says so. --flex adds compiled flex_attention's forward and
 flashgen's built-in kernel where the case has one.
@@ -15,7 +15,6 @@ flashgen's built-in kernel where the case has one.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,9 +23,8 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashgen import bench_flex, resolve  # noqa: E402
-from flashgen.checks import Mods  # noqa: E402
+from flashgen.compare import back_to_back_ms  # noqa: E402
 from flashgen.kernels import serving  # noqa: E402
-from flashgen.modifiers import trace_cached  # noqa: E402
 
 HEADS = 16
 OVERLAP, IN_ORDER = serving.SM90_OVERLAP, serving.SM90_IN_ORDER
@@ -66,21 +64,14 @@ class Forced:
         serving._sm90_modifier_config.cache_clear()
 
 
-def traced(case: bench_flex.FlexCase) -> tuple[Any, Any]:
-    score = trace_cached(case.score_mod, "score") if case.score_mod is not None else None
-    mask = trace_cached(case.mask_mod, "mask") if case.mask_mod is not None else None
-    return (None if score is not None and score.is_identity else score), mask
-
-
 def kernel_configs(head_dim: int, dtype: str, names: tuple[str, ...]) -> set:
     """Every kernel the timing loads, for sm90 (forward and backward per schedule), without a GPU."""
     out = set()
     for case in bench_flex.cases(4096, 4, HEADS, "cpu", names=names):
-        score, mask = traced(case)
-        if score is None and mask is None:
+        mods = bench_flex.case_mods(case)
+        if mods is None:  # the plain kernel runs
             continue
-        mods = Mods(score_mod=score, mask_mod=mask)
-        digests = (score.digest if score else "", mask.digest if mask else "", mask is not None)
+        digests = (*serving.modifier_digests(mods).values(), mods.mask_mod is not None)
         for fwd in forward_schedules(head_dim).values():
             with Forced(head_dim, fwd=fwd):
                 out.add(serving.sm90_modifier_config(head_dim, dtype, False, mods))
@@ -111,20 +102,9 @@ def compile_all(head_dim: int, dtype: str, names: tuple[str, ...], jobs: int) ->
         print("FAILED", f)
 
 
-def median_ms(fn: Callable[[], object], reps: int) -> float:
-    import torch  # noqa: PLC0415
-
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def call_ms(fn: Callable[[], object], reps: int) -> float:
+    """Milliseconds per call of `fn` back to back, host included, as bench --kind flex times its calls."""
+    return back_to_back_ms(lambda i: fn(), calls=reps, loops=3, warmup=2)
 
 
 def time_all(args: argparse.Namespace, names: tuple[str, ...]) -> None:
@@ -144,8 +124,10 @@ def time_all(args: argparse.Namespace, names: tuple[str, ...]) -> None:
         q, k, v = (torch.randn(batch, n, HEADS, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
         dout = torch.randn_like(q)
         for case in bench_flex.cases(n, batch, HEADS, q.device, names=names):
-            if traced(case) == (None, None):
+            mods = bench_flex.case_mods(case)
+            if mods is None:
                 continue
+            digests = (*serving.modifier_digests(mods).values(), mods.mask_mod is not None)
             flops = 4 * d * bench_flex.kept_pairs(case, batch, n, q.device) * HEADS
 
             def call() -> Any:
@@ -153,20 +135,20 @@ def time_all(args: argparse.Namespace, names: tuple[str, ...]) -> None:
 
             with torch.no_grad():
                 ref = call().float()
-                line = [f"rule {flops / median_ms(call, args.reps) / 1e9:4.0f}"]
+                line = [f"rule {flops / call_ms(call, args.reps) / 1e9:4.0f}"]
                 if flex is not None:
                     qt, kt, vt = (t.detach().transpose(1, 2) for t in (q, k, v))
                     bm = (create_block_mask(case.mask_mod, batch, None, n, n, device=q.device)
                           if case.mask_mod is not None else None)
-                    ms = median_ms(lambda: flex(qt, kt, vt, score_mod=case.score_mod, block_mask=bm), args.reps)
+                    ms = call_ms(lambda: flex(qt, kt, vt, score_mod=case.score_mod, block_mask=bm), args.reps)
                     line.append(f"flex {flops / ms / 1e9:4.0f}")
                     if case.builtin is not None:
-                        ms = median_ms(lambda: flashgen.attention(q, k, v, **case.builtin), args.reps)
+                        ms = call_ms(lambda: flashgen.attention(q, k, v, **case.builtin), args.reps)
                         line.append(f"built-in {flops / ms / 1e9:4.0f}")
                 for label, fwd in forward_schedules(d).items():
                     with Forced(d, fwd=fwd):
                         diff = float((call().float() - ref).abs().max())
-                        ms = median_ms(call, args.reps)
+                        ms = call_ms(call, args.reps)
                     line.append(f"{label} {flops / ms / 1e9:4.0f}" + ("" if diff < 0.05 else f" (differs {diff:.2g})"))
             print(f"N={n:5d} {case.name:13s} forward TFLOP/s: " + " | ".join(line), flush=True)
             held = call()
@@ -174,13 +156,10 @@ def time_all(args: argparse.Namespace, names: tuple[str, ...]) -> None:
             line = []
             for label, bwd in backward_schedules(d).items():
                 with Forced(d, bwd=bwd):
-                    score, mask = traced(case)
-                    built = serving.sm90_modifier_bwd_config(d, args.dtype, False, (), False,
-                                                             score.digest if score else "",
-                                                             mask.digest if mask else "", mask is not None)
+                    built = serving.sm90_modifier_bwd_config(d, args.dtype, False, (), False, *digests)
                     got = torch.autograd.grad(held, (q, k, v), dout, retain_graph=True)
                     diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want))
-                    ms = median_ms(lambda: torch.autograd.grad(held, (q, k, v), dout, retain_graph=True), args.reps)
+                    ms = call_ms(lambda: torch.autograd.grad(held, (q, k, v), dout, retain_graph=True), args.reps)
                 line.append(f"{label}{'' if built else ' (sm80)'} {2.5 * flops / ms / 1e9:4.0f}"
                             + ("" if diff < 0.1 else f" (differs {diff:.2g})"))
             print(f"N={n:5d} {case.name:13s} backward TFLOP/s: " + " | ".join(line), flush=True)
@@ -191,7 +170,7 @@ def main() -> None:
     ap.add_argument("--seqlen", default="4096,16384")
     ap.add_argument("--head-dim", type=int, default=128, choices=sorted(serving.SM90_MODIFIER_SCHEDULES))
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--reps", type=int, default=10, help="calls per timed loop")
     ap.add_argument("--cases", default=None, help="comma-separated case names of bench --kind flex (default: all)")
     ap.add_argument("--flex", action="store_true", help="also compiled flex_attention and the built-in kernel")
     ap.add_argument("--compile", action="store_true", help="build every kernel into FLASHGEN_CACHE_DIR, no GPU")
