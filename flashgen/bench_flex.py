@@ -14,7 +14,9 @@ import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from .checks import Mods
 from .compare import back_to_back_ms
+from .modifiers import trace_cached
 
 CASES = ("full", "identity", "causal", "window", "prefix_lm", "document", "alibi", "softcap", "relative_bias",
          "block_sparse")
@@ -93,12 +95,9 @@ def cases(n: int, batch: int, heads: int, device: Any, seed: int = 0, names: tup
     return [table[c] for c in names]
 
 
-def case_mods(case: FlexCase) -> Any:
+def case_mods(case: FlexCase) -> Mods | None:
     """The case's traced modifiers as flashgen compiles them (checks.Mods), or None where the plain kernel runs (no
     modifier, or a score_mod that changes nothing alone)."""
-    from .checks import Mods  # noqa: PLC0415
-    from .modifiers import trace_cached  # noqa: PLC0415
-
     score = trace_cached(case.score_mod, "score") if case.score_mod is not None else None
     mask = trace_cached(case.mask_mod, "mask") if case.mask_mod is not None else None
     score = None if score is not None and score.is_identity else score
