@@ -23,6 +23,7 @@ from .kernels.dense import Kernel, checked, descale_dict, run_views
 from .kernels.serving import (NO_BACKWARD, KVPlan, append_kv, arch_and_slots, call_features, has_mods, kvcache_launch,
                               modifier_digests, run_plan, serve_config, serve_grids, want_split)
 from .launch import STREAM_FOR_TORCH
+from .mask_bands import band_of, builtin_mask
 from .modifiers import trace_cached
 from .resolve import STORE_CHECK_S, choose_config, current_arch, load, tuned_decode
 from .tensors import is_torch
@@ -145,6 +146,12 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
     if arch not in (None, "sm80", "sm90"):
         raise ValueError(f"score_mod and mask_mod are built in families sm80 (it runs on Hopper too) and sm90, not "
                          f"arch={arch!r}")
+    if (block_mask is None and mask_mod is not None and arch is None and not softcap and alibi_slopes is None
+            and (window_size is _NO_WINDOW or window_size == _NO_WINDOW) and not traced(q)):
+        builtin = _builtin_mask(score_mod, mask_mod, causal, q, k)
+        if builtin is not None:  # a band of diagonals (causal, a sliding window): the built-in kernels keep its scores
+            return attention(q, k, v, builtin[0], softmax_scale, return_lse, deterministic=deterministic,
+                             window_size=builtin[1])
     mods = check_dense(q, k, v, window_size, softcap, alibi_slopes, causal)
     if score_mod is not None and (mods.softcap or mods.alibi is not None):
         raise ValueError("a score_mod does not combine with softcap or alibi_slopes: write them into the score_mod")
@@ -177,6 +184,22 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
     else:
         out, lse = _ops().dense_mods_forward(q, k, v, causal, softmax_scale, mods, return_lse, arch)
     return (out, lse) if return_lse else out
+
+
+def _builtin_mask(score_mod: Any, mask_mod: Any, causal: bool, q: Any, k: Any) -> tuple[bool, tuple[int, int]] | None:
+    """(causal, window_size) of the built-in kernels where the call's mask_mod keeps a band of diagonals
+    (flashgen.mask_bands) and its score_mod, if any, changes nothing; else None. Before the call's checks:
+    `attention` makes them on the way to the built-in kernels."""
+    if q.dim() != 4 or k.dim() != 4:
+        return None
+    if score_mod is not None and not trace_cached(score_mod, "score").is_identity:
+        return None
+    band = band_of(trace_cached(mask_mod, "mask"))
+    if band is None:
+        return None
+    if causal:  # q_idx >= kv_idx where seqlen_q == seqlen_k, the only case builtin_mask maps
+        band = (max(band[0], 0), band[1])
+    return builtin_mask(band, q.shape[1], k.shape[1])
 
 
 def _tables_want_grad(score: Any) -> bool:

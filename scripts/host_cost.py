@@ -281,9 +281,12 @@ def modifier_calls(cases: list[str], calls: int, stages: bool) -> None:
     for name in cases:
         c = by_name[name]
         entries[name] = functools.partial(flashgen.attention, q, k, v, score_mod=c.score_mod, mask_mod=c.mask_mod)
+        if c.builtin:  # the same mask through flashgen's own arguments
+            entries[f"{name} built-in"] = functools.partial(flashgen.attention, q, k, v, **c.builtin)
     for grad in (False, True):
         for name, call in entries.items():
-            if grad and name == "plain":  # its autograd runs the flashgen::attention operator, CUDA-only
+            # the built-in kernels' autograd runs flashgen's operators, CUDA-only (so does a mask_mod they take)
+            if grad and (name == "plain" or name.endswith("built-in") or by_name[name].builtin):
                 continue
             for t in (q, k, v):
                 t.requires_grad_(grad)

@@ -19,7 +19,7 @@ LAYERS = {
     "flashgen.__version__": 0, "flashgen.paths": 0, "flashgen.config": 0, "flashgen.abi": 0, "flashgen.problem": 0,
     "flashgen.grids": 0,
     "flashgen.tensors": 0, "flashgen.checks": 0, "flashgen.fp8": 0, "flashgen.schedule": 0, "flashgen.modifiers": 0,
-    "flashgen.blockmap": 0, "flashgen.modifier_grads": 0, "flashgen.head_dims": 0,
+    "flashgen.blockmap": 0, "flashgen.mask_bands": 0, "flashgen.modifier_grads": 0, "flashgen.head_dims": 0,
     "flashgen.render": 1,
     "flashgen.compile": 2,
     # generic launching: the driver, streams, argument packing
