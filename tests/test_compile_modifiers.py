@@ -306,6 +306,6 @@ def test_an_identity_score_mod_is_no_modifier(monkeypatch):
     monkeypatch.setattr(api, "check_dense", lambda *a: Mods())
     q = torch.zeros(1, 64, 4, 64, dtype=torch.bfloat16)
     api.attention(q, q, q, causal=True, softmax_scale=0.5, score_mod=lambda score, b, h, q_idx, kv_idx: score)
-    mask = modifiers.trace_mask_mod(EX["causal"].mask_mod)
-    api.attention(q, q, q, score_mod=lambda score, b, h, q_idx, kv_idx: score, mask_mod=EX["causal"].mask_mod)
+    mask = modifiers.trace_mask_mod(EX["document"].mask_mod)  # not a band of diagonals (those run built-in kernels)
+    api.attention(q, q, q, score_mod=lambda score, b, h, q_idx, kv_idx: score, mask_mod=EX["document"].mask_mod)
     assert calls == [("plain", True, 0.5), ("modified", None, mask.digest)]

@@ -163,12 +163,12 @@ def test_host_cost_times_a_modifier_call_stage_by_stage(tmp_path):
     if shutil.which("nvcc") is None or (shutil.which("cc") or shutil.which("gcc")) is None:
         pytest.skip("needs nvcc (the schedule rule's ptxas check) and a C compiler (the driver stub)")
     script = Path(__file__).resolve().parent.parent / "scripts" / "host_cost.py"
-    run = subprocess.run([sys.executable, str(script), "--modifier", "causal", "--calls", "20", "--stages"],
+    run = subprocess.run([sys.executable, str(script), "--modifier", "prefix_lm", "--calls", "20", "--stages"],
                          capture_output=True, text=True, timeout=600,
                          env={**os.environ, "FLASHGEN_CACHE_DIR": str(tmp_path)})
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line for line in run.stdout.splitlines() if "us/call" in line]
-    assert [line.split(":")[0] for line in lines] == ["plain", "causal", "causal (autograd)"]
+    assert [line.split(":")[0] for line in lines] == ["plain", "prefix_lm", "prefix_lm (autograd)"]
     assert all("launch_prefill" in line and "check_dense" in line for line in lines[1:])
 
 

@@ -52,7 +52,8 @@ def test_config_rules_and_names():
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_render_evaluates_the_modifiers_on_s_transposed(name):
     score, mask = trace(EXAMPLES[name])
-    src = render(sm90_bwd(name, causal=name.endswith("causal")))
+    cfg = sm90_bwd(name, causal=name.endswith("causal"))
+    src = render(cfg)
     assert "struct Sm90ModBwdParams" in src and "struct ModTensor" in src
     for kernel in ("_pre", "", "_convert"):
         assert f"{kernel}(const __grid_constant__ Sm90ModBwdParams p)" in src
@@ -72,10 +73,18 @@ def test_render_evaluates_the_modifiers_on_s_transposed(name):
         assert "acc_s[nt * 4 + 2 * h + c] = keep ? pr[c] * g : 0.f;" in main
     else:
         assert "sdp(acc_s, acc_dp, k_rows, v_rows, q_tile, do_tile);" in main and "s_issue" not in src
-    if mask is not None:  # after the built-in masks, skipped on FULL tiles
+    if mask is not None:  # after the built-in masks, skipped on FULL tiles, without a branch per score where it fits
         assert mask.expr in src
-        assert ("keep = keep && (full || mask_mod_at(mp, sv, head, query, key));" if p_first else
-                "if (!full && !mask_mod_at(mp, sv, head, m0 + col + c, warp_key0 + lane / 4 + 8 * h)) x = 0.f;") in main
+        if not p_first:
+            keep = "if (!full && !mask_mod_at(mp, sv, head, m0 + col + c, warp_key0 + lane / 4 + 8 * h)) x = 0.f;"
+        elif not mask.captured:  # indices alone: tested with every score, not short-circuit
+            keep = "keep &= full | mask_mod_at(mp, sv, head, query, key);"
+        elif score is None and cfg.block_m <= 64:  # one pass of its loads a tile, into bits
+            assert "mask_mod_bits(keep_bits, mp, sv, head, m0, warp_key0 + lane / 4, lane, full);" in main
+            keep = "keep &= ((keep_bits[(4 * nt + 2 * h + c) / 32] >> ((4 * nt + 2 * h + c) % 32)) & 1u) != 0;"
+        else:  # beside a score_mod, or 128 queries a tile: the bits' registers would spill
+            keep = "keep = keep && (full || mask_mod_at(mp, sv, head, query, key));"
+        assert keep in main
     for slot, c in enumerate(c for m in (score, mask) if m for c in m.captured):
         assert f"{c.arg} = static_cast<const {c.c_type}*>(mp.t{slot}.ptr)" in src
 
