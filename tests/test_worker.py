@@ -53,8 +53,11 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead
-        return f.read().split(")")[-1].split()[0] != "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie is dead
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:  # reaped between the signal and the read
+        return False
 
 
 def test_a_killed_compile_process_fails_that_compile_and_the_pool_goes_on(fake):
