@@ -25,7 +25,8 @@ import torch
 from .checks import Mods, checked_dtype
 from .modifier_grads import captured_grads
 from .modifiers import ModifierError, lookup, trace_cached
-from .ops import dense_mods_forward, flex_backward
+from .mask_bands import band_of, builtin_mask
+from .ops import attention_mods_op, attention_op, dense_mods_forward, flex_backward
 
 MAX_DEPTH = 5  # functions, containers and objects searched into for a captured tensor, from the modifier
 
@@ -159,6 +160,11 @@ def modified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     for path, value in constants:
         if fetch(score_mod, mask_mod, path) != value:  # dynamo guards the read: a changed value recompiles
             raise ModifierError(f"a value {path[0]}_mod reads ({path[1:]}) changed while it was traced")
+    builtin = _band(score_digest, mask_digest, causal, mods, q.shape[1], k.shape[1])
+    if builtin is not None:  # a band of diagonals (causal, a sliding window): the built-in kernels' operators
+        if builtin[1] == (-1, -1):
+            return attention_op(q, k, v, builtin[0], softmax_scale, None, deterministic)
+        return attention_mods_op(q, k, v, builtin[0], softmax_scale, *builtin[1], 0.0, None, deterministic)
     tensors = [fetch(score_mod, mask_mod, p) for p in paths]
     if torch.is_grad_enabled():
         for p, t in zip(paths[n_score:], tensors[n_score:]):
@@ -170,6 +176,22 @@ def modified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     wanted = [t.requires_grad and t.is_floating_point() for t in tensors[:n_score]] + [False] * (len(tensors) - n_score)
     return attention_modified_op(q, k, v, tensors, score_digest, mask_digest, causal, softmax_scale, *mods.window,
                                  mods.softcap, mods.alibi, deterministic, wanted)
+
+
+def _band(score_digest: str, mask_digest: str, causal: bool, mods: Mods, seqlen_q: Any,
+          seqlen_k: Any) -> tuple[bool, tuple[int, int]] | None:
+    """(causal, window_size) of the built-in kernels where the traced mask_mod keeps a band of diagonals and the call
+    has nothing else that needs a generated kernel (as flashgen.attention's eager route); else None."""
+    if not mask_digest or mods.softcap or mods.alibi is not None or mods.window != (-1, -1):
+        return None
+    if score_digest and not lookup(score_digest, "score").is_identity:
+        return None
+    band = band_of(lookup(mask_digest, "mask"))
+    if band is None:
+        return None
+    if causal:
+        band = (max(band[0], 0), band[1])
+    return builtin_mask(band, seqlen_q, seqlen_k)
 
 
 def _mods(tensors: list[torch.Tensor], score_digest: str, mask_digest: str, window_left: int, window_right: int,

@@ -11,7 +11,7 @@ from flashgen import modifiers  # noqa: E402
 from flashgen.modifiers import ModifierError  # noqa: E402
 from flashgen.traced_modifiers import attention_modified_op, graph_modifiers  # noqa: E402
 
-from modifier_examples import examples  # noqa: E402
+from modifier_examples import WINDOW, examples  # noqa: E402
 
 OP = torch.ops.flashgen.attention_modified.default
 BACKWARD_OP = torch.ops.flashgen.attention_modified_backward.default
@@ -78,7 +78,7 @@ def test_opcheck_on_meta_tensors():
     assert out.shape == (2, 64, 8, 64) and lse.shape == (2, 8, 64) and lse.dtype == torch.float32
 
 
-@pytest.mark.parametrize("name", ["alibi_causal", "softcap_document", "relative_prefix_lm", "causal", "softcap"])
+@pytest.mark.parametrize("name", ["alibi_causal", "softcap_document", "relative_prefix_lm", "prefix_lm", "softcap"])
 def test_compile_fullgraph_puts_the_operator_in_the_graph(name):
     """torch.compile(fullgraph=True): one graph, the operator in it, the tables the modifiers read its inputs."""
     ex = EX[name]
@@ -95,6 +95,26 @@ def test_compile_fullgraph_puts_the_operator_in_the_graph(name):
     assert len(tables) == want and all(t.op == "placeholder" for t in tables)
     assert node.args[4] == (modifiers.trace_cached(ex.score_mod, "score").digest if ex.score_mod else "")
     assert node.args[5] == (modifiers.trace_cached(ex.mask_mod, "mask").digest if ex.mask_mod else "")
+
+
+@pytest.mark.parametrize("name, target, args", [
+    ("causal", "attention", (True,)),
+    ("sliding_window", "attention_mods", (True, None, WINDOW, 0))])
+def test_compiled_band_masks_take_the_builtin_operators(name, target, args):
+    """Under torch.compile as eagerly: a mask_mod that keeps a band of diagonals (q_idx and kv_idx of one length)
+    is the built-in causal / window operator in the graph, not flashgen::attention_modified; unequal lengths keep
+    the modifier operator."""
+    mask = EX[name].mask_mod
+
+    def block(q, k, v):
+        return flashgen.attention(q, k, v, mask_mod=mask).float().sum(-1)
+
+    _, graphs = recorded(block, meta(2, 64, 8, 64), meta(2, 64, 2, 64), meta(2, 64, 2, 64))
+    assert not op_nodes(graphs)
+    (node,) = op_nodes(graphs, getattr(torch.ops.flashgen, target).default)
+    assert tuple(node.args[3:3 + len(args)]) == args
+    _, graphs = recorded(block, meta(2, 64, 8, 64), meta(2, 96, 2, 64), meta(2, 96, 2, 64))
+    assert len(op_nodes(graphs)) == 1
 
 
 def test_a_changed_constant_recompiles_with_a_new_trace():
