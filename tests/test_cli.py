@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -95,6 +96,22 @@ def test_tune_without_a_gpu_points_at_compile_only(monkeypatch, capsys):
     assert cli.main(["tune", "--head-dim", "64"]) == 2
     err = capsys.readouterr().err
     assert "no GPU" in err and "--compile-only" in err
+
+
+def test_bench_flex_takes_a_subset_of_the_cases(monkeypatch, capsys):
+    """bench --kind flex --cases: the named examples only, in their order; a name that is none of them is refused
+    before any GPU is looked for."""
+    from flashgen import bench_flex
+    from flashgen.cli import bench
+
+    seen = []
+    monkeypatch.setattr(bench, "cuda_torch", lambda *a: SimpleNamespace(
+        cuda=SimpleNamespace(get_device_name=lambda: "test"), __version__="0"))
+    monkeypatch.setattr(bench_flex, "flex_rows", lambda n, *a, names=(), **k: seen.append((n, names)) or [])
+    assert cli.main(["bench", "--kind", "flex", "--seqlen", "4096", "--cases", "document,prefix_lm"]) == 0
+    assert seen == [(4096, ("document", "prefix_lm"))]
+    assert cli.main(["bench", "--kind", "flex", "--cases", "doc"]) == 2
+    assert "--cases doc: choose from" in capsys.readouterr().err and len(seen) == 1
 
 
 def test_newer_family_on_an_older_gpu_is_refused():

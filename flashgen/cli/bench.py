@@ -39,6 +39,8 @@ def add_parser(sub: Any) -> None:
                         "layer stack (GQA 32/8, d128, 4k tokens) on flashgen against SDPA's flash and cuDNN backends; "
                         "flex: FlexAttention's examples (masks and score modifiers) on flashgen against compiled "
                         "flex_attention, d128, 16 heads, per --seqlen (default dense)")
+    b.add_argument("--cases", type=str_list, default=list(bench_flex.CASES),
+                   help=f"--kind flex: these of FlexAttention's examples (default all: {','.join(bench_flex.CASES)})")
     b.add_argument("--peers", type=str_list, default=["flash", "cudnn"],
                    help="SDPA backends to compare with: flash,cudnn,efficient (default flash,cudnn)")
     b.add_argument("--out", type=Path, default=None, help="write <gpu>-<date>.json/.csv/.png here")
@@ -109,11 +111,13 @@ def write_result(out: Path, gpu: str, kind: str, result: dict, plot: Any) -> Non
 
 
 def bench_flex_cases(args: argparse.Namespace) -> int:
-    """`bench --kind flex`: FlexAttention's examples on flashgen and on compiled flex_attention, same run."""
+    """`bench --kind flex`: FlexAttention's examples (--cases) on flashgen and on compiled flex_attention, same run."""
+    check_choices("cases", args.cases, bench_flex.CASES)
     torch = cuda_torch("bench")
     gpu = torch.cuda.get_device_name()
     dtype = args.dtype[0]
-    rows = [r for n in args.seqlen for r in bench_flex.flex_rows(n, 128, 16, args.batch_tokens, dtype)]
+    rows = [r for n in args.seqlen for r in bench_flex.flex_rows(n, 128, 16, args.batch_tokens, dtype,
+                                                                  names=tuple(args.cases))]
     result = {"gpu": gpu, "date": str(datetime.date.today()), "flashgen": __version__, "torch": torch.__version__,
               "dtype": dtype, "head_dim": 128, "heads": 16, "flex": rows}
     print(f"{gpu}, {datetime.date.today()}: FlexAttention's examples, d128, 16 heads, batch x N = {args.batch_tokens}, "
