@@ -23,7 +23,7 @@ from .kernels.dense import Kernel, checked, descale_dict, run_views
 from .kernels.serving import (NO_BACKWARD, KVPlan, append_kv, arch_and_slots, call_features, has_mods, kvcache_launch,
                               modifier_digests, run_plan, serve_config, serve_grids, want_split)
 from .launch import STREAM_FOR_TORCH
-from .mask_bands import band_of, builtin_mask
+from .mask_bands import builtin_for
 from .modifiers import trace_cached
 from .resolve import STORE_CHECK_S, choose_config, current_arch, load, tuned_decode
 from .tensors import is_torch
@@ -192,14 +192,8 @@ def _builtin_mask(score_mod: Any, mask_mod: Any, causal: bool, q: Any, k: Any) -
     `attention` makes them on the way to the built-in kernels."""
     if q.dim() != 4 or k.dim() != 4:
         return None
-    if score_mod is not None and not trace_cached(score_mod, "score").is_identity:
-        return None
-    band = band_of(trace_cached(mask_mod, "mask"))
-    if band is None:
-        return None
-    if causal:  # q_idx >= kv_idx where seqlen_q == seqlen_k, the only case builtin_mask maps
-        band = (max(band[0], 0), band[1])
-    return builtin_mask(band, q.shape[1], k.shape[1])
+    score = trace_cached(score_mod, "score") if score_mod is not None else None
+    return builtin_for(trace_cached(mask_mod, "mask"), score, causal, q.shape[1], k.shape[1])
 
 
 def _tables_want_grad(score: Any) -> bool:

@@ -104,4 +104,19 @@ def builtin_mask(band: Band, seqlen_q: int, seqlen_k: int) -> tuple[bool, tuple[
     return False, (left, right)
 
 
-__all__ = ["Band", "band_of", "builtin_mask"]
+def builtin_for(mask: Modifier, score: Modifier | None, causal: bool, seqlen_q: int,
+                seqlen_k: int) -> tuple[bool, tuple[int, int]] | None:
+    """(causal, window_size) of the built-in kernels for a call with this traced mask_mod, score_mod (None, or one
+    that changes nothing) and causal flag, where the mask keeps a band of diagonals (builtin_mask); else None. The
+    call's other modifiers (window_size, softcap, ALiBi, a block mask) are the caller's to rule out."""
+    if score is not None and not score.is_identity:
+        return None
+    band = band_of(mask)
+    if band is None:
+        return None
+    if causal:  # q_idx >= kv_idx where seqlen_q == seqlen_k, the only case builtin_mask maps
+        band = (max(band[0], 0), band[1])
+    return builtin_mask(band, seqlen_q, seqlen_k)
+
+
+__all__ = ["Band", "band_of", "builtin_for", "builtin_mask"]

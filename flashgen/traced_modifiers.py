@@ -25,7 +25,7 @@ import torch
 from .checks import Mods, checked_dtype
 from .modifier_grads import captured_grads
 from .modifiers import ModifierError, lookup, trace_cached
-from .mask_bands import band_of, builtin_mask
+from .mask_bands import builtin_for
 from .ops import attention_mods_op, attention_op, dense_mods_forward, flex_backward
 
 MAX_DEPTH = 5  # functions, containers and objects searched into for a captured tensor, from the modifier
@@ -184,14 +184,8 @@ def _band(score_digest: str, mask_digest: str, causal: bool, mods: Mods, seqlen_
     has nothing else that needs a generated kernel (as flashgen.attention's eager route); else None."""
     if not mask_digest or mods.softcap or mods.alibi is not None or mods.window != (-1, -1):
         return None
-    if score_digest and not lookup(score_digest, "score").is_identity:
-        return None
-    band = band_of(lookup(mask_digest, "mask"))
-    if band is None:
-        return None
-    if causal:
-        band = (max(band[0], 0), band[1])
-    return builtin_mask(band, seqlen_q, seqlen_k)
+    score = lookup(score_digest, "score") if score_digest else None
+    return builtin_for(lookup(mask_digest, "mask"), score, causal, seqlen_q, seqlen_k)
 
 
 def _mods(tensors: list[torch.Tensor], score_digest: str, mask_digest: str, window_left: int, window_right: int,

@@ -272,21 +272,26 @@ def modifier_calls(cases: list[str], calls: int, stages: bool) -> None:
 
     import flashgen
     from flashgen import bench_flex
+    from flashgen.mask_bands import builtin_for
 
     on_device_zero()
     batch, n = 4, 4096
     q, k, v = (torch.empty(batch, n, 16, 128, dtype=torch.bfloat16) for _ in range(3))
     by_name = {c.name: c for c in bench_flex.cases(n, batch, 16, "cpu", names=tuple(cases))}
     entries = {"plain": lambda: flashgen.attention(q, k, v)}
+    cuda_only = {"plain"}  # calls whose autograd runs flashgen's operators, CUDA-only: the built-in kernels'
     for name in cases:
         c = by_name[name]
         entries[name] = functools.partial(flashgen.attention, q, k, v, score_mod=c.score_mod, mask_mod=c.mask_mod)
+        mods = bench_flex.case_mods(c)
+        if mods is None or (mods.mask_mod is not None and builtin_for(mods.mask_mod, mods.score_mod, False, n, n)):
+            cuda_only.add(name)  # a band of diagonals (causal, a window) or no modifier: the built-in kernels too
         if c.builtin:  # the same mask through flashgen's own arguments
             entries[f"{name} built-in"] = functools.partial(flashgen.attention, q, k, v, **c.builtin)
+            cuda_only.add(f"{name} built-in")
     for grad in (False, True):
         for name, call in entries.items():
-            # the built-in kernels' autograd runs flashgen's operators, CUDA-only (so does a mask_mod they take)
-            if grad and (name == "plain" or name.endswith("built-in") or by_name[name].builtin):
+            if grad and name in cuda_only:
                 continue
             for t in (q, k, v):
                 t.requires_grad_(grad)

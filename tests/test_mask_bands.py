@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flashgen.mask_bands import band_of, builtin_mask  # noqa: E402
-from flashgen.modifiers import Modifier, trace_mask_mod  # noqa: E402
+from flashgen.mask_bands import band_of, builtin_for, builtin_mask  # noqa: E402
+from flashgen.modifiers import Modifier, trace_mask_mod, trace_score_mod  # noqa: E402
 
 W = 37
 
@@ -92,6 +92,17 @@ def test_only_bands_that_keep_each_querys_own_key_and_square_calls_map():
     assert builtin_mask((1, math.inf), 100, 100) is None   # row 0 keeps no key
     assert builtin_mask((-math.inf, -1), 100, 100) is None
     assert builtin_mask((0, math.inf), 100, 101) is None   # top-left and bottom-right alignments differ
+
+
+def test_builtin_for_a_call_takes_its_score_mod_and_causal_flag():
+    """The one decision of the eager and traced routes: a score_mod that changes something keeps the generated kernel,
+    one that changes nothing does not, and causal intersects the band with q_idx >= kv_idx."""
+    look_ahead = trace_mask_mod(BANDS["look ahead"][0])
+    assert builtin_for(look_ahead, None, False, 100, 100) == (False, (-1, 3))
+    assert builtin_for(look_ahead, None, True, 100, 100) == (True, (-1, -1))
+    assert builtin_for(look_ahead, trace_score_mod(lambda s, b, h, q, kv: s), False, 100, 100) == (False, (-1, 3))
+    assert builtin_for(look_ahead, trace_score_mod(lambda s, b, h, q, kv: s * 2), False, 100, 100) is None
+    assert builtin_for(look_ahead, None, False, 100, 101) is None
 
 
 def test_a_band_mask_mod_runs_the_builtin_kernel(monkeypatch):
