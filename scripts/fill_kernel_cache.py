@@ -128,11 +128,13 @@ def default_configs(arch: str) -> set[KernelConfig]:
 
 def flex_configs(arch: str) -> set[KernelConfig | BwdConfig]:
     """The modifier kernels `bench --kind flex` loads (its cases at 4k and 16k tokens, d128, bf16), each case's forward
-    and backward in the sm80 family and, on sm90, in the sm90 family where it builds them; the cases' built-in
-    kernels are --store's and --defaults'. Needs torch (the cases are traced on CPU tensors)."""
+    and backward in the sm80 family and, on sm90, in the sm90 family where it builds them (not for a band of
+    diagonals: flashgen.attention runs the built-in kernels there); the cases' built-in kernels are --store's and
+    --defaults'. Needs torch (the cases are traced on CPU tensors)."""
     from flashgen import bench_flex  # noqa: PLC0415
     from flashgen.kernels.serving import (modifier_config, modifier_digests, sm90_modifier_bwd_config,  # noqa: PLC0415
                                           sm90_modifier_config)
+    from flashgen.mask_bands import builtin_for  # noqa: PLC0415
     from flashgen.resolve import modifier_bwd_config  # noqa: PLC0415
 
     out: set[KernelConfig | BwdConfig] = set()
@@ -144,7 +146,8 @@ def flex_configs(arch: str) -> set[KernelConfig | BwdConfig]:
             digests = {**modifier_digests(mods), "block_map": mods.mask_mod is not None}  # score_mod, mask_mod, map
             out.add(modifier_config(128, "bf16", False, n, arch, mods))
             out.add(modifier_bwd_config(128, "bf16", False, arch, False, (), **digests))
-            if arch == "sm90":
+            if arch == "sm90" and not (mods.mask_mod is not None  # a band: flashgen's own kernels run it
+                                       and builtin_for(mods.mask_mod, mods.score_mod, False, n, n)):
                 out |= {c for c in (sm90_modifier_config(128, "bf16", False, mods),
                                     sm90_modifier_bwd_config(128, "bf16", False, (), False, *digests.values()))
                         if c is not None}

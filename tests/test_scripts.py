@@ -110,9 +110,11 @@ def test_fill_kernel_cache_space_is_the_restricted_tune_space():
 
 def test_fill_kernel_cache_flex_names_each_cases_modifier_kernels(monkeypatch):
     """--flex: the bench's modifier cases' forward and backward, both families on sm90 (the sm90 family's where its
-    schedules build clean, here all of them), the sm80 family's alone on sm80; the plain kernels are not its."""
+    schedules build clean, here all of them, but for the band masks, which the built-in kernels run), the sm80
+    family's alone on sm80; the plain kernels are not its."""
     pytest.importorskip("torch")
     import fill_kernel_cache
+    from flashgen import bench_flex
     from flashgen.config import BwdConfig
     from flashgen.kernels import serving
 
@@ -127,6 +129,11 @@ def test_fill_kernel_cache_flex_names_each_cases_modifier_kernels(monkeypatch):
     assert {c.family for c in ampere} == {"sm80"} and all(c.score_mod or c.mask_mod for c in hopper | ampere)
     assert all(c.head_dim == 128 and c.dtype == "bf16" for c in hopper | ampere)
     assert any(c.block_map for c in hopper) and any(not c.block_map for c in hopper)  # masks and score_mods alone
+    # causal and the window are bands of diagonals: flashgen.attention runs the built-in kernels, arch="sm80" sm80's
+    bands = {bench_flex.case_mods(c).mask_mod.digest for c in bench_flex.cases(4096, 4, 16, "cpu",
+                                                                             names=("causal", "window"))}
+    assert not any(c.mask_mod in bands for c in hopper if c.family == "sm90" and not c.score_mod)
+    assert {c.mask_mod for c in hopper if c.family == "sm80"} >= bands
 
 
 def test_time_sm90_modifiers_builds_every_schedule_it_times(monkeypatch):
