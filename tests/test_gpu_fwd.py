@@ -314,8 +314,11 @@ def test_bad_inputs_raise_before_launch():
         flashgen.attention(q.float(), q.float(), q.float())
     with pytest.raises(ValueError, match="multiple of heads"):
         flashgen.attention(q, q[:, :, :3], q[:, :, :3])
-    with pytest.raises(ValueError, match="head_dim=48"):
-        flashgen.attention(q[..., :48], q[..., :48], q[..., :48])
+    with pytest.raises(ValueError, match="head_dim=60 is not supported"):  # not a multiple of 8 (48 runs padded)
+        flashgen.attention(q[..., :60], q[..., :60], q[..., :60])
+    wide = torch.randn(1, 8, 4, 264, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="head_dim=264 is not supported"):
+        flashgen.attention(wide, wide, wide)
     with pytest.raises(ValueError, match="contiguous in its last dim"):
         t = torch.randn(1, 8, 4, 128, device="cuda", dtype=torch.float16)[..., ::2]
         flashgen.attention(t, t, t)
