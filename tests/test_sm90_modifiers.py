@@ -139,16 +139,16 @@ def test_sm90_config_refuses_what_the_family_does_not_build():
     assert sm90_modifier_config(80, "bf16", False, mods_of("document")) is None
 
 
-def test_a_score_mod_reading_per_score_takes_the_in_order_schedule_first(monkeypatch):
-    """The overlapped schedule evaluates the score_mod twice per score: one that loads per score (a bias table by
-    q_idx and kv_idx) goes in order, at the same block_n; one that reads per head (ALiBi's slopes), or a mask_mod
-    that reads per score (its verdicts are kept in bits), keeps the overlapped schedule."""
+def test_a_modifier_reading_per_score_takes_the_in_order_schedule_first(monkeypatch):
+    """A score_mod or mask_mod that loads per score (a bias table or document ids by q_idx and kv_idx) goes in order,
+    at the same block_n: the overlapped schedule evaluates the score_mod twice per score and holds a mask_mod's bits
+    beside the next tile's S. One that reads per head (ALiBi's slopes), or reads nothing, keeps the overlapped one."""
     monkeypatch.setattr(serving, "_builds_clean", lambda cfg: True)
     serving._sm90_modifier_config.cache_clear()
     picked = {name: sm90_modifier_config(128, "bf16", False, mods_of(name))
               for name in ("relative_bias", "alibi", "document", "sliding_window")}
     assert {n: (c.block_n, c.overlap) for n, c in picked.items()} == {
-        "relative_bias": (128, False), "alibi": (128, True), "document": (128, True), "sliding_window": (128, True)}
+        "relative_bias": (128, False), "alibi": (128, True), "document": (128, False), "sliding_window": (128, True)}
     serving._sm90_modifier_config.cache_clear()
 
 
@@ -163,7 +163,7 @@ def test_routing_takes_the_sm90_forward_on_hopper(monkeypatch):
     assert ops.modifier_kernel(0, 128, "bf16", True, 4096, 1, mods_of("softcap_document"), "sm80").family == "sm80"
     assert ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, mods_of("document", softcap=30.0)).family == "sm80"
     cfg = ops.modifier_kernel(0, 128, "bf16", True, 4096, 1, mods_of("softcap_document"), "sm90")
-    assert cfg.family == "sm90" and cfg.causal and cfg.block_map and cfg.overlap
+    assert cfg.family == "sm90" and cfg.causal and cfg.block_map and not cfg.overlap  # document ids: in order
     windowed = ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, mods_of("document", window=(64, 0)), "sm90")
     assert windowed.family == "sm90" and windowed.window
     assert ops.modifier_kernel(0, 128, "bf16", False, 4096, 1, mods_of("document"), "sm80").family == "sm80"
@@ -185,11 +185,12 @@ BUILDS = [("relative_prefix_lm", 128, "fp16", False), ("softcap_document", 64, "
 @needs_nvcc
 def test_sm90_modifier_kernels_compile_without_spills_or_serialized_wgmma():
     cfgs = [sm90_modifier_config(d, dt, causal, mods_of(name)) for name, d, dt, causal in BUILDS]
-    # a table read per score goes in order, and beside a mask spills at 128 keys; d256 spills overlapped
-    assert [(c.block_n, c.overlap) for c in cfgs] == [(64, False), (128, True), (64, False), (128, True)]
+    # a table read per score goes in order, and beside a mask spills at 128 keys; document ids go in order; d256
+    # spills overlapped
+    assert [(c.block_n, c.overlap) for c in cfgs] == [(64, False), (128, False), (64, False), (128, True)]
     assert all(c.family == "sm90" and c.block_map for c in cfgs)
     overlapped = dataclasses.replace(cfgs[0], overlap=True, pingpong=True)
-    others = [overlapped, dataclasses.replace(cfgs[1], overlap=False, pingpong=False)]
+    others = [overlapped, dataclasses.replace(cfgs[1], overlap=True, pingpong=True)]
     compile_sm90a_clean(cfgs + others + [dataclasses.replace(overlapped, persistent=True)])
 
 
