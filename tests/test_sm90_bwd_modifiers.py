@@ -159,6 +159,21 @@ def test_routing_takes_the_sm90_backward_on_hopper(monkeypatch):
     assert kernel().family == "sm80" and kernel("sm90").family == "sm80"
 
 
+def test_a_modifier_loading_per_score_takes_the_64_key_tiles_first_at_d64(monkeypatch):
+    """At d64 a mask_mod or score_mod that loads per score (document ids, a bias table) tries 64 x 64 first; masks
+    of indices alone (prefix LM, a window) keep the 128 x 128 tiles; d128 keeps its order for both."""
+    from flashgen.kernels import serving  # noqa: PLC0415
+
+    monkeypatch.setattr(serving, "_builds_clean", lambda cfg: True)
+    tiles = {(name, d): (lambda c: (c.block_m, c.block_n))(
+        sm90_modifier_bwd_config(d, "bf16", False, (), False, *digests(name).values()))
+        for name in ("document", "relative_bias", "prefix_lm", "sliding_window") for d in (64, 128)}
+    assert tiles == {("document", 64): (64, 64), ("relative_bias", 64): (64, 64), ("prefix_lm", 64): (128, 128),
+                     ("sliding_window", 64): (128, 128), ("document", 128): (64, 128),
+                     ("relative_bias", 128): (64, 128), ("prefix_lm", 128): (64, 128),
+                     ("sliding_window", 128): (64, 128)}
+
+
 # The brief's examples at d64 and d128: a score_mod over a captured table (relative bias), one with transcendental
 # arithmetic (softcap), a mask over a captured tensor with its block map (document), a causal mask_mod.
 BUILDS = [("relative_bias", False), ("softcap", False), ("document", False), ("causal", True)]
