@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import hashlib
 import math
 import numbers
@@ -140,7 +141,7 @@ class Modifier:
         """A score_mod that returns the score unchanged: the call needs no modifier kernel."""
         return self.kind == "score" and self.expr == "score" and not self.captured
 
-    @property
+    @functools.cached_property  # asked on every call of a modified kernel: the graph is walked once
     def reads_per_score(self) -> bool:
         """Whether it reads a captured tensor at an index that depends on q_idx or kv_idx (a bias table, document
         ids): a load per score, not one per head or sequence. A modifier given as CUDA text: whether it reads any."""
