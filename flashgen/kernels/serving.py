@@ -435,7 +435,7 @@ def sm90_modifier_config(head_dim: int, dtype: str, causal: bool, mods: Mods) ->
         # A load per score: the overlapped schedule evaluates the score_mod twice (row max, then exponent), and a
         # mask_mod's verdicts, kept in bits, take registers beside the next tile's S; the in-order one, at the same
         # block_n, goes first (H200: a relative-bias table 1.08-1.13x at d128; document ids 1.29-1.31x at d64,
-        # 1.21-1.23x at d128, where the 128-key tiles spill; a random block-sparse table within 2%).
+        # 1.21-1.23x at d128, where the 128-key tiles spill; a random block-sparse table within 3% at d64).
         schedules = tuple(sorted(schedules, key=lambda s: (-s[0], s[1] != SM90_IN_ORDER)))
     return _sm90_modifier_config(head_dim, dtype, causal, tuple(features.items()),
                                  mods.score_mod.digest if mods.score_mod is not None else "",
