@@ -34,7 +34,7 @@ def main() -> None:
     qv, kv = q[0].expand(64, 32, 128).contiguous(), kc[0, :64].contiguous()
     cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
     qd = q.expand(1, 256, 32, 128).contiguous()
-    document = next(c for c in bench_flex.cases(256, 1, 32, qd.device) if c.name == "document").mask_mod
+    document = bench_flex.cases(256, 1, 32, qd.device, names=("document",))[0].mask_mod
     call = {
         "kvcache": lambda: flashgen.attention_with_kvcache(q, kc, kc, cache_seqlens=lens, validate=False),
         "varlen": lambda: flashgen.attention_varlen(qv, kv, kv, cu, cu, 64, 64, validate=False),
