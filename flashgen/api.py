@@ -10,19 +10,21 @@ from __future__ import annotations
 import numbers
 import sys
 import time
-from typing import Any
+import weakref
+from typing import Any, NamedTuple
 
 from . import driver, resolve
-from .blockmap import cached_from_block_mask, check_call
+from .blockmap import block_mask_stamp, cached_from_block_mask, check_call, generation, mask_stamp
 from .checks import (Mods, check_cache, check_dense, check_grad_scale, check_head_dims, check_heads, check_int32,
                      check_mods, check_offsets, check_sinks, checked_dtype, clamp_window, dtype_name, refuse_grad,
                      traced, wants_grad)
 from .head_dims import default_scale, kernel_head_dim, native, split_native
 from .kernels.bad_inputs import check_errors
 from .kernels.dense import Kernel, checked, descale_dict, run_views
+from .kernels.modified import ModPlan, run_mod_plan
 from .kernels.serving import (NO_BACKWARD, KVPlan, append_kv, arch_and_slots, call_features, has_mods, kvcache_launch,
                               modifier_digests, run_plan, serve_config, serve_grids, want_split)
-from .launch import STREAM_FOR_TORCH
+from .launch import STREAM_FOR_TORCH, capturing
 from .mask_bands import builtin_for
 from .modifiers import trace_cached
 from .resolve import STORE_CHECK_S, choose_config, current_arch, load, tuned_decode
@@ -164,7 +166,7 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
         out, lse = _traced_modifiers().modified_attention(q, k, v, causal, softmax_scale, mods, score_mod, mask_mod,
                                                           deterministic)
         return (out, lse) if return_lse else out
-    block_map = None
+    block_map, given_mask_mod = None, mask_mod
     if block_mask is not None:
         mask_mod = _block_mask_mod(block_mask, mask_mod)
         block_map = cached_from_block_mask(block_mask)
@@ -172,17 +174,39 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
     score = trace_cached(score_mod, "score") if score_mod is not None else None
     mask = trace_cached(mask_mod, "mask") if mask_mod is not None else None
     _refuse_mask_grad(mask)
+    traces = (score, mask)
     if score is not None and score.is_identity:  # dead code: the call is the kernel without it
         if mask is None and block_map is None:
             return attention(q, k, v, causal, softmax_scale, return_lse, arch=arch, deterministic=deterministic,
                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
         score = None
     mods = mods._replace(score_mod=score, mask_mod=mask, block_map=block_map)
-    if wants_grad(q, k, v) or _tables_want_grad(score):
+    grad = wants_grad(q, k, v) or _tables_want_grad(score)
+    if grad:
         check_grad_scale(softmax_scale, q, k, v)
-        out, lse = _ops().flex_attention(q, k, v, causal, softmax_scale, mods, deterministic, arch)
+    plan = None
+    if q.shape[0] * q.shape[1] * q.shape[2]:
+        plan = _ops().modifier_plan(q, k, v, causal, softmax_scale, mods, arch)
+        if not softcap and alibi_slopes is None and (window_size is _NO_WINDOW or window_size == _NO_WINDOW):
+            key = _mod_key(q, k, v, causal, softmax_scale, return_lse, arch, deterministic, score_mod, given_mask_mod,
+                           block_mask)
+            if key is not None and not (q.is_cuda and capturing()):  # a capture's block map is the graph's memory
+                if len(_mod_routes) > 256:
+                    _mod_routes.clear()
+                _mod_routes[key] = _ModRoute(plan, mods, *traces, _weak(block_mask), _map_stamp(mask, block_mask))
+    return _run_flex(q, k, v, causal, softmax_scale, return_lse, arch, deterministic, mods, plan, grad)
+
+
+def _run_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, return_lse: bool, arch: str | None,
+              deterministic: bool, mods: Mods, plan: Any, grad: bool) -> Any:
+    """A modifier call's result by its plan (None: there is none, the call has no rows), through autograd where
+    `grad`."""
+    if grad:
+        out, lse = _ops().flex_attention(q, k, v, causal, softmax_scale, mods, deterministic, arch, plan)
     else:
-        out, lse = _ops().dense_mods_forward(q, k, v, causal, softmax_scale, mods, return_lse, arch)
+        done = None if plan is None else run_mod_plan(plan, q, k, v, return_lse)
+        out, lse = done if done is not None else _ops().dense_mods_forward(q, k, v, causal, softmax_scale, mods,
+                                                                          return_lse, arch)
     return (out, lse) if return_lse else out
 
 
@@ -310,6 +334,15 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
             and k_descale is None and v_descale is None and not block_quant_p and not softcap
             and (window_size is _NO_WINDOW or window_size == _NO_WINDOW)):  # first: a decode step seen before
         done = _decode_route(q, k, v, causal, softmax_scale, return_lse)
+        if done is not None:
+            return done
+    if (_mod_routes and (score_mod is not None or mask_mod is not None or block_mask is not None)
+            and learnable_sink is None and alibi_slopes is None and arch in (None, "sm80", "sm90") and stream is None
+            and out_dtype is None and q_descale is None and k_descale is None and v_descale is None
+            and not block_quant_p and not softcap
+            and (window_size is _NO_WINDOW or window_size == _NO_WINDOW)):  # first: a modifier call seen before
+        done = _mod_route(q, k, v, causal, softmax_scale, return_lse, arch, deterministic, score_mod, mask_mod,
+                          block_mask)
         if done is not None:
             return done
     _check_options(causal, softmax_scale)
@@ -440,6 +473,75 @@ def _full_lengths(q: Any, k: Any) -> tuple[Any, bool]:
             return lengths, False
         _lengths[key] = lengths
     return lengths, True
+
+
+class _ModRoute(NamedTuple):
+    """An attention() call with a score_mod, mask_mod or BlockMask, kept by _mod_key: its plan, its modifiers (what
+    autograd's backward takes), the traces and BlockMask the plan was made with, and its block map's sources' stamp."""
+
+    plan: ModPlan
+    mods: Mods
+    score: Any
+    mask: Any
+    block_mask: Any  # a weak reference to the BlockMask, or None
+    stamp: tuple
+
+
+# By _mod_key. A call that repeats one's signature, with the same traces (modifiers.trace_cached: the same functions
+# reading the same tensors), its BlockMask or mask tensors unwritten since (blockmap's stamps) and the tuned store
+# unchanged, goes straight to the plan: checks, traces, kernel choice, block map and parameter packing were half a
+# small call's time.
+_mod_routes: dict[tuple, _ModRoute] = {}
+
+
+def _mod_key(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_lse: Any, arch: Any, deterministic: Any,
+             score_mod: Any, mask_mod: Any, block_mask: Any) -> tuple | None:
+    """What a modifier call's checks and choices depend on beyond its modifiers' traces and block map: torch tensors'
+    layouts and options of the plain types (None for others: the full path)."""
+    tensor = _Tensor if _Tensor is not None else _bind_torch()
+    if tensor is None or type(q) is not tensor or type(k) is not tensor or type(v) is not tensor:
+        return None
+    if (causal.__class__ not in _FLAGS or return_lse.__class__ not in _FLAGS or deterministic.__class__ not in _FLAGS
+            or (softmax_scale is not None and softmax_scale.__class__ not in _NUMBERS)):
+        return None
+    return (id(score_mod), id(mask_mod), id(block_mask), q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(),
+            k.dtype, k.device, v.shape, v.stride(), v.dtype, v.device, causal, softmax_scale, return_lse, arch,
+            deterministic)
+
+
+def _mod_route(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_lse: Any, arch: Any,
+               deterministic: Any, score_mod: Any, mask_mod: Any, block_mask: Any) -> Any:
+    """attention()'s result by the plan of an earlier call with this signature (_mod_routes), or None."""
+    route = _mod_routes.get(_mod_key(q, k, v, causal, softmax_scale, return_lse, arch, deterministic, score_mod,
+                                     mask_mod, block_mask))
+    if route is None or _compiling():
+        return None
+    if block_mask is not None:
+        if route.block_mask() is not block_mask:
+            return None
+        mask_mod = _block_mask_mod(block_mask, mask_mod)
+    score = trace_cached(score_mod, "score") if score_mod is not None else None
+    mask = trace_cached(mask_mod, "mask") if mask_mod is not None else None
+    if score is not route.score or mask is not route.mask or _map_stamp(mask, block_mask) != route.stamp:
+        return None
+    if route.plan.tracks_store and not _store_holds(route.plan, route.plan.device):
+        return None
+    _refuse_mask_grad(mask)
+    grad = wants_grad(q, k, v) or _tables_want_grad(route.mods.score_mod)
+    if grad:
+        check_grad_scale(softmax_scale, q, k, v)
+    return _run_flex(q, k, v, causal, softmax_scale, return_lse, arch, deterministic, route.mods, route.plan, grad)
+
+
+def _map_stamp(mask: Any, block_mask: Any) -> tuple:
+    """What a modifier call's block map is built from, as blockmap compares it (with clear_cache's count)."""
+    if block_mask is not None:
+        return generation(), block_mask_stamp(block_mask)
+    return (generation(), mask_stamp(mask)) if mask is not None else ()
+
+
+def _weak(x: Any) -> Any:
+    return None if x is None else weakref.ref(x)
 
 
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
@@ -744,12 +846,17 @@ def _plan_holds(plan: KVPlan, q: Any, k: Any, v: Any) -> bool:
     (looked at once a STORE_CHECK_S: resolve.gpu_stamp)."""
     if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
-    if plan.tracks_store:
-        now = time.monotonic()
-        if now >= plan.look_after:
-            if resolve.gpu_stamp(plan.launch.device)[1] != plan.stamp:
-                return False  # the full path chooses again and replaces the plan
-            plan.look_after = now + STORE_CHECK_S
+    return not plan.tracks_store or _store_holds(plan, plan.launch.device)
+
+
+def _store_holds(plan: Any, device: int) -> bool:
+    """Whether the tuned store a plan's choice read is unchanged (looked at once a STORE_CHECK_S: resolve.gpu_stamp);
+    where not, the full path chooses again and replaces the plan."""
+    now = time.monotonic()
+    if now >= plan.look_after:
+        if resolve.gpu_stamp(device)[1] != plan.stamp:
+            return False
+        plan.look_after = now + STORE_CHECK_S
     return True
 
 

@@ -194,7 +194,7 @@ def cached_from_mask(mask: Modifier, batch: int, heads: int, seqlen_q: int, seql
     (their version counters: an in-place op, a slice assignment, copy_). A write torch does not see (another
     framework through DLPack, a raw CUDA kernel) needs clear_cache() before the next call."""
     key = (mask.digest, batch, heads, seqlen_q, seqlen_k, block_m, block_n, str(device))
-    stamp = tuple((id(t), t._version) for t in mask.tensors)
+    stamp = mask_stamp(mask)
     with _cache_lock:
         held = _cache.get(key)
         if held is not None and held[0][0] == stamp and all(r() is t for r, t in zip(held[0][1], mask.tensors)):
@@ -209,11 +209,34 @@ def cached_from_mask(mask: Modifier, batch: int, heads: int, seqlen_q: int, seql
     return built
 
 
+def mask_stamp(mask: Modifier) -> tuple:
+    """What a map built from `mask` depends on beyond its digest and the call's shape: its captured tensors' ids
+    and version counters (torch bumps a counter on every write it makes)."""
+    return tuple((id(t), t._version) for t in mask.tensors)
+
+
+def block_mask_stamp(block_mask: Any) -> tuple:
+    """What the map of torch's BlockMask depends on: its lengths, block size, and its tensors' ids and versions."""
+    tensors = [getattr(block_mask, n) for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")]
+    return (tuple(block_mask.seq_lengths), str(block_mask.BLOCK_SIZE),
+            tuple(None if t is None else (id(t), t._version) for t in tensors))
+
+
+_generation = 0  # clear_cache's count: what holds a map beyond these caches (a call's plan) compares it
+
+
+def generation() -> int:
+    """How many times clear_cache ran: a map kept since an earlier count may be stale."""
+    return _generation
+
+
 def clear_cache() -> None:
-    """Forget every map cached_from_mask and cached_from_block_mask hold."""
+    """Forget every map cached_from_mask and cached_from_block_mask hold (and make the plans that hold one stale)."""
+    global _generation
     with _cache_lock:
         _cache.clear()
         _mask_cache.clear()
+        _generation += 1
 
 
 _mask_cache: "collections.OrderedDict[int, tuple[Any, tuple, BlockMap]]" = collections.OrderedDict()
@@ -223,9 +246,7 @@ def cached_from_block_mask(block_mask: Any) -> BlockMap:
     """from_block_mask, reused while it is the same BlockMask object and torch has not written its tensors since
     (their version counters): a BlockMask made once and passed to every layer is converted once, and the map's
     retiled, moved and restricted forms and its lists are kept with it."""
-    tensors = [getattr(block_mask, n) for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")]
-    stamp = (tuple(block_mask.seq_lengths), str(block_mask.BLOCK_SIZE),
-             tuple(None if t is None else (id(t), t._version) for t in tensors))
+    stamp = block_mask_stamp(block_mask)
     with _cache_lock:
         held = _mask_cache.get(id(block_mask))
         if held is not None and held[0]() is block_mask and held[1] == stamp:
@@ -277,6 +298,5 @@ def check_call(block_map: BlockMap, batch: int, heads: int, seqlen_q: int, seqle
                          "(1 stands for all)")
 
 
-__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMap", "TileLists", "cached_from_block_mask", "cached_from_mask",
-           "check_call", "clear_cache",
-           "from_block_mask", "from_mask"]
+__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMap", "TileLists", "block_mask_stamp", "cached_from_block_mask",
+           "cached_from_mask", "check_call", "clear_cache", "from_block_mask", "from_mask", "generation", "mask_stamp"]

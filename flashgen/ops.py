@@ -22,10 +22,11 @@ from .modifier_grads import captured_grads
 from .kernels.backward import ServeArgs, backward
 from .kernels.bad_inputs import check_errors
 from .kernels.dense import checked, descale_dict, launch_torch, signature
+from .kernels.modified import ModPlan, make_mod_plan, run_mod_plan
 from .kernels.serving import (arch_and_slots, call_features, launch_prefill, modifier_config, modifier_digests,
                               serve_config, serve_grids, sm90_modifier_config, want_split)
-from .resolve import (backward_kernel, load, modifier_backward_kernel, prefill_config, resolver, serve_backward_kernel,
-                      tuned_modifier)
+from .resolve import (backward_kernel, gpu_stamp, load, modifier_backward_kernel, prefill_config, resolver,
+                      serve_backward_kernel, tuned_modifier)
 
 _HALF = {torch.float16: "fp16", torch.bfloat16: "bf16"}  # the dtypes with a backward
 
@@ -355,22 +356,40 @@ def dense_mods_forward(q: Any, k: Any, v: Any, causal: bool, softmax_scale: floa
     where it builds the call, see modifier_kernel)."""
     batch, seqlen_q, heads, d = q.shape
     seqlen_k = k.shape[1]
-    dtype = dtype_name(q, "q")
+    modified = mods.score_mod is not None or mods.mask_mod is not None or mods.block_map is not None
+    cfg = None
+    if modified and batch * seqlen_q * heads:
+        plan = modifier_plan(q, k, v, causal, softmax_scale, mods, family)
+        done = run_mod_plan(plan, q, k, v, want_lse)
+        if done is not None:
+            return done
+        cfg, mods = plan.config, plan.mods  # a base pointer off 16 bytes: the launch below says why
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device) if want_lse else None
     if batch * seqlen_q * heads == 0:
         return out, lse
-    if mods.score_mod is not None or mods.mask_mod is not None or mods.block_map is not None:
-        cfg = modifier_kernel(q.get_device(), d, dtype, causal, seqlen_q, heads // k.shape[2], mods, family)
-        if cfg.block_map:
-            mods = mods._replace(block_map=kernel_block_map(cfg, mods, causal, batch, heads, seqlen_q, seqlen_k,
-                                                            q.device))
-    else:
-        cfg = prefill_config(q.get_device(), d, dtype, causal, seqlen_q, seqlen_k, call_features(mods, causal),
-                             mods.window[0])
+    if cfg is None:
+        cfg = prefill_config(q.get_device(), d, dtype_name(q, "q"), causal, seqlen_q, seqlen_k,
+                             call_features(mods, causal), mods.window[0])
     launch_prefill(cfg, q, k, v, out, lse, cu_q=None, cu_k=None, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
                    num_splits=1, mods=mods, softmax_scale=softmax_scale)
     return out, lse
+
+
+def modifier_plan(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | None, mods: Mods,
+                  family: str | None = None) -> ModPlan:
+    """The plan (flashgen.kernels.modified) of a dense call with a score_mod, mask_mod or block map, on checked
+    (batch, seqlen, heads, head_dim) torch tensors: its kernel (modifier_kernel), the block map at the kernel's
+    tiles, its launch. An sm80-family choice may have read the tuned store: the plan carries the store's stamp."""
+    batch, seqlen_q, heads, d = q.shape
+    device = q.get_device()
+    cfg = modifier_kernel(device, d, dtype_name(q, "q"), causal, seqlen_q, heads // k.shape[2], mods, family)
+    if cfg.block_map:
+        mods = mods._replace(block_map=kernel_block_map(cfg, mods, causal, batch, heads, seqlen_q, k.shape[1],
+                                                        q.device))
+    tracks_store = cfg.family == "sm80"  # tuned_modifier read the store; the sm90 family's rules read none
+    return make_mod_plan(cfg, q, k, v, mods, softmax_scale, tracks_store,
+                         gpu_stamp(device)[1] if tracks_store else None)
 
 
 class _FlexAttention(torch.autograd.Function):
@@ -382,10 +401,11 @@ class _FlexAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                 softmax_scale: Optional[float], mods: Mods, deterministic: bool, family: Optional[str],
-                *tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                plan: Optional[ModPlan], *tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Either family's forward: its LSE (natural log, +inf for a row that sees no key) is what either family's
         # backward generated with the same modifiers reads.
-        out, lse = dense_mods_forward(q, k, v, causal, softmax_scale, mods, family=family)
+        done = None if plan is None else run_mod_plan(plan, q, k, v)
+        out, lse = done if done is not None else dense_mods_forward(q, k, v, causal, softmax_scale, mods, family=family)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (causal, softmax_scale, mods, deterministic)
         ctx.family = family
@@ -397,21 +417,23 @@ class _FlexAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        wanted = tuple(ctx.needs_input_grad[8:])
+        wanted = tuple(ctx.needs_input_grad[9:])
         dq, dk, dv, bmap = flex_backward(dout, q, k, v, out, lse, dlse, *ctx.args, family=ctx.family)
         tables = [None] * len(wanted)
         if any(wanted):
             causal, scale, mods, deterministic = ctx.args
             tables = captured_grads(dout, q, k, v, out, lse, dlse, causal, scale, mods, bmap, wanted, deterministic)
-        return (dq, dk, dv, None, None, None, None, None, *tables)
+        return (dq, dk, dv, None, None, None, None, None, None, *tables)
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
-                   mods: Mods, deterministic: bool, family: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   mods: Mods, deterministic: bool, family: Optional[str] = None,
+                   plan: Optional[ModPlan] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of `flashgen.attention` with modifiers where a gradient is wanted: differentiable in q, k, v and in
-    the float tensors the score_mod reads."""
+    the float tensors the score_mod reads. `plan`: the forward's (modifier_plan of the same call), where the caller
+    holds one."""
     tables = mods.score_mod.tensors if mods.score_mod is not None else ()
-    return _FlexAttention.apply(q, k, v, causal, softmax_scale, mods, deterministic, family, *tables)
+    return _FlexAttention.apply(q, k, v, causal, softmax_scale, mods, deterministic, family, plan, *tables)
 
 
 def flex_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -486,4 +508,5 @@ __all__ = ["attention", "attention_backward_op", "attention_fp8", "attention_fp8
            "attention_op", "attention_serve_backward_op", "attention_varlen_op", "cut_head_dim", "dense_backward",
            "dense_mods_forward",
            "flex_attention", "flex_backward", "forward_fp8", "forward_torch", "kernel_block_map", "modifier_kernel",
+           "modifier_plan",
            "pad_head_dim", "sinks_grad", "varlen_forward"]

@@ -17,6 +17,7 @@ from flashgen.blockmap import FULL, PARTIAL, BlockMap
 from flashgen.checks import Mods
 from flashgen.config import BwdConfig, ConfigError, bwd_space, default_bwd_config, modifier_bwd_config
 from flashgen.kernels import backward as bwd_kernels
+from flashgen.kernels.modified import ModPlan
 from flashgen.modifiers import Modifier
 from flashgen.render import render
 
@@ -360,8 +361,13 @@ def emulated(monkeypatch):
     from flashgen import api, checks, ops
 
     monkeypatch.setattr(ops, "launch_prefill", emulated_forward)
+    # plans without a launch: a call by its plan finds none and launches through launch_prefill, emulated
+    monkeypatch.setattr(ops, "make_mod_plan", lambda cfg, q, k, v, mods, *a: ModPlan(cfg, mods, -1, (), (), None))
+    monkeypatch.setattr(ops, "run_mod_plan", lambda plan, q, k, v, want_lse=True: None)
+    monkeypatch.setattr(api, "run_mod_plan", lambda plan, q, k, v, want_lse=True: None)
     monkeypatch.setattr(ops, "arch_and_slots", lambda device: ("sm90", 132))
     monkeypatch.setattr(ops, "tuned_modifier", lambda *a: None)
+    monkeypatch.setattr(ops, "gpu_stamp", lambda device: (("NVIDIA H200", "sm90"), None))
     monkeypatch.setattr(ops, "backward", emulated_backward)
     monkeypatch.setattr(ops, "modifier_backward_kernel", lambda device, d, dt, causal, features, det, sm, mm, bmap,
                         family=None:
@@ -447,6 +453,74 @@ def test_gradients_through_the_emulated_kernels(emulated, sq, sk):
         for name, got, ref in zip("qkv", (qg.grad, kg.grad, vg.grad), want):
             err = (got.double() - ref).abs().max().item()
             assert err < 2e-2 * max(1.0, ref.abs().max().item()), (sorted(kwargs), name, err)
+
+
+def test_a_repeated_modifier_call_takes_its_plan_while_what_it_was_made_from_holds(emulated, monkeypatch):
+    """The second call of a signature skips the full path (checks, traces, kernel choice, block map) and gives the
+    same result, gradients included (a learnable bias's too); a write to the mask's tensor, clear_cache(), a new
+    function or a new BlockMask each take the full path again. Against float64 references."""
+    import flashgen
+    from flashgen import api, blockmap
+
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    full_paths = []
+    full = api._attention_flex
+    monkeypatch.setattr(api, "_attention_flex", lambda *a, **kw: full_paths.append(1) or full(*a, **kw))
+    api._mod_routes.clear()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 113, h, 64, generator=g).half() for h in (4, 2, 2))
+    doc = (torch.rand(2, 113, generator=g) < 0.05).cumsum(1).to(torch.int32)
+    bias = torch.randn(113, generator=g)
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[b, q_idx] == doc[b, kv_idx]
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+
+    b, h, qi, ki = _grids(2, 4, 113, 113)
+
+    def reference(score_mod=None):
+        s = _scores(q, k, 0.125)
+        s = s if score_mod is None else score_mod(s, b, h, qi, ki)
+        s = s.masked_fill(~same_doc(b, h, qi, ki).expand(2, 4, 113, 113), -math.inf)
+        p = torch.softmax(s, -1).nan_to_num(0.0)
+        return (p @ v.double().repeat_interleave(2, 2).transpose(1, 2)).transpose(1, 2)
+
+    def check(out, score_mod=None, paths=None):
+        assert (out.double() - reference(score_mod)).abs().max().item() < 2e-3
+        if paths is not None:
+            assert len(full_paths) == paths, full_paths
+
+    check(flashgen.attention(q, k, v, softmax_scale=0.125, mask_mod=same_doc), paths=1)
+    check(flashgen.attention(q, k, v, softmax_scale=0.125, mask_mod=same_doc), paths=1)  # by the plan
+    doc[:, 60:] += 1  # a write torch sees: the block map is built again
+    check(flashgen.attention(q, k, v, softmax_scale=0.125, mask_mod=same_doc), paths=2)
+    check(flashgen.attention(q, k, v, softmax_scale=0.125, mask_mod=same_doc), paths=2)
+    blockmap.clear_cache()
+    check(flashgen.attention(q, k, v, softmax_scale=0.125, mask_mod=same_doc), paths=3)
+
+    def same_doc_again(b, h, q_idx, kv_idx):
+        return doc[b, q_idx] == doc[b, kv_idx]
+
+    check(flashgen.attention(q, k, v, softmax_scale=0.125, mask_mod=same_doc_again), paths=4)
+    check(flashgen.attention(q, k, v, softmax_scale=0.125, score_mod=biased, mask_mod=same_doc), biased, paths=5)
+    check(flashgen.attention(q, k, v, softmax_scale=0.125, score_mod=biased, mask_mod=same_doc), biased, paths=5)
+    bias.requires_grad_(True)  # now a learnable bias: the same plan, through autograd, with the bias's gradient
+    qg = q.clone().requires_grad_(True)
+    out = flashgen.attention(qg, k, v, softmax_scale=0.125, score_mod=biased, mask_mod=same_doc)
+    check(out, biased, paths=5)
+    out.float().sum().backward()
+    q64, bias64 = q.double().requires_grad_(True), bias.detach().double().requires_grad_(True)
+    s = (_scores(q64, k, 0.125) + bias64[ki]).masked_fill(~same_doc(b, h, qi, ki).expand(2, 4, 113, 113), -math.inf)
+    ref = (torch.softmax(s, -1).nan_to_num(0.0) @ v.double().repeat_interleave(2, 2).transpose(1, 2)).transpose(1, 2)
+    ref.sum().backward()
+    for got, want in ((qg.grad, q64.grad), (bias.grad, bias64.grad)):
+        assert (got.double() - want).abs().max().item() < 2e-2 * max(1.0, want.abs().max().item())
+    bias.requires_grad_(False)
+    masks = [fa.create_block_mask(same_doc, 2, None, 113, 113, device="cpu", BLOCK_SIZE=128) for _ in range(2)]
+    for block_mask, paths in ((masks[0], 6), (masks[0], 6), (masks[1], 7)):
+        check(flashgen.attention(q, k, v, softmax_scale=0.125, block_mask=block_mask), paths=paths)
 
 
 def test_lse_gradient_and_refusals(emulated):

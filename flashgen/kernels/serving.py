@@ -122,6 +122,20 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
     repeat. q/out rows: (.., rows, heads, d) views; k, v: (.., keys or page rows, heads_k, d). batch_strides:
     (q/o, k, v) batch (or page) strides. The kernel's bounds come from the shapes: the pages of a paged k,
     seqlen_k as a cache's capacity, the packed rows of q and k (varlen)."""
+    run = serve_launch(cfg, arch, q, k, v, out, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                        total_rows=total_rows, cu_q=cu_q, block_table=block_table, page_size=page_size,
+                        num_splits=num_splits, mods=mods, softmax_scale=softmax_scale, lse_strides=lse_strides,
+                        batch_strides=batch_strides)
+    if run is not None:
+        fire_serve(run, (q, k, v, out, lse, cu_q, cu_k, seqused_k, block_table, mods.alibi, kernel_sinks(mods.sinks)))
+    return run
+
+
+def serve_launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, *, batch: int, seqlen_q: int,
+                  seqlen_k: int, total_rows: int, cu_q: Any, block_table: Any, page_size: int, num_splits: int,
+                  mods: Mods, softmax_scale: float | None, lse_strides: tuple[int, int],
+                  batch_strides: tuple[int, int, int]) -> "ServeLaunch | None":
+    """_launch's ServeLaunch, not fired; None where it has no blocks."""
     heads, heads_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
     blocks, combine_blocks = serve_grids(cfg, batch, heads, heads_k, seqlen_q, total_rows, num_splits)
     if blocks == 0:
@@ -132,7 +146,7 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
     scale, scale_log2, softcap_pre = _scales(softmax_scale, d, mods.softcap)
     alibi = mods.alibi
     qb, kb, vb = batch_strides
-    fields = (  # ServeParams with its pointers 0: _fire fills them
+    fields = (  # ServeParams with its pointers 0: fire_serve fills them
         0, 0, 0, 0, 0,
         qb, q.stride(-3), q.stride(-2), kb, k.stride(-3), k.stride(-2), vb, v.stride(-3), v.stride(-2),
         0 if cu_q is not None else out.stride(0), out.stride(-3), out.stride(-2),
@@ -145,10 +159,8 @@ def _launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any, lse:
     # split-KV: floats of o_accum and lse_accum; fused_combine: an arrival counter per row block (blocks per split)
     accum = ((num_splits * total_rows * heads * d, num_splits * total_rows * heads,
               blocks // num_splits if cfg.fused_combine else 0) if cfg.split else None)
-    run = ServeLaunch(dev, fn, comb, blocks, combine_blocks, cfg.threads, fields, accum,
-                      modifier_tail(cfg, mods, dev, batch, heads) if cfg.modified else b"")
-    _fire(run, (q, k, v, out, lse, cu_q, cu_k, seqused_k, block_table, alibi, kernel_sinks(mods.sinks)))
-    return run
+    return ServeLaunch(dev, fn, comb, blocks, combine_blocks, cfg.threads, fields, accum,
+                       modifier_tail(cfg, mods, dev, batch, heads) if cfg.modified else b"")
 
 
 # The pointers filled per call (the error word is per device): the tensors' and the split-KV accumulators'.
@@ -163,7 +175,7 @@ def kernel_sinks(sinks: Any) -> Any:
     return None if sinks is None else sinks.detach().float().contiguous()
 
 
-def _fire(run: "ServeLaunch", tensors: tuple) -> None:
+def fire_serve(run: "ServeLaunch", tensors: tuple) -> None:
     """Launch `run` (and its combine) on the current stream with the pointers of `tensors` (q, k, v, out, lse,
     cu_q, cu_k, seqused, block_table, alibi, sinks (fp32); None: 0) and, split, fp32 accumulators (_workspace)."""
     fields = list(run.fields)
@@ -238,7 +250,7 @@ class ServeLaunch(NamedTuple):
     blocks: int
     combine_blocks: int
     threads: int
-    fields: tuple  # SERVE_PARAMS's fields, pointers 0 (filled per launch by _fire)
+    fields: tuple  # SERVE_PARAMS's fields, pointers 0 (filled per launch by fire_serve)
     # split-KV: floats of o_accum (splits, rows, heads, d) and lse_accum (.., heads), and (fused_combine) the
     # row blocks' arrival counters
     accum: tuple[int, int, int] | None
@@ -331,17 +343,39 @@ def _launch_sm90(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, 
                  cu_q: Any, cu_k: Any, mods: Mods, softmax_scale: float | None) -> None:
     """One sm90-family launch: q, k, v, out as (batch, rows, heads, d) views (varlen: the packed tensors as one
     batch, cu_q / cu_k their offsets); lse (batch, heads, rows) or varlen's (heads, total_q), or None."""
+    run = sm90_launch(cfg, q, k, v, out, num_seqs=num_seqs, max_seqlen_q=max_seqlen_q, cu_q=cu_q, cu_k=cu_k, mods=mods,
+                      softmax_scale=softmax_scale)
+    if run is not None:
+        fire_sm90(run, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr())
+
+
+class Sm90Launch(NamedTuple):
+    """An sm90-family serving launch without its q, k, v, out and lse pointers: what a call with the same shapes,
+    strides, offsets and modifiers repeats (fire_sm90 adds them)."""
+
+    device: int
+    fn: Any
+    grid: tuple[int, int, int]
+    threads: int
+    dtype: str
+    swizzle: int
+    maps: tuple  # q's, k's and v's tensor maps' (dims, byte strides, box)
+    fields: tuple  # FwdParams after its five pointers
+    tail: bytes  # what follows FwdParams (Sm90ServeFwdParams' serving fields, a modifier's slots)
+    held: Any = None  # what the tail points into that must live until the launch is queued (fp32 sinks)
+
+
+def sm90_launch(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, *, num_seqs: int, max_seqlen_q: int, cu_q: Any,
+                cu_k: Any, mods: Mods, softmax_scale: float | None) -> Sm90Launch | None:
+    """The sm90-family launch of _launch_sm90's arguments, its pointers left out; None where it has no rows."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     dev = q.get_device()
     driver.use_device(dev)
     scale, scale_log2 = scale_args(softmax_scale, d)
-    fwd = FWD.pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
-                    *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], b, h, hk, sq, sk, scale,
-                    scale_log2)
-    maps = b"".join(driver.tensor_map(cfg.dtype, t.data_ptr(), *tmap_box(t.stride(), d, n, heads, b, ELEM_BYTES,
-                                                                           cfg.smem_w, rows), cfg.row_bytes)
-                    for t, n, heads, rows in ((q, sq, h, cfg.block_m), (k, sk, hk, cfg.block_n), (v, sk, hk, cfg.block_n)))
+    fields = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], b, h, hk, sq, sk, scale, scale_log2)
+    maps = tuple(tmap_box(t.stride(), d, n, heads, b, ELEM_BYTES, cfg.smem_w, rows)
+                 for t, n, heads, rows in ((q, sq, h, cfg.block_m), (k, sk, hk, cfg.block_n), (v, sk, hk, cfg.block_n)))
     sinks = kernel_sinks(mods.sinks)  # alive until the launch is queued (the allocator orders its reuse)
     serve = (0 if cu_q is None else cu_q.data_ptr(), 0 if cu_k is None else cu_k.data_ptr(), *mods.window, num_seqs,
              max_seqlen_q, error_word(dev), 0 if sinks is None else sinks.data_ptr())
@@ -349,11 +383,27 @@ def _launch_sm90(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, lse: Any, 
         tail = _SM90_SERVE_MOD_TAIL.pack(*serve, *modifier_values(cfg, mods, dev, b, h))
     else:
         tail = _SM90_SERVE_TAIL.pack(*serve)
-    params = (maps + fwd + tail).ljust(SM90_BYTES, b"\0")
-    if max_seqlen_q * h * num_seqs:
-        grid = cfg.grid(num_seqs, h, max_seqlen_q, arch_and_slots(dev)[1] if cfg.persistent else None)
-        fn, _ = _functions(cfg, "sm90", driver.primary_context_id(dev))
-        fn.launch(grid, cfg.threads, params, current_stream(dev))
+    if not max_seqlen_q * h * num_seqs:
+        return None
+    grid = cfg.grid(num_seqs, h, max_seqlen_q, arch_and_slots(dev)[1] if cfg.persistent else None)
+    fn, _ = _functions(cfg, "sm90", driver.primary_context_id(dev))
+    return Sm90Launch(dev, fn, grid, cfg.threads, cfg.dtype, cfg.row_bytes, maps, fields, tail, sinks)
+
+
+def sm90_maps(run: Sm90Launch, q_ptr: int, k_ptr: int, v_ptr: int) -> bytes:
+    """The three tensor maps of `run` at these base pointers (128 bytes each)."""
+    return b"".join(driver.tensor_map(run.dtype, p, *geometry, run.swizzle)
+                    for p, geometry in zip((q_ptr, k_ptr, v_ptr), run.maps))
+
+
+def fire_sm90(run: Sm90Launch, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int,
+              maps: bytes | None = None) -> None:
+    """Launch `run` on the current stream with these pointers (lse 0: not written); `maps`: sm90_maps of the same
+    q, k, v pointers where the caller keeps them."""
+    if maps is None:
+        maps = sm90_maps(run, q_ptr, k_ptr, v_ptr)
+    params = (maps + FWD.pack(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, *run.fields) + run.tail).ljust(SM90_BYTES, b"\0")
+    run.fn.launch(run.grid, run.threads, params, current_stream(run.device))
 
 
 @functools.lru_cache(maxsize=512)
@@ -565,7 +615,7 @@ class KVPlan:
 def run_plan(plan: KVPlan, q: Any, k_cache: Any, v_cache: Any, seqused: Any, block_table: Any,
              return_lse: bool) -> tuple[Any, Any] | None:
     """(out, lse) of a call by its plan; None where a base pointer is not 16-byte aligned (the full path says why).
-    The same launches as _fire with the plan's ServeLaunch: its bytes with this call's pointers, on the current
+    The same launches as fire_serve with the plan's ServeLaunch: its bytes with this call's pointers, on the current
     stream, split-KV scratch from _workspace."""
     qp, kp, vp = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
     if (qp | kp | vp) & 15:
@@ -634,9 +684,9 @@ def append_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, bl
         v_cache[pages, pos % page_size] = v
 
 
-__all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "ServeLaunch", "append_kv",
-           "arch_and_slots", "call_features", "choose_splits", "decode_config", "has_mods", "kernel_sinks",
-           "kvcache_launch", "launch_prefill", "list_slots", "modifier_config", "modifier_digests", "modifier_tail",
-           "modifier_values",
-           "run_plan", "serve_config", "serve_grids", "sm90_modifier_bwd_config", "sm90_modifier_config",
+__all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "ServeLaunch", "Sm90Launch",
+           "append_kv", "arch_and_slots", "call_features", "choose_splits", "decode_config", "fire_serve", "fire_sm90",
+           "has_mods", "kernel_sinks", "kvcache_launch", "launch_prefill", "list_slots", "modifier_config",
+           "modifier_digests", "modifier_tail", "modifier_values", "run_plan", "serve_config", "serve_grids",
+           "serve_launch", "sm90_launch", "sm90_maps", "sm90_modifier_bwd_config", "sm90_modifier_config",
            "SM90_MODIFIER_BWD_SCHEDULES", "SM90_MODIFIER_SCHEDULES", "want_split"]
