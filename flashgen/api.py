@@ -512,9 +512,11 @@ def _mod_key(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_lse
 def _mod_route(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_lse: Any, arch: Any,
                deterministic: Any, score_mod: Any, mask_mod: Any, block_mask: Any) -> Any:
     """attention()'s result by the plan of an earlier call with this signature (_mod_routes), or None."""
+    if (_Tensor is None and _bind_torch() is None) or _compiling():  # torch.compile traces the full path
+        return None
     route = _mod_routes.get(_mod_key(q, k, v, causal, softmax_scale, return_lse, arch, deterministic, score_mod,
                                      mask_mod, block_mask))
-    if route is None or _compiling():
+    if route is None:
         return None
     if block_mask is not None:
         if route.block_mask() is not block_mask:
