@@ -184,9 +184,9 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
     grad = wants_grad(q, k, v) or _tables_want_grad(score)
     if grad:
         check_grad_scale(softmax_scale, q, k, v)
-    plan = None
-    if q.shape[0] * q.shape[1] * q.shape[2]:
-        plan = _ops().modifier_plan(q, k, v, causal, softmax_scale, mods, arch)
+    rows = q.shape[0] * q.shape[1] * q.shape[2]
+    plan = _ops().modifier_plan(q, k, v, causal, softmax_scale, mods, arch) if rows else None
+    if plan is not None:
         if not softcap and alibi_slopes is None and (window_size is _NO_WINDOW or window_size == _NO_WINDOW):
             key = _mod_key(q, k, v, causal, softmax_scale, return_lse, arch, deterministic, score_mod, given_mask_mod,
                            block_mask)

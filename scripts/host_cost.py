@@ -209,9 +209,11 @@ def instructions(argv: list[str], calls: int) -> None:
             print(f"{name}: {total / calls:,.0f} instructions/call (callgrind, {calls} calls)")
 
 
-STAGES = (("api", "check_dense"), ("api", "trace_cached"), ("ops", "dense_mods_forward"), ("ops", "modifier_kernel"),
-          ("ops", "kernel_block_map"), ("ops", "launch_prefill"), ("serving", "modifier_values"),
-          ("serving", "tmap_box"), ("serving", "scale_args"), ("driver", "use_device"))
+STAGES = (("api", "check_dense"), ("api", "trace_cached"), ("api", "run_mod_plan"), ("ops", "run_mod_plan"),
+          ("ops", "dense_mods_forward"), ("ops", "modifier_plan"), ("ops", "modifier_kernel"),
+          ("ops", "kernel_block_map"), ("ops", "launch_prefill"), ("modified", "fire_sm90"),
+          ("modified", "sm90_maps"), ("serving", "modifier_values"), ("serving", "tmap_box"),
+          ("serving", "scale_args"), ("driver", "use_device"))
 
 
 def on_device_zero() -> None:
@@ -239,11 +241,12 @@ def stage_timers() -> Iterator[dict[str, float]]:
     """Each function of STAGES wrapped in a timer: seconds spent inside it (inclusive), by name."""
     import flashgen.api
     import flashgen.driver
+    import flashgen.kernels.modified
     import flashgen.kernels.serving
     import flashgen.ops
 
-    modules = {"api": flashgen.api, "ops": flashgen.ops, "serving": flashgen.kernels.serving,
-               "driver": flashgen.driver}
+    modules = {"api": flashgen.api, "ops": flashgen.ops, "modified": flashgen.kernels.modified,
+               "serving": flashgen.kernels.serving, "driver": flashgen.driver}
     spent: dict[str, float] = dict.fromkeys((name for _, name in STAGES), 0.0)
     saved = []
     for mod_name, name in STAGES:

@@ -2,7 +2,7 @@
 compile) and the GPU tests (against a float64 reference and torch's flex_attention)."""
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -82,3 +82,16 @@ def trace(example: Example) -> tuple[Modifier | None, Modifier | None]:
     """The example's score_mod and mask_mod traced into flashgen Modifiers (None where it has none)."""
     return (trace_score_mod(example.score_mod) if example.score_mod else None,
             trace_mask_mod(example.mask_mod) if example.mask_mod else None)
+
+
+def plans_without_launch(monkeypatch: Any) -> None:
+    """Dense modifier calls' plans (flashgen.kernels.modified) made without a launch, and no call running by one:
+    each call launches through ops.launch_prefill, which a test emulating the kernel replaces; the plans' routes,
+    checks and choices run as on a GPU."""
+    from flashgen import api, ops
+    from flashgen.kernels.modified import ModPlan
+
+    monkeypatch.setattr(ops, "make_mod_plan", lambda cfg, q, k, v, mods, *a: ModPlan(cfg, mods, -1, (), (), None))
+    monkeypatch.setattr(ops, "run_mod_plan", lambda plan, q, k, v, want_lse=True: None)
+    monkeypatch.setattr(api, "run_mod_plan", lambda plan, q, k, v, want_lse=True: None)
+    monkeypatch.setattr(ops, "gpu_stamp", lambda device: (("NVIDIA H200", "sm90"), None))

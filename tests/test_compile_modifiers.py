@@ -322,6 +322,9 @@ def test_an_identity_score_mod_is_no_modifier(monkeypatch):
             calls.append(("modified", mods.score_mod, mods.mask_mod.digest))
             return q, None
 
+        def modifier_plan(self, q, k, v, causal, scale, mods, arch):  # none: the call takes dense_mods_forward
+            return None
+
     monkeypatch.setattr(api, "_ops", lambda: Ops())
     monkeypatch.setattr(api, "check_dense", lambda *a: Mods())
     q = torch.zeros(1, 64, 4, 64, dtype=torch.bfloat16)

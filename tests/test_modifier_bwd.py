@@ -17,13 +17,12 @@ from flashgen.blockmap import FULL, PARTIAL, BlockMap
 from flashgen.checks import Mods
 from flashgen.config import BwdConfig, ConfigError, bwd_space, default_bwd_config, modifier_bwd_config
 from flashgen.kernels import backward as bwd_kernels
-from flashgen.kernels.modified import ModPlan
 from flashgen.modifiers import Modifier
 from flashgen.render import render
 
 torch = pytest.importorskip("torch")
 from builds import assert_builds_without_spills  # noqa: E402
-from modifier_examples import examples, trace  # noqa: E402
+from modifier_examples import examples, plans_without_launch, trace  # noqa: E402
 
 EXAMPLES = examples()
 
@@ -361,13 +360,9 @@ def emulated(monkeypatch):
     from flashgen import api, checks, ops
 
     monkeypatch.setattr(ops, "launch_prefill", emulated_forward)
-    # plans without a launch: a call by its plan finds none and launches through launch_prefill, emulated
-    monkeypatch.setattr(ops, "make_mod_plan", lambda cfg, q, k, v, mods, *a: ModPlan(cfg, mods, -1, (), (), None))
-    monkeypatch.setattr(ops, "run_mod_plan", lambda plan, q, k, v, want_lse=True: None)
-    monkeypatch.setattr(api, "run_mod_plan", lambda plan, q, k, v, want_lse=True: None)
+    plans_without_launch(monkeypatch)
     monkeypatch.setattr(ops, "arch_and_slots", lambda device: ("sm90", 132))
     monkeypatch.setattr(ops, "tuned_modifier", lambda *a: None)
-    monkeypatch.setattr(ops, "gpu_stamp", lambda device: (("NVIDIA H200", "sm90"), None))
     monkeypatch.setattr(ops, "backward", emulated_backward)
     monkeypatch.setattr(ops, "modifier_backward_kernel", lambda device, d, dt, causal, features, det, sm, mm, bmap,
                         family=None:

@@ -20,7 +20,7 @@ from flashgen.render import render
 
 torch = pytest.importorskip("torch")
 from builds import assert_builds_without_spills  # noqa: E402
-from modifier_examples import FakeCuda, examples, trace  # noqa: E402
+from modifier_examples import FakeCuda, examples, plans_without_launch, trace  # noqa: E402
 
 EXAMPLES = examples()
 
@@ -542,6 +542,7 @@ def emulated(monkeypatch):
     from flashgen import api, checks, ops
 
     monkeypatch.setattr(ops, "launch_prefill", emulated_launch)
+    plans_without_launch(monkeypatch)
     monkeypatch.setattr(ops, "arch_and_slots", lambda device: ("sm90", 132))
     monkeypatch.setattr(ops, "tuned_modifier", lambda *a: None)
     monkeypatch.setattr(api, "check_dense", lambda q, k, v, window, softcap, alibi, causal: checks.clamp_window(
