@@ -7,6 +7,7 @@ a second, or after `reload()`) and runs it (flashgen.kernels); torch tensors go 
 """
 from __future__ import annotations
 
+import collections
 import numbers
 import sys
 import time
@@ -191,9 +192,10 @@ def _attention_flex(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float |
             key = _mod_key(q, k, v, causal, softmax_scale, return_lse, arch, deterministic, score_mod, given_mask_mod,
                            block_mask)
             if key is not None and not (q.is_cuda and capturing()):  # a capture's block map is the graph's memory
-                if len(_mod_routes) > 256:
-                    _mod_routes.clear()
                 _mod_routes[key] = _ModRoute(plan, mods, *traces, _weak(block_mask), _map_stamp(mask, block_mask))
+                _mod_routes.move_to_end(key)
+                while len(_mod_routes) > MOD_ROUTES_KEPT:
+                    _mod_routes.popitem(last=False)
     return _run_flex(q, k, v, causal, softmax_scale, return_lse, arch, deterministic, mods, plan, grad)
 
 
@@ -489,9 +491,11 @@ class _ModRoute(NamedTuple):
 
 # By _mod_key. A call that repeats one's signature, with the same traces (modifiers.trace_cached: the same functions
 # reading the same tensors), its BlockMask or mask tensors unwritten since (blockmap's stamps) and the tuned store
-# unchanged, goes straight to the plan: checks, traces, kernel choice, block map and parameter packing were half a
-# small call's time.
-_mod_routes: dict[tuple, _ModRoute] = {}
+# unchanged, goes straight to the plan: checks, traces, kernel choice, block map and parameter packing were most of
+# a small call's time. Few are kept: a route holds its block map on the GPU (a few MB at 16k tokens), and a loop that
+# defines its mask_mod anew on every step leaves one route per step that no call takes again; the oldest go first.
+MOD_ROUTES_KEPT = 16
+_mod_routes: "collections.OrderedDict[tuple, _ModRoute]" = collections.OrderedDict()
 
 
 def _mod_key(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_lse: Any, arch: Any, deterministic: Any,

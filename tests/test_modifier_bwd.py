@@ -516,6 +516,13 @@ def test_a_repeated_modifier_call_takes_its_plan_while_what_it_was_made_from_hol
     masks = [fa.create_block_mask(same_doc, 2, None, 113, 113, device="cpu", BLOCK_SIZE=128) for _ in range(2)]
     for block_mask, paths in ((masks[0], 6), (masks[0], 6), (masks[1], 7)):
         check(flashgen.attention(q, k, v, softmax_scale=0.125, block_mask=block_mask), paths=paths)
+    for step in range(api.MOD_ROUTES_KEPT + 4):  # a mask_mod defined anew each step: few routes kept, the newest
+        def fresh(b, h, q_idx, kv_idx):
+            return doc[b, q_idx] == doc[b, kv_idx]
+
+        flashgen.attention(q, k, v, softmax_scale=0.125, mask_mod=fresh)
+        assert len(api._mod_routes) <= api.MOD_ROUTES_KEPT and id(fresh) in next(reversed(api._mod_routes))
+    check(flashgen.attention(q, k, v, softmax_scale=0.125, mask_mod=fresh), paths=7 + api.MOD_ROUTES_KEPT + 4)
 
 
 def test_lse_gradient_and_refusals(emulated):

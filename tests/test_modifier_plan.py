@@ -93,3 +93,4 @@ def test_a_misaligned_base_pointer_takes_the_full_path(launches):
     plan = modified.make_mod_plan(cfg, q[:, 1:], q[:, 1:], q[:, 1:], mods, None)
     odd = torch.randn(1 * 64 * 2 * 128 + 1, dtype=torch.bfloat16)[1:].view(1, 64, 2, 128)  # 2 bytes off
     assert modified.run_mod_plan(plan, odd, odd, odd) is None and not launches
+
