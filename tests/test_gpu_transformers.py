@@ -132,3 +132,44 @@ def test_training_loss_curves_agree_with_sdpa(calls):
           f"max |gap| {gap.max():.3f}, mean over the last 50 steps {gap[-50:].mean():.4f}")
     assert sdpa[-1] < sdpa[0] - 0.5 and fg[-1] < fg[0] - 0.5  # both learned
     assert gap[-50:].mean() < 0.05 and gap.max() < 0.2
+
+
+def _variant(family: str, attn: str, dtype):
+    """A small random-weight model of `family` with its attention variant: Mistral's sliding window, Gemma 2's
+    logit softcapping beside a window on alternate layers, gpt-oss's attention sinks beside a window (MoE MLP)."""
+    kinds = {"mistral": (transformers.MistralConfig, dict(sliding_window=64)),
+             "gemma2": (transformers.Gemma2Config, dict(sliding_window=64, attn_logit_softcapping=20.0)),
+             "gpt_oss": (transformers.GptOssConfig, dict(sliding_window=64, num_local_experts=4, num_experts_per_tok=2,
+                                                         layer_types=["sliding_attention", "full_attention"]))}
+    cls, extra = kinds[family]
+    cfg = cls(vocab_size=2048, hidden_size=HEADS * HEAD_DIM, intermediate_size=1024, num_hidden_layers=2,
+              num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, **extra)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype).cuda().eval()
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
+def test_windows_softcap_and_sinks_match_eager(family, calls):
+    """Each layer through flashgen (window_size, softcap, learnable_sink as the layer asks) against the same weights
+    on transformers' eager attention; 300 tokens, so the 64-token windows cut. The yardstick is eager in bf16 against
+    float32. gpt-oss's sinks get their gradient through flashgen's backward."""
+    fp32 = _variant(family, "eager", torch.float32)
+    if family == "gpt_oss":
+        with torch.no_grad():
+            for layer in fp32.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0)  # large enough to move the softmax
+    eager, fg = _variant(family, "eager", torch.bfloat16), _variant(family, fg_hf.register(), torch.bfloat16)
+    for m in (eager, fg):
+        m.load_state_dict(fp32.state_dict())
+    ids = prompt(300, 11)
+    with torch.no_grad():
+        want = fp32(ids).logits
+        ours, theirs = fg(ids).logits.float(), eager(ids).logits.float()
+    err, yardstick = (ours - want).abs().max().item(), (theirs - want).abs().max().item()
+    print(f"{family}: max |logits - float32| flashgen {err:.3e}, eager bf16 {yardstick:.3e}")
+    assert err <= 2 * yardstick + 1e-3 and len(calls) == 2
+    if family == "gpt_oss":
+        fg.train()
+        fg(ids).logits.float().logsumexp(-1).mean().backward()
+        grads = [layer.self_attn.sinks.grad for layer in fg.model.layers]
+        assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)

@@ -25,15 +25,44 @@ def name() -> str:
     return fg_hf.register()
 
 
+def reference(q, k, v, causal, scale, window=(-1, -1), softcap=0.0, sinks=None):
+    """flashgen.attention's meaning in float64 (its layout, GQA, bottom-right causal and window, softcap on the scaled
+    scores, a sink logit per head in the softmax's denominator): the stand-in for its options."""
+    b, sq, h, _ = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    qf = q.double().transpose(1, 2)
+    kf, vf = (t.double().repeat_interleave(h // hk, 2).transpose(1, 2) for t in (k, v))
+    s = qf @ kf.transpose(-1, -2) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i, j = torch.arange(sq)[:, None] + sk - sq, torch.arange(sk)[None, :]
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if window[0] >= 0:
+        keep &= j >= i - window[0]
+    if window[1] >= 0:
+        keep &= j <= i + window[1]
+    s = s.masked_fill(~keep, -float("inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double().view(1, h, 1, 1).expand(b, h, sq, 1)], -1)
+    p = torch.softmax(s, -1)[..., :sk]
+    return (p @ vf).transpose(1, 2)
+
+
 @pytest.fixture
 def calls(monkeypatch) -> list[dict]:
     """Replace flashgen.attention by a float64 reference in its own layout; record each call."""
     seen: list[dict] = []
 
-    def fake_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, arch=None):
+    def fake_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, arch=None, *,
+                       window_size=(-1, -1), softcap=0.0, learnable_sink=None):
         seen.append({"q": tuple(q.shape), "k": tuple(k.shape), "causal": causal, "scale": softmax_scale,
-                     "views": all(t._is_view() for t in (q, k, v))})
-        return attention_ref(q, k, v, causal, softmax_scale, upcast=True)[0].to(q.dtype)
+                     "views": all(t._is_view() for t in (q, k, v)), "window": window_size, "softcap": softcap,
+                     "sinks": learnable_sink is not None})
+        if window_size == (-1, -1) and not softcap and learnable_sink is None:
+            return attention_ref(q, k, v, causal, softmax_scale, upcast=True)[0].to(q.dtype)
+        return reference(q, k, v, causal, softmax_scale, window_size, softcap, learnable_sink).to(q.dtype)
 
     monkeypatch.setattr(flashgen, "attention", fake_attention)
     return seen
@@ -100,15 +129,64 @@ def test_static_cache_is_refused(name, calls):
         tiny_model(name).generate(ids(batch=1), max_new_tokens=2, do_sample=False, cache_implementation="static")
 
 
-def test_sliding_window_only_where_it_cuts_nothing(name, calls):
+def test_a_sliding_window_matches_sdpa_prefill_and_generate(name, calls):
+    """Mistral's causal sliding window: flashgen's window_size (sliding_window - 1 keys before each query) where it
+    cuts into the keys, none where it covers them all; prefill and decode steps agree with SDPA's masks."""
     cfg = tiny_config(transformers.MistralConfig, sliding_window=8)
-    short = ids(batch=1, n=8)
+    for n, window in ((8, (-1, -1)), (13, (7, 0))):
+        with torch.no_grad():
+            want = tiny_model("sdpa", cfg)(ids(batch=1, n=n)).logits
+            got = tiny_model(name, cfg)(ids(batch=1, n=n)).logits
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert [c["window"] for c in calls] == [window] * LAYERS
+        calls.clear()
+    prompt = ids(batch=1, n=13)
     with torch.no_grad():
-        want = tiny_model("sdpa", cfg)(short).logits
-        got = tiny_model(name, cfg)(short).logits  # 8 keys within a window of 8: plain causal
+        want = tiny_model("sdpa", cfg).generate(prompt, max_new_tokens=6, do_sample=False)
+        got = tiny_model(name, cfg).generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+    # the prefill's 13 keys are cut; each decode step sees the sliding cache's last keys, all inside the window
+    assert [(c["q"][1], c["k"][1], c["window"]) for c in calls[:LAYERS]] == [(13, 13, (7, 0))] * LAYERS
+    assert all(c["q"][1] == 1 and c["k"][1] <= 8 and c["window"] == (-1, -1) for c in calls[LAYERS:])
+
+
+def test_gemma2_softcap_and_window_match_eager(name, calls):
+    """Gemma 2: logit softcapping on every layer and a sliding window on alternate ones, against transformers'
+    eager attention."""
+    cfg = tiny_config(transformers.Gemma2Config, sliding_window=8, attn_logit_softcapping=2.0)
+    with torch.no_grad():
+        want = tiny_model("eager", cfg)(ids(n=13)).logits
+        got = tiny_model(name, cfg)(ids(n=13)).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="sliding window or chunk of 8 tokens that cuts into the 13 keys"):
-        tiny_model(name, cfg)(ids(batch=1))
+    assert [(c["window"], c["softcap"]) for c in calls] == [((7, 0), 2.0), ((-1, -1), 2.0)]
+
+
+def test_gpt_oss_sinks_match_eager_and_train(name, calls):
+    """gpt-oss: attention sinks (s_aux, a logit per head in the softmax) with a sliding window on alternate layers,
+    against transformers' eager attention; the sinks are passed as learnable_sink, so they get their gradient."""
+    cfg = tiny_config(transformers.GptOssConfig, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                      layer_types=["sliding_attention", "full_attention"])
+    ref, model = tiny_model("eager", cfg), tiny_model(name, cfg)
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)  # large enough to move the softmax
+    model.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        want, got = ref(ids(n=13)).logits, model(ids(n=13)).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert [(c["window"], c["sinks"]) for c in calls] == [((7, 0), True), ((-1, -1), True)]
+    model(ids(n=13)).logits.sum().backward()
+    assert all(layer.self_attn.sinks.grad is not None for layer in model.model.layers)
+
+
+def test_a_chunked_mask_is_refused(name, calls):
+    """Chunked attention (Llama 4's) is not a window aligned to the last key: refused by name."""
+    from transformers import masking_utils as mu
+
+    chunked = mu.and_masks(mu.causal_mask_function, mu.chunked_overlay(8, torch.zeros(1, dtype=torch.long)))
+    with pytest.raises(ValueError, match="chunk of 8 tokens"):
+        fg_hf.build_mask(1, 13, 13, mask_function=chunked, local_size=8)
+    assert fg_hf.build_mask(1, 8, 8, mask_function=chunked, local_size=8) is None  # one chunk: causal
 
 
 @pytest.mark.parametrize("what, kwargs, words", [

@@ -10,14 +10,15 @@ and value (no copies, no repeat_kv: GQA/MQA go through as fewer key/value heads)
 layer's `scaling` as softmax_scale, and causal from the layer (`is_causal`).
 
 flashgen computes softmax(q k^T * scale [+ a causal mask aligned bottom-right]) v per
-sequence, so a layer gets only what that expresses exactly: no mask (full attention), or a
-plain causal mask without padding, also while generating with a KV cache (1 query against n
-cached keys is bottom-right causal). The mask function registered with the same name sees how
-transformers would build the mask and returns None for those; anything else (padding,
-a sliding window or chunk that cuts into the keys, packed sequences, a pre-allocated static
-cache, an explicit 4-D mask, dropout, softcapping, attention sinks, output_attentions) raises
-a ValueError that names it and the way round it. Training works: flashgen.attention has a
-backward (autograd through the flashgen::attention operator).
+sequence, with a layer's sliding window (window_size), logit softcapping (softcap, Gemma 2) and
+attention sinks (s_aux, gpt-oss: learnable_sink), so a layer gets only what that expresses
+exactly: no mask (full attention), a plain causal mask without padding, or a causal sliding
+window, also while generating with a KV cache (1 query against n cached keys is bottom-right
+causal). The mask function registered with the same name sees how transformers would build
+the mask and returns None for those; anything else (padding, a chunk that cuts into the keys,
+packed sequences, a pre-allocated static cache, an explicit 4-D mask, dropout,
+output_attentions) raises a ValueError that names it and the way round it. Training works:
+flashgen.attention has a backward (through autograd), sinks included.
 
 The name: transformers treats every attn_implementation containing "flash" as one of its own
 flash-attention paths (it tries to import flash_attn or fetch a hub kernel of that name, and
@@ -57,17 +58,30 @@ def register(name: str = NAME) -> str:
 
 
 def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
-                      scaling: float | None = None, is_causal: bool | None = None, **kwargs: Any) -> tuple[Any, None]:
+                      scaling: float | None = None, is_causal: bool | None = None, sliding_window: int | None = None,
+                      softcap: float | None = None, s_aux: Any = None, **kwargs: Any) -> tuple[Any, None]:
     """transformers' attention signature: query (batch, heads, seqlen_q, head_dim), key and value
-    (batch, heads_k, seqlen_k, head_dim) -> (output (batch, seqlen_q, heads, head_dim), None)."""
-    refuse_unsupported(attention_mask, dropout, key.shape[2], kwargs)
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    out = flashgen.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=bool(causal),
-                             softmax_scale=scaling)
+    (batch, heads_k, seqlen_k, head_dim) -> (output (batch, seqlen_q, heads, head_dim), None). sliding_window: a
+    query sees itself and the sliding_window - 1 keys before it (transformers' sliding_window_overlay, the mask
+    build_mask accepted); softcap: scores = softcap * tanh(scores / softcap); s_aux: gpt-oss's sinks, (heads,)."""
+    refuse_unsupported(attention_mask, dropout, kwargs)
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    options: dict[str, Any] = {}
+    if sliding_window is not None and key.shape[2] > sliding_window:  # it cuts keys (none are cut otherwise)
+        if not causal:
+            raise ValueError(f"a sliding window ({sliding_window}) without a causal mask is not supported by "
+                             f"flashgen; {SDPA}")
+        options["window_size"] = (int(sliding_window) - 1, 0)
+    if softcap:
+        options["softcap"] = float(softcap)
+    if s_aux is not None:
+        options["learnable_sink"] = s_aux
+    out = flashgen.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
+                             softmax_scale=scaling, **options)
     return out, None
 
 
-def refuse_unsupported(attention_mask: Any, dropout: float, seqlen_k: int, kwargs: dict[str, Any]) -> None:
+def refuse_unsupported(attention_mask: Any, dropout: float, kwargs: dict[str, Any]) -> None:
     """What a layer may ask beyond softmax(q k^T * scale [+ causal]) v, refused by name."""
     if attention_mask is not None:
         raise ValueError(
@@ -78,8 +92,8 @@ def refuse_unsupported(attention_mask: Any, dropout: float, seqlen_k: int, kwarg
         raise ValueError(f"attention dropout ({dropout}) is not supported (flashgen has no dropout): "
                          f"call model.eval() for inference, {SDPA} for training")
     unsupported = {
-        "softcap": "logit softcapping", "s_aux": "attention sinks", "sinks": "attention sinks",
-        "position_bias": "an additive position bias", "cu_seq_lens_q": "packed sequences (cu_seq_lens, varlen)",
+        "sinks": "attention sinks other than gpt-oss's s_aux", "position_bias": "an additive position bias",
+        "cu_seq_lens_q": "packed sequences (cu_seq_lens, varlen)",
         "cu_seq_lens_k": "packed sequences (cu_seq_lens, varlen)"}
     for arg, what in unsupported.items():
         if kwargs.get(arg) is not None:
@@ -87,10 +101,6 @@ def refuse_unsupported(attention_mask: Any, dropout: float, seqlen_k: int, kwarg
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True is not supported: flashgen never forms the attention matrix; "
                          "use attn_implementation='eager' to get attention weights")
-    window = kwargs.get("sliding_window")
-    if window is not None and seqlen_k > window:
-        raise ValueError(f"a sliding window of {window} tokens over {seqlen_k} keys is not supported by flashgen "
-                         f"(only windows that cover every key); {SDPA}")
 
 
 def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: int = 0,
@@ -124,9 +134,14 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0
         return None
     q_pos = torch.arange(q_length, device=full.device) + int(q_offset)
     kv_pos = torch.arange(kv_length, device=full.device) + int(kv_offset)
-    if kv_end == q_end and torch.equal(full, (kv_pos[None, :] <= q_pos[:, None]).expand_as(full)):
+    causal = kv_pos[None, :] <= q_pos[:, None]
+    if kv_end == q_end and torch.equal(full, causal.expand_as(full)):
         return None
-    what = (f"a sliding window or chunk of {local_size} tokens that cuts into the {kv_length} keys" if local_size
+    if (kv_end == q_end and local_size
+            and torch.equal(full, (causal & (kv_pos[None, :] > q_pos[:, None] - int(local_size))).expand_as(full))):
+        return None  # a causal sliding window: the layer passes it (sliding_window), attention_forward applies it
+    what = (f"a chunk of {local_size} tokens (or a window not aligned to the last key) that cuts into the "
+            f"{kv_length} keys" if local_size
             else "sequences packed into one row (position_ids that restart) or a custom mask overlay")
     raise ValueError(f"this attention mask is neither causal nor full ({what}); flashgen applies no other mask: "
                      f"keep sequences within the window and unpacked, {SDPA}")
