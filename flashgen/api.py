@@ -331,11 +331,10 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float
     key tiles it leaves empty are skipped, full ones run without the mask_mod, partial ones with its mask_mod.
     Without one, flashgen builds a mask_mod's block map itself (flashgen.blockmap; kept while the tensors it reads
     are unchanged) with the same effect."""
-    if (_decode_routes and learnable_sink is None and score_mod is None and mask_mod is None and block_mask is None
-            and alibi_slopes is None and arch is None and stream is None and out_dtype is None and q_descale is None
+    if (_decode_routes and score_mod is None and mask_mod is None and block_mask is None and alibi_slopes is None and arch is None and stream is None and out_dtype is None and q_descale is None
             and k_descale is None and v_descale is None and not block_quant_p and not softcap
             and (window_size is _NO_WINDOW or window_size == _NO_WINDOW)):  # first: a decode step seen before
-        done = _decode_route(q, k, v, causal, softmax_scale, return_lse)
+        done = _decode_route(q, k, v, causal, softmax_scale, return_lse, learnable_sink)
         if done is not None:
             return done
     if (_mod_routes and (score_mod is not None or mask_mod is not None or block_mask is not None)
@@ -430,13 +429,14 @@ def _decode_shaped(q: Any, k: Any, v: Any, sinks: Any = None) -> bool:
 _decode_routes: dict[tuple, tuple[Any, KVPlan]] = {}
 
 
-def _decode_route(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_lse: Any) -> Any:
+def _decode_route(q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, return_lse: Any, sinks: Any) -> Any:
     """attention()'s result by the route of an earlier call with its signature (_decode_routes), or None."""
-    route = _decode_routes.get(_plan_key(q, k, v, _FULL, None, causal, softmax_scale, _NO_WINDOW, 0.0, 0, return_lse))
-    if route is None or not _plan_holds(route[1], q, k, v) or _compiling():
+    route = _decode_routes.get(_plan_key(q, k, v, _FULL, None, causal, softmax_scale, _NO_WINDOW, 0.0, 0, return_lse,
+                                         sinks))
+    if route is None or not _plan_holds(route[1], q, k, v, sinks) or _compiling():
         return None
     check_errors()
-    done = run_plan(route[1], q, k, v, route[0], None, return_lse)
+    done = run_plan(route[1], q, k, v, route[0], None, return_lse, sinks)
     if done is None:
         return None
     return done if return_lse else done[0]
@@ -451,10 +451,10 @@ def _decode_step(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | No
     lengths, kept = _full_lengths(q, k)
     out = attention_with_kvcache(q, k, v, causal=causal, softmax_scale=softmax_scale, cache_seqlens=lengths,
                                  return_lse=return_lse, learnable_sink=sinks)
-    key = None if sinks is not None else _plan_key(q, k, v, _FULL, None, causal, softmax_scale, _NO_WINDOW, 0.0, 0,
-                                                    return_lse)
+    key = _plan_key(q, k, v, _FULL, None, causal, softmax_scale, _NO_WINDOW, 0.0, 0, return_lse, sinks)
     if key is not None and kept:  # a capture's lengths are the graph's: no route keeps them
-        plan = _kv_plans.get(_plan_key(q, k, v, lengths, None, causal, softmax_scale, _NO_WINDOW, 0.0, 0, return_lse))
+        plan = _kv_plans.get(_plan_key(q, k, v, lengths, None, causal, softmax_scale, _NO_WINDOW, 0.0, 0, return_lse,
+                                       sinks))
         if plan is not None:
             if len(_decode_routes) > 256:
                 _decode_routes.clear()
@@ -657,14 +657,14 @@ def attention_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v:
     at least 0) and kv_idx the key's; no block_mask (the mask_mod runs on every key tile the call visits), not with
     learnable_sink; the decode tuned store is not used with them."""
     key = None  # first: a decode step that repeats an earlier call's signature runs its plan
-    if (k is None and v is None and not validate and alibi_slopes is None and learnable_sink is None
-            and score_mod is None and mask_mod is None and block_mask is None):
+    if (k is None and v is None and not validate and alibi_slopes is None and score_mod is None and mask_mod is None
+            and block_mask is None):
         key = _plan_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, window_size, softcap,
-                        num_splits, return_lse)
+                        num_splits, return_lse, learnable_sink)
         plan = _kv_plans.get(key) if key is not None else None
-        if plan is not None and _plan_holds(plan, q, k_cache, v_cache):
+        if plan is not None and _plan_holds(plan, q, k_cache, v_cache, learnable_sink):
             check_errors()
-            done = run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, return_lse)
+            done = run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, return_lse, learnable_sink)
             if done is not None:
                 return done if return_lse else done[0]
     import torch  # noqa: PLC0415
@@ -800,12 +800,14 @@ _compiling: Any = None
 
 
 def _plan_key(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, causal: Any,
-              softmax_scale: Any, window_size: Any, softcap: Any, num_splits: Any, return_lse: Any) -> tuple | None:
+              softmax_scale: Any, window_size: Any, softcap: Any, num_splits: Any, return_lse: Any,
+              sinks: Any = None) -> tuple | None:
     """What an attention_with_kvcache call's checks and choices depend on, where a plan can repeat them: torch
     tensors (cache_seqlens a tensor, or _FULL), options of the plain types (bool or int flags, float or int numbers, a
-    tuple of two ints for the window); None for the others, which take the full path. The caller leaves out calls
-    with validation, an append, ALiBi, sinks or modifiers; whether a gradient is wanted is asked apart
-    (_plan_holds), and so is the tuned store's stamp. Built on every decode step: attribute reads and one tuple."""
+    tuple of two ints for the window, sinks a tensor's layout); None for the others, which take the full path. The
+    caller leaves out calls with validation, an append, ALiBi or modifiers; whether a gradient is wanted is asked
+    apart (_plan_holds), and so is the tuned store's stamp. Built on every decode step: attribute reads and one
+    tuple."""
     tensor = _Tensor
     if tensor is None:
         tensor = _bind_torch()
@@ -831,8 +833,14 @@ def _plan_key(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_tabl
         table = (block_table.shape, block_table.stride(), block_table.dtype, block_table.device)
     else:
         return None
+    if sinks is None:
+        sink = None
+    elif type(sinks) is tensor:
+        sink = (sinks.shape, sinks.stride(), sinks.dtype, sinks.device)
+    else:
+        return None
     return (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
-            v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, lengths, table, causal, softmax_scale,
+            v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, lengths, table, sink, causal, softmax_scale,
             window_size, softcap, num_splits, return_lse)
 
 
@@ -846,11 +854,12 @@ def _bind_torch() -> Any:
     return _Tensor
 
 
-def _plan_holds(plan: KVPlan, q: Any, k: Any, v: Any) -> bool:
-    """Whether a plan found by its key serves this call: no gradient wanted (the full path refuses it, or
-    attention() takes its differentiable kernels), and, where it was chosen with the tuned store, the store unchanged
-    (looked at once a STORE_CHECK_S: resolve.gpu_stamp)."""
-    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+def _plan_holds(plan: KVPlan, q: Any, k: Any, v: Any, sinks: Any = None) -> bool:
+    """Whether a plan found by its key serves this call: no gradient wanted, of the sinks either (the full path
+    refuses it, or attention() takes its differentiable kernels), and, where it was chosen with the tuned store, the
+    store unchanged (looked at once a STORE_CHECK_S: resolve.gpu_stamp)."""
+    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                            or (sinks is not None and sinks.requires_grad)):
         return False
     return not plan.tracks_store or _store_holds(plan, plan.launch.device)
 

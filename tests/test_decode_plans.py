@@ -131,8 +131,8 @@ def test_another_signature_takes_the_full_path(monkeypatch, other):
 
 
 def test_what_a_plan_does_not_serve_takes_the_full_path(monkeypatch):
-    """A gradient wanted is refused even where a plan exists; an append, an int cache_seqlens or sinks take the
-    full path every call."""
+    """A gradient wanted is refused even where a plan exists; an append or an int cache_seqlens take the full path
+    every call."""
     got = Decode(monkeypatch)
     q = meta(2, 1, 8, 128)
     step(q=q)
@@ -145,10 +145,32 @@ def test_what_a_plan_does_not_serve_takes_the_full_path(monkeypatch):
     assert (got.full, got.planned) == (1, 2)
     new = meta(2, 1, 2, 128)
     monkeypatch.setattr(api, "append_kv", lambda *a: None)
-    for kw in (dict(k=new, v=new), dict(cache_seqlens=100), dict(learnable_sink=torch.zeros(8, device="meta"))):
+    for kw in (dict(k=new, v=new), dict(cache_seqlens=100)):
         step(**kw)
         step(**kw)
-    assert (got.full, got.planned, len(api._kv_plans)) == (7, 2, 1)
+    assert (got.full, got.planned, len(api._kv_plans)) == (5, 2, 1)
+
+
+def test_sinks_are_planned_with_their_layout(monkeypatch):
+    """learnable_sink (gpt-oss's decode steps): its layout is part of the signature and its pointer is filled per
+    call; sinks of another dtype make their own plan; sinks that want a gradient take the full path, which refuses
+    them. attention() with one query token and sinks takes its route the same way."""
+    got = Decode(monkeypatch)
+    with torch.no_grad():
+        for _ in range(2):
+            step(learnable_sink=torch.zeros(8, device="meta"))  # new sinks each step: the same plan
+        assert (got.full, got.planned) == (1, 1)
+        step(learnable_sink=torch.zeros(8, dtype=BF16, device="meta"))
+        step()
+        assert (got.full, got.planned, len(api._kv_plans)) == (3, 1, 3)
+    with pytest.raises(RuntimeError, match="cannot give this input's gradient"):
+        step(learnable_sink=torch.zeros(8, device="meta").requires_grad_())
+    assert got.planned == 1
+    k = meta(2, 4096, 2, 128)
+    with torch.no_grad():  # the first call finds the fp32 sinks' plan above (full lengths are lengths of its layout)
+        for _ in range(3):
+            flashgen.attention(meta(2, 1, 8, 128), k, k, learnable_sink=torch.zeros(8, device="meta"))
+    assert (got.full, got.planned, len(api._decode_routes)) == (3, 4, 1)
 
 
 def test_a_store_change_makes_a_new_plan(monkeypatch):

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from flashgen import abi
+from flashgen.checks import Mods
 from flashgen.compile import compile_kernel
 from flashgen.config import FEATURES, ConfigError, KernelConfig, space
 from flashgen.render import render
@@ -237,6 +238,16 @@ def test_a_plan_launches_the_struct_the_full_path_packed(monkeypatch):
             assert splits == 1 or all(b[i] != 0 for i in (29, 30))
             # fused: one counter per row block (the grid over the splits), all zero; otherwise none
             assert b[counts] == (got.counters[7, grid_b[0] // splits].data_ptr() if fused else 0)
+    sinks, at = torch.randn(8), abi.SERVE.index("sinks")  # fp32: the kernel reads the caller's own tensor
+    for given in (sinks, torch.randn(8)):  # the plan's call, then another call's sinks: its pointer
+        kc = torch.randn(3, 256, 2, 128, dtype=torch.bfloat16)
+        cfg = serve_config(128, "bf16", False, 4, "sm90", varlen=True, pack_gqa=True, sinks=True)
+        got.launches.clear()
+        run = serving.kvcache_launch(cfg, 1, q, kc, kc, torch.empty_like(q), None, lens, None, Mods(sinks=sinks))
+        serving.run_plan(serving.KVPlan(run, None), q, kc, kc, lens, None, False, given)
+        (_, _, _, a, _), (_, _, _, b, _) = got.launches
+        assert a[at] == sinks.data_ptr() and b[at] == given.data_ptr()
+        assert [x for i, x in enumerate(a) if i not in fresh | {at}] == [x for i, x in enumerate(b) if i not in fresh | {at}]
 
 
 def test_a_plans_split_scratch_is_its_streams(monkeypatch):

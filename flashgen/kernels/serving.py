@@ -579,7 +579,8 @@ def modifier_digests(mods: Mods) -> dict[str, str]:
 # Where run_plan writes a call's pointers into ServeParams: q, k, v, o, lse lead it; seqused_k and block_table, and
 # o_accum and lse_accum, are neighbours.
 _CALL_POINTERS, _POINTER_PAIR, _POINTER = struct.Struct("=5Q"), struct.Struct("=2Q"), struct.Struct("=Q")
-_SEQUSED_AT, _ACCUM_AT, _COUNTS_AT = (abi.SERVE.offset(f) for f in ("seqused_k", "o_accum", "tile_counts"))
+_SEQUSED_AT, _ACCUM_AT, _COUNTS_AT, _SINKS_AT = (abi.SERVE.offset(f) for f in ("seqused_k", "o_accum", "tile_counts",
+                                                                                "sinks"))
 assert abi.SERVE.offset("f.lse") == 32 and abi.SERVE.offset("block_table") == _SEQUSED_AT + 8
 assert abi.SERVE.offset("lse_accum") == _ACCUM_AT + 8
 _torch: Any = None  # torch, once a plan is made (a plan's tensors are torch tensors)
@@ -613,10 +614,10 @@ class KVPlan:
 
 
 def run_plan(plan: KVPlan, q: Any, k_cache: Any, v_cache: Any, seqused: Any, block_table: Any,
-             return_lse: bool) -> tuple[Any, Any] | None:
+             return_lse: bool, sinks: Any = None) -> tuple[Any, Any] | None:
     """(out, lse) of a call by its plan; None where a base pointer is not 16-byte aligned (the full path says why).
     The same launches as fire_serve with the plan's ServeLaunch: its bytes with this call's pointers, on the current
-    stream, split-KV scratch from _workspace."""
+    stream, split-KV scratch from _workspace; `sinks` as the call gives them (made fp32 here where they are not)."""
     qp, kp, vp = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
     if (qp | kp | vp) & 15:
         return None
@@ -631,6 +632,9 @@ def run_plan(plan: KVPlan, q: Any, k_cache: Any, v_cache: Any, seqused: Any, blo
     _CALL_POINTERS.pack_into(buf, 0, qp, kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr())
     table = 0 if block_table is None else block_table.data_ptr()
     _POINTER_PAIR.pack_into(buf, _SEQUSED_AT, seqused.data_ptr(), table)
+    if sinks is not None:
+        sinks = kernel_sinks(sinks)  # alive until the launches are queued (the allocator orders its reuse)
+        _POINTER.pack_into(buf, _SINKS_AT, sinks.data_ptr())
     if run.accum is not None:
         o_floats, lse_floats, counters = run.accum
         fresh = capturing()
