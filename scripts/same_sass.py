@@ -4,6 +4,7 @@ templates and by the working tree's, compared instruction by instruction (no GPU
     mkdir .ab-base && git archive HEAD templates | tar -x -C .ab-base
     python scripts/same_sass.py --base .ab-base/templates --tests fwd fp8 --store
     python scripts/same_sass.py --base .ab-base/templates --tests fwd fp8 --sample 60   # a quick spread of them
+    python scripts/same_sass.py --base .ab-base/templates --tests bwd serving --store --backward --family sm90 --sample 16
 
 A refactor of the templates (a helper, a renamed local) whose kernels all compile to identical SASS needs no new
 GPU run; one that changes any is a kernel change. Prints how many are identical and names the others. Needs
@@ -25,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from flashgen.compile import compile_kernel, disassemble, disassembler, target_for  # noqa: E402
+from flashgen.config import BwdConfig  # noqa: E402
 
 from fill_kernel_cache import SUITES, chosen_configs, default_configs  # noqa: E402
 
@@ -45,11 +47,17 @@ def main() -> None:
     ap.add_argument("--arch", default="sm90")
     ap.add_argument("--tests", nargs="*", choices=SUITES, default=None, help="the GPU suites' kernels (all if bare)")
     ap.add_argument("--store", action="store_true", help="every tuned kernel")
+    ap.add_argument("--backward", action="store_true", help="only the backward's kernels (a change under a bwd template)")
+    ap.add_argument("--family", default=None, help="only this template family's kernels (sm80, sm90)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--sample", type=int, default=None, metavar="N",
                     help="only N of the chosen kernels, evenly spread over them by name (the same N every run)")
     args = ap.parse_args()
     cfgs = sorted(chosen_configs(args.arch, args.tests, args.store) or default_configs(args.arch), key=lambda c: c.name)
+    if args.backward:
+        cfgs = [c for c in cfgs if isinstance(c, BwdConfig)]
+    if args.family:
+        cfgs = [c for c in cfgs if c.family == args.family]
     if args.sample is not None and args.sample < len(cfgs):
         cfgs = [cfgs[i * len(cfgs) // args.sample] for i in range(args.sample)]
     if disassembler() is None:

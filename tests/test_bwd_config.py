@@ -5,6 +5,7 @@ import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 from flashgen.abi import BWD, SM90_BWD
@@ -379,26 +380,79 @@ def _assert_ordered_reduces(k: CompiledKernel) -> None:
         at = sass.index(op, at) + len(op)
 
 
-def test_sm90_deterministic_causal_walks_its_q_tiles_downward():
-    """Deterministic and causal, each CTA walks its Q tiles from the last down to its diagonal (DESCEND), so the
-    K/V tiles' turns at a Q tile fall on the same step of their loops instead of forming a wavefront. One helper maps
-    a step to its Q tile for the consumers' masks, the loads, dq_add and the dQ writer (whose turns, n_block
-    ascending per Q tile, are unchanged); the descending kernels compile clean for sm_90a."""
+def _kv_tile_ranges(seqlen_q: int, seqlen_k: int, bm: int, bn: int, right: int, left: int) -> dict[int, range]:
+    """K/V tile -> the Q tiles its CTA adds dQ to, as bwd_main computes them (right/left: -1 unbounded)."""
+    shift, m_blocks = seqlen_k - seqlen_q, -(-seqlen_q // bm)
+    out = {}
+    for n in range(-(-seqlen_k // bn)):
+        m_begin = min(m_blocks, max(0, n * bn - shift - right) // bm) if right >= 0 else 0
+        m_end = m_blocks
+        if left >= 0:
+            last = min(n * bn + bn, seqlen_k) - 1 - shift + left
+            m_end = 0 if last < 0 else min(m_blocks, last // bm + 1)
+        out[n] = range(m_begin, max(m_begin, m_end))
+    return out
+
+
+def _dq_turn(n: int, m: int, seqlen_q: int, seqlen_k: int, bm: int, bn: int, right: int, left: int, spt: bool) -> int:
+    """dq_turn in templates/sm90/bwd/dq.cuh.j2."""
+    shift = seqlen_k - seqlen_q
+    if spt:
+        last = -(-seqlen_k // bn) - 1
+        return (min(last, ((m + 1) * bm - 1 + shift + right) // bn) if right >= 0 else last) - n
+    return n - (max(0, m * bm + shift - left) // bn if left >= 0 else 0)
+
+
+@pytest.mark.parametrize("bm,bn", [(64, 128), (64, 64), (128, 128), (128, 64)])
+def test_sm90_deterministic_turns_are_an_order_no_ctas_wait_on_later_ones(bm, bn):
+    """The deterministic backward's turns at each Q tile are 0 .. k-1 over the k K/V tiles that add to it (so the
+    counter reaches every turn and the fp32 sums add in one fixed order). With a diagonal (causal, a window's right
+    edge) the turns go from the last K/V tile down (SPT): a CTA waits only on higher K/V tiles, which the grid hands
+    out first, and each of those reaches the Q tile no later in its upward walk, so none waits on a reduce still to
+    be computed. Unequal lengths, partial tiles, windows with and without causal."""
+    rng = np.random.default_rng(7)
+    cases = [(1, 1), (17, 113), (113, 17), (1023, 1023), (4096, 4096), (300, 1500), (1500, 300)]
+    cases += [tuple(int(x) for x in rng.integers(1, 3000, 2)) for _ in range(12)]
+    for (sq, sk), (right, left, causal) in itertools.product(cases, [(0, -1, True), (0, 200, True), (-1, -1, False),
+                                                                      (150, 90, False), (0, 0, True), (-1, 64, False)]):
+        spt = causal or right >= 0 or left >= 0  # SPT = DETERMINISTIC && (IS_CAUSAL || WINDOW)
+        ranges = _kv_tile_ranges(sq, sk, bm, bn, right, left)
+        adders: dict[int, list[int]] = {}
+        for n, ms in ranges.items():
+            for m in ms:
+                adders.setdefault(m, []).append(n)
+        for m, ns in adders.items():
+            turns = sorted(_dq_turn(n, m, sq, sk, bm, bn, right, left, spt) for n in ns)
+            assert turns == list(range(len(ns))), (sq, sk, right, left, m, ns)
+            assert ns == list(range(ns[0], ns[-1] + 1))
+            if spt:
+                for n in ns:  # the K/V tiles whose turns come first: higher n, first in the grid, no later at m
+                    for before in ns:
+                        if _dq_turn(before, m, sq, sk, bm, bn, right, left, spt) < _dq_turn(n, m, sq, sk, bm, bn, right, left, spt):
+                            assert before > n
+                            assert m - ranges[before].start <= m - ranges[n].start
+
+
+def test_sm90_deterministic_with_a_diagonal_runs_shortest_first():
+    """Deterministic with causal or a window, the main kernel counts each (batch, head)'s K/V tiles down from the
+    last (BlockIndex's last_first) and dq_turn lets the last add first; the preprocess and convert kernels and the
+    kernels without the switch keep the upward order. Every CTA walks its Q tiles upward. The kernels compile clean
+    for sm_90a with their reduces ordered."""
     import re
 
     from conftest import compile_sm90a_clean
 
     det = default_bwd_config(128, "bf16", True, "sm90", True)
     src = render(det)
-    assert "constexpr bool DESCEND = DETERMINISTIC && IS_CAUSAL;" in src
+    assert "constexpr bool SPT = DETERMINISTIC && (IS_CAUSAL || WINDOW);" in src
+    assert "min(last, ((m_block + 1) * BLOCK_M - 1 + shift + right) / BLOCK_N) : last) - n_block;" in src  # _dq_turn
     assert "constexpr bool DETERMINISTIC = true;" in src and "constexpr bool IS_CAUSAL = true;" in src
     for upward in (dataclasses.replace(det, causal=False), dataclasses.replace(det, deterministic=False)):
         assert re.search(r"constexpr bool (DETERMINISTIC|IS_CAUSAL) = false;", render(upward)), upward.name
-    assert src.count("m_begin + q_tile_of_step(m_count, it)") == 2  # the consumers' m0 and the producer's
-    assert src.count("q_tile_of_step(m_count, j)") == 2             # dq_add and dq_writer
-    assert not re.search(r"m_begin \+ (it|j)\b", src)             # no step taken for a Q tile without it
+    assert src.count("BlockIndex bi(") == 3 and src.count(", p.heads, SPT);") == 1  # only the main kernel's
+    assert src.count("m_begin + it)") == 2 and "(m_begin + j)" in src  # the loads, the consumers, dq_add
     writer = src[src.index("void dq_writer("):]
-    assert "dq_turn(P, n_block, m_begin + t, shift)" in writer and "dst + (int64_t)t * BLOCK_M * HEAD_DIM" in writer
+    assert "dq_turn(P, n_block, m_begin + t, seqlen_k, shift)" in writer and "dst + (int64_t)t * BLOCK_M * HEAD_DIM" in writer
 
     # one consumer unstaggered (d96), two staggered (d128), KV_SPLIT (d256); the sweep compiles the other head dims
     cfgs = [default_bwd_config(hd, "bf16", True, "sm90", True) for hd in (96, 128, 256)]

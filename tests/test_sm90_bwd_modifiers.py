@@ -95,9 +95,9 @@ def test_producer_consumers_and_dq_writers_walk_one_list():
     assert "const int m_count = qt.count;" in src
     assert src.count("m0 = qt.at(it) * BLOCK_M;") == 2  # the producer's loads and the consumers' loop
     assert "load_tiles(P, sm, sv, n0, head, head_k, batch, m_begin, m_count, stat0, qt);" in src
-    assert "dq_writer(P, sm, warp - 1, stat0, m_begin, m_count, bi.tile, shift, qt);" in src
+    assert "dq_writer(P, sm, warp - 1, stat0, m_begin, m_count, bi.tile, seqlen_k, shift, qt);" in src
     assert "const int t = qt.at(j) - m_begin;  // step j's Q tile: m_begin + t" in src
-    assert "else return lo + q_tile_of_step(count, j);" in src  # without a map: the dense kernel's order
+    assert "else return lo + j;" in src  # without a map: upward, as the dense kernel
     assert "mp.map_t_idx.ptr" in src and "mp.map_t_num.ptr" in src  # the transposed lists: Q tiles per key tile
     atomics = render(sm90_bwd("document"))
     assert atomics.count("dq_add(p, acc_dq, sm.bar_ds_free, stat0, qt, cw, wt, lane,") == 2
