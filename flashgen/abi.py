@@ -354,8 +354,9 @@ SM90_BWD = Block("Sm90BwdParams", "FLASHGEN_SM90_BWD_PARAMS", (
 SM90_MOD_BWD = Block("Sm90ModBwdParams", "FLASHGEN_SM90_MOD_BWD_PARAMS", (
     "Hopper's backward generated with a score_mod, mask_mod or block map: Sm90BwdParams, then the forward's",
     "ModTensor slots and lists, then the transposed lists, as in BwdServeModParams (the main kernel reads the",
-    "transposed ones: the q tiles of each key tile)."), (
+    "transposed ones: the q tiles of each key tile), then the deterministic kernels' turns beside those."), (
     Line("Sm90BwdParams", ("b",)), *BWD_SERVE_MOD.lines[1:],
+    Line("ModTensor", ("map_t_turn",), "int32 like map_t_idx: deterministic, each listed q tile's turn (blockmap.py)"),
 ))
 BLOCKS: dict[str, Block] = {b.name: b for b in (FWD, SERVE, MOD_TENSOR, SERVE_MOD, BWD, BWD_SERVE, BWD_SERVE_MOD, SM90_FWD,
                                                  SM90_SERVE_FWD, SM90_SERVE_MOD_FWD, FP8_DESCALE, SM90_FP8_FWD,

@@ -119,6 +119,18 @@ class BlockMap:
         (B, H, N, M), partial first. The backward's main kernel loops over the query tiles of one key tile."""
         return _lists(self.states.transpose(2, 3))
 
+    @functools.cached_property
+    def transposed_turns(self) -> Any:
+        """int32 (B, H, N, M), entry for entry beside `transposed_lists.idx`: for the j-th query tile m listed for key
+        tile n, how many key tiles above n also visit m (listed, not EMPTY). The deterministic sm90 backward adds a
+        query tile's dQ parts in that order, from its last key tile down: a turn the counter can reach whatever
+        key tiles the map leaves out."""
+        import torch  # noqa: PLC0415  (torch is optional; block maps are built from torch tensors)
+        visits = (self.states != EMPTY).to(torch.int32)  # (B, H, M, N)
+        above = visits.flip(-1).cumsum(-1).flip(-1) - visits  # key tiles past n that visit m
+        idx = self.transposed_lists.idx.long()  # (B, H, N, M): query tiles of key tile n
+        return torch.gather(above.transpose(2, 3), 3, idx).to(torch.int32).contiguous()
+
     def dense(self, batch: int, heads: int) -> Any:
         """The states at score granularity, (batch, heads, seqlen_q, seqlen_k) int8 (for tests and inspection)."""
         sq, sk = self.seq_lengths

@@ -762,7 +762,7 @@ class BwdConfig(_AsDict):
     # Programmable attention (dense): the forward's score_mod and mask_mod digests (KernelConfig's; the gradient
     # recomputes the modified score and applies d score_mod / d score), and a block map (the q tiles of each K/V tile
     # for the main kernel, the K/V tiles of each q tile for sm80's _dq: empty pairs skipped, full ones unmasked).
-    # Family sm90: head dims without kv_split, not deterministic with a block map.
+    # Family sm90: head dims without kv_split.
     score_mod: str = ""
     mask_mod: str = ""
     block_map: bool = False
@@ -819,9 +819,6 @@ class BwdConfig(_AsDict):
                               f"{', '.join(str(d) for d in SM90_BWD_HEAD_DIMS if sm90_bwd_kv_split(d) == 1)}, not "
                               f"{self.head_dim} (two warpgroups share each key's P^T and dS^T there); family sm80 "
                               "builds it")
-        if self.family == "sm90" and self.deterministic and self.block_map:
-            raise ConfigError("deterministic=True with a block map is built in family sm80 (family sm90 orders each "
-                              "Q tile's dQ reduces by key tile, and a block map's key tiles need not be consecutive)")
         if self.varlen:
             raise ConfigError("score_mod, mask_mod and block maps have a dense backward (not varlen)")
         if self.score_mod and (self.softcap or self.alibi):

@@ -5,6 +5,7 @@ mask_mod's) are exactly the mask's, under causal and window bounds too."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -203,6 +204,24 @@ def test_tile_lists_put_partial_tiles_first():
     assert lists.num.tolist() == [[[[2, 2], [0, 0]]]]
     assert lists.idx[0, 0, 0].tolist()[:4] == [2, 4, 0, 3]
     assert lists.num.dtype == lists.idx.dtype == torch.int32 and lists.idx.is_contiguous()
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 7, 5), (1, 4, 6, 9), (2, 1, 1, 1)])
+def test_transposed_turns_count_the_key_tiles_above(shape):
+    """Beside each entry of the transposed lists (query tile m listed for key tile n), the count of key tiles above n
+    that visit m: turns 0 .. k-1 over m's k key tiles, the last one first, whichever tiles are EMPTY."""
+    g = torch.Generator().manual_seed(sum(shape))
+    states = torch.randint(0, 3, shape, generator=g, dtype=torch.int8)
+    bm = BlockMap(states, (64, 32), (shape[2] * 64, shape[3] * 32))
+    turns, (num, idx) = bm.transposed_turns, bm.transposed_lists
+    assert turns.shape == idx.shape and turns.stride() == idx.stride() and turns.dtype == torch.int32
+    for b, h, m in itertools.product(*(range(n) for n in shape[:3])):
+        visiting = [n for n in range(shape[3]) if states[b, h, m, n] != EMPTY]
+        got = {}
+        for n in visiting:
+            listed = idx[b, h, n, :int(num[b, h, n].sum())].tolist()
+            got[n] = int(turns[b, h, n, listed.index(m)])
+        assert sorted(got, key=got.get) == visiting[::-1], (b, h, m, got)
 
 
 def test_empty_key_ranges():

@@ -307,8 +307,8 @@ def test_examples_backward_in_both_families(name, layout, family, monkeypatch):
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 def test_the_sm90_backward_is_taken_on_hopper(head_dim, monkeypatch):
-    """On Hopper the modifier backward is the sm90 family's without arch= (head dims 32 to 128; 256 is sm80's), and the
-    sm80 family's with arch="sm80" or deterministic with a block map."""
+    """On Hopper the modifier backward is the sm90 family's without arch= (head dims 32 to 128; 256 is sm80's),
+    deterministic with a block map too, and the sm80 family's with arch="sm80"."""
     needs_family("sm90")
     ex = examples("cuda", batch=2, heads=4)
     spy = BackwardSpy(monkeypatch)
@@ -319,7 +319,7 @@ def test_the_sm90_backward_is_taken_on_hopper(head_dim, monkeypatch):
     spy.configs.clear()
     check_grads(q, k, v, head_dim ** -0.5, ex["document"].score_mod, ex["document"].mask_mod, arch="sm80")
     check_grads(q, k, v, head_dim ** -0.5, mask_mod=ex["document"].mask_mod, deterministic=True)
-    assert [c.family for c in spy.configs] == ["sm80", "sm80"]
+    assert [c.family for c in spy.configs] == ["sm80", "sm90" if head_dim != 256 else "sm80"]
 
 
 @pytest.mark.parametrize("name, head_dim, family", [("alibi", 128, "sm90"), ("relative_bias", 64, "sm90"),
@@ -335,6 +335,41 @@ def test_sm90_deterministic_score_mod_is_bit_identical(name, head_dim, family, m
     again = check_grads(q, k, v, head_dim ** -0.5, ex.score_mod, deterministic=True)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert {(c.family, c.deterministic) for c in spy.configs} == {(family, True)}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_deterministic_block_maps_are_bit_identical(head_dim, monkeypatch):
+    """deterministic=True with a block map in the sm90 backward (its dQ reduces take the host's turns, the map's key
+    tiles not consecutive): a document mask_mod with causal, torch's random block-sparse BlockMask with rows that see
+    nothing, a sliding window beside a mask_mod; GQA, odd lengths; the same bits twice and float64's gradients."""
+    needs_family("sm90")
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    spy = BackwardSpy(monkeypatch)
+    doc = documents(2, 1023, seed=9)
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[b, q_idx] == doc[b, kv_idx]
+
+    g = torch.Generator().manual_seed(11)
+    blocks = (torch.rand(2, 8, -(-517 // 128), -(-1023 // 128), generator=g) < 0.4).cuda()
+    blocks[1, 3, 2] = False
+
+    def sparse(b, h, q_idx, kv_idx):
+        return blocks[b, h, q_idx // 128, kv_idx // 128]
+
+    bm = fa.BlockMask.from_kv_blocks(*kv_blocks(blocks), BLOCK_SIZE=128, seq_lengths=(517, 1023))
+    def windowed(b, h, q_idx, kv_idx):  # window (200, 0) at 1023 x 517: bottom-right, so key j <= i - 506
+        return same_doc(b, h, q_idx, kv_idx) & (kv_idx >= q_idx - 506 - 200) & (kv_idx <= q_idx - 506)
+
+    calls = [((1023, 1023), dict(mask_mod=same_doc, causal=True)),
+             ((517, 1023), dict(block_mask=bm, ref_mask=sparse)),
+             ((1023, 517), dict(mask_mod=same_doc, window_size=(200, 0), ref_mask=windowed))]
+    for i, ((sq, sk), kwargs) in enumerate(calls):
+        q, k, v = qkv(2, sq, sk, 8, 2, head_dim, "bf16", seed=40 + i)
+        first = check_grads(q, k, v, head_dim ** -0.5, deterministic=True, **kwargs)
+        again = check_grads(q, k, v, head_dim ** -0.5, deterministic=True, **kwargs)
+        assert all(torch.equal(a, b) for a, b in zip(first, again)), (sq, sk, sorted(kwargs))
+    assert {(c.family, c.deterministic, c.block_map) for c in spy.configs} == {("sm90", True, True)}
 
 
 def test_sm90_backward_with_a_window_lse_gradient_and_tables():

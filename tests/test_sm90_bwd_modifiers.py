@@ -41,8 +41,7 @@ def test_config_rules_and_names():
     assert BwdConfig.from_dict(cfg.to_dict()) == cfg
     assert sm90_bwd("relative_bias", deterministic=True).dq_tma  # deterministic without a block map builds
     dataclasses.replace(cfg, window=True)  # so does a window beside the modifiers
-    with pytest.raises(ConfigError, match="deterministic=True with a block map"):
-        sm90_bwd("document", deterministic=True)
+    assert sm90_bwd("document", deterministic=True).block_map  # a block map's turns come from the host
     with pytest.raises(ConfigError, match="not 256"):
         sm90_bwd("document", head_dim=256)
     with pytest.raises(ConfigError, match="softcap or ALiBi"):
@@ -118,10 +117,13 @@ def test_parameter_block_is_the_sm90_block_then_the_modifier_slots():
     for f in base.fields:  # Sm90BwdParams at offset 0: the kernels read it as p.b
         assert mod.offset(f"b.{f.path}") == f.offset
     assert mod.offset("t0.ptr") == base.size
-    tail = mod.tail("t0.ptr")  # the slots and both lists, packed as the sm80 backward's
-    values = list(range(1, 1 + 8 * (1 + MAX_RANK)))  # eight slots: pointer and strides each
-    assert tail.pack(*values)[:sm80.tail("t0.ptr").size] == sm80.tail("t0.ptr").pack(*values)
+    tail = mod.tail("t0.ptr")  # the slots and both lists, packed as the sm80 backward's, then the turns
+    values = list(range(1, 1 + 9 * (1 + MAX_RANK)))  # nine slots: pointer and strides each
+    assert tail.pack(*values)[:sm80.tail("t0.ptr").size] == sm80.tail("t0.ptr").pack(*values[:8 * (1 + MAX_RANK)])
     assert mod.size % 128 == 0
+    # then the deterministic kernels' turns, one more slot beside the transposed lists
+    assert mod.offset("map_t_turn.ptr") == mod.offset("map_t_idx.ptr") + 8 * (1 + MAX_RANK)
+    assert mod.offset("map_t_turn.ptr") - mod.offset("t0.ptr") == sm80.size - sm80.offset("t0.ptr")
 
 
 def test_sm90_bwd_config_refuses_what_the_family_does_not_build():
@@ -129,7 +131,6 @@ def test_sm90_bwd_config_refuses_what_the_family_does_not_build():
     for args in ((128, "bf16", False, ("softcap",), False, "", digests("document")["mask_mod"], True),
                  (128, "bf16", False, ("alibi",), False, "", digests("document")["mask_mod"], True),
                  (256, "bf16", False, (), False, *digests("document").values()),
-                 (128, "bf16", False, (), True, *digests("document").values()),
                  (160, "bf16", False, (), False, *digests("relative_bias").values())):
         assert sm90_modifier_bwd_config(*args) is None, args
 
@@ -151,7 +152,8 @@ def test_routing_takes_the_sm90_backward_on_hopper(monkeypatch):
     assert kernel(features=("window",)).window and kernel(features=("window",)).family == "sm90"
     assert kernel("sm80").family == "sm80"
     assert kernel(features=("softcap",)).family == "sm80"
-    assert kernel(deterministic=True).family == "sm80"  # a block map's dQ order: sm80's _dq kernel
+    det_map = kernel(deterministic=True)  # a block map's dQ order: the host's turns
+    assert det_map.family == "sm90" and det_map.block_map and det_map.dq_tma
     det = kernel(deterministic=True, **digests("relative_bias"))
     assert det.family == "sm90" and det.deterministic and det.dq_tma
     assert kernel(head_dim=256).family == "sm80"
@@ -189,3 +191,22 @@ def test_sm90_modifier_backwards_compile_without_spills_or_serialized_wgmma(head
     for k in kernels:
         for code in ("C7512", "C7519", "C7520"):
             assert code not in k.ptxas_log, (k.name, k.ptxas_log)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_deterministic_block_map_backwards_build_clean_with_ordered_reduces(head_dim):
+    """deterministic=True with a block map (a mask_mod's map, causal or not) in the sm90 family: the turns read from
+    the host's table beside the map's lists, the grid counted down, no spills or serialized wgmma, and each reduce
+    waits for its turn and counts after its writes."""
+    from test_bwd_config import _assert_ordered_reduces
+
+    cfgs = [sm90_modifier_bwd_config(head_dim, "bf16", causal, (), True, *digests(name).values())
+            for name, causal in (("document", False), ("causal", True), ("prefix_lm", False))]
+    assert all(c is not None and c.family == "sm90" and c.block_map and c.dq_tma for c in cfgs), cfgs
+    src = render(cfgs[0])
+    assert "constexpr bool SPT = DETERMINISTIC && (IS_CAUSAL || WINDOW || BLOCK_MAP);" in src
+    assert "(BLOCK_MAP ? qt.turn(j) : dq_turn(P, n_block, m_begin + t, seqlen_k, shift)) * CONSUMERS;" in src
+    assert "mp.map_t_turn.ptr) + base + j" in src
+    for k in compile_sm90a_clean(cfgs):
+        _assert_ordered_reduces(k)

@@ -534,8 +534,8 @@ def sm90_modifier_bwd_config(head_dim: int, dtype: str, causal: bool, features: 
                              score_mod: str, mask_mod: str, block_map: bool) -> BwdConfig | None:
     """The sm90 family's backward of a dense call with a score_mod, mask_mod or block map (Hopper): the first of
     SM90_MODIFIER_BWD_SCHEDULES that ptxas builds clean (deterministic: with dq_tma, in as many of its stages as
-    leave room for the dQ tile); None where the family does not build the call (softcap, ALiBi, head dim 256,
-    deterministic with a block map) or no schedule builds clean: the sm80 family's backward then."""
+    leave room for the dQ tile); None where the family does not build the call (softcap, ALiBi, head dim 256) or
+    no schedule builds clean: the sm80 family's backward then."""
     schedules = SM90_MODIFIER_BWD_SCHEDULES.get(head_dim, ())
     first = SM90_MODIFIER_BWD_READS_FIRST.get(head_dim)
     if first in schedules and _reads_per_score(score_mod, mask_mod):
