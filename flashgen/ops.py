@@ -142,7 +142,8 @@ def dense_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dlse: 
         dq, dk, dv = dense_backward(*(pad_head_dim(t, bd) for t in (dout, q, k, v, out)), lse, dlse, causal, scale,
                                     deterministic)
         return cut_head_dim(dq, d), cut_head_dim(dk, d), cut_head_dim(dv, d_v)
-    kern = backward_kernel(q.get_device(), d, _HALF[q.dtype], causal, q.shape[1], deterministic)
+    kern = backward_kernel(q.get_device(), d, _HALF[q.dtype], causal, q.shape[1], deterministic,
+                           q.shape[2] // k.shape[2])
     return backward(kern, q, k, v, out, dout.contiguous(), lse, softmax_scale, dlse=dlse)
 
 

@@ -291,26 +291,28 @@ resolver = Resolver()
 # -- the backward ----------------------------------------------------------------------------
 
 def backward_kernel(device: int, head_dim: int, dtype: str, causal: bool, seqlen: int | None = None,
-                    deterministic: bool = False) -> CompiledKernel:
-    """The backward for these tensors' GPU: the tuned BwdConfig of the nearest stored seqlen bucket, else
-    the default (deterministic: the default deterministic config: on Hopper the sm90 backward whose dQ reduces
-    take turns, elsewhere sm80's dQ per Q tile without atomics). Cached: the
-    store's buckets are read again only when its file changed (store_stamp), kernels by configuration."""
+                    deterministic: bool = False, gqa_group: int = 1) -> CompiledKernel:
+    """The backward for these tensors' GPU: the tuned BwdConfig of the nearest stored seqlen bucket (the call's GQA
+    group `gqa_group` preferred, then group 1), else the default (deterministic: the default deterministic config:
+    on Hopper the sm90 backward whose dQ reduces take turns, elsewhere sm80's dQ per Q tile without atomics).
+    Cached: the store's buckets are read again only when its file changed (store_stamp), kernels by configuration."""
     (gpu_name, arch), stamp = gpu_stamp(device)
     if deterministic:
         return _load_backward(head_dim, dtype, causal, None, arch, True)
-    tuned = _tuned_backwards(gpu_name, arch, head_dim, dtype, causal, stamp)
+    tuned = _tuned_backwards(gpu_name, arch, head_dim, dtype, causal, stamp, gqa_group)
     bucket = nearest_bucket(seqlen, tuple(sorted(tuned)))
     return _load_backward(head_dim, dtype, causal, tuned.get(bucket) if bucket is not None else None, arch)
 
 
 @functools.lru_cache(maxsize=64)
-def _tuned_backwards(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, stamp: tuple | None) -> dict:
-    """seqlen bucket -> tuned BwdConfig for this GPU and problem, as the store file with `stamp` holds them,
-    of the family the untuned default is in (sm90 where it has the head dim: a tuned sm80 backward there is
-    slower than sm90's default)."""
+def _tuned_backwards(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, stamp: tuple | None,
+                     gqa_group: int = 1) -> dict:
+    """seqlen bucket -> tuned BwdConfig for this GPU and problem (GQA group `gqa_group` first), as the store file
+    with `stamp` holds them, of the family the untuned default is in (sm90 where it has the head dim: a tuned sm80
+    backward there is slower than sm90's default)."""
     family = default_bwd_config(head_dim, dtype, causal, arch).family
-    return store.tuned_buckets(gpu_name, arch, head_dim, dtype, causal, pass_="bwd", family=family)
+    return store.tuned_buckets(gpu_name, arch, head_dim, dtype, causal, pass_="bwd", family=family,
+                               gqa_group=gqa_group)
 
 
 @functools.lru_cache(maxsize=64)

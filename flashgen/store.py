@@ -352,9 +352,11 @@ def lookup(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, se
 
 
 def tuned_buckets(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: bool, pass_: str = "fwd",
-                  family: str | None = None, tuned_dir: Path | str | None = None) -> dict[int, KernelConfig | BwdConfig]:
-    """seqlen bucket -> the configuration `lookup` gives for it, for every bucket the store holds for this
-    problem; {} (with one warning) when the store is unusable. What a caller caches instead of looking up per call."""
+                  family: str | None = None, tuned_dir: Path | str | None = None,
+                  gqa_group: int = 1) -> dict[int, KernelConfig | BwdConfig]:
+    """seqlen bucket -> the configuration `lookup` gives for it (GQA group `gqa_group` preferred), for every bucket
+    the store holds for this problem; {} (with one warning) when the store is unusable. What a caller caches instead
+    of looking up per call."""
     path = store_path(gpu_name, arch, tuned_dir)
     if not path.exists():
         return {}
@@ -367,7 +369,8 @@ def tuned_buckets(gpu_name: str, arch: str, head_dim: int, dtype: str, causal: b
             cfg = config_from_entry(e)
             if matches(cfg, head_dim, dtype, causal, family) and cfg.unfit_reason(arch) is None:
                 seqlens.add(e.get("problem", {}).get("seqlen", 0))
-        found = {s: lookup(gpu_name, arch, head_dim, dtype, causal, s, family, tuned_dir, pass_) for s in seqlens}
+        found = {s: lookup(gpu_name, arch, head_dim, dtype, causal, s, family, tuned_dir, pass_, gqa_group)
+                 for s in seqlens}
     except StoreError as e:
         _warn_once(str(e), f"{e}; using the family defaults until it is fixed")
         return {}

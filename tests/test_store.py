@@ -11,7 +11,7 @@ import pytest
 
 import flashgen
 from flashgen import store
-from flashgen.config import KernelConfig, default_config
+from flashgen.config import BwdConfig, KernelConfig, default_config
 from flashgen.problem import BATCH_TOKENS, HEADS_DIM_TOTAL, TuneProblem
 from flashgen.store import StoreError, config_from_entry, lookup, merge, read_store, store_path
 
@@ -115,6 +115,21 @@ def test_lookup_prefers_the_calls_gqa_group_and_a_packed_kernel_that_holds_it(tm
     assert find(4) == packed and find(1).num_stages == 3 and not find(1).pack_gqa
     merge(path, GPU, ARCH, {key(gqa=128): {**pk, "problem": {**pk["problem"], "gqa_group": 128}}})
     assert find(128).num_stages == 3 and not find(128).pack_gqa  # 128 heads a KV head: past its 64-row tile
+
+
+def test_backward_buckets_prefer_the_calls_gqa_group(tmp_path, path):
+    """The backward's buckets (what autograd takes) for a GQA call: its group's tuned entry where the store has one,
+    else group 1's; an MHA call never takes a grouped entry."""
+    def bwd(ms: float, stages: int, gqa: int, seqlen: int = 4096) -> dict:
+        cfg = BwdConfig(128, "bf16", True, 64, 128, 12, False, "sm90", stages, True)
+        e = entry(ms, seqlen, causal=True, gqa=gqa)
+        return {**e, "config": cfg.to_dict(), "kernel": cfg.name, "problem": {**e["problem"], "pass_": "bwd"}}
+
+    merge(path, GPU, ARCH, {key(causal=True) + "_bwd": bwd(1.0, 3, 1), key(causal=True, gqa=4) + "_bwd": bwd(0.5, 2, 4),
+                            key(8192, causal=True) + "_bwd": bwd(2.0, 1, 1, 8192)})
+    find = lambda g: {s: c.num_stages for s, c in store.tuned_buckets(  # noqa: E731
+        GPU, ARCH, 128, "bf16", True, "bwd", "sm90", tmp_path, gqa_group=g).items()}
+    assert find(4) == {4096: 2, 8192: 1} and find(1) == {4096: 3, 8192: 1} and find(8) == find(1)
 
 
 def test_a_serving_entry_never_answers_a_dense_lookup(tmp_path, path):
