@@ -225,7 +225,7 @@ def test_the_backward_of_a_dense_only_head_dim(monkeypatch, arch, deterministic,
     unpadded attention's."""
     seen = []
 
-    def fake_kernel(device, head_dim, dtype, causal, seqlen, deterministic):
+    def fake_kernel(device, head_dim, dtype, causal, seqlen, deterministic, gqa_group=1):
         seen.append(head_dim)
         return head_dim
 
