@@ -37,7 +37,8 @@ _BWD_SERVE_TAIL = abi.BWD_SERVE.tail("cu_seqlens_q")  # what follows BwdParams
 _BWD_MOD_AT = abi.BWD_SERVE_MOD.offset("t0.ptr")  # where the ModTensor slots start in BwdServeModParams
 _MAP_T_TAIL = abi.BWD_SERVE_MOD.tail("map_t_num.ptr")  # the transposed map's lists, last
 _TURN_TAIL = abi.SM90_MOD_BWD.tail("map_t_turn.ptr")  # sm90, deterministic with a block map: the lists' turns
-_NO_LISTS = [0] * (2 * (1 + MAX_RANK))
+_NO_SLOT = [0] * (1 + MAX_RANK)  # an empty ModTensor slot: pointer and strides
+_NO_LISTS = 2 * _NO_SLOT
 
 
 class ServeArgs(NamedTuple):
@@ -189,7 +190,7 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
         if cfg.modified:  # Sm90ModBwdParams: the same slots and lists as BwdServeModParams', then the turns
             params = params.ljust(_SM90_MOD_AT, b"\0") + _mod_tail(cfg, serve.mods, q.get_device(), b, h)
             turns = (list_slots((serve.mods.block_map.transposed_turns,), q.get_device(), b, h)
-                     if cfg.block_map and cfg.deterministic else _NO_LISTS[:1 + MAX_RANK])
+                     if cfg.block_map and cfg.deterministic else _NO_SLOT)
             params = (params + _TURN_TAIL.pack(*turns)).ljust(abi.SM90_MOD_BWD.size, b"\0")
 
     dev = q.get_device()
