@@ -433,6 +433,36 @@ def test_sm90_deterministic_turns_are_an_order_no_ctas_wait_on_later_ones(bm, bn
                             assert m - ranges[before].start <= m - ranges[n].start
 
 
+def _block_index(x: int, grid: int, tiles: int, heads: int, last_first: bool, interleave: int) -> tuple[int, int, int]:
+    """BlockIndex in templates/sm90/bwd/seq.cuh.j2."""
+    if interleave > 1:
+        first = x // (tiles * interleave) * interleave
+        within = x - first * tiles
+        width = min(interleave, grid // tiles - first)
+        pair = first + within % width
+        return within // width, pair % heads, pair // heads
+    tile = tiles - 1 - x % tiles if last_first else x % tiles
+    return tile, x // tiles % heads, x // tiles // heads
+
+
+@pytest.mark.parametrize("tiles,heads,batch", [(8, 32, 16), (1, 3, 5), (7, 5, 3), (32, 4, 1), (3, 1, 17)])
+def test_sm90_block_index_covers_the_grid_with_each_pairs_tiles_in_turn(tiles, heads, batch):
+    """Every way the backward's main kernel reads its grid (x fastest, tiles counted down, interleaved over 8 (head,
+    batch) pairs, the last group narrower) names every (tile, head, batch) once; a pair's tiles come in the order its
+    turns need (up, or down when counted down), interleaved ones `width` blocks apart."""
+    grid = tiles * heads * batch
+    for last_first, interleave in ((False, 1), (True, 1), (False, 8)):
+        seen = [_block_index(x, grid, tiles, heads, last_first, interleave) for x in range(grid)]
+        assert sorted(seen) == sorted(itertools.product(range(tiles), range(heads), range(batch)))
+        at = {coord: x for x, coord in enumerate(seen)}
+        for h, b in itertools.product(range(heads), range(batch)):
+            order = [at[t, h, b] for t in range(tiles)]
+            assert order == sorted(order, reverse=last_first)
+            if interleave > 1 and tiles > 1:
+                gaps = {y - x for x, y in zip(order, order[1:])}
+                assert len(gaps) == 1 and gaps <= set(range(1, interleave + 1)), gaps
+
+
 def test_sm90_deterministic_with_a_diagonal_runs_shortest_first():
     """Deterministic with causal or a window, the main kernel counts each (batch, head)'s K/V tiles down from the
     last (BlockIndex's last_first) and dq_turn lets the last add first; the preprocess and convert kernels and the
@@ -449,7 +479,8 @@ def test_sm90_deterministic_with_a_diagonal_runs_shortest_first():
     assert "constexpr bool DETERMINISTIC = true;" in src and "constexpr bool IS_CAUSAL = true;" in src
     for upward in (dataclasses.replace(det, causal=False), dataclasses.replace(det, deterministic=False)):
         assert re.search(r"constexpr bool (DETERMINISTIC|IS_CAUSAL) = false;", render(upward)), upward.name
-    assert src.count("BlockIndex bi(") == 3 and src.count(", p.heads, SPT);") == 1  # only the main kernel's
+    assert src.count("BlockIndex bi(") == 3 and src.count(", p.heads, SPT, DET_INTERLEAVE);") == 1  # the main kernel's
+    assert "constexpr int DET_INTERLEAVE = DETERMINISTIC && !SPT ? 8 : 1;" in src
     assert src.count("m_begin + it)") == 2 and "(m_begin + j)" in src  # the loads, the consumers, dq_add
     writer = src[src.index("void dq_writer("):]
     assert "dq_turn(P, n_block, m_begin + t, seqlen_k, shift)" in writer and "dst + (int64_t)t * BLOCK_M * HEAD_DIM" in writer
