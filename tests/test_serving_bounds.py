@@ -259,3 +259,29 @@ def test_the_backwards_padded_rows_take_any_offsets():
     for bad in ([0, 5, 3, 140, 141, 200], [0, 5, 5, 135, 136, total + 40], [-7, 5, 5, 135, 136, total]):
         rows = _padded_rows(torch.tensor(bad, dtype=torch.int32), total, bm, padded)
         assert rows.shape == (total,) and int(rows.min()) >= 0 and int(rows.max()) < padded
+
+
+def _group_pages(n0: int, page_size: int, block_n: int) -> list[tuple[int, int]]:
+    """load_keys (templates/sm80/serve.cuh.j2) with pages smaller than the tile: (block_table index, row in that
+    page) of each 16-key group, stepped from the first group's one division."""
+    at, row, out = n0 // page_size, n0 % page_size, []
+    for _ in range(block_n // 16):
+        out.append((at, row))
+        row += 16
+        if row == page_size:
+            row, at = 0, at + 1
+    return out
+
+
+@pytest.mark.parametrize("block_n", [32, 64, 128])
+@pytest.mark.parametrize("page_size", [16, 32, 48, 80, 112])
+def test_paged_groups_step_to_the_page_each_key_is_in(page_size, block_n):
+    """Each 16-key group of a key tile is read from the page and row that key n0 + 16 g is at, for every tile of a
+    4k cache (pages of any multiple of 16 keys smaller than the tile, or not dividing it)."""
+    if page_size % block_n == 0:
+        pytest.skip("a page holds the whole tile: one lookup")
+    for n0 in range(0, 4096, block_n):
+        assert _group_pages(n0, page_size, block_n) == [divmod(n0 + 16 * g, page_size) for g in range(block_n // 16)]
+    src = render(KernelConfig(128, "bf16", False, 16, block_n, 1, 2, varlen=True, paged=True, pack_gqa=True))
+    assert "int at = n0 / sp.page_size, row = n0 % sp.page_size;" in src
+    assert "row += 16;\n        if (row == sp.page_size) row = 0, ++at;" in src

@@ -65,7 +65,8 @@ def bench_serving(args: argparse.Namespace) -> int:
         result["decode"] = bs.decode_rows(128, dtype)
         print(f"{gpu}, {datetime.date.today()}: decode, heads 32/8, d128, {dtype}, seqlen_q 1. kernel: device time "
               "(CUDA events, L2 flushed and the GPU kept busy ahead); b2b: attention_with_kvcache back to back (validate=False); "
-              "validated: with the default checks (one host sync per call)")
+              "validated: validate=True, the opt-in host checks (one host sync per call); the default call checks its "
+              "inputs in the kernel")
         print(bs.decode_table(result["decode"]))
     if "varlen" in kinds:
         result["varlen"] = bs.varlen_rows(128, dtype)
