@@ -257,6 +257,16 @@ def _unchecked(cuda: ctypes.CDLL) -> _Unchecked:
 _LAUNCH_DIMS = struct.Struct("=7I4x")
 _LAUNCH_ATTRS = struct.Struct("=QI4x")
 _ORDER = sys.byteorder
+# One CUlaunchAttribute: its id, padding to 8 bytes, a 64-byte value (for this one, an int: allowed).
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_PROGRAMMATIC = struct.pack("=I4xi60x", CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+_programmatic_attr = ctypes.create_string_buffer(_PROGRAMMATIC, len(_PROGRAMMATIC))  # read by the driver per launch
+
+
+def _launch_attrs(programmatic: bool) -> bytes:
+    """CUlaunchConfig's attrs and numAttrs: none, or programmatic stream serialization (the kernel may start while
+    the stream's previous kernel runs; it waits for it with griddepcontrol.wait before touching memory)."""
+    return _LAUNCH_ATTRS.pack(ctypes.addressof(_programmatic_attr), 1) if programmatic else _LAUNCH_ATTRS.pack(0, 0)
 
 
 class Prepared:
@@ -264,18 +274,20 @@ class Prepared:
     dimensions checked against CUDA's limits once, here, and each launch made with the fewest ctypes conversions
     (_Unchecked): cuLaunchKernelEx's four pointers, its CUlaunchConfig bytes made for the stream and kept while the
     stream is the same (one (stream, bytes) pair, read and replaced whole: threads on other streams never mix them).
-    Write the arguments into thread_state()'s buffer, then launch with its kernelParams."""
+    Write the arguments into thread_state()'s buffer, then launch with its kernelParams. `programmatic`: with
+    programmatic stream serialization, for kernels that wait for the previous grid themselves (where the driver has
+    cuLaunchKernelEx; without it the launch is an ordinary one, and the kernel's wait returns at once)."""
 
     __slots__ = ("name", "_fn", "_launch", "_ex", "_head", "_tail", "_dims", "_config")
 
-    def __init__(self, fn: "Function", grid: tuple[int, int, int], block: int) -> None:
+    def __init__(self, fn: "Function", grid: tuple[int, int, int], block: int, programmatic: bool = False) -> None:
         check_launch(fn.name, grid, block)
         if not 0 <= fn.smem_bytes <= _INT_MAX:
             raise ValueError(f"cannot launch {fn.name}: {fn.smem_bytes} bytes of shared memory")
         unchecked = _unchecked(lib())
         self.name, self._fn, self._launch, self._ex = fn.name, fn.handle, unchecked.launch, unchecked.ex
         self._head = _LAUNCH_DIMS.pack(grid[0], grid[1], grid[2], block, 1, 1, fn.smem_bytes)
-        self._tail = _LAUNCH_ATTRS.pack(0, 0)  # no launch attributes
+        self._tail = _launch_attrs(programmatic)
         self._dims = (fn.handle, grid[0], grid[1], grid[2], block, 1, 1, fn.smem_bytes)
         self._config: tuple[int | None, bytes] = (None, b"")
 
@@ -304,16 +316,20 @@ class Function:
         check(lib().cuFuncSetAttribute(self.handle, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes),
               f"cuFuncSetAttribute({name}, max dynamic smem {smem_bytes})")
 
-    def prepared(self, grid: tuple[int, int, int], block: int) -> Prepared:
+    def prepared(self, grid: tuple[int, int, int], block: int, programmatic: bool = False) -> Prepared:
         """Launches of this function with `grid` and `block`, made by a caller that repeats them (Prepared)."""
-        return Prepared(self, grid, block)
+        return Prepared(self, grid, block, programmatic)
 
     def launch(self, grid: tuple[int, int, int], block: int, params: bytes | ctypes.Structure | ctypes.Array,
-               stream: int = 0) -> None:
+               stream: int = 0, programmatic: bool = False) -> None:
         # The kernel takes one struct by value: kernelParams holds one pointer to its bytes, which
         # the driver copies during the call, so one buffer per thread serves every launch.
         raw = params if isinstance(params, bytes) else bytes(params)
         buf, args, _, _ = _tls.state
+        if programmatic:  # Prepared's launch, which has the attribute (checks the dimensions too)
+            buf.raw = raw
+            Prepared(self, grid, block, programmatic=True).launch(stream, args)
+            return
         check_launch(self.name, grid, block)
         buf.raw = raw
         rc = lib().cuLaunchKernel(self.handle, grid[0], grid[1], grid[2], block, 1, 1, self.smem_bytes,

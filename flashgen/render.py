@@ -7,7 +7,7 @@ import jinja2
 
 from . import abi
 from .__version__ import __version__
-from .config import BWD_ROW_WARPS, COMBINE_WARPS, SM90_REGS, SM90_REGS_FP8, BwdConfig, KernelConfig
+from .config import BWD_ROW_WARPS, COMBINE_WARPS, MAX_SPLITS, SM90_REGS, SM90_REGS_FP8, BwdConfig, KernelConfig
 from .modifiers import MAX_CAPTURED, MAX_RANK, Modifier, ModifierError, lookup
 from .paths import templates_dir
 
@@ -49,7 +49,7 @@ def render(cfg: KernelConfig | BwdConfig) -> str:
         cfg=cfg, version=__version__, elem_t=elem_t, out_t=out_t, elem2_t=elem2_t, pack_fn=pack_fn, ptx_type=ptx_type,
         params_t=("Sm90Fp8FwdParams" if cfg.fp8 else "Sm90ServeModFwdParams" if cfg.modified
                   else "Sm90ServeFwdParams" if cfg.serving else "Sm90FwdParams"),
-        producer_regs=producer_regs, consumer_regs=consumer_regs, combine_warps=COMBINE_WARPS,
+        producer_regs=producer_regs, consumer_regs=consumer_regs, combine_warps=COMBINE_WARPS, max_splits=MAX_SPLITS,
         score_mod=score_mod, mask_mod=mask_mod, captured=captured,
     )
 

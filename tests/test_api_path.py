@@ -214,7 +214,7 @@ def test_a_plan_launches_the_same_bytes_as_the_checked_path(monkeypatch, family)
     launched = []
 
     class FakeFn:
-        def launch(self, grid, threads, params, stream):
+        def launch(self, grid, threads, params, stream, programmatic=False):
             launched.append((grid, threads, bytes(params), stream))
 
     monkeypatch.setattr(driver, "use_device", lambda device: 0)

@@ -178,7 +178,7 @@ def test_softmax_scale_reaches_the_launch_through_four_modules(monkeypatch):
     from flashgen.tensors import View
 
     class FakeFn:
-        def launch(self, grid, threads, params, stream):
+        def launch(self, grid, threads, params, stream, programmatic=False):
             pass
 
     h200 = driver.DeviceInfo("NVIDIA H200", "sm90", 132)

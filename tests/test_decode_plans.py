@@ -22,10 +22,10 @@ class Decode:
         self.full, self.planned, self.launches, self.stamp = 0, 0, [], ("store", 1)
 
         class Fn:
-            def launch(fn, grid, threads, params, stream):
+            def launch(fn, grid, threads, params, stream, programmatic=False):
                 self.launches.append(grid)
 
-            def prepared(fn, grid, threads):
+            def prepared(fn, grid, threads, programmatic=False):
                 return type("Launch", (), {"launch": lambda _, stream, params: self.launches.append(grid)})()
 
         real_launch, real_run = api.kvcache_launch, api.run_plan

@@ -20,15 +20,19 @@ STUB_C = r"""
 #include <string.h>
 typedef struct {
     unsigned gx, gy, gz, bx, by, bz, smem; int launches; unsigned long long stream; unsigned char params[8]; int ex;
+    unsigned n_attrs, attr_id; int attr_value;
 } Last;
 static Last last;
 static void *current;
 int cuCtxGetCurrent(void **c) { *c = current; return 0; }
 int cuCtxSetCurrent(void *c) { current = c; return 0; }
 #ifndef NO_EX
-typedef struct { unsigned gx, gy, gz, bx, by, bz, smem; void *stream; void *attrs; unsigned n_attrs; } Config;
+typedef struct { unsigned id; char pad[4]; int value; char rest[60]; } Attr;
+typedef struct { unsigned gx, gy, gz, bx, by, bz, smem; void *stream; const Attr *attrs; unsigned n_attrs; } Config;
 int cuLaunchKernelEx(const Config *c, void *f, void **params, void **extra) {
-    if (c->attrs || c->n_attrs || extra) return 1;
+    if ((c->n_attrs && !c->attrs) || (!c->n_attrs && c->attrs) || c->n_attrs > 1 || extra) return 1;
+    last.n_attrs = c->n_attrs; last.attr_id = c->n_attrs ? c->attrs[0].id : 0;
+    last.attr_value = c->n_attrs ? c->attrs[0].value : 0;
     last.gx = c->gx; last.gy = c->gy; last.gz = c->gz; last.bx = c->bx; last.by = c->by; last.bz = c->bz;
     last.smem = c->smem; last.stream = (unsigned long long)c->stream; memcpy(last.params, params[0], 8);
     last.launches++; last.ex = 1;
@@ -45,7 +49,7 @@ int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
                    unsigned smem, void *stream, void **params, void **extra) {
     last.gx = gx; last.gy = gy; last.gz = gz; last.bx = bx; last.by = by; last.bz = bz; last.smem = smem;
     last.stream = (unsigned long long)stream; memcpy(last.params, params[0], 8);
-    last.launches++; last.ex = 0;
+    last.launches++; last.ex = 0; last.n_attrs = 0;
     return 0;
 }
 int cuMemHostAlloc(void **p, size_t n, unsigned flags) { *p = calloc(1, n); return 0; }
@@ -57,7 +61,8 @@ void stub_last(Last *out) { *out = last; }
 class Last(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_uint) for n in ("gx", "gy", "gz", "bx", "by", "bz", "smem")] +
                 [("launches", ctypes.c_int), ("stream", ctypes.c_ulonglong), ("params", ctypes.c_ubyte * 8),
-                 ("ex", ctypes.c_int)])
+                 ("ex", ctypes.c_int), ("n_attrs", ctypes.c_uint), ("attr_id", ctypes.c_uint),
+                 ("attr_value", ctypes.c_int)])
 
 
 @pytest.fixture(params=["ex", "no-ex"])
@@ -170,6 +175,26 @@ def test_a_prepared_launch_reaches_the_driver_intact(stub):
     assert stub().stream == 0 and stub().launches == 2
     run.launch(0x7F12_3456_789A, params)  # a stream again after another: its own configuration
     assert stub().stream == 0x7F12_3456_789A and stub().launches == 3
+
+
+def test_a_programmatic_launch_carries_the_attribute_and_an_ordinary_one_none(stub):
+    """The split-KV kernels wait for the grid before them themselves (griddepcontrol.wait), so they launch with
+    programmatic stream serialization: one CUlaunchAttribute, id 6, value 1, through cuLaunchKernelEx, prepared or
+    not; a launch of any other kernel carries none (its blocks must not start before the grid before it ends); a
+    driver without cuLaunchKernelEx launches it as an ordinary kernel."""
+    fn = driver.Function(b"cubin", "k", 0)
+    buf, params, _, _ = driver.thread_state()
+    ex = hasattr(driver.lib(), "cuLaunchKernelEx")
+    fn.prepared((4, 1, 1), 128, programmatic=True).launch(7, params)
+    assert (stub().n_attrs, stub().attr_id, stub().attr_value) == ((1, 6, 1) if ex else (0, 0, 0))
+    fn.prepared((4, 1, 1), 128).launch(7, params)
+    assert stub().n_attrs == 0 and stub().launches == 2
+    fn.launch((3, 1, 1), 64, b"unplanned", stream=9, programmatic=True)
+    last = stub()
+    assert (last.n_attrs, last.attr_id, last.attr_value) == ((1, 6, 1) if ex else (0, 0, 0))
+    assert (last.gx, last.bx, last.stream, bytes(last.params)) == (3, 64, 9, b"unplanne") and last.launches == 3
+    fn.launch((3, 1, 1), 64, b"ordinary", stream=9)
+    assert stub().n_attrs == 0 and stub().launches == 4
 
 
 @pytest.mark.parametrize("grid, block", [((2**31, 1, 1), 128), ((1, 65536, 1), 128), ((0, 1, 1), 128),

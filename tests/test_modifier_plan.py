@@ -33,7 +33,7 @@ def launches(monkeypatch):
     seen = []
 
     class FakeFn:
-        def launch(self, grid, threads, params, stream):
+        def launch(self, grid, threads, params, stream, programmatic=False):
             seen.append((grid, threads, bytes(params), stream))
 
     monkeypatch.setattr(driver, "use_device", lambda device: 0)

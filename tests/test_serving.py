@@ -160,22 +160,25 @@ def test_plan_keys_only_for_calls_a_plan_can_repeat():
 
 class PlanLaunches:
     """Stands in for the driver under kvcache_launch (through _fire) and run_plan (through driver.Prepared): each
-    launch recorded as (role, grid, threads, ServeParams's values, stream)."""
+    launch recorded as (role, grid, threads, ServeParams's values, stream), and in `programmatic` whether it has
+    programmatic stream serialization."""
 
     def __init__(self, monkeypatch, serving, torch):
         self.launches: list = []
+        self.programmatic: list = []
         self.counters: dict = {}
-        launches = self.launches
+        launches, programmatic = self.launches, self.programmatic
 
         class Fn:
             def __init__(self, role):
                 self.role = role
 
-            def launch(self, grid, threads, params, stream):
+            def launch(self, grid, threads, params, stream, pdl=False):
                 fields = serving.SERVE_PARAMS.unpack(params[:serving.SERVE_PARAMS.size])
                 launches.append((self.role, grid, threads, fields, stream))
+                programmatic.append(pdl)
 
-            def prepared(self, grid, threads):
+            def prepared(self, grid, threads, pdl=False):
                 role = self.role
 
                 class Launch:
@@ -184,6 +187,7 @@ class PlanLaunches:
                         assert ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))[0] == ctypes.addressof(buf)
                         params = buf.raw[:serving.SERVE_PARAMS.size]
                         launches.append((role, grid, threads, serving.SERVE_PARAMS.unpack(params), stream))
+                        programmatic.append(pdl)
                 return Launch()
 
         monkeypatch.setattr(serving, "_functions", lambda cfg, arch, ctx: (
@@ -208,7 +212,8 @@ class PlanLaunches:
 def test_a_plan_launches_the_struct_the_full_path_packed(monkeypatch):
     """run_plan repeats kvcache_launch's ServeParams: every field but out, lse and the split buffers (fresh per
     call) the same bytes, for split and unsplit, paged and contiguous launches, on the same grids and stream
-    (driver calls recorded, no GPU)."""
+    (driver calls recorded, no GPU). Split-KV launches, whose kernels wait for the grid before them themselves, have
+    programmatic stream serialization on both paths; the others none."""
     torch = pytest.importorskip("torch")
     from flashgen.kernels import serving
 
@@ -224,12 +229,14 @@ def test_a_plan_launches_the_struct_the_full_path_packed(monkeypatch):
         cfg = serve_config(128, "bf16", False, 4, "sm90", varlen=True, paged=paged, pack_gqa=True, split=splits > 1)
         cfg = dataclasses.replace(cfg, fused_combine=fused)
         got.launches.clear()
+        got.programmatic.clear()
         run = serving.kvcache_launch(cfg, splits, q, kc, kc, torch.empty_like(q), torch.empty(3, 8, 1), lens, table)
         full = list(got.launches)
         got.launches.clear()
         out, lse = serving.run_plan(serving.KVPlan(run, (3, 8, 1)), q, kc, kc, lens, table, True)
         assert out.shape == q.shape and out.is_contiguous() and lse.shape == (3, 8, 1)
         assert len(full) == len(got.launches) == (2 if splits > 1 and not fused else 1)
+        assert got.programmatic == [splits > 1] * (2 * len(full))
         for (role_a, grid_a, thr_a, a, st_a), (role_b, grid_b, thr_b, b, st_b) in zip(full, got.launches):
             assert (role_a, grid_a, thr_a, st_a) == (role_b, grid_b, thr_b, st_b)
             assert [x for i, x in enumerate(a) if i not in fresh] == [x for i, x in enumerate(b) if i not in fresh]

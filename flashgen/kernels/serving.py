@@ -160,7 +160,7 @@ def serve_launch(cfg: KernelConfig, arch: str, q: Any, k: Any, v: Any, out: Any,
     accum = ((num_splits * total_rows * heads * d, num_splits * total_rows * heads,
               blocks // num_splits if cfg.fused_combine else 0) if cfg.split else None)
     return ServeLaunch(dev, fn, comb, blocks, combine_blocks, cfg.threads, fields, accum,
-                       modifier_tail(cfg, mods, dev, batch, heads) if cfg.modified else b"")
+                       modifier_tail(cfg, mods, dev, batch, heads) if cfg.modified else b"", programmatic=cfg.split)
 
 
 # The pointers filled per call (the error word is per device): the tensors' and the split-KV accumulators'.
@@ -192,9 +192,9 @@ def fire_serve(run: "ServeLaunch", tensors: tuple) -> None:
     else:
         fields[_ACCUM_POINTERS[0]] = fields[_ACCUM_POINTERS[1]] = fields[_ACCUM_POINTERS[2]] = 0
     params = SERVE_PARAMS.pack(*fields)
-    run.fn.launch((run.blocks, 1, 1), run.threads, params + run.tail, stream)
+    run.fn.launch((run.blocks, 1, 1), run.threads, params + run.tail, stream, run.programmatic)
     if run.comb is not None:  # the combine takes ServeParams alone: ServeModParams's prefix
-        run.comb.launch((run.combine_blocks, 1, 1), 32 * COMBINE_WARPS, params, stream)
+        run.comb.launch((run.combine_blocks, 1, 1), 32 * COMBINE_WARPS, params, stream, run.programmatic)
 
 
 # Split-KV accumulators kept per (device, stream): the launches on one stream run in order, so each call's
@@ -255,6 +255,10 @@ class ServeLaunch(NamedTuple):
     # row blocks' arrival counters
     accum: tuple[int, int, int] | None
     tail: bytes = b""  # a kernel with a score_mod or mask_mod: its captured tensors' slots (ServeModParams)
+    # split-KV: the main kernel and the combine wait for the grid before them themselves (templates/sm80/
+    # grid_order.cuh.j2), so both launch with programmatic stream serialization: each one's blocks start while the
+    # grid before it finishes, instead of after
+    programmatic: bool = False
 
 
 def modifier_tail(cfg: KernelConfig, mods: Mods, device: int, batch: int = 1, heads: int = 1) -> bytes:
@@ -606,9 +610,9 @@ class KVPlan:
         self.new_out = (torch.empty_like if q_contiguous else
                         functools.partial(torch.empty_like, memory_format=torch.contiguous_format))
         self.template = SERVE_PARAMS.pack(*launch.fields) + launch.tail
-        self.main = launch.fn.prepared((launch.blocks, 1, 1), launch.threads)
+        self.main = launch.fn.prepared((launch.blocks, 1, 1), launch.threads, launch.programmatic)
         self.combine = (None if launch.comb is None else
-                        launch.comb.prepared((launch.combine_blocks, 1, 1), 32 * COMBINE_WARPS))
+                        launch.comb.prepared((launch.combine_blocks, 1, 1), 32 * COMBINE_WARPS, launch.programmatic))
         self.ctx = driver.primary_context(launch.device)
         self.tracks_store, self.stamp, self.look_after = tracks_store, stamp, 0.0
 
