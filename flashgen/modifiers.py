@@ -24,7 +24,7 @@ import sys
 import threading
 import types
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 KINDS = ("score", "mask")
@@ -73,12 +73,20 @@ class Node:
 @dataclass(frozen=True)
 class Captured:
     """A tensor the modifier reads: one kernel argument `arg` (a pointer) plus `arg_s0`, `arg_s1`, ... (strides in
-    elements, long long). `name` is what the user's function called it."""
+    elements, long long). `name` is what the user's function called it. `layout` (index_layout): "" where the
+    kernel computes an element's offset in 64 bits with the strides it is passed; else every element lies below
+    2^31 and the offset is computed in 32 bits, each dimension's stride by its class: "1" (stride 1: no product),
+    "0" (stride 0: no term) or "s" (the stride passed)."""
     name: str
     arg: str
     dtype: str
     shape: tuple[int, ...]
     strides: tuple[int, ...]
+    layout: str = ""
+
+    def fits(self, t: Any) -> bool:
+        """Whether the kernel generated for this tensor reads `t` right (a wide layout reads any)."""
+        return not self.layout or index_layout(tuple(t.shape), tuple(t.stride())) == self.layout
 
     @property
     def rank(self) -> int:
@@ -92,6 +100,14 @@ class Captured:
         """The kernel parameters this tensor takes, as a C parameter list fragment."""
         return ", ".join([f"const {self.c_type}* __restrict__ {self.arg}"]
                          + [f"long long {self.arg}_s{k}" for k in range(self.rank)])
+
+
+def index_layout(shape: tuple[int, ...], strides: tuple[int, ...]) -> str:
+    """Captured.layout of a tensor: its strides' classes where every element's offset is non-negative and below
+    2^31 (then a 32-bit offset reaches each one), else "" (64-bit offsets)."""
+    if not shape or any(st < 0 for st in strides) or sum((n - 1) * st for n, st in zip(shape, strides)) >= 2**31:
+        return ""
+    return "".join("0" if st == 0 else "1" if st == 1 else "s" for st in strides)
 
 
 def nodes(root: Node) -> Iterator[Node]:
@@ -126,6 +142,9 @@ class Modifier:
     root: Node | None = field(default=None, compare=False, repr=False)
     grad_root: Node | None = field(default=None, compare=False, repr=False)
     tensors: tuple = field(default=(), compare=False, repr=False)  # the live tensors, in `captured`'s order
+    # `expr` with 32-bit offsets into the captured tensors whose layout allows it (Captured.layout), as the sm90
+    # forward reads them; "" where it is `expr` (the other kernels read `expr`: the narrow offsets cost them spills)
+    narrow_expr: str = ""
 
     @classmethod
     def from_cuda(cls, expr: str, kind: str, grad_expr: str | None = None,
@@ -179,7 +198,7 @@ MAX_RANK = 4  # dimensions of one captured tensor: a ModTensor's strides
 
 def register(mod: Modifier) -> Modifier:
     """Record `mod` under its digest (for the render) and return it."""
-    entry = Modifier(mod.kind, mod.expr, mod.captured, mod.source, mod.digest, mod.grad_expr, mod.root, mod.grad_root)
+    entry = replace(mod, tensors=())  # the graph and texts, no live tensors
     with _REGISTRY_LOCK:
         _REGISTRY.setdefault(mod.digest, entry)
     return mod
@@ -689,17 +708,19 @@ def _trace(fn: Callable, kind: str, captured: dict[str, Any] | None) -> Modifier
     elif root.type != "bool":
         raise ModifierError(f"mask_mod returns a {root.type} value; it must return a boolean (true: keep)")
     descs = tuple(Captured(tracer.names.get(id(t), f"tensor{i}"), f"{kind}_mod_t{i}",
-                           str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()))
+                           str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()),
+                           index_layout(tuple(t.shape), tuple(t.stride())))
                   for i, t in enumerate(tracer.tensors))
     source = canonical(root)
     grad_root = derivative(root) if kind == "score" else None
-    return register(Modifier(kind, emit(root, descs), descs, source, _digest(kind, source, descs),
+    expr, narrow = emit(root, descs), emit(root, descs, narrow=True)
+    return register(Modifier(kind, expr, descs, source, _digest(kind, source, descs),
                              emit(grad_root, descs) if grad_root is not None else None, root, grad_root,
-                             tuple(tracer.tensors)))
+                             tuple(tracer.tensors), "" if narrow == expr else narrow))
 
 
 def _digest(kind: str, source: str, captured: tuple[Captured, ...]) -> str:
-    text = "\n".join([kind, source] + [f"{c.dtype}/{c.rank}" for c in captured])
+    text = "\n".join([kind, source] + [f"{c.dtype}/{c.rank}" + (f"/{c.layout}" if c.layout else "") for c in captured])
     return hashlib.sha256(text.encode()).hexdigest()[:DIGEST_CHARS]
 
 
@@ -758,8 +779,9 @@ def _positive_constant(node: Node) -> bool:
     return node.op == "const" and node.value > 0
 
 
-def emit(root: Node, captured: tuple[Captured, ...] = ()) -> str:
-    """The CUDA expression of the graph, fully parenthesized."""
+def emit(root: Node, captured: tuple[Captured, ...] = (), narrow: bool = False) -> str:
+    """The CUDA expression of the graph, fully parenthesized; `narrow`: reads of captured tensors whose layout
+    allows it at 32-bit offsets (Captured.layout), else all offsets in 64 bits."""
     memo: dict[tuple[Node, str, bool], str] = {}
 
     def as_type(node: Node, t: str, wide: bool = False) -> str:
@@ -781,14 +803,32 @@ def emit(root: Node, captured: tuple[Captured, ...] = ()) -> str:
         memo[key] = text
         return text
 
+    def ring(node: Node) -> str:
+        """An index's value modulo 2^32, as unsigned: sums, differences and products of ints in 32-bit arithmetic
+        (exact modulo 2^32 whatever the intermediate values), anything else computed as a 64-bit int and cut."""
+        op, args = node.op, node.args
+        if node.type == "int" and op == "const":
+            return f"{int(node.value) % 2**32}u"
+        if node.type == "int" and op == "input":
+            return f"static_cast<unsigned>({node.value})"
+        if node.type == "int" and op in ARITH and all(a.type == "int" for a in args):
+            return f"({ring(args[0])} {ARITH[op]} {ring(args[1])})"
+        if node.type == "int" and op == "neg" and args[0].type == "int":
+            return f"(0u - {ring(args[0])})"
+        return f"static_cast<unsigned>({as_type(node, 'int', True)})"
+
     def raw(node: Node, wide: bool) -> str:
         op, args = node.op, node.args
         if op == "input":  # inside a captured read's index, all arithmetic is 64-bit
             return f"static_cast<long long>({node.value})" if wide and node.type == "int" else node.value
         if op == "read":
             c = captured[node.value]
-            offset = " + ".join(f"{as_type(a, 'int', True)} * {c.arg}_s{k}"
-                                for k, a in enumerate(args)) or "0"
+            if narrow and c.layout:  # every element below 2^31: the offset modulo 2^32 is the offset
+                offset = " + ".join(ring(a) if cls == "1" else f"{ring(a)} * static_cast<unsigned>({c.arg}_s{k})"
+                                    for k, (a, cls) in enumerate(zip(args, c.layout)) if cls != "0") or "0u"
+            else:
+                offset = " + ".join(f"{as_type(a, 'int', True)} * {c.arg}_s{k}"
+                                    for k, a in enumerate(args)) or "0"
             element = f"{c.arg}[({offset})]" if args else f"{c.arg}[0]"
             return {"float": f"static_cast<float>({element})", "int": f"static_cast<long long>({element})",
                     "bool": f"({element})"}[node.type]

@@ -61,8 +61,9 @@ class FakeCuda:
     """Stands for a CUDA tensor a modifier captures, where only its address and layout are read (a kernel's
     parameter packing, without a GPU)."""
 
-    def __init__(self, ptr: int, strides: tuple[int, ...]):
+    def __init__(self, ptr: int, strides: tuple[int, ...], shape: tuple[int, ...] | None = None):
         self.ptr, self.strides = ptr, strides
+        self.shape = shape if shape is not None else (2,) * len(strides)
         self.device = type("Device", (), {"type": "cuda"})()
 
     def data_ptr(self) -> int:

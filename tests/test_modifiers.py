@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from flashgen import compile as fcompile  # noqa: E402
 from flashgen.render import template_env  # noqa: E402
-from flashgen.modifiers import (Captured, Modifier, ModifierError, trace_mask_mod,  # noqa: E402
+from flashgen.modifiers import (Captured, Modifier, ModifierError, index_layout, trace_mask_mod,  # noqa: E402
                                 trace_score_mod)
 
 N = 96  # sequence length of the grids
@@ -151,15 +151,50 @@ def test_t5_bias_reaches_many_buckets():
 
 def test_captured_tensors_are_described():
     m = trace_score_mod(relative_bias)
-    assert m.captured == (Captured("REL", "score_mod_t0", "float32", (HEADS, 2 * N - 1), (2 * N - 1, 1)),)
+    assert m.captured == (Captured("REL", "score_mod_t0", "float32", (HEADS, 2 * N - 1), (2 * N - 1, 1), "s1"),)
     assert "score_mod_t0[" in m.expr and "score_mod_t0_s1" in m.expr and "REL" not in m.expr
     index = m.expr.partition("score_mod_t0[")[2]  # the offset is computed in 64 bits from the inputs up
     assert "static_cast<long long>(q_idx) - static_cast<long long>(kv_idx)" in index
+    # the sm90 forward's: every element below 2^31, so a 32-bit offset, the last stride 1
+    index = m.narrow_expr.partition("score_mod_t0[")[2]
+    assert "static_cast<unsigned>(q_idx) - static_cast<unsigned>(kv_idx)" in index and "long long" not in index
+    assert "score_mod_t0_s0" in m.narrow_expr and "score_mod_t0_s1" not in m.narrow_expr
     assert m.params == "const float* __restrict__ score_mod_t0, long long score_mod_t0_s0, long long score_mod_t0_s1"
     doc = trace_mask_mod(document)
     assert [(c.name, c.dtype, c.rank) for c in doc.captured] == [("DOC", "int32", 1)]  # read twice, one argument
     t5 = trace_score_mod(t5_bias)
     assert t5.captured[0].c_type == "__nv_bfloat16"
+
+
+def test_a_captured_tensors_offsets_are_32_bit_only_below_2_to_the_31():
+    """index_layout: a stride-1 dimension takes no product and a stride-0 one no term; a tensor with an element at
+    2^31 or past it, or a negative stride, keeps 64-bit offsets with every stride passed. A kernel generated for one
+    layout refuses a tensor of another (Captured.fits), and the layout is part of the digest."""
+    def reads(table):
+        return lambda score, b, h, q_idx, kv_idx: score + table[h, q_idx - kv_idx + N - 1]
+
+    small = trace_score_mod(reads(REL))
+    assert small.captured[0].layout == "s1"
+    edge = torch.empty(HEADS, 2**29, device="meta")  # the last element at 2^31 - 1: still 32-bit
+    assert trace_score_mod(reads(edge)).captured[0].layout == "s1"
+    wide_table = torch.empty(HEADS, 2**29 + 1, device="meta")  # the last element at 2^31 + 3
+    wide = trace_score_mod(reads(wide_table))
+    assert wide.captured[0].layout == "" and wide.narrow_expr == "" and wide.digest != small.digest
+    rows = REL[:1].expand(HEADS, -1)  # one row for every head: stride 0
+    zero = trace_score_mod(reads(rows))
+    assert zero.captured[0].layout == "01" and "score_mod_t0_s0" not in zero.narrow_expr
+    assert index_layout((HEADS, 8), (8, -1)) == "" and index_layout((), ()) == ""  # a negative stride; a scalar
+    score, b, h, q, kv = grid()
+    torch.testing.assert_close(zero.evaluate(score, b, h, q, kv), score + rows[h, q - kv + N - 1])
+    assert trace_score_mod(softcap).narrow_expr == ""  # nothing read: one expression
+    c = small.captured[0]
+    assert c.fits(REL) and c.fits(torch.randn_like(REL)) and not c.fits(REL.t().contiguous().t())
+    assert c.fits(edge) and not c.fits(wide_table) and wide.captured[0].fits(REL)
+
+
+def overflowing(score, b, h, q_idx, kv_idx):
+    """A bias read at kv_idx through products past 2^32 (exact modulo 2^32, as the 32-bit offset computes them)."""
+    return score + REL[h, q_idx * 2**30 - (q_idx - 1) * 2**30 + kv_idx - 2**30]
 
 
 def test_captured_tensor_strides_follow_the_view():
@@ -408,10 +443,12 @@ def c_list(values) -> str:
 
 
 @pytest.mark.parametrize("fn", [document, block_sparse, prefix_per_batch, floors, alibi, softcap, relative_bias,
-                                leaky, masked_score], ids=lambda f: f.__name__)
-def test_emitted_cuda_text_computes_what_the_graph_does(fn, tmp_path):
+                                leaky, masked_score, overflowing], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("narrow", [False, True], ids=["64-bit offsets", "32-bit offsets"])
+def test_emitted_cuda_text_computes_what_the_graph_does(fn, narrow, tmp_path):
     """The CUDA text, built as host C++ (float32 and integer tensors only), gives evaluate()'s numbers: floor
-    division and remainder on negative operands, the casts and the precedence as written."""
+    division and remainder on negative operands, the casts and the precedence as written; with 32-bit offsets
+    (narrow_expr) too, products past 2^32 included (overflowing)."""
     import shutil
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
@@ -427,7 +464,8 @@ def test_emitted_cuda_text_computes_what_the_graph_does(fn, tmp_path):
     for c, t in zip(m.captured, m.tensors):
         assert t.is_contiguous() and c.dtype in ("float32", "int32", "int64", "bool")
     source = HOST.format(arrays=arrays, scores=c_list(score.tolist()), bs=c_list(b.tolist()), hs=c_list(h.tolist()),
-                         qs=c_list(q.tolist()), kvs=c_list(kv.tolist()), n=len(score), value=m.expr)
+                         qs=c_list(q.tolist()), kvs=c_list(kv.tolist()), n=len(score),
+                         value=(m.narrow_expr or m.expr) if narrow else m.expr)
     (tmp_path / "host.cpp").write_text(source)
     build = subprocess.run([cxx, "-O1", "-o", str(tmp_path / "host"), str(tmp_path / "host.cpp")],
                            capture_output=True, text=True, timeout=300)

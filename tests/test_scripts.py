@@ -118,7 +118,7 @@ def test_fill_kernel_cache_flex_names_each_cases_modifier_kernels(monkeypatch):
     from flashgen.config import BwdConfig
     from flashgen.kernels import serving
 
-    monkeypatch.setattr(serving, "_builds_clean", lambda cfg: True)
+    monkeypatch.setattr(serving, "_builds_clean", lambda cfg, spill_slack=0: True)
     serving._sm90_modifier_config.cache_clear()
     try:
         hopper, ampere = fill_kernel_cache.flex_configs("sm90"), fill_kernel_cache.flex_configs("sm80")
@@ -144,7 +144,7 @@ def test_time_sm90_modifiers_builds_every_schedule_it_times(monkeypatch):
     from flashgen.config import BwdConfig
     from flashgen.kernels import serving
 
-    monkeypatch.setattr(serving, "_builds_clean", lambda cfg: True)
+    monkeypatch.setattr(serving, "_builds_clean", lambda cfg, spill_slack=0: True)
     tables = serving.SM90_MODIFIER_SCHEDULES, serving.SM90_MODIFIER_BWD_SCHEDULES
     assert list(time_sm90_modifiers.forward_schedules(128)) == [
         f"bn{bn}_{s}" for bn in (128, 64) for s in ("in_order", "overlap", "persistent")]

@@ -166,7 +166,7 @@ def test_a_modifier_loading_per_score_takes_the_64_key_tiles_first_at_d64(monkey
     of indices alone (prefix LM, a window) keep the 128 x 128 tiles; d128 keeps its order for both."""
     from flashgen.kernels import serving  # noqa: PLC0415
 
-    monkeypatch.setattr(serving, "_builds_clean", lambda cfg: True)
+    monkeypatch.setattr(serving, "_builds_clean", lambda cfg, spill_slack=0: True)
     tiles = {(name, d): (lambda c: (c.block_m, c.block_n))(
         sm90_modifier_bwd_config(d, "bf16", False, (), False, *digests(name).values()))
         for name in ("document", "relative_bias", "prefix_lm", "sliding_window") for d in (64, 128)}

@@ -63,15 +63,18 @@ def test_render_applies_the_modifiers_on_the_accumulator(name):
     assert ("apply_mask_mod(acc_s, P, sv, head" in src) == (mask is not None)
     window = src.index("apply_window(acc_s, m0 + warp_row0")
     if score is not None:  # before the masks, on S times the softmax scale; the softmax then in log2 units only
-        assert src.index("apply_score_mod(acc_s") < window and score.expr in src
+        assert src.index("apply_score_mod(acc_s") < window and (score.narrow_expr or score.expr) in src
         assert "const float to_score = p.scale_log2 * LN2, scale_log2 = LOG2E;" in src
     else:
         assert "const float scale_log2 = p.scale_log2;" in src and "to_score" not in src
     if mask is not None:  # after the masks (nothing turns its -inf back), skipped on FULL tiles
-        assert src.index("if (!kt.full(j)) apply_mask_mod(acc_s") > window and mask.expr in src
+        assert src.index("if (!kt.full(j)) apply_mask_mod(acc_s") > window and (mask.narrow_expr or mask.expr) in src
         assert "inline constexpr bool BLOCK_MAP = true;" in src
     for slot, c in enumerate(c for m in (score, mask) if m for c in m.captured):
         assert f"const ReadOnly<{c.c_type}> {c.arg}{{static_cast<const {c.c_type}*>(P.t{slot}.ptr)}};" in src
+        assert c.layout  # the examples' tensors are small: read at 32-bit offsets
+    for m in (score, mask):
+        assert m is None or not m.captured or m.narrow_expr not in ("", m.expr)
     # producer and consumers walk one list of key tiles
     assert src.count("const int n0 = kt.n0(j);") == 3  # the producer's loads, softmax_tile and softmax_into
     assert "const int n_blocks = kt.count;" in src
@@ -79,21 +82,22 @@ def test_render_applies_the_modifiers_on_the_accumulator(name):
 
 @pytest.mark.parametrize("name", ["relative_prefix_lm", "alibi", "document", "sliding_window"])
 def test_render_of_the_overlapped_schedule_applies_them_as_the_softmax_reads_s(name):
-    """With overlap S is only read (its registers belong to an open wgmma stage): softmax_pack applies the modifiers
-    per score it reads (the mask_mod's verdicts taken once per tile), the masked variant on tiles the mask_mod
-    decides."""
+    """With overlap the score_mod rewrites S in place once S_j has landed (once per score, before either softmax
+    pass; ptxas keeps the P V product in flight), and softmax_pack applies the masks per score it reads (the mask_mod's
+    verdicts taken once per tile), the masked variant on tiles the mask_mod decides."""
     score, mask = trace(EXAMPLES[name])
     src = render(sm90_cfg(name, overlap=True, pingpong=True))
-    args = "lane, P, sv, head, kt.full(j)" + (", to_score" if score else "")
-    assert src.count(f"softmax_pack<true>(acc_s, a, m_i, l_i, corr, scale_log2, m0 + warp_row0, n0, sv.seqlen_k, "
-                     f"win_lo, win_hi, {args});") == 1
+    assert src.count("softmax_pack<true>(acc_s, a, m_i, l_i, corr, scale_log2, m0 + warp_row0, n0, sv.seqlen_k, "
+                     "win_lo, win_hi, lane, P, sv, head, kt.full(j));") == 1
     assert ("win_lo || !kt.full(j))" in src) == (mask is not None)
-    pasted = "const float x = score_mod_at(s[0][nt][e] * to_score, P, sv, head, row, col);"
-    assert (pasted in src) == (score is not None)
+    in_place = "apply_score_mod(acc_s, P, sv, head, m0 + warp_row0, n0, lane, to_score);  // in place, once per score"
+    assert src.count(in_place) == (score is not None)
+    assert "score_mod_at(s[0][nt][e] * to_score, P, sv, head, row, col)" not in src  # not again per read
     # a mask_mod alone that reads tensors is decided once per element of the tile (its bits), not again by each pass
     bits = mask is not None and score is None and bool(mask.captured)
-    assert ("if (MASK && !full) mask_mod_bits(keep, P, sv, head, row0, col0, lane);" in src) == bits
-    assert ("if (!full && !((keep[(nt * 4 + e) / 32] >> ((nt * 4 + e) % 32)) & 1u)) return -INFINITY;" in src) == bits
+    assert ("if (MASK && !full) mask_mod_bits(verdicts, P, sv, head, row0, col0, lane);" in src) == bits
+    assert ("if (!full && !((verdicts[(nt * 4 + e) / 32] >> ((nt * 4 + e) % 32)) & 1u)) return -INFINITY;"
+            in src) == bits
     assert ("if (!full && !mask_mod_at(P, sv, head, row, col)) return -INFINITY;" in src) == (mask is not None
                                                                                               and not bits)
 
@@ -130,6 +134,11 @@ def test_modifier_values_fill_the_slots_in_capture_order():
     values = modifier_values(cfg, Mods(score_mod=score), 0, 2, 4)
     assert values == [0x1000, 1, 0, 0, 0] + [0] * (3 * 5) + [0] * 10  # no block map: null lists
     assert serving.modifier_tail(cfg, Mods(score_mod=score), 0) == abi.SERVE_MOD.tail("t0.ptr").pack(*values)
+    # the kernel reads the table at 32-bit offsets with stride 1: a table of another layout is refused, not misread
+    for strides, shape in (((2,), (7,)), ((1,), (2**31 + 1,))):
+        other = dataclasses.replace(score, tensors=(FakeCuda(0x1000, strides, shape),))
+        with pytest.raises(ValueError, match="traced with"):
+            modifier_values(cfg, Mods(score_mod=other), 0, 2, 4)
 
 
 def test_sm90_config_refuses_what_the_family_does_not_build():
@@ -139,16 +148,18 @@ def test_sm90_config_refuses_what_the_family_does_not_build():
     assert sm90_modifier_config(80, "bf16", False, mods_of("document")) is None
 
 
-def test_a_modifier_reading_per_score_takes_the_in_order_schedule_first(monkeypatch):
-    """A score_mod or mask_mod that loads per score (a bias table or document ids by q_idx and kv_idx) goes in order,
-    at the same block_n: the overlapped schedule evaluates the score_mod twice per score and holds a mask_mod's bits
-    beside the next tile's S. One that reads per head (ALiBi's slopes), or reads nothing, keeps the overlapped one."""
-    monkeypatch.setattr(serving, "_builds_clean", lambda cfg: True)
+def test_a_mask_mod_reading_per_score_takes_the_in_order_schedule_first(monkeypatch):
+    """A mask_mod that loads per score (document ids by q_idx and kv_idx) goes in order, at the same block_n: the
+    overlapped schedule holds its bits beside the next tile's S. A score_mod that loads per score (a bias table)
+    keeps the overlapped schedule (its loads are made once per score there too), as do modifiers that read per head
+    (ALiBi's slopes) or nothing; the overlapped schedule rescales O lazily."""
+    monkeypatch.setattr(serving, "_builds_clean", lambda cfg, spill_slack=0: True)
     serving._sm90_modifier_config.cache_clear()
     picked = {name: sm90_modifier_config(128, "bf16", False, mods_of(name))
               for name in ("relative_bias", "alibi", "document", "sliding_window")}
     assert {n: (c.block_n, c.overlap) for n, c in picked.items()} == {
-        "relative_bias": (128, False), "alibi": (128, True), "document": (128, False), "sliding_window": (128, True)}
+        "relative_bias": (128, True), "alibi": (128, True), "document": (128, False), "sliding_window": (128, True)}
+    assert all(c.lazy_rescale == c.overlap for c in picked.values())
     serving._sm90_modifier_config.cache_clear()
 
 
@@ -185,11 +196,11 @@ BUILDS = [("relative_prefix_lm", 128, "fp16", False), ("softcap_document", 64, "
 @needs_nvcc
 def test_sm90_modifier_kernels_compile_without_spills_or_serialized_wgmma():
     cfgs = [sm90_modifier_config(d, dt, causal, mods_of(name)) for name, d, dt, causal in BUILDS]
-    # a table read per score goes in order, and beside a mask spills at 128 keys; document ids go in order; d256
-    # spills overlapped
-    assert [(c.block_n, c.overlap) for c in cfgs] == [(64, False), (128, False), (64, False), (128, True)]
+    # a table read per score beside a mask spills overlapped at 128 keys; document ids go in order; d256 spills
+    # overlapped (a few spilled bytes are taken at head dims up to 128 only)
+    assert [(c.block_n, c.overlap) for c in cfgs] == [(128, False), (128, False), (64, False), (128, True)]
     assert all(c.family == "sm90" and c.block_map for c in cfgs)
-    overlapped = dataclasses.replace(cfgs[0], overlap=True, pingpong=True)
+    overlapped = dataclasses.replace(cfgs[0], block_n=64, overlap=True, pingpong=True)
     others = [overlapped, dataclasses.replace(cfgs[1], overlap=True, pingpong=True)]
     compile_sm90a_clean(cfgs + others + [dataclasses.replace(overlapped, persistent=True)])
 
