@@ -348,3 +348,35 @@ def test_fused_combine_builds_one_kernel_that_merges():
         if disassembler() is not None:
             sass = disassemble(kern.cubin)
             assert f".text.{cfg.name}_combine" not in sass and re.search(r"\bATOMG?\.E\.ADD", sass) and "STRONG.GPU" in sass
+
+
+def test_split_kernels_wait_for_the_grid_before_them_before_touching_memory():
+    """The split-KV kernels launch with programmatic stream serialization (their blocks may start while the grid
+    before them runs), so each of their __global__ functions must wait for that grid (griddepcontrol.wait: ACQBULK
+    in sm_90 SASS) before its first global load or store, and only then let the next launch in (PREEXIT). On sm_80
+    they compile to nothing. The unsplit serving kernels, launched without the attribute, have neither."""
+    from flashgen.compile import disassemble, disassembler
+    from flashgen.kernels.serving import decode_config
+
+    split = decode_config(128, "bf16", (32, 64, 2, 2), False, True)
+    unsplit = decode_config(128, "bf16", (16, 32, 1, 3), False, False)
+    assert split.split and not unsplit.split
+    assert "griddepcontrol" in render(split) and "griddepcontrol" not in render(unsplit)
+    if disassembler() is None:
+        pytest.skip("no SASS disassembler")
+    memory = re.compile(r"\b(LDG|STG|LDGSTS|ATOMG|RED|LD|ST)\b")
+    for cfg, waits in ((split, True), (unsplit, False), (dataclasses.replace(split, fused_combine=True), True)):
+        sass = disassemble(compile_kernel(cfg, "sm_90").cubin)
+        functions = re.split(r"\.text\.(\w+):", sass)[1:]
+        names = functions[0::2]
+        assert (f"{cfg.name}_combine" in names) == (cfg.split and not cfg.fused_combine) and cfg.name in names
+        for name, body in zip(names, functions[1::2]):
+            ops = [line.split(";")[0].split()[1:] for line in body.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+            ops = [op[1] if op and op[0].startswith("@") and len(op) > 1 else (op[0] if op else "") for op in ops]
+            ops = [op.split(".")[0] for op in ops]
+            if not waits:
+                assert "ACQBULK" not in ops and "PREEXIT" not in ops, name
+                continue
+            first_memory = next(i for i, op in enumerate(ops) if memory.fullmatch(op))
+            assert ops.index("ACQBULK") < ops.index("PREEXIT") < first_memory, name
+        assert "ACQBULK" not in disassemble(compile_kernel(cfg, "sm_80").cubin)
