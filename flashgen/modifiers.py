@@ -713,10 +713,10 @@ def _trace(fn: Callable, kind: str, captured: dict[str, Any] | None) -> Modifier
                   for i, t in enumerate(tracer.tensors))
     source = canonical(root)
     grad_root = derivative(root) if kind == "score" else None
-    expr, narrow = emit(root, descs), emit(root, descs, narrow=True)
-    return register(Modifier(kind, expr, descs, source, _digest(kind, source, descs),
+    return register(Modifier(kind, emit(root, descs), descs, source, _digest(kind, source, descs),
                              emit(grad_root, descs) if grad_root is not None else None, root, grad_root,
-                             tuple(tracer.tensors), "" if narrow == expr else narrow))
+                             tuple(tracer.tensors),
+                             emit(root, descs, narrow=True) if any(c.layout for c in descs) else ""))
 
 
 def _digest(kind: str, source: str, captured: tuple[Captured, ...]) -> str:
@@ -807,14 +807,15 @@ def emit(root: Node, captured: tuple[Captured, ...] = (), narrow: bool = False) 
         """An index's value modulo 2^32, as unsigned: sums, differences and products of ints in 32-bit arithmetic
         (exact modulo 2^32 whatever the intermediate values), anything else computed as a 64-bit int and cut."""
         op, args = node.op, node.args
-        if node.type == "int" and op == "const":
-            return f"{int(node.value) % 2**32}u"
-        if node.type == "int" and op == "input":
-            return f"static_cast<unsigned>({node.value})"
-        if node.type == "int" and op in ARITH and all(a.type == "int" for a in args):
-            return f"({ring(args[0])} {ARITH[op]} {ring(args[1])})"
-        if node.type == "int" and op == "neg" and args[0].type == "int":
-            return f"(0u - {ring(args[0])})"
+        if node.type == "int":
+            if op == "const":
+                return f"{int(node.value) % 2**32}u"
+            if op == "input":
+                return f"static_cast<unsigned>({node.value})"
+            if op in ARITH and all(a.type == "int" for a in args):
+                return f"({ring(args[0])} {ARITH[op]} {ring(args[1])})"
+            if op == "neg" and args[0].type == "int":
+                return f"(0u - {ring(args[0])})"
         return f"static_cast<unsigned>({as_type(node, 'int', True)})"
 
     def raw(node: Node, wide: bool) -> str:

@@ -467,11 +467,12 @@ def modifier_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: st
 
 
 # The sm90 family's kernels with modifiers, by head dim: (block_n, schedule knobs), the first that ptxas builds without
-# spills or serialized wgmma taken (the last unchecked). Two consumer warpgroups of 64 rows. FlashAttention-3's
-# schedule first (S of the next tile beside this one's P V, the warpgroups taking turns, O rescaled lazily), then the
-# in-order one, which needs fewer registers; a table read per score beside a mask (FlexAttention's heavier examples)
-# spills at 128 keys. Lazy rescaling (H200, d128, bf16, 4k / 16k): softcap 342 -> 391 / 353 -> 403 TFLOP/s, ALiBi
-# with its causal mask_mod 388 -> 426 / 467 -> 482 (from the in-order schedule, which it had at 128 keys before).
+# serialized wgmma and within MODIFIER_SPILL_SLACK taken (the last unchecked). Two consumer warpgroups of 64 rows.
+# FlashAttention-3's schedule first (S of the next tile beside this one's P V, the warpgroups taking turns, O rescaled
+# lazily), then the in-order one, which needs fewer registers; a table read per score beside a mask (FlexAttention's
+# heavier examples) spills at 128 keys. Lazy rescaling (H200, d128, bf16, 4k / 16k): softcap 342 -> 391 / 353 -> 403
+# TFLOP/s, ALiBi with its causal mask_mod 388 -> 426 / 467 -> 482 (from the in-order schedule, which it had at 128 keys
+# before).
 SM90_OVERLAP = (("overlap", True), ("pingpong", True), ("lazy_rescale", True))
 SM90_IN_ORDER: tuple = ()
 SM90_MODIFIER_SCHEDULES = {
@@ -479,6 +480,11 @@ SM90_MODIFIER_SCHEDULES = {
        for d in (32, 64, 96, 128)},
     256: ((64, SM90_OVERLAP), (64, SM90_IN_ORDER)),
 }
+# Spill stores (bytes) a forward schedule with modifiers may have and still be taken, at head dims up to 128 (where it
+# was measured): the overlapped schedule's few spilled bytes (8-52 at d128) cost less than the in-order schedule they
+# displace (H200, d128, 4k: ALiBi with its causal mask_mod, 52 bytes, 426 against 388 TFLOP/s; a relative-bias table
+# at 128 keys, 8 bytes, 395 against 380 at 64).
+MODIFIER_SPILL_SLACK = 64
 SM90_MODIFIER_FEATURES = ("window", "sinks")  # what an sm90 modifier kernel also builds (dense: no varlen)
 
 
@@ -515,13 +521,6 @@ def _sm90_modifier_config(head_dim: int, dtype: str, causal: bool, features: tup
             for bn, knobs in schedules]
     slack = MODIFIER_SPILL_SLACK if head_dim <= 128 else 0
     return next((c for c in cfgs[:-1] if _builds_clean(c, slack)), cfgs[-1])
-
-
-# Spill stores (bytes) a forward schedule with modifiers may have and still be taken, at head dims up to 128 (where it
-# was measured): the overlapped schedule's few spilled bytes (8-52 at d128) cost less than the in-order schedule they
-# displace (H200, d128, 4k: ALiBi with its causal mask_mod, 52 bytes, 426 against 388 TFLOP/s; a relative-bias table
-# at 128 keys, 8 bytes, 395 against 380 at 64).
-MODIFIER_SPILL_SLACK = 64
 
 
 @functools.lru_cache(maxsize=256)
