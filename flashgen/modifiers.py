@@ -237,6 +237,33 @@ def trace_mask_mod(fn: Callable, captured: dict[str, Any] | None = None) -> Modi
     return _trace(fn, "mask", captured)
 
 
+def load_file(spec: str, kind: str) -> Modifier:
+    """`FILE.py:FUNC`: the function FUNC of the Python file FILE.py, run as a module (so that the tensors it reads
+    exist), traced as a score_mod (kind "score") or mask_mod ("mask"). ModifierError, naming the spec, for a missing
+    file or function, an error the file raises, or a function outside the traced op set."""
+    import importlib.util  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise ModifierError(f"{spec!r}: expected FILE.py:FUNCTION")
+    if not Path(path).is_file():
+        raise ModifierError(f"{spec!r}: no file {path}")
+    module_spec = importlib.util.spec_from_file_location(f"flashgen_{kind}_mod_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # the user's file: any error it raises is theirs, shown in one line
+        raise ModifierError(f"{spec!r}: running {path} raised {type(e).__name__}: {e}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ModifierError(f"{spec!r}: {path} has no function {name}")
+    try:
+        return trace_score_mod(fn) if kind == "score" else trace_mask_mod(fn)
+    except ModifierError as e:
+        raise ModifierError(f"{spec!r}: {e}") from None
+
+
 # fn -> {kind: (what fn saw when traced, its Modifier)}: a call passing the same function again skips the trace.
 _TRACES: "weakref.WeakKeyDictionary[Callable, dict[str, tuple[tuple, Modifier]]]" = weakref.WeakKeyDictionary()
 

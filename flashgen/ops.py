@@ -381,14 +381,15 @@ def modifier_plan(q: Any, k: Any, v: Any, causal: bool, softmax_scale: float | N
                   family: str | None = None) -> ModPlan:
     """The plan (flashgen.kernels.modified) of a dense call with a score_mod, mask_mod or block map, on checked
     (batch, seqlen, heads, head_dim) torch tensors: its kernel (modifier_kernel), the block map at the kernel's
-    tiles, its launch. An sm80-family choice may have read the tuned store: the plan carries the store's stamp."""
+    tiles, its launch. Where the choice may have read the tuned store, the plan carries the store's stamp."""
     batch, seqlen_q, heads, d = q.shape
     device = q.get_device()
     cfg = modifier_kernel(device, d, dtype_name(q, "q"), causal, seqlen_q, heads // k.shape[2], mods, family)
     if cfg.block_map:
         mods = mods._replace(block_map=kernel_block_map(cfg, mods, causal, batch, heads, seqlen_q, k.shape[1],
                                                         q.device))
-    tracks_store = cfg.family == "sm80"  # tuned_modifier read the store; the sm90 family's rules read none
+    # Where tuned_modifier read the store: every sm80 choice, and the sm90 family's without a window or sinks.
+    tracks_store = cfg.family == "sm80" or (bool(cfg.score_mod or cfg.mask_mod) and not cfg.features)
     return make_mod_plan(cfg, q, k, v, mods, softmax_scale, tracks_store,
                          gpu_stamp(device)[1] if tracks_store else None)
 
@@ -468,13 +469,17 @@ def flex_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 def modifier_kernel(device: int, head_dim: int, dtype: str, causal: bool, seqlen: int, gqa_group: int,
                     mods: Mods, family: str | None = None) -> Any:
     """The kernel of a dense call with a score_mod, mask_mod or BlockMask. On Hopper (family None or "sm90") the
-    sm90 family's forward where it builds the call (sm90_modifier_config: 2-3x the sm80 kernel's speed there);
-    family "sm90" elsewhere is an error. Else, and with family "sm80", the sm80 family's: the one tuned for exactly
-    its modifiers (flashgen.resolve.tuned_modifier) where the call has no other score modifier, else serve_config's
-    tiles."""
+    sm90 family's forward where it builds the call (2-3x the sm80 kernel's speed there): the one tuned for exactly
+    its modifiers (flashgen.resolve.tuned_modifier) where the call has no window or sinks, else the rule
+    (sm90_modifier_config); family "sm90" elsewhere is an error. Else, and with family "sm80", the sm80 family's:
+    likewise tuned where the call has no other score modifier, else serve_config's tiles."""
     arch = arch_and_slots(device)[0]
     if family == "sm90" or (family is None and arch == "sm90"):
         sm90 = sm90_modifier_config(head_dim, dtype, causal, mods)
+        if sm90 is not None and not sm90.features and (sm90.score_mod or sm90.mask_mod):
+            tuned = tuned_modifier(device, head_dim, dtype, causal, seqlen, gqa_group, sm90.score_mod, sm90.mask_mod,
+                                   "sm90")
+            sm90 = tuned if tuned is not None and tuned.block_map == sm90.block_map else sm90
         why = sm90.unfit_reason(arch) if sm90 is not None else None
         if family == "sm90" and why is not None:
             raise ValueError(f"arch='sm90': {why}")

@@ -86,9 +86,9 @@ class TuneProblem:
     def __post_init__(self) -> None:
         if self.pass_ not in PASSES:
             raise ValueError(f"pass_={self.pass_!r}; choose one of {', '.join(PASSES)}")
-        if (self.score_mod or self.mask_mod) and (self.pass_ != "fwd" or self.family != "sm80"):
-            raise ValueError("a problem with a score_mod or mask_mod is a forward of family sm80 (the modifiers' "
-                             "kernels)")
+        if (self.score_mod or self.mask_mod) and (self.pass_ != "fwd" or self.family not in ("sm80", "sm90")):
+            raise ValueError("a problem with a score_mod or mask_mod is a forward of family sm80 or sm90 (the "
+                             "modifiers' kernels)")
 
     @property
     def key(self) -> str:

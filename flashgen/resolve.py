@@ -407,25 +407,27 @@ def _prefill(gpu_name: str, arch: str, stamp: tuple | None, head_dim: int, dtype
 
 
 def tuned_modifier(device: int, head_dim: int, dtype: str, causal: bool, seqlen: int, gqa_group: int,
-                   score_mod: str, mask_mod: str) -> KernelConfig | None:
-    """The kernel tuned for a dense call with these modifiers (digests; `tune --score-mod/--mask-mod` stores them
-    under keys that end in them), nearest seqlen bucket, or None (quietly: most modifiers are never tuned). Cached
-    per call shape; the store file is looked at again when it changed (store_stamp)."""
+                   score_mod: str, mask_mod: str, family: str = "sm80") -> KernelConfig | None:
+    """The kernel of `family` tuned for a dense call with these modifiers (digests; `tune --score-mod/--mask-mod`
+    stores them under keys that end in them), nearest seqlen bucket, or None (quietly: most modifiers are never
+    tuned). Cached per call shape; the store file is looked at again when it changed (store_stamp)."""
     (gpu_name, arch), stamp = gpu_stamp(device)
-    return _modifier(gpu_name, arch, stamp, head_dim, dtype, causal, seqlen, gqa_group, score_mod, mask_mod)
+    return _modifier(gpu_name, arch, stamp, head_dim, dtype, causal, seqlen, gqa_group, score_mod, mask_mod, family)
 
 
 @functools.lru_cache(maxsize=1024)
 def _modifier(gpu_name: str, arch: str, stamp: tuple | None, head_dim: int, dtype: str, causal: bool, seqlen: int,
-              gqa_group: int, score_mod: str, mask_mod: str) -> KernelConfig | None:
+              gqa_group: int, score_mod: str, mask_mod: str, family: str) -> KernelConfig | None:
     if stamp is None:
         return None
     try:
-        cfg = store.lookup(gpu_name, arch, head_dim, dtype, causal, seqlen, "sm80", gqa_group=gqa_group,
+        cfg = store.lookup(gpu_name, arch, head_dim, dtype, causal, seqlen, family, gqa_group=gqa_group,
                            score_mod=score_mod, mask_mod=mask_mod)
     except store.StoreError:  # load()'s path warns about a damaged store; a modifier call takes the default
         return None
-    return cfg if isinstance(cfg, KernelConfig) else None
+    if not isinstance(cfg, KernelConfig) or cfg.family != family or cfg.unfit_reason(arch) is not None:
+        return None
+    return cfg
 
 
 def sm90_config(device: int, head_dim: int, dtype: str, causal: bool, rows: int, seqlen_k: int,

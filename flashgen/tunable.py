@@ -199,10 +199,11 @@ class VarlenKind(ServingKind):
 
 
 class ModifierKind(Kind):
-    """Forward problems with a score_mod or mask_mod (TuneProblem's digests): the dense space generated with them,
-    compared with the kernel an untuned call takes, verified and timed by flashgen.tune_modifier in the GPU worker,
-    which gets the modifiers as data (`task_args`: their registered Modifiers, CUDA text and graph, no tensors).
-    Stored as dense entries whose keys end in the digests."""
+    """Forward problems with a score_mod or mask_mod (TuneProblem's digests): the family's space generated with them
+    (flashgen.tune_modifier.space), compared with the kernel an untuned call takes, verified and timed by
+    flashgen.tune_modifier in the GPU worker, which gets the modifiers as data (`task_args`: their registered
+    Modifiers, CUDA text and graph, no tensors; and the FILE.py:FUNC of those that read tensors, which the worker
+    loads). Stored as dense entries whose keys end in the digests."""
 
     trial_task = "flashgen.tune_modifier:gpu_trial"
     retime_task = "flashgen.tune_modifier:gpu_retime"
@@ -211,18 +212,17 @@ class ModifierKind(Kind):
         return dataclasses.replace(super().candidate(problem, params), **tm.fields(problem))  # type: ignore[type-var]
 
     def space(self, problem: Any) -> list[Candidate]:
-        dense = super().space(problem)
-        return tm.with_modifiers(dense, problem.score_mod, problem.mask_mod)  # type: ignore[arg-type, return-value]
+        return tm.space(problem)  # type: ignore[return-value]
 
     def default(self, problem: Any) -> Candidate:
         return tm.default_config(problem)
 
     def compile_reason(self, problem: Any, kernel: Any) -> str | None:
-        return tv.spill_reason(kernel)
+        return tm.compile_reason(problem, kernel)
 
     def task_args(self, problem: Any) -> tuple:
         try:
-            return (registered((problem.score_mod, problem.mask_mod)),)
+            return registered((problem.score_mod, problem.mask_mod)), tm.sources(problem)
         except ModifierError:
             raise ModifierError(f"{problem.key}: its modifiers were not traced in this process; load the same ones "
                                 "(tune --score-mod / --mask-mod) where it is tuned or collected") from None

@@ -1,28 +1,34 @@
 """Tuning a forward problem with a score_mod or mask_mod (`tune --score-mod FILE.py:FUNC --mask-mod FILE.py:FUNC`).
 
-Such a call runs the sm80 family's serving forward generated with its modifiers (a mask_mod with a block map,
-flashgen.blockmap), so its problem (flashgen.problem.TuneProblem with the modifiers' digests, which end its key) is
-searched over the dense space with those fields set, by the pipeline every kind shares (flashgen.tunable's
-ModifierKind). The modifiers reach the compile pool and the GPU worker as data, never as Python callables: the
-`Modifier` of each digest, its CUDA text and its traced graph without tensors (flashgen.modifiers.registered), which
-the other process registers before it renders or evaluates anything. Modifiers that read captured tensors are not
-tuned (the worker has no tensors to give them; the CLI refuses them).
+Such a call runs a forward generated with its modifiers (a mask_mod with a block map, flashgen.blockmap): on Hopper
+the sm90 family's (kernels.serving.sm90_modifier_config's rule when untuned), elsewhere the sm80 family's serving
+forward. Its problem (flashgen.problem.TuneProblem of that family, with the modifiers' digests ending its key) is
+searched by the pipeline every kind shares (flashgen.tunable's ModifierKind): family sm80 over the dense space with
+those fields set, family sm90 over SM90 schedules of its two-warpgroup tile (`space`). The modifiers reach the compile
+pool and the GPU worker as data, never as Python callables: the `Modifier` of each digest, its CUDA text and its traced
+graph without tensors (flashgen.modifiers.registered), which the other process registers before it renders or
+evaluates anything. A modifier that reads captured tensors also sends the FILE.py:FUNC it came from (`remember`): the
+worker runs that file itself (its tensors on the worker's GPU) and checks that the trace has the same digest.
 
-In the worker a candidate is verified on the problem's verification shape (TuneProblem.verify_shape) against
-float64 with the modifiers applied by their graph (`reference`), into a NaN-poisoned output, then timed on the
-problem's own shape through the launcher the calls use (kernels.serving.launch_prefill).
+In the worker a candidate is verified on the problem's verification shape (TuneProblem.verify_shape: batch and heads
+cut, lengths kept, so captured tensors indexed by position stay in range) against float64 with the modifiers applied
+by their graph (`reference`), into a NaN-poisoned output, then timed on the problem's own shape through the launch the
+calls use (kernels.serving.launch_prefill, or the sm90 family's tensor-map launch).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
+from pathlib import Path
 from typing import Any, Callable
 
 from .bench import TrialInputs, median_ms, time_cuda
 from .checks import Mods
-from .config import ConfigError, KernelConfig
-from .kernels.serving import launch_prefill, serve_config
-from .modifiers import Modifier, lookup, register
+from .config import ConfigError, KernelConfig, space as config_space
+from .kernels.serving import (MODIFIER_SPILL_SLACK, fire_sm90, launch_prefill, serve_config, sm90_launch, sm90_maps,
+                              sm90_modifier_config)
+from .modifiers import Modifier, ModifierError, load_file, lookup, register
 from .problem import HeldInputs, TuneProblem
 from .tensors import torch_dtype
 from .verify import poisoned_error, random_qkv, ref_budget_bytes, ref_chunk_rows
@@ -48,16 +54,109 @@ def with_modifiers(cfgs: list[KernelConfig], score_mod: str, mask_mod: str) -> l
     return list(out)
 
 
+# The sm90 family's modifier space: the dense space's configurations a modifier kernel builds (no O by TMA, cluster
+# or, beside a score_mod, epilogue overlap; kernels.serving's rule tiles) narrowed to the rule's tile, 128 query rows in
+# two consumer warpgroups and two stages, with 64 or 128 keys, every schedule (in order, overlapped, ping-pong, lazy
+# rescaling) persistent or not, and exp2 on the FMA pipe for a quarter of P or none: 48-64 configurations, where
+# the whole space has over 5,000.
+SM90_MODIFIER_TILE = {"block_m": 128, "num_stages": 2}
+SM90_MODIFIER_BLOCK_NS = (64, 128)
+SM90_MODIFIER_OFF = ("q_regs", "p_smem", "mma_rowsum", "lpt_by_head")
+SM90_MODIFIER_EXP2_FMA = (0, 1)
+
+
+def space(problem: TuneProblem) -> list[KernelConfig]:
+    """The problem's candidates (arch fit not checked): modifier_space of its family and modifiers."""
+    return modifier_space(problem.family, problem.head_dim, problem.dtype, problem.causal, problem.gqa_group,
+                          problem.score_mod, problem.mask_mod)
+
+
+def modifier_space(family: str, head_dim: int, dtype: str, causal: bool, gqa_group: int, score_mod: str,
+                   mask_mod: str) -> list[KernelConfig]:
+    """Family sm80's dense space with the modifiers (digests; with_modifiers), or family sm90's modifier space
+    (SM90_MODIFIER_TILE and the other constants above)."""
+    cfgs = with_modifiers(config_space(family, head_dim, dtype, causal, gqa_group), score_mod, mask_mod)
+    if family != "sm90":
+        return cfgs
+    return [c for c in cfgs if all(getattr(c, f) == v for f, v in SM90_MODIFIER_TILE.items())
+            and c.block_n in SM90_MODIFIER_BLOCK_NS and not any(getattr(c, f) for f in SM90_MODIFIER_OFF)
+            and c.exp2_fma in SM90_MODIFIER_EXP2_FMA]
+
+
+def compile_reason(problem: TuneProblem, kernel: Any) -> str | None:
+    """Why a compiled candidate leaves the space: it serializes its wgmmas, or spills (family sm90 at head dims up
+    to 128: more than the MODIFIER_SPILL_SLACK bytes the call's rule allows); None to keep it."""
+    import re  # noqa: PLC0415
+
+    if re.search(r"C751[239]", kernel.ptxas_log):
+        return "serializes its wgmmas with the modifiers (ptxas C751x)"
+    slack = MODIFIER_SPILL_SLACK if problem.family == "sm90" and problem.head_dim <= 128 else 0
+    spilled = kernel.resources.spill_stores if slack else int(kernel.resources.spills)
+    if spilled > slack:
+        return f"spills registers with the modifiers ({spilled} bytes stored, {slack} allowed)"
+    return None
+
+
 def default_config(problem: TuneProblem) -> KernelConfig:
-    """What `flashgen.attention` takes for the problem without a stored entry: serve_config's modifier tiles."""
+    """What `flashgen.attention` takes for the problem without a stored entry: family sm90's rule
+    (kernels.serving.sm90_modifier_config), else serve_config's modifier tiles."""
+    if problem.family == "sm90":
+        score, mask = modifiers_of(problem)
+        cfg = sm90_modifier_config(problem.head_dim, problem.dtype, problem.causal,
+                                   Mods(score_mod=score, mask_mod=mask))
+        if cfg is None:
+            raise ConfigError(f"{problem.key}: family sm90 builds no kernel with these modifiers at head dim "
+                              f"{problem.head_dim}, {problem.dtype}")
+        return cfg
     return serve_config(problem.head_dim, problem.dtype, problem.causal, problem.seqlen, problem.gpu_arch,
                         **fields(problem))
 
 
+# digest -> FILE.py:FUNC of the modifiers this process loaded that read captured tensors (the CLI's `remember`): what
+# the worker loads to have the tensors (a registered Modifier carries none).
+_SOURCES: dict[str, str] = {}
+# digest -> the Modifier with its tensors, loaded in this process from its source.
+_LOADED: dict[str, Modifier] = {}
+
+
+def remember(mod: Modifier, spec: str) -> None:
+    """Note that `mod` (traced from FILE.py:FUNC `spec`) reads tensors: workers load `spec` (its file's absolute
+    path: a worker's working directory may differ) to get them."""
+    if mod.captured:
+        path, _, name = spec.rpartition(":")
+        _SOURCES[mod.digest] = f"{Path(path).resolve()}:{name}"
+
+
+def sources(problem: TuneProblem) -> dict[str, str]:
+    """{digest: FILE.py:FUNC} of the problem's modifiers that read tensors (what its tasks send the worker)."""
+    return {d: _SOURCES[d] for d in (problem.score_mod, problem.mask_mod) if d in _SOURCES}
+
+
+def load_sources(given: dict[str, str]) -> None:
+    """In the worker: load each FILE.py:FUNC of `given` (digest -> spec) once, so that modifiers_of returns the
+    modifier with its tensors; ModifierError where the file now traces to another digest (it changed)."""
+    for digest, spec in given.items():
+        if digest in _LOADED:
+            continue
+        mod = None
+        for kind in ("score", "mask"):
+            try:
+                mod = load_file(spec, kind)
+            except ModifierError:
+                continue
+            if mod.digest == digest:
+                break
+        if mod is None or mod.digest != digest:
+            raise ModifierError(f"{spec}: does not trace to the modifier {digest} the problem was tuned with "
+                                "(the file or its tensors' shapes changed)")
+        _LOADED[digest] = mod
+
+
 def modifiers_of(problem: TuneProblem) -> tuple[Modifier | None, Modifier | None]:
-    """The problem's (score_mod, mask_mod), registered in this process (ModifierError where not)."""
-    return (lookup(problem.score_mod, "score") if problem.score_mod else None,
-            lookup(problem.mask_mod, "mask") if problem.mask_mod else None)
+    """The problem's (score_mod, mask_mod), with their tensors where loaded here (load_sources), else as registered
+    in this process (ModifierError where not)."""
+    return tuple(_LOADED.get(d) or lookup(d, kind) if d else None  # type: ignore[return-value]
+                 for d, kind in ((problem.score_mod, "score"), (problem.mask_mod, "mask")))
 
 
 def reference(q: Any, k: Any, v: Any, causal: bool, scale: float, score_mod: Modifier | None,
@@ -114,6 +213,7 @@ class Inputs(TrialInputs):
 
         self.problem = problem
         self.score_mod, self.mask_mod = modifiers_of(problem)
+        self.lse_dtype = torch.float32
         d = problem.head_dim
         self.scale = 1.0 / math.sqrt(d)
         b, sq, sk, h, hk = problem.verify_shape()
@@ -138,6 +238,13 @@ class Inputs(TrialInputs):
         if cfg.block_map:
             mods = mods._replace(block_map=kernel_block_map(cfg, mods, cfg.causal, q.shape[0], q.shape[2],
                                                             q.shape[1], k.shape[1], q.device))
+        if cfg.family == "sm90":  # the launch a call's plan makes (kernels.modified), into `out`
+            run = sm90_launch(cfg, q, k, v, out, num_seqs=q.shape[0], max_seqlen_q=q.shape[1], cu_q=None, cu_k=None,
+                              mods=mods, softmax_scale=self.scale)
+            lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=self.lse_dtype)
+            ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+            maps = sm90_maps(run, *ptrs)
+            return lambda: fire_sm90(run, *ptrs, out.data_ptr(), lse.data_ptr(), maps)
         return lambda: launch_prefill(cfg, q, k, v, out, None, cu_q=None, cu_k=None, max_seqlen_q=q.shape[1],
                                       max_seqlen_k=k.shape[1], num_splits=1, mods=mods, softmax_scale=self.scale)
 
@@ -160,20 +267,23 @@ inputs = HeldInputs(Inputs)  # the GPU worker's, of the problem it is tuning
 
 
 def gpu_trial(problem: TuneProblem, cand: KernelConfig, warmup: int, reps: int,
-              mods: tuple[Modifier, ...]) -> dict[str, Any]:
-    """The GPU worker's trial (flashgen.tunable.ModifierKind): the modifiers registered here, then verify and time."""
+              mods: tuple[Modifier, ...], given: dict[str, str] | None = None) -> dict[str, Any]:
+    """The GPU worker's trial (flashgen.tunable.ModifierKind): the modifiers registered here (those that read
+    tensors loaded from their files, `given`), then verify and time."""
     for m in mods:
         register(m)
+    load_sources(given or {})
     return inputs.trial(problem, cand, warmup, reps)
 
 
 def gpu_retime(problem: TuneProblem, cands: list[KernelConfig], rounds: int, warmup: int, reps: int,
-               mods: tuple[Modifier, ...]) -> list[float]:
+               mods: tuple[Modifier, ...], given: dict[str, str] | None = None) -> list[float]:
     """The GPU worker's side-by-side timing of the leaders."""
     for m in mods:
         register(m)
+    load_sources(given or {})
     return inputs.retime(problem, cands, rounds, warmup, reps)
 
 
-__all__ = ["Inputs", "default_config", "fields", "gpu_retime", "gpu_trial", "modifiers_of", "reference",
-           "with_modifiers"]
+__all__ = ["Inputs", "compile_reason", "default_config", "fields", "gpu_retime", "gpu_trial", "load_sources",
+           "modifier_space", "modifiers_of", "reference", "remember", "sources", "space", "with_modifiers"]

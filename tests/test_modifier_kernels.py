@@ -443,9 +443,11 @@ def test_problem_keys_carry_the_modifier_digests():
                          mask_mod=mask.digest)
     assert modded.key == f"{plain.key}_sm{score.digest}_mm{mask.digest}" and "_sm" not in plain.key
     assert TuneProblem(**modded.to_dict()) == modded
-    with pytest.raises(ValueError, match="forward of family sm80"):
-        TuneProblem("NVIDIA H200", "sm90", "sm90", "bf16", 128, False, 4096, mask_mod=mask.digest)
-    with pytest.raises(ValueError, match="forward of family sm80"):
+    sm90 = TuneProblem("NVIDIA H200", "sm90", "sm90", "bf16", 128, False, 4096, mask_mod=mask.digest)
+    assert sm90.key.startswith("sm90_") and sm90.key.endswith(f"_mm{mask.digest}")
+    with pytest.raises(ValueError, match="forward of family sm80 or sm90"):
+        TuneProblem("NVIDIA H200", "sm90", "fp8", "bf16", 128, False, 4096, mask_mod=mask.digest)
+    with pytest.raises(ValueError, match="forward of family sm80 or sm90"):
         TuneProblem("NVIDIA H200", "sm90", "sm80", "bf16", 128, False, 4096, pass_="bwd", score_mod=score.digest)
 
 

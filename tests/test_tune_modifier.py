@@ -69,11 +69,10 @@ def test_the_cli_parses_the_modifier_flags(mods_file):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--score-mod", "{f}:alibi"], "reads tensors (slopes)"),
     (["--score-mod", "{f}:nothing"], "has no function nothing"),
     (["--score-mod", "{f}"], "expected FILE.py:FUNCTION"),
     (["--score-mod", "{f}:softcap", "--pass", "bwd"], "forward only"),
-    (["--mask-mod", "{f}:window", "--arch", "sm90"], "family sm80"),
+    (["--mask-mod", "{f}:nowhere"], "has no function nowhere"),
     (["--score-mod", "{f}:softcap", "--kind", "varlen"], "--kind varlen takes no modifier"),
 ])
 def test_bad_modifier_arguments_are_one_line_errors(tmp_path, mods_file, capsys, extra, message):
@@ -128,13 +127,78 @@ def test_a_simulated_tune_stores_an_entry_only_its_modifiers_find(tmp_path, mods
     assert find("", "").score_mod == ""
 
 
+def test_a_simulated_sm90_tune_of_a_modifier_reading_tensors(tmp_path, mods_file, capsys, monkeypatch):
+    """--arch sm90 tunes the family Hopper's calls run, over its modifier space; a modifier that reads a tensor is
+    tuned too, its file named in each task (the worker runs it for the tensor); the entry answers the sm90 lookup
+    with exactly these modifiers, and ops.modifier_kernel takes it over the rule."""
+    from flashgen import ops, resolve, tune_modifier
+    from flashgen.checks import Mods
+
+    log = tmp_path / "evals.log"
+    mods = ["--score-mod", f"{mods_file}:alibi", "--mask-mod", f"{mods_file}:window", "--arch", "sm90",
+            "--simulate-log", str(log)]
+    assert cli.main(tune_args(tmp_path, *mods)) == 0
+    out = capsys.readouterr().out
+    ns: dict = {}
+    exec(MODS, ns)
+    alibi, window = trace_score_mod(ns["alibi"]), trace_mask_mod(ns["window"])
+    (key, entry), = json.loads((tmp_path / "tuned" / "simulated-gpu-sm90.json").read_text())["entries"].items()
+    assert key.startswith("sm90_") and key.endswith(f"_sm{alibi.digest}_mm{window.digest}") and key in out
+    cfg = tunable.candidate_of_entry(entry)
+    assert cfg.family == "sm90" and (cfg.score_mod, cfg.mask_mod, cfg.block_map) == (alibi.digest, window.digest, True)
+    assert tune_modifier.sources(TuneProblem(*GPU, "sm90", "bf16", 64, False, 1024, score_mod=alibi.digest,
+                                             mask_mod=window.digest)) == {alibi.digest: f"{mods_file.resolve()}:alibi"}
+    p = TuneProblem(*GPU, "sm90", "bf16", 64, False, 1024, score_mod=alibi.digest, mask_mod=window.digest)
+    space = search.problem_space(p)
+    assert 16 <= len(space) <= 64 and all(c.block_m == 128 and c.block_n in (64, 128) and not (c.o_tma or c.cluster)
+                                          for c in space)
+    assert {(c.overlap, c.persistent) for c in space} == {(a, b) for a in (False, True) for b in (False, True)}
+    assert default_config(p).family == "sm90"
+    look = lambda s, m: store.lookup(*GPU, 64, "bf16", False, 1024, "sm90", tuned_dir=tmp_path / "tuned",  # noqa: E731
+                                     score_mod=s, mask_mod=m)
+    assert look(alibi.digest, window.digest) == cfg and look(alibi.digest, "") is None and look("", "") is None
+    monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path / "tuned"))
+    monkeypatch.setattr(resolve, "gpu", lambda device: GPU)
+    monkeypatch.setattr(ops, "arch_and_slots", lambda device: ("sm90", 132))
+    resolve.clear()
+    try:
+        got = ops.modifier_kernel(0, 64, "bf16", False, 1024, 1, Mods(score_mod=alibi, mask_mod=window))
+        assert got == cfg
+        rule = ops.modifier_kernel(0, 64, "bf16", False, 1024, 1, Mods(score_mod=alibi, mask_mod=window,
+                                                                      window=(32, 0)))
+        assert rule.window and rule != cfg  # with a window: the rule's kernel, not the tuned one
+    finally:
+        resolve.clear()
+
+
+def test_the_worker_loads_a_modifiers_file_for_its_tensors(tmp_path, mods_file):
+    """load_sources runs the file again (as a worker process does) and keeps the trace with its tensors; a file
+    that now traces to another digest is refused, naming the file."""
+    from flashgen import tune_modifier
+    from flashgen.cli.common import load_modifier
+
+    alibi = load_modifier(f"{mods_file}:alibi", "score")
+    tune_modifier._LOADED.clear()
+    tune_modifier.load_sources({alibi.digest: f"{mods_file}:alibi"})
+    p = TuneProblem(*GPU, "sm90", "bf16", 64, False, 1024, score_mod=alibi.digest)
+    loaded, none = tune_modifier.modifiers_of(p)
+    assert none is None and loaded.digest == alibi.digest and len(loaded.tensors) == 1
+    assert torch.equal(loaded.tensors[0], torch.ones(16))
+    changed = tmp_path / "changed.py"
+    changed.write_text(MODS.replace("torch.ones(16)", "torch.ones(8)"))
+    with pytest.raises(Exception, match="changed.py:alibi.*does not trace"):
+        tune_modifier.load_sources({"0123456789abcdef": f"{changed}:alibi"})
+    tune_modifier._LOADED.clear()
+
+
 def test_the_modifiers_travel_as_data(tmp_path):
     """The compile pool's and the GPU worker's processes get the registered Modifiers (text and graph, no tensors, no
     callables) and render the same kernel and evaluate the same graph after registering them."""
     s = trace_score_mod(lambda score, b, h, q_idx, kv_idx: torch.tanh(score / 7.0) * 7.0 + 0.5 * (q_idx > kv_idx))
     m = trace_mask_mod(lambda b, h, q_idx, kv_idx: (q_idx - kv_idx) % 3 != 1)
     p = TuneProblem(*GPU, "sm80", "bf16", 64, True, 1024, score_mod=s.digest, mask_mod=m.digest)
-    (sent,) = tunable.kind_of(p).task_args(p)
+    sent, files = tunable.kind_of(p).task_args(p)
+    assert files == {}
     assert [x.digest for x in sent] == [s.digest, m.digest] and all(x.tensors == () for x in sent)
     cfg = default_config(p)
     task = compile_args(cfg, "sm_80")
@@ -212,7 +276,8 @@ def test_the_gpu_backend_sends_the_modifiers_with_each_task():
     assert b.retime([cfg], p, 2) == [1.0]
     (trial, targs), (retime, rargs) = calls
     assert trial == "flashgen.tune_modifier:gpu_trial" and retime == "flashgen.tune_modifier:gpu_retime"
-    assert [m.digest for m in targs[-1]] == [s.digest] and rargs[-1] == targs[-1]
+    assert [m.digest for m in targs[-2]] == [s.digest] and rargs[-2:] == targs[-2:]
+    assert targs[-1] == {}  # a modifier reading no tensor names no file
     unknown = TuneProblem("G", "sm80", "sm80", "bf16", 64, False, 1024, score_mod="0123456789ab")
     res = b.evaluate(cfg, unknown)
     assert res.status == "error" and unknown.key in res.reason and "not traced" in res.reason

@@ -6,11 +6,8 @@ import argparse
 import re
 from typing import Any
 
-import importlib.util
-from pathlib import Path
-
 from flashgen import config as C
-from flashgen.modifiers import Modifier, ModifierError, trace_mask_mod, trace_score_mod
+from flashgen.modifiers import Modifier, ModifierError, load_file
 from flashgen.studies import describe, make_storage, redact_text, resolve
 
 STORAGE_HELP = ("Optuna storage shared by the tuners: a database URL (sqlite:///f.db, postgresql://user@host/db) "
@@ -150,23 +147,8 @@ def cuda_torch(what: str, hint: str = "") -> Any:
 
 
 def load_modifier(spec: str, kind: str) -> Modifier:
-    """--score-mod / --mask-mod FILE.py:FUNC: the function FUNC of the Python file FILE.py (run as a module, so
-    the tensors it reads exist), traced as a score_mod (kind "score") or mask_mod ("mask")."""
-    path, _, name = spec.rpartition(":")
-    if not path or not name:
-        raise CliError(f"--{kind}-mod {spec!r}: expected FILE.py:FUNCTION")
-    if not Path(path).is_file():
-        raise CliError(f"--{kind}-mod {spec!r}: no file {path}")
-    module_spec = importlib.util.spec_from_file_location(f"flashgen_{kind}_mod_{Path(path).stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
+    """--score-mod / --mask-mod FILE.py:FUNC (flashgen.modifiers.load_file), its errors as one-line CliErrors."""
     try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:  # the user's file: any error it raises is theirs, shown in one line
-        raise CliError(f"--{kind}-mod {spec!r}: running {path} raised {type(e).__name__}: {e}") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise CliError(f"--{kind}-mod {spec!r}: {path} has no function {name}")
-    try:
-        return trace_score_mod(fn) if kind == "score" else trace_mask_mod(fn)
+        return load_file(spec, kind)
     except ModifierError as e:
-        raise CliError(f"--{kind}-mod {spec!r}: {e}") from None
+        raise CliError(f"--{kind}-mod {e}") from None

@@ -23,7 +23,7 @@ from flashgen.problem import (BATCH_TOKENS, DEFAULT_TRIALS, EXHAUSTIVE_MAX, HEAD
                               TuneProblem)
 from flashgen.store import config_from_entry, current_gpu, merge, read_store, store_path
 from flashgen.tunable import entry_of, space_of
-from flashgen.tune_modifier import with_modifiers
+from flashgen.tune_modifier import modifier_space, remember
 
 from flashgen import fleet
 from flashgen.fleet import Job, Tuner, worker_names
@@ -111,9 +111,10 @@ def add_parser(sub: Any) -> None:
                         "lazy_rescale after a new knob: a re-tune of the stored tile, not of the whole space); "
                         "problems without a stored entry keep the whole space")
     t.add_argument("--score-mod", default=None, metavar="FILE.py:FUNC",
-                   help="tune the forward with this score_mod(score, b, h, q_idx, kv_idx) compiled in (family sm80, "
-                        "as flashgen.attention runs it); the store keys end in its digest, so that "
-                        "attention(..., score_mod=FUNC) finds the entry. Modifiers that read tensors are not tuned")
+                   help="tune the forward with this score_mod(score, b, h, q_idx, kv_idx) compiled in (--arch sm90 "
+                        "on Hopper, as flashgen.attention runs it there; sm80 elsewhere); the store keys end in its "
+                        "digest, so that attention(..., score_mod=FUNC) finds the entry. FILE.py runs again in the "
+                        "GPU worker for the tensors FUNC reads: size them for the tuned --seqlen")
     t.add_argument("--mask-mod", default=None, metavar="FILE.py:FUNC",
                    help="likewise a mask_mod(b, h, q_idx, kv_idx) (true: keep), tuned with its block map")
     t.add_argument("--max-configs", type=int, default=None, help="keep only the first N configurations of the space")
@@ -143,9 +144,10 @@ def restricted_space(args: argparse.Namespace, head_dim: int, dtype: str, causal
     if pass_ == "bwd":
         cfgs = C.bwd_space(head_dim, dtype, causal, family=family)
     else:
-        cfgs = C.space(args.arch, head_dim, dtype, causal, gqa_group)
         if getattr(args, "modifiers", None):
-            cfgs = with_modifiers(cfgs, **args.modifiers)
+            cfgs = modifier_space(args.arch, head_dim, dtype, causal, gqa_group, **args.modifiers)
+        else:
+            cfgs = C.space(args.arch, head_dim, dtype, causal, gqa_group)
     for field in ("block_m", "block_n", "num_warps") + ("num_stages",) * (pass_ == "fwd" or family == "sm90"):
         keep = getattr(args, field)
         if keep is not None:
@@ -174,8 +176,9 @@ def around_store(args: argparse.Namespace, problem: Any, space: list, stores: di
 
 def tune_modifiers(args: argparse.Namespace) -> dict[str, str]:
     """The digests of --score-mod and --mask-mod (traced here, so that the compile pool and the GPU worker can be
-    given them); {} without them. Only dense forward problems of family sm80 take them, and only modifiers that read
-    no tensor (the worker has none to give them)."""
+    given them; a modifier that reads tensors also names its file, which the worker runs to have them); {} without
+    them. Only dense forward problems take them, in the family the call runs (--arch sm90 on Hopper, sm80
+    elsewhere)."""
     if not (args.score_mod or args.mask_mod):
         return {}
     given = " and ".join(o for o, v in (("--score-mod", args.score_mod), ("--mask-mod", args.mask_mod)) if v)
@@ -183,16 +186,12 @@ def tune_modifiers(args: argparse.Namespace) -> dict[str, str]:
         raise CliError(f"{given}: --kind {args.kind} takes no modifier (they tune dense forward problems)")
     if passes(args) != ["fwd"]:
         raise CliError(f"{given}: tuned for the forward only (--pass fwd; the backward of a modifier call takes "
-                       "family sm80's default tiles)")
-    if args.arch != "sm80":
-        raise CliError(f"{given}: modifier kernels are family sm80 (they run on Hopper too); use --arch sm80")
+                       "its family's rule)")
     out = {"score_mod": "", "mask_mod": ""}
     for kind, spec in (("score", args.score_mod), ("mask", args.mask_mod)):
         if spec:
             mod = load_modifier(spec, kind)
-            if mod.captured:
-                raise CliError(f"--{kind}-mod {spec!r}: it reads tensors ({', '.join(c.name for c in mod.captured)}); "
-                               "tune takes modifiers that read none (the tuner has no tensors to give the kernel)")
+            remember(mod, spec)
             out[f"{kind}_mod"] = mod.digest
     return out
 

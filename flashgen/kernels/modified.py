@@ -16,8 +16,8 @@ _MAPS_KEPT = 16  # tensor-map triples a plan keeps (a few rotating input buffers
 
 class ModPlan:
     """What a dense modifier call repeats for one signature. `mods`: the call's modifiers with the kernel's block map
-    (None without a mask). `tracks_store`, `stamp`, `look_after`: where the choice read the tuned store (the sm80
-    family's tuned modifier kernels), the store's stamp then, and when the caller looks at it again."""
+    (None without a mask). `tracks_store`, `stamp`, `look_after`: where the choice read the tuned store (tuned
+    modifier kernels, either family), the store's stamp then, and when the caller looks at it again."""
 
     __slots__ = ("config", "mods", "device", "o_shape", "lse_shape", "lse_dtype", "launch", "sm90", "alibi", "sinks",
                  "maps", "tracks_store", "stamp", "look_after")
