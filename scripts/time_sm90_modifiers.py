@@ -1,9 +1,9 @@
 """Time the sm90 family's modifier kernels schedule by schedule on `bench --kind flex`'s cases (FlexAttention's
 examples, d128 by default, 16 heads, batch x N = 16384): the forward at each block_n in order, overlapped
-(FlashAttention-3's schedule) and persistent, and the backward at each of SM90_MODIFIER_BWD_SCHEDULES, each forced
+(FlashAttention-3's schedule), each persistent or not, and the backward at each of SM90_MODIFIER_BWD_SCHEDULES, each forced
 one at a time beside the rule's own choice.
 
-    python scripts/time_sm90_modifiers.py [--seqlen 4096,16384] [--cases document,alibi] [--flex]
+    python scripts/time_sm90_modifiers.py [--seqlen 4096,16384] [--cases document,alibi] [--flex] [--forward-only]
     FLASHGEN_CACHE_DIR=.kcache python scripts/time_sm90_modifiers.py --compile   # no GPU: build them all first
 
 Prints one line per N, case and pass: TFLOP/s over the pairs the mask keeps (forward 4 d per pair, backward 2.5x),
@@ -28,7 +28,10 @@ from flashgen.kernels import serving  # noqa: E402
 
 HEADS = 16
 OVERLAP, IN_ORDER = serving.SM90_OVERLAP, serving.SM90_IN_ORDER
-KNOBS = {"in_order": IN_ORDER, "overlap": OVERLAP, "persistent": OVERLAP + (("persistent", True),)}
+_ONE_TILE = tuple(k for k in IN_ORDER if k[0] != "persistent")  # the schedules without the persistent scheduler
+_TWO_TILES = tuple(k for k in OVERLAP if k[0] != "persistent")
+KNOBS = {"in_order": _ONE_TILE, "overlap": _TWO_TILES, "in_order_persistent": _ONE_TILE + (("persistent", True),),
+         "overlap_persistent": _TWO_TILES + (("persistent", True),)}
 
 
 def forward_schedules(head_dim: int) -> dict[str, tuple]:
@@ -64,10 +67,12 @@ class Forced:
         serving._sm90_modifier_config.cache_clear()
 
 
-def kernel_configs(head_dim: int, dtype: str, names: tuple[str, ...]) -> set:
-    """Every kernel the timing loads, for sm90 (forward and backward per schedule), without a GPU."""
+def kernel_configs(head_dim: int, dtype: str, names: tuple[str, ...], seqlens: tuple[int, ...] = (4096,),
+                   backward: bool = True) -> set:
+    """Every kernel the timing loads, for sm90 (forward and, with `backward`, backward per schedule), without a GPU
+    (per sequence length: a captured table's shape is part of the kernel)."""
     out = set()
-    for case in bench_flex.cases(4096, 4, HEADS, "cpu", names=names):
+    for case in (c for n in seqlens for c in bench_flex.cases(n, max(1, 16384 // n), HEADS, "cpu", names=names)):
         mods = bench_flex.case_mods(case)
         if mods is None:  # the plain kernel runs
             continue
@@ -75,6 +80,9 @@ def kernel_configs(head_dim: int, dtype: str, names: tuple[str, ...]) -> set:
         for fwd in forward_schedules(head_dim).values():
             with Forced(head_dim, fwd=fwd):
                 out.add(serving.sm90_modifier_config(head_dim, dtype, False, mods))
+        out.add(serving.sm90_modifier_config(head_dim, dtype, False, mods))
+        if not backward:
+            continue
         for bwd in backward_schedules(head_dim).values():
             with Forced(head_dim, bwd=bwd):
                 out.add(serving.sm90_modifier_bwd_config(head_dim, dtype, False, (), False, *digests))
@@ -83,10 +91,12 @@ def kernel_configs(head_dim: int, dtype: str, names: tuple[str, ...]) -> set:
     return {c for c in out if c is not None}
 
 
-def compile_all(head_dim: int, dtype: str, names: tuple[str, ...], jobs: int) -> None:
+def compile_all(args: argparse.Namespace, names: tuple[str, ...]) -> None:
     from flashgen.compile import CompileError, compile_kernel, target_for  # noqa: PLC0415
 
-    cfgs = sorted(kernel_configs(head_dim, dtype, names), key=lambda c: c.name)
+    seqlens = tuple(int(x) for x in args.seqlen.split(","))
+    cfgs = sorted(kernel_configs(args.head_dim, args.dtype, names, seqlens, not args.forward_only),
+                  key=lambda c: c.name)
 
     def one(cfg: Any) -> str | None:
         try:
@@ -95,7 +105,7 @@ def compile_all(head_dim: int, dtype: str, names: tuple[str, ...], jobs: int) ->
             return f"{cfg.name}: {str(e).splitlines()[0]}"
         return None
 
-    with ThreadPoolExecutor(jobs) as pool:
+    with ThreadPoolExecutor(args.jobs) as pool:
         failed = [f for f in pool.map(one, cfgs) if f]
     print(f"{len(cfgs) - len(failed)} kernels compiled")
     for f in failed:
@@ -151,6 +161,8 @@ def time_all(args: argparse.Namespace, names: tuple[str, ...]) -> None:
                         ms = call_ms(call, args.reps)
                     line.append(f"{label} {flops / ms / 1e9:4.0f}" + ("" if diff < 0.05 else f" (differs {diff:.2g})"))
             print(f"N={n:5d} {case.name:13s} forward TFLOP/s: " + " | ".join(line), flush=True)
+            if args.forward_only:
+                continue
             held = call()
             want = torch.autograd.grad(held, (q, k, v), dout, retain_graph=True)
             line = []
@@ -173,6 +185,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10, help="calls per timed loop")
     ap.add_argument("--cases", default=None, help="comma-separated case names of bench --kind flex (default: all)")
     ap.add_argument("--flex", action="store_true", help="also compiled flex_attention and the built-in kernel")
+    ap.add_argument("--forward-only", action="store_true", help="time (or --compile) the forward schedules only")
     ap.add_argument("--compile", action="store_true", help="build every kernel into FLASHGEN_CACHE_DIR, no GPU")
     ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args()
@@ -181,7 +194,7 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown cases {sorted(unknown)}; bench --kind flex has {', '.join(bench_flex.CASES)}")
     if args.compile:
-        compile_all(args.head_dim, args.dtype, names, args.jobs)
+        compile_all(args, names)
         return
     time_all(args, names)
 
