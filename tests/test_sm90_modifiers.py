@@ -148,18 +148,18 @@ def test_sm90_config_refuses_what_the_family_does_not_build():
     assert sm90_modifier_config(80, "bf16", False, mods_of("document")) is None
 
 
-def test_a_modifier_reading_per_score_takes_the_in_order_schedule_first(monkeypatch):
-    """A mask_mod or score_mod that loads per score (document ids, a bias table by q_idx and kv_idx) goes in order, at
-    the same block_n: the overlapped schedule holds the mask's bits or the table's reads beside the next tile's S.
-    Modifiers that read per head (ALiBi's slopes) or nothing keep the overlapped schedule, which rescales O lazily.
-    Every choice runs on the persistent scheduler."""
+def test_a_mask_mod_reading_per_score_takes_the_in_order_schedule_first(monkeypatch):
+    """A mask_mod that loads per score (document ids by q_idx and kv_idx) goes in order, at the same block_n: the
+    overlapped schedule holds its bits beside the next tile's S. A score_mod that loads per score (a bias table)
+    keeps the overlapped schedule (its loads are made once per score there too), as do modifiers that read per head
+    (ALiBi's slopes) or nothing; the overlapped schedule rescales O lazily."""
     monkeypatch.setattr(serving, "_builds_clean", lambda cfg, spill_slack=0: True)
     serving._sm90_modifier_config.cache_clear()
     picked = {name: sm90_modifier_config(128, "bf16", False, mods_of(name))
               for name in ("relative_bias", "alibi", "document", "sliding_window")}
     assert {n: (c.block_n, c.overlap) for n, c in picked.items()} == {
-        "relative_bias": (128, False), "alibi": (128, True), "document": (128, False), "sliding_window": (128, True)}
-    assert all(c.lazy_rescale == c.overlap and c.persistent for c in picked.values())
+        "relative_bias": (128, True), "alibi": (128, True), "document": (128, False), "sliding_window": (128, True)}
+    assert all(c.lazy_rescale == c.overlap for c in picked.values())
     serving._sm90_modifier_config.cache_clear()
 
 

@@ -467,17 +467,19 @@ def modifier_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: st
 
 
 # The sm90 family's kernels with modifiers, by head dim: (block_n, schedule knobs), the first that ptxas builds without
-# serialized wgmma and within MODIFIER_SPILL_SLACK taken (the last unchecked). Two consumer warpgroups of 64 rows, on
-# the persistent scheduler (the next tile's Q load and block-map lists beside this tile's epilogue). FlashAttention-3's
-# schedule first (S of the next tile beside this one's P V, the warpgroups taking turns, O rescaled lazily), then the
-# in-order one, which needs fewer registers; a table read per score beside a mask (FlexAttention's heavier examples)
-# spills at 128 keys. Lazy rescaling (H200, d128, bf16, 4k / 16k): softcap 342 -> 391 / 353 -> 403 TFLOP/s, ALiBi with
-# its causal mask_mod 388 -> 426 / 467 -> 482 (from the in-order schedule, which it had at 128 keys before). The
-# persistent scheduler, from `tune --arch sm90` of the flex examples (H200, d128, 4k / 16k, ms against the best of the
-# modifier space): document ids in order 1.046 / 1.012 -> 1.000 / 1.000, ALiBi overlapped 1.059 / 1.000 -> 1.000 /
-# 1.011, a relative-bias table overlapped 1.090 / 1.056 -> 1.072 / 1.061, in order 1.190 / 1.157 -> 1.000 / 1.000.
-SM90_OVERLAP = (("overlap", True), ("pingpong", True), ("lazy_rescale", True), ("persistent", True))
-SM90_IN_ORDER: tuple = (("persistent", True),)
+# serialized wgmma and within MODIFIER_SPILL_SLACK taken (the last unchecked). Two consumer warpgroups of 64 rows.
+# FlashAttention-3's schedule first (S of the next tile beside this one's P V, the warpgroups taking turns, O rescaled
+# lazily), then the in-order one, which needs fewer registers; a table read per score beside a mask (FlexAttention's
+# heavier examples) spills at 128 keys. Lazy rescaling (H200, d128, bf16, 4k / 16k): softcap 342 -> 391 / 353 -> 403
+# TFLOP/s, ALiBi with its causal mask_mod 388 -> 426 / 467 -> 482 (from the in-order schedule, which it had at 128 keys
+# before). Not persistent: `tune --arch sm90` of the flex examples (H200, d128, 4k / 16k, the kernel alone; ms over
+# the best of the space) put the persistent scheduler ahead for document ids (in order: 1.046 / 1.012 -> 1.000 /
+# 1.000) and a relative-bias table (overlapped 1.090 / 1.056 -> in order 1.000 / 1.000), behind for prefix LM (its
+# overlapped schedule spills 92-104 bytes persistent: 1.000 -> 1.057 / 1.079 in order), a random block-sparse mask (in
+# order 1.074 / 1.085 -> 1.135 / 1.306; overlapped, not persistent, was best) and softcap (1.000 -> 1.051 / 1.030);
+# through the public call the relative bias's schedules came within 1%. Tuning takes it where it wins.
+SM90_OVERLAP = (("overlap", True), ("pingpong", True), ("lazy_rescale", True))
+SM90_IN_ORDER: tuple = ()
 SM90_MODIFIER_SCHEDULES = {
     **{d: ((128, SM90_OVERLAP), (128, SM90_IN_ORDER), (64, SM90_OVERLAP), (64, SM90_IN_ORDER))
        for d in (32, 64, 96, 128)},
@@ -493,18 +495,18 @@ SM90_MODIFIER_FEATURES = ("window", "sinks")  # what an sm90 modifier kernel als
 
 def sm90_modifier_config(head_dim: int, dtype: str, causal: bool, mods: Mods) -> KernelConfig | None:
     """The sm90 family's forward for a dense call with a score_mod, mask_mod or block map (Hopper): the
-    persistent kernel with the call's modifiers, a block map wherever the call has a mask_mod or a block map, and
-    its window or sinks; the first of SM90_MODIFIER_SCHEDULES that ptxas builds clean (within MODIFIER_SPILL_SLACK).
+    non-persistent kernel with the call's modifiers, a block map wherever the call has a mask_mod or a block map, and
+    its window or sinks; the first of SM90_MODIFIER_SCHEDULES that ptxas builds without spills or serialized wgmma.
     None where the family does not build the call (softcap, ALiBi, FP8, other head dims): the sm80 family's then."""
     features = call_features(mods, causal)
     if not {f for f, on in features.items() if on} <= set(SM90_MODIFIER_FEATURES):
         return None
     schedules = SM90_MODIFIER_SCHEDULES.get(head_dim)
-    if schedules is not None and any(m is not None and m.reads_per_score for m in (mods.mask_mod, mods.score_mod)):
-        # A modifier with a load per score: a mask_mod's verdicts, kept in bits in the overlapped schedule, take
-        # registers beside the next tile's S, and a score_mod's table reads beside it; the in-order one, at the same
-        # block_n, goes first (H200: document ids 1.29-1.31x at d64, 1.21-1.23x at d128, where the 128-key tiles
-        # spill; a random block-sparse table within 3% at d64; a relative-bias table persistent, above).
+    if schedules is not None and mods.mask_mod is not None and mods.mask_mod.reads_per_score:
+        # A mask_mod with a load per score: its verdicts, kept in bits in the overlapped schedule, take registers
+        # beside the next tile's S; the in-order one, at the same block_n, goes first (H200: document ids 1.29-1.31x at
+        # d64, 1.21-1.23x at d128, where the 128-key tiles spill; a random block-sparse table within 3% at d64). A
+        # score_mod's loads are made once per score in either (apply_score_mod, in place).
         schedules = tuple(sorted(schedules, key=lambda s: (-s[0], s[1] != SM90_IN_ORDER)))
     return _sm90_modifier_config(head_dim, dtype, causal, tuple(features.items()),
                                  mods.score_mod.digest if mods.score_mod is not None else "",
