@@ -380,3 +380,24 @@ def test_split_kernels_wait_for_the_grid_before_them_before_touching_memory():
             first_memory = next(i for i, op in enumerate(ops) if memory.fullmatch(op))
             assert ops.index("ACQBULK") < ops.index("PREEXIT") < first_memory, name
         assert "ACQBULK" not in disassemble(compile_kernel(cfg, "sm_80").cubin)
+
+
+def test_the_combine_loads_its_first_splits_before_it_reduces_their_lses():
+    """The combine kernel's first batch of partial-O loads (16 splits x head_dim / 32 per lane) does not depend on the
+    LSEs: all of them are issued before the LSE reduction's first shuffle, so up to 16 splits cost one round trip
+    to L2 (sm_90 SASS; nothing spilled, nothing in local memory)."""
+    from flashgen.compile import disassemble, disassembler
+    from flashgen.kernels.serving import decode_config
+
+    cfg = decode_config(128, "bf16", (32, 64, 2, 2), False, True)
+    kern = compile_kernel(cfg, "sm_90")
+    assert kern.resources.spills == 0
+    if disassembler() is None:
+        pytest.skip("no SASS disassembler")
+    sass = disassemble(kern.cubin)
+    functions = re.split(r"\.text\.(\w+):", sass)[1:]
+    body = dict(zip(functions[0::2], functions[1::2]))[f"{cfg.name}_combine"]
+    ops = [m.group(1) for m in re.finditer(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", body, re.M)]
+    first_shuffle = ops.index("SHFL")
+    assert ops[:first_shuffle].count("LDG") >= 16 * 128 // 32 + 1  # the batch, and the LSE
+    assert "LDL" not in ops and "STL" not in ops
