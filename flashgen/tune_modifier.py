@@ -112,9 +112,9 @@ def default_config(problem: TuneProblem) -> KernelConfig:
                         **fields(problem))
 
 
-# digest -> FILE.py:FUNC of the modifiers this process loaded that read captured tensors (the CLI's `remember`): what
-# the worker loads to have the tensors (a registered Modifier carries none).
-_SOURCES: dict[str, str] = {}
+# digest -> (kind, FILE.py:FUNC) of the modifiers this process loaded that read captured tensors (the CLI's
+# `remember`): what the worker loads to have the tensors (a registered Modifier carries none).
+_SOURCES: dict[str, tuple[str, str]] = {}
 # digest -> the Modifier with its tensors, loaded in this process from its source.
 _LOADED: dict[str, Modifier] = {}
 
@@ -124,32 +124,25 @@ def remember(mod: Modifier, spec: str) -> None:
     path: a worker's working directory may differ) to get them."""
     if mod.captured:
         path, _, name = spec.rpartition(":")
-        _SOURCES[mod.digest] = f"{Path(path).resolve()}:{name}"
+        _SOURCES[mod.digest] = (mod.kind, f"{Path(path).resolve()}:{name}")
 
 
-def sources(problem: TuneProblem) -> dict[str, str]:
-    """{digest: FILE.py:FUNC} of the problem's modifiers that read tensors (what its tasks send the worker)."""
+def sources(problem: TuneProblem) -> dict[str, tuple[str, str]]:
+    """{digest: (kind, FILE.py:FUNC)} of the problem's modifiers that read tensors (what its tasks send the
+    worker)."""
     return {d: _SOURCES[d] for d in (problem.score_mod, problem.mask_mod) if d in _SOURCES}
 
 
-def load_sources(given: dict[str, str]) -> None:
-    """In the worker: load each FILE.py:FUNC of `given` (digest -> spec) once, so that modifiers_of returns the
+def load_sources(given: dict[str, tuple[str, str]]) -> None:
+    """In the worker: load each (kind, FILE.py:FUNC) of `given` (by digest) once, so that modifiers_of returns the
     modifier with its tensors; ModifierError where the file now traces to another digest (it changed)."""
-    for digest, spec in given.items():
-        if digest in _LOADED:
-            continue
-        mod = None
-        for kind in ("score", "mask"):
-            try:
-                mod = load_file(spec, kind)
-            except ModifierError:
-                continue
-            if mod.digest == digest:
-                break
-        if mod is None or mod.digest != digest:
-            raise ModifierError(f"{spec}: does not trace to the modifier {digest} the problem was tuned with "
-                                "(the file or its tensors' shapes changed)")
-        _LOADED[digest] = mod
+    for digest, (kind, spec) in given.items():
+        if digest not in _LOADED:
+            mod = load_file(spec, kind)
+            if mod.digest != digest:
+                raise ModifierError(f"{spec}: traces to {mod.digest}, not the modifier {digest} the problem was "
+                                    "tuned with (the file or its tensors' shapes changed)")
+            _LOADED[digest] = mod
 
 
 def modifiers_of(problem: TuneProblem) -> tuple[Modifier | None, Modifier | None]:
@@ -267,7 +260,7 @@ inputs = HeldInputs(Inputs)  # the GPU worker's, of the problem it is tuning
 
 
 def gpu_trial(problem: TuneProblem, cand: KernelConfig, warmup: int, reps: int,
-              mods: tuple[Modifier, ...], given: dict[str, str] | None = None) -> dict[str, Any]:
+              mods: tuple[Modifier, ...], given: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
     """The GPU worker's trial (flashgen.tunable.ModifierKind): the modifiers registered here (those that read
     tensors loaded from their files, `given`), then verify and time."""
     for m in mods:
@@ -277,7 +270,7 @@ def gpu_trial(problem: TuneProblem, cand: KernelConfig, warmup: int, reps: int,
 
 
 def gpu_retime(problem: TuneProblem, cands: list[KernelConfig], rounds: int, warmup: int, reps: int,
-               mods: tuple[Modifier, ...], given: dict[str, str] | None = None) -> list[float]:
+               mods: tuple[Modifier, ...], given: dict[str, tuple[str, str]] | None = None) -> list[float]:
     """The GPU worker's side-by-side timing of the leaders."""
     for m in mods:
         register(m)

@@ -81,6 +81,23 @@ def test_bad_modifier_arguments_are_one_line_errors(tmp_path, mods_file, capsys,
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+def test_sm80_modifier_tuning_on_hopper_says_what_the_calls_run(tmp_path, mods_file, capsys, monkeypatch):
+    """On an sm90 GPU, --arch sm80 with a modifier tunes kernels that attention() takes only with arch="sm80": one
+    line on stderr says so and names --arch sm90; --arch sm90 says nothing."""
+    import argparse
+
+    from flashgen.cli import tune as tune_cli
+
+    monkeypatch.setattr(tune_cli, "current_gpu", lambda: ("NVIDIA H200", "sm90"))
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    for arch, warned in (("sm80", True), ("sm90", False)):
+        args = parser.parse_args(["tune", "--arch", arch, "--score-mod", f"{mods_file}:softcap"])
+        assert tune_cli.tune_modifiers(args)["score_mod"]
+        err = capsys.readouterr().err
+        assert ("--arch sm90 tunes what it runs" in err and "NVIDIA H200" in err) == warned, err
+
+
 def test_keys_and_study_names_carry_the_digests():
     s = trace_score_mod(lambda score, b, h, q_idx, kv_idx: score * 0.5)
     m = trace_mask_mod(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
@@ -147,7 +164,7 @@ def test_a_simulated_sm90_tune_of_a_modifier_reading_tensors(tmp_path, mods_file
     cfg = tunable.candidate_of_entry(entry)
     assert cfg.family == "sm90" and (cfg.score_mod, cfg.mask_mod, cfg.block_map) == (alibi.digest, window.digest, True)
     assert tune_modifier.sources(TuneProblem(*GPU, "sm90", "bf16", 64, False, 1024, score_mod=alibi.digest,
-                                             mask_mod=window.digest)) == {alibi.digest: f"{mods_file.resolve()}:alibi"}
+                                             mask_mod=window.digest)) == {alibi.digest: ("score", f"{mods_file.resolve()}:alibi")}
     p = TuneProblem(*GPU, "sm90", "bf16", 64, False, 1024, score_mod=alibi.digest, mask_mod=window.digest)
     space = search.problem_space(p)
     assert 16 <= len(space) <= 64 and all(c.block_m == 128 and c.block_n in (64, 128) and not (c.o_tma or c.cluster)
@@ -179,15 +196,15 @@ def test_the_worker_loads_a_modifiers_file_for_its_tensors(tmp_path, mods_file):
 
     alibi = load_modifier(f"{mods_file}:alibi", "score")
     tune_modifier._LOADED.clear()
-    tune_modifier.load_sources({alibi.digest: f"{mods_file}:alibi"})
+    tune_modifier.load_sources({alibi.digest: ("score", f"{mods_file}:alibi")})
     p = TuneProblem(*GPU, "sm90", "bf16", 64, False, 1024, score_mod=alibi.digest)
     loaded, none = tune_modifier.modifiers_of(p)
     assert none is None and loaded.digest == alibi.digest and len(loaded.tensors) == 1
     assert torch.equal(loaded.tensors[0], torch.ones(16))
     changed = tmp_path / "changed.py"
     changed.write_text(MODS.replace("torch.ones(16)", "torch.ones(8)"))
-    with pytest.raises(Exception, match="changed.py:alibi.*does not trace"):
-        tune_modifier.load_sources({"0123456789abcdef": f"{changed}:alibi"})
+    with pytest.raises(Exception, match="changed.py:alibi: traces to .* not the modifier 0123456789abcdef"):
+        tune_modifier.load_sources({"0123456789abcdef": ("score", f"{changed}:alibi")})
     tune_modifier._LOADED.clear()
 
 

@@ -187,6 +187,11 @@ def tune_modifiers(args: argparse.Namespace) -> dict[str, str]:
     if passes(args) != ["fwd"]:
         raise CliError(f"{given}: tuned for the forward only (--pass fwd; the backward of a modifier call takes "
                        "its family's rule)")
+    here = None if args.simulate or args.compile_only else current_gpu()
+    if here is not None and here[1] == "sm90" and args.arch != "sm90":
+        print(f"flashgen tune: {given} with --arch {args.arch} on {here[0]}: attention() there runs family sm90's "
+              "modifier kernels, and takes these entries only with arch=\"sm80\"; --arch sm90 tunes what it runs",
+              file=sys.stderr, flush=True)
     out = {"score_mod": "", "mask_mod": ""}
     for kind, spec in (("score", args.score_mod), ("mask", args.mask_mod)):
         if spec:
