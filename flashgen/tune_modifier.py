@@ -4,7 +4,7 @@ Such a call runs a forward generated with its modifiers (a mask_mod with a block
 the sm90 family's (kernels.serving.sm90_modifier_config's rule when untuned), elsewhere the sm80 family's serving
 forward. Its problem (flashgen.problem.TuneProblem of that family, with the modifiers' digests ending its key) is
 searched by the pipeline every kind shares (flashgen.tunable's ModifierKind): family sm80 over the dense space with
-those fields set, family sm90 over SM90 schedules of its two-warpgroup tile (`space`). The modifiers reach the compile
+those fields set, family sm90 over the schedules of its two-warpgroup tile (`modifier_space`). The modifiers reach the compile
 pool and the GPU worker as data, never as Python callables: the `Modifier` of each digest, its CUDA text and its traced
 graph without tensors (flashgen.modifiers.registered), which the other process registers before it renders or
 evaluates anything. A modifier that reads captured tensors also sends the FILE.py:FUNC it came from (`remember`): the
@@ -86,8 +86,6 @@ def modifier_space(family: str, head_dim: int, dtype: str, causal: bool, gqa_gro
 def compile_reason(problem: TuneProblem, kernel: Any) -> str | None:
     """Why a compiled candidate leaves the space: it serializes its wgmmas, or spills (family sm90 at head dims up
     to 128: more than the MODIFIER_SPILL_SLACK bytes the call's rule allows); None to keep it."""
-    import re  # noqa: PLC0415
-
     if re.search(r"C751[239]", kernel.ptxas_log):
         return "serializes its wgmmas with the modifiers (ptxas C751x)"
     slack = MODIFIER_SPILL_SLACK if problem.family == "sm90" and problem.head_dim <= 128 else 0
