@@ -476,8 +476,8 @@ def modifier_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: st
 # the best of the space) put the persistent scheduler ahead for document ids (in order: 1.046 / 1.012 -> 1.000 /
 # 1.000) and a relative-bias table (overlapped 1.090 / 1.056 -> in order 1.000 / 1.000), behind for prefix LM (its
 # overlapped schedule spills 92-104 bytes persistent: 1.000 -> 1.057 / 1.079 in order), a random block-sparse mask (in
-# order 1.074 / 1.085 -> 1.135 / 1.306; overlapped, not persistent, was best) and softcap (1.000 -> 1.051 / 1.030);
-# through the public call the relative bias's schedules came within 1%. Tuning takes it where it wins.
+# order 1.074 / 1.085 -> 1.135 / 1.306; overlapped, not persistent, was best) and softcap (1.000 -> 1.051 / 1.030).
+# Tuning takes it where it wins.
 SM90_OVERLAP = (("overlap", True), ("pingpong", True), ("lazy_rescale", True))
 SM90_IN_ORDER: tuple = ()
 SM90_MODIFIER_SCHEDULES = {
