@@ -454,11 +454,12 @@ def flex_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             mods.score_mod.digest if mods.score_mod is not None else "",
             mods.mask_mod.digest if mods.mask_mod is not None else "",
             mods.mask_mod is not None or mods.block_map is not None)
-    kern = modifier_backward_kernel(*args, family)
+    kern = modifier_backward_kernel(*args, family, seqlen_q, heads // k.shape[2])
     given = mods.block_map
     if (kern.config.family == "sm90" and mods.mask_mod is None and given is not None
             and (given.block[0] % kern.config.block_m or given.block[1] % kern.config.block_n)):
-        kern = modifier_backward_kernel(*args, "sm80")  # a BlockMask alone whose blocks do not tile sm90's tiles
+        # a BlockMask alone whose blocks do not tile sm90's tiles
+        kern = modifier_backward_kernel(*args, "sm80", seqlen_q, heads // k.shape[2])
     bmap = None
     if kern.config.block_map:
         bmap = kernel_block_map(kern.config, mods, causal, batch, heads, seqlen_q, seqlen_k, q.device)

@@ -78,17 +78,17 @@ class TuneProblem:
     batch_tokens: int = BATCH_TOKENS
     heads_dim_total: int = HEADS_DIM_TOTAL
     pass_: str = "fwd"  # "fwd": a KernelConfig; "bwd": a BwdConfig (its kernels timed alone)
-    # A traced score_mod / mask_mod (flashgen.modifiers digests; "": none): the kernel is timed with them compiled in
-    # (a mask_mod with its block map), and its entry answers calls with exactly these modifiers.
+    # A traced score_mod / mask_mod (flashgen.modifiers digests; "": none): the kernel (forward or backward) is timed
+    # with them compiled in (a mask_mod with its block map), and its entry answers calls with exactly these modifiers.
     score_mod: str = ""
     mask_mod: str = ""
 
     def __post_init__(self) -> None:
         if self.pass_ not in PASSES:
             raise ValueError(f"pass_={self.pass_!r}; choose one of {', '.join(PASSES)}")
-        if (self.score_mod or self.mask_mod) and (self.pass_ != "fwd" or self.family not in ("sm80", "sm90")):
-            raise ValueError("a problem with a score_mod or mask_mod is a forward of family sm80 or sm90 (the "
-                             "modifiers' kernels)")
+        if (self.score_mod or self.mask_mod) and self.family not in ("sm80", "sm90"):
+            raise ValueError("a problem with a score_mod or mask_mod is of family sm80 or sm90 (the modifiers' "
+                             "kernels)")
 
     @property
     def key(self) -> str:

@@ -339,11 +339,13 @@ def serve_backward_kernel(device: int, head_dim: int, dtype: str, causal: bool, 
 
 def modifier_backward_kernel(device: int, head_dim: int, dtype: str, causal: bool, features: tuple[str, ...],
                              deterministic: bool, score_mod: str, mask_mod: str, block_map: bool,
-                             family: str | None = None) -> CompiledKernel:
+                             family: str | None = None, seqlen: int | None = None,
+                             gqa_group: int = 1) -> CompiledKernel:
     """The backward of a call with a score_mod, mask_mod or block map (digests and block_map as the forward kernel's
     KernelConfig). On Hopper (family None or "sm90") the sm90 family's where it builds the call clean
     (kernels.serving.sm90_modifier_bwd_config); else, and with family "sm80", family sm80's at modifier_bwd_config's
-    tiles."""
+    tiles. Either is the one tuned for exactly these modifiers (tuned_modifier, pass_ "bwd", nearest to `seqlen`)
+    where the call is not deterministic and has no window, softcap or ALiBi."""
     arch = gpu(device)[1]
     cfg = None
     if arch == "sm90" and family in (None, "sm90"):
@@ -352,6 +354,10 @@ def modifier_backward_kernel(device: int, head_dim: int, dtype: str, causal: boo
     if cfg is None:
         cfg = modifier_bwd_config(head_dim, dtype, causal, arch, deterministic, features, score_mod=score_mod,
                                   mask_mod=mask_mod, block_map=block_map)
+    if not deterministic and not features and (score_mod or mask_mod):
+        tuned = tuned_modifier(device, head_dim, dtype, causal, seqlen, gqa_group, score_mod, mask_mod,
+                               cfg.family, "bwd")
+        cfg = tuned if tuned is not None and tuned.block_map == block_map else cfg
     return _load_backward(head_dim, dtype, causal, cfg, arch, deterministic)
 
 
@@ -406,26 +412,31 @@ def _prefill(gpu_name: str, arch: str, stamp: tuple | None, head_dim: int, dtype
     return cfg if cfg.unfit_reason(arch) is None else None
 
 
-def tuned_modifier(device: int, head_dim: int, dtype: str, causal: bool, seqlen: int, gqa_group: int,
-                   score_mod: str, mask_mod: str, family: str = "sm80") -> KernelConfig | None:
+def tuned_modifier(device: int, head_dim: int, dtype: str, causal: bool, seqlen: int | None, gqa_group: int,
+                   score_mod: str, mask_mod: str, family: str = "sm80",
+                   pass_: str = "fwd") -> KernelConfig | BwdConfig | None:
     """The kernel of `family` tuned for a dense call with these modifiers (digests; `tune --score-mod/--mask-mod`
-    stores them under keys that end in them), nearest seqlen bucket, or None (quietly: most modifiers are never
-    tuned). Cached per call shape; the store file is looked at again when it changed (store_stamp)."""
+    stores them under keys that end in them), its forward or (pass_ "bwd") backward, nearest seqlen bucket, or None
+    (quietly: most modifiers are never tuned). Cached per call shape; the store file is looked at again when it
+    changed (store_stamp)."""
     (gpu_name, arch), stamp = gpu_stamp(device)
-    return _modifier(gpu_name, arch, stamp, head_dim, dtype, causal, seqlen, gqa_group, score_mod, mask_mod, family)
+    return _modifier(gpu_name, arch, stamp, head_dim, dtype, causal, seqlen, gqa_group, score_mod, mask_mod, family,
+                     pass_)
 
 
 @functools.lru_cache(maxsize=1024)
-def _modifier(gpu_name: str, arch: str, stamp: tuple | None, head_dim: int, dtype: str, causal: bool, seqlen: int,
-              gqa_group: int, score_mod: str, mask_mod: str, family: str) -> KernelConfig | None:
+def _modifier(gpu_name: str, arch: str, stamp: tuple | None, head_dim: int, dtype: str, causal: bool,
+              seqlen: int | None, gqa_group: int, score_mod: str, mask_mod: str, family: str,
+              pass_: str) -> KernelConfig | BwdConfig | None:
     if stamp is None:
         return None
     try:
-        cfg = store.lookup(gpu_name, arch, head_dim, dtype, causal, seqlen, family, gqa_group=gqa_group,
+        cfg = store.lookup(gpu_name, arch, head_dim, dtype, causal, seqlen, family, pass_=pass_, gqa_group=gqa_group,
                            score_mod=score_mod, mask_mod=mask_mod)
     except store.StoreError:  # load()'s path warns about a damaged store; a modifier call takes the default
         return None
-    if not isinstance(cfg, KernelConfig) or cfg.family != family or cfg.unfit_reason(arch) is not None:
+    kind = BwdConfig if pass_ == "bwd" else KernelConfig
+    if not isinstance(cfg, kind) or cfg.family != family or cfg.unfit_reason(arch) is not None:
         return None
     return cfg
 

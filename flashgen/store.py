@@ -304,13 +304,14 @@ def matches(cfg: KernelConfig | BwdConfig, head_dim: int, dtype: str, causal: bo
             score_mod: str = "", mask_mod: str = "") -> bool:
     """Whether a stored configuration answers this problem: its head dim, dtype, mask and family (any when
     None). A serving kernel (varlen, paged, split, ...) takes other arguments: never the answer to a dense call.
-    With modifiers (digests): a dense kernel generated with exactly those (and, with a mask_mod, a block map)."""
+    With modifiers (digests): a dense kernel (forward or backward) generated with exactly those (and, with a
+    mask_mod, a block map)."""
     if (cfg.head_dim, cfg.dtype, cfg.causal) != (head_dim, dtype, causal) or (family and cfg.family != family):
         return False
     if getattr(cfg, "head_dim_v", None) is not None:  # a split width's output is narrower than the call's v
         return False
     if score_mod or mask_mod:
-        return (isinstance(cfg, KernelConfig) and (cfg.score_mod, cfg.mask_mod) == (score_mod, mask_mod)
+        return (isinstance(cfg, (KernelConfig, BwdConfig)) and (cfg.score_mod, cfg.mask_mod) == (score_mod, mask_mod)
                 and cfg.block_map == bool(mask_mod) and not cfg.features)
     return not getattr(cfg, "serving", False)
 

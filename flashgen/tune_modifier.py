@@ -1,4 +1,5 @@
-"""Tuning a forward problem with a score_mod or mask_mod (`tune --score-mod FILE.py:FUNC --mask-mod FILE.py:FUNC`).
+"""Tuning a problem with a score_mod or mask_mod (`tune --score-mod FILE.py:FUNC --mask-mod FILE.py:FUNC`, forward or
+`--pass bwd`).
 
 Such a call runs a forward generated with its modifiers (a mask_mod with a block map, flashgen.blockmap): on Hopper
 the sm90 family's (kernels.serving.sm90_modifier_config's rule when untuned), elsewhere the sm80 family's serving
@@ -13,7 +14,9 @@ worker runs that file itself (its tensors on the worker's GPU) and checks that t
 In the worker a candidate is verified on the problem's verification shape (TuneProblem.verify_shape: batch and heads
 cut, lengths kept, so captured tensors indexed by position stay in range) against float64 with the modifiers applied
 by their graph (`reference`), into a NaN-poisoned output, then timed on the problem's own shape through the launch the
-calls use (kernels.serving.launch_prefill, or the sm90 family's tensor-map launch).
+calls use (kernels.serving.launch_prefill, or the sm90 family's tensor-map launch). A backward problem (`BwdInputs`)
+is searched over the family's backward space generated with the modifiers: the call's own forward makes out and LSE,
+and dq, dk, dv (poisoned) are checked against float64 gradients by autograd through `reference`.
 """
 from __future__ import annotations
 
@@ -25,9 +28,9 @@ from typing import Any, Callable
 
 from .bench import TrialInputs, median_ms, time_cuda
 from .checks import Mods
-from .config import ConfigError, KernelConfig, space as config_space
+from .config import BwdConfig, ConfigError, KernelConfig, bwd_space, modifier_bwd_config, space as config_space
 from .kernels.serving import (MODIFIER_SPILL_SLACK, fire_sm90, launch_prefill, serve_config, sm90_launch, sm90_maps,
-                              sm90_modifier_config)
+                              sm90_modifier_bwd_config, sm90_modifier_config)
 from .modifiers import Modifier, ModifierError, load_file, lookup, register
 from .problem import HeldInputs, TuneProblem
 from .tensors import torch_dtype
@@ -54,6 +57,21 @@ def with_modifiers(cfgs: list[KernelConfig], score_mod: str, mask_mod: str) -> l
     return list(out)
 
 
+def bwd_with_modifiers(cfgs: list[BwdConfig], score_mod: str, mask_mod: str) -> list[BwdConfig]:
+    """The backward configurations generated with these modifiers (a mask_mod with its block map), as a call's
+    backward is: not deterministic (a deterministic call takes its rule), no features; those the rules refuse are
+    left out."""
+    out: dict[BwdConfig, None] = {}
+    for c in cfgs:
+        if c.deterministic or c.features:
+            continue
+        try:
+            out[dataclasses.replace(c, score_mod=score_mod, mask_mod=mask_mod, block_map=bool(mask_mod))] = None
+        except ConfigError:
+            continue
+    return list(out)
+
+
 # The sm90 family's modifier space: the dense space's configurations a modifier kernel builds (no O by TMA, cluster
 # or, beside a score_mod, epilogue overlap; kernels.serving's rule tiles) narrowed to the rule's tile, 128 query rows in
 # two consumer warpgroups and two stages, with 64 or 128 keys, every schedule (in order, overlapped, ping-pong, lazy
@@ -65,16 +83,19 @@ SM90_MODIFIER_OFF = ("q_regs", "p_smem", "mma_rowsum", "lpt_by_head")
 SM90_MODIFIER_EXP2_FMA = (0, 1)
 
 
-def space(problem: TuneProblem) -> list[KernelConfig]:
-    """The problem's candidates (arch fit not checked): modifier_space of its family and modifiers."""
+def space(problem: TuneProblem) -> list[KernelConfig | BwdConfig]:
+    """The problem's candidates (arch fit not checked): modifier_space of its pass, family and modifiers."""
     return modifier_space(problem.family, problem.head_dim, problem.dtype, problem.causal, problem.gqa_group,
-                          problem.score_mod, problem.mask_mod)
+                          problem.score_mod, problem.mask_mod, problem.pass_)
 
 
 def modifier_space(family: str, head_dim: int, dtype: str, causal: bool, gqa_group: int, score_mod: str,
-                   mask_mod: str) -> list[KernelConfig]:
-    """Family sm80's dense space with the modifiers (digests; with_modifiers), or family sm90's modifier space
-    (SM90_MODIFIER_TILE and the other constants above)."""
+                   mask_mod: str, pass_: str = "fwd") -> list[KernelConfig | BwdConfig]:
+    """Forward: family sm80's dense space with the modifiers (digests; with_modifiers), or family sm90's modifier
+    space (SM90_MODIFIER_TILE and the other constants above). Backward: the family's backward space with them
+    (bwd_with_modifiers), whole: 26-30 configurations at d128."""
+    if pass_ == "bwd":
+        return bwd_with_modifiers(bwd_space(head_dim, dtype, causal, family=family), score_mod, mask_mod)
     cfgs = with_modifiers(config_space(family, head_dim, dtype, causal, gqa_group), score_mod, mask_mod)
     if family != "sm90":
         return cfgs
@@ -84,20 +105,24 @@ def modifier_space(family: str, head_dim: int, dtype: str, causal: bool, gqa_gro
 
 
 def compile_reason(problem: TuneProblem, kernel: Any) -> str | None:
-    """Why a compiled candidate leaves the space: it serializes its wgmmas, or spills (family sm90 at head dims up
-    to 128: more than the MODIFIER_SPILL_SLACK bytes the call's rule allows); None to keep it."""
+    """Why a compiled candidate leaves the space: it serializes its wgmmas, or spills (family sm90's forward at head
+    dims up to 128: more than the MODIFIER_SPILL_SLACK bytes the call's rule allows); None to keep it."""
     if re.search(r"C751[239]", kernel.ptxas_log):
         return "serializes its wgmmas with the modifiers (ptxas C751x)"
-    slack = MODIFIER_SPILL_SLACK if problem.family == "sm90" and problem.head_dim <= 128 else 0
+    forward = problem.pass_ == "fwd"  # the backward's rule allows no spill
+    slack = MODIFIER_SPILL_SLACK if forward and problem.family == "sm90" and problem.head_dim <= 128 else 0
     spilled = kernel.resources.spill_stores if slack else int(kernel.resources.spills)
     if spilled > slack:
         return f"spills registers with the modifiers ({spilled} bytes stored, {slack} allowed)"
     return None
 
 
-def default_config(problem: TuneProblem) -> KernelConfig:
+def default_config(problem: TuneProblem) -> KernelConfig | BwdConfig:
     """What `flashgen.attention` takes for the problem without a stored entry: family sm90's rule
-    (kernels.serving.sm90_modifier_config), else serve_config's modifier tiles."""
+    (kernels.serving.sm90_modifier_config), else serve_config's modifier tiles; for the backward
+    sm90_modifier_bwd_config, else config.modifier_bwd_config."""
+    if problem.pass_ == "bwd":
+        return default_bwd_config(problem)
     if problem.family == "sm90":
         score, mask = modifiers_of(problem)
         cfg = sm90_modifier_config(problem.head_dim, problem.dtype, problem.causal,
@@ -108,6 +133,20 @@ def default_config(problem: TuneProblem) -> KernelConfig:
         return cfg
     return serve_config(problem.head_dim, problem.dtype, problem.causal, problem.seqlen, problem.gpu_arch,
                         **fields(problem))
+
+
+def default_bwd_config(problem: TuneProblem) -> BwdConfig:
+    """The backward a modifier call takes without a stored entry (its family's rule)."""
+    block_map = bool(problem.mask_mod)
+    if problem.family == "sm90":
+        cfg = sm90_modifier_bwd_config(problem.head_dim, problem.dtype, problem.causal, (), False, problem.score_mod,
+                                       problem.mask_mod, block_map)
+        if cfg is None:
+            raise ConfigError(f"{problem.key}: family sm90 builds no backward with these modifiers at head dim "
+                              f"{problem.head_dim}, {problem.dtype} (tune it with --arch sm80)")
+        return cfg
+    return modifier_bwd_config(problem.head_dim, problem.dtype, problem.causal, problem.gpu_arch, False, (),
+                               score_mod=problem.score_mod, mask_mod=problem.mask_mod, block_map=block_map)
 
 
 # digest -> (kind, FILE.py:FUNC) of the modifiers this process loaded that read captured tensors (the CLI's
@@ -254,7 +293,95 @@ class Inputs(TrialInputs):
                 "reason": "", **info}
 
 
-inputs = HeldInputs(Inputs)  # the GPU worker's, of the problem it is tuning
+def reference_grads(q: Any, k: Any, v: Any, dout: Any, causal: bool, scale: float, score_mod: Modifier | None,
+                    mask_mod: Modifier | None, dtype: Any = None) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv) of `reference` in `dtype` (float64 by default) by autograd through it."""
+    import torch  # noqa: PLC0415
+
+    dtype = dtype or torch.float64
+    qq, kk, vv = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    out = reference(qq, kk, vv, causal, scale, score_mod, mask_mod, dtype=dtype)[0]
+    return torch.autograd.grad(out, (qq, kk, vv), dout.to(dtype))
+
+
+class BwdInputs(TrialInputs):
+    """A modifier problem's backward in the GPU worker: a verification set (verify_shape) with the forward's out
+    and LSE made by the call's own forward (ops.modifier_plan of the problem's family), the float64 gradients and
+    the bars (twice PyTorch's own error in the dtype per gradient), and a timing set of the problem's shape. A
+    candidate writes dq, dk, dv into NaN-poisoned buffers through kernels.backward.backward, as a call's backward
+    does (its block map at the candidate's tiles)."""
+
+    def __init__(self, problem: TuneProblem):
+        import torch  # noqa: PLC0415
+
+        self.problem = problem
+        self.score_mod, self.mask_mod = modifiers_of(problem)
+        self.scale = 1.0 / math.sqrt(problem.head_dim)
+        self.check = self.inputs(*problem.verify_shape(), seed=0)
+        q, k, v, _, _, dout = self.check
+        args = (q, k, v, dout, problem.causal, self.scale, self.score_mod, self.mask_mod)
+        self.ref = reference_grads(*args)
+        same = reference_grads(*args, dtype=torch_dtype(problem.dtype))
+        self.bounds = [2 * (s.double() - r).abs().max().item() + 1e-5 for s, r in zip(same, self.ref)]
+        del same
+        self.grads = tuple(torch.empty_like(t) for t in (q, k, v))
+        self.timed = self.inputs(*problem.shape(), seed=1)
+        self.timed_grads = tuple(torch.empty_like(t) for t in self.timed[:3])
+        torch.cuda.empty_cache()
+
+    def inputs(self, b: int, sq: int, sk: int, h: int, hk: int, seed: int) -> tuple:
+        """(q, k, v, out, lse, dout): random q, k, v, dout and the forward's out and LSE."""
+        import torch  # noqa: PLC0415
+
+        from .kernels.modified import run_mod_plan  # noqa: PLC0415  (torch operators: the GPU worker only)
+        from .ops import modifier_plan  # noqa: PLC0415
+
+        p = self.problem
+        q, k, v = random_qkv(b, sq, sk, h, hk, p.head_dim, p.dtype, seed)
+        plan = modifier_plan(q, k, v, p.causal, self.scale, Mods(score_mod=self.score_mod, mask_mod=self.mask_mod),
+                             p.family)
+        out, lse = run_mod_plan(plan, q, k, v)
+        return q, k, v, out, lse, torch.randn_like(q)
+
+    def call(self, cand: BwdConfig, data: tuple, grads: tuple) -> Callable[[], None]:
+        """One backward of `cand` on `data` into `grads` (dq, dk, dv)."""
+        from .kernels.backward import ServeArgs, backward, load_backward  # noqa: PLC0415
+        from .ops import kernel_block_map  # noqa: PLC0415
+
+        q, k, v, out, lse, dout = data
+        p = self.problem
+        kern = load_backward(p.head_dim, p.dtype, p.causal, config=cand, gpu_arch=p.gpu_arch)
+        mods = Mods(score_mod=self.score_mod, mask_mod=self.mask_mod)
+        if cand.block_map:
+            mods = mods._replace(block_map=kernel_block_map(cand, mods, p.causal, q.shape[0], q.shape[2], q.shape[1],
+                                                            k.shape[1], q.device))
+        serve = ServeArgs(mods=mods)
+        dq, dk, dv = grads
+        return lambda: backward(kern, q, k, v, out, dout, lse, self.scale, dq=dq, dk=dk, dv=dv, serve=serve)
+
+    def runner(self, cand: BwdConfig) -> tuple[Callable[[], Any], dict[str, Any]]:
+        return self.call(cand, self.timed, self.timed_grads), {"kernel": cand.name}
+
+    def trial(self, cand: BwdConfig, warmup: int, reps: int) -> dict[str, Any]:
+        """Verify dq, dk, dv (poisoned) against float64, then time on the problem's shape."""
+        import torch  # noqa: PLC0415
+
+        for g in self.grads:
+            g.fill_(float("nan"))
+        self.call(cand, self.check, self.grads)()
+        torch.cuda.synchronize()
+        errs = [(g.double() - r).abs().max().item() for g, r in zip(self.grads, self.ref)]
+        for name, err, bound in zip(("dq", "dk", "dv"), errs, self.bounds):
+            if not err <= bound:  # NaN (an unwritten element) fails too
+                return {"status": "verify_failed", "reason": f"{name}: max error {err:.3g} > {bound:.3g}",
+                        "max_err": err, "kernel": cand.name}
+        call, info = self.runner(cand)
+        return {"status": "ok", "ms": median_ms(time_cuda(lambda i: call(), warmup=warmup, reps=reps)),
+                "max_err": max(errs), "reason": "", **info}
+
+
+# The GPU worker's, of the problem it is tuning (forward or backward).
+inputs = HeldInputs(lambda problem: BwdInputs(problem) if problem.pass_ == "bwd" else Inputs(problem))
 
 
 def gpu_trial(problem: TuneProblem, cand: KernelConfig, warmup: int, reps: int,
@@ -276,5 +403,6 @@ def gpu_retime(problem: TuneProblem, cands: list[KernelConfig], rounds: int, war
     return inputs.retime(problem, cands, rounds, warmup, reps)
 
 
-__all__ = ["Inputs", "compile_reason", "default_config", "fields", "gpu_retime", "gpu_trial", "load_sources",
-           "modifier_space", "modifiers_of", "reference", "remember", "sources", "space", "with_modifiers"]
+__all__ = ["BwdInputs", "Inputs", "bwd_with_modifiers", "compile_reason", "default_bwd_config", "default_config",
+           "fields", "gpu_retime", "gpu_trial", "load_sources", "modifier_space", "modifiers_of", "reference",
+           "reference_grads", "remember", "sources", "space", "with_modifiers"]

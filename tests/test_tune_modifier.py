@@ -71,7 +71,6 @@ def test_the_cli_parses_the_modifier_flags(mods_file):
 @pytest.mark.parametrize("extra, message", [
     (["--score-mod", "{f}:nothing"], "has no function nothing"),
     (["--score-mod", "{f}"], "expected FILE.py:FUNCTION"),
-    (["--score-mod", "{f}:softcap", "--pass", "bwd"], "forward only"),
     (["--mask-mod", "{f}:nowhere"], "has no function nowhere"),
     (["--score-mod", "{f}:softcap", "--kind", "varlen"], "--kind varlen takes no modifier"),
 ])
@@ -184,6 +183,60 @@ def test_a_simulated_sm90_tune_of_a_modifier_reading_tensors(tmp_path, mods_file
         rule = ops.modifier_kernel(0, 64, "bf16", False, 1024, 1, Mods(score_mod=alibi, mask_mod=window,
                                                                       window=(32, 0)))
         assert rule.window and rule != cfg  # with a window: the rule's kernel, not the tuned one
+    finally:
+        resolve.clear()
+
+
+@pytest.mark.parametrize("family, head_dim", [("sm90", 64), ("sm90", 128), ("sm80", 128)])
+def test_the_backward_space_with_modifiers(family, head_dim):
+    """--pass bwd: the family's whole backward space generated with the modifiers (a mask_mod with its block map),
+    never deterministic or with features; the default is the call's rule."""
+    s = trace_score_mod(lambda score, b, h, q_idx, kv_idx: score * 0.5)
+    m = trace_mask_mod(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    for score, mask in ((s.digest, m.digest), (s.digest, "")):
+        p = TuneProblem(*GPU, family, "bf16", head_dim, False, 1024, pass_="bwd", score_mod=score, mask_mod=mask)
+        space = search.problem_space(p)
+        assert space and all(type(c).__name__ == "BwdConfig" and c.family == family for c in space)
+        assert all((c.score_mod, c.mask_mod, c.block_map) == (score, mask, bool(mask)) for c in space)
+        assert not any(c.deterministic or c.features for c in space)
+        for cfg in space:
+            assert search.config_of(p, search.params_of(cfg)) == cfg
+        d = default_config(p)
+        assert type(d).__name__ == "BwdConfig" and (d.score_mod, d.mask_mod) == (score, mask) and d.family == family
+
+
+def test_a_simulated_backward_tune_is_taken_by_the_modifier_backward(tmp_path, mods_file, capsys, monkeypatch):
+    """tune --pass bwd --arch sm90 with a tensor-reading score_mod and a mask: the entry (key ending _bwd_sm.._mm..)
+    answers resolve.modifier_backward_kernel for exactly those modifiers, not a deterministic call nor one with a
+    window."""
+    from flashgen import resolve
+
+    mods = ["--score-mod", f"{mods_file}:alibi", "--mask-mod", f"{mods_file}:window", "--arch", "sm90", "--pass", "bwd"]
+    assert cli.main(tune_args(tmp_path, *mods)) == 0
+    capsys.readouterr()
+    ns: dict = {}
+    exec(MODS, ns)
+    alibi, window = trace_score_mod(ns["alibi"]), trace_mask_mod(ns["window"])
+    (key, entry), = json.loads((tmp_path / "tuned" / "simulated-gpu-sm90.json").read_text())["entries"].items()
+    assert key.startswith("sm90_") and key.endswith(f"_bwd_sm{alibi.digest}_mm{window.digest}")
+    cfg = tunable.candidate_of_entry(entry)
+    assert type(cfg).__name__ == "BwdConfig" and cfg.family == "sm90" and cfg.block_map
+    plain = store.lookup(*GPU, 64, "bf16", False, 1024, "sm90", tuned_dir=tmp_path / "tuned", pass_="bwd")
+    assert plain is None  # a plain backward never takes a modifier entry
+    monkeypatch.setenv("FLASHGEN_TUNED_DIR", str(tmp_path / "tuned"))
+    monkeypatch.setattr(resolve, "gpu", lambda device: GPU)
+    monkeypatch.setattr(resolve, "_load_backward", lambda d, dt, c, config, arch, det=False: config)
+    resolve.clear()
+    try:
+        args = (0, 64, "bf16", False)
+        assert resolve.modifier_backward_kernel(*args, (), False, alibi.digest, window.digest, True,
+                                                seqlen=1000) == cfg
+        rule = resolve.modifier_backward_kernel(*args, ("window",), False, alibi.digest, window.digest, True,
+                                                seqlen=1000)
+        assert rule != cfg and rule.window
+        assert resolve.modifier_backward_kernel(*args, (), True, alibi.digest, window.digest, True,
+                                                seqlen=1000).deterministic
+        assert resolve.modifier_backward_kernel(*args, (), False, alibi.digest, "", False, seqlen=1000) != cfg
     finally:
         resolve.clear()
 

@@ -1,6 +1,7 @@
 """Short real tunes of problems with a score_mod and a mask_mod on the GPU, end to end: the stored entry's key ends in
 their digests, and `flashgen.attention(..., score_mod=, mask_mod=)` takes the stored kernel and is right: family sm80
-with arch="sm80", and family sm90 on Hopper without arch, there with modifiers that read tensors.
+with arch="sm80", and family sm90 on Hopper without arch, there with modifiers that read tensors, forward and
+backward (through autograd).
 
 Run on a GPU machine: python -m pytest -q -m gpu tests/test_tune_modifier_gpu.py
 """
@@ -130,3 +131,38 @@ def test_a_short_sm90_tune_of_modifiers_reading_tensors_is_taken_by_attention(tm
     assert key.startswith("sm90_")
     assert got["kernel"] == entry["kernel"] and got["family"] == "sm90"  # the call took the tuned kernel
     assert got["err"] <= got["bound"], got
+
+
+CHECK_SM90_BWD = textwrap.dedent("""
+    import json, sys
+    import torch
+    import flashgen
+    from flashgen import resolve
+    from flashgen.modifiers import trace_mask_mod, trace_score_mod
+    from flashgen.tune_modifier import reference_grads
+
+    ns = {}
+    exec(open(sys.argv[1]).read(), ns)
+    s, m = trace_score_mod(ns["bias"]), trace_mask_mod(ns["document"])
+    kern = resolve.modifier_backward_kernel(0, 64, "bf16", False, (), False, s.digest, m.digest, True, seqlen=1000)
+    q, k, v = (torch.randn(3, 1000, 32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    out = flashgen.attention(q, k, v, score_mod=ns["bias"], mask_mod=ns["document"])
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    ref = reference_grads(q, k, v, dout, False, 64 ** -0.5, s, m)
+    same = reference_grads(q, k, v, dout, False, 64 ** -0.5, s, m, dtype=torch.bfloat16)
+    errs = [(g.double() - r).abs().max().item() for g, r in zip(got, ref)]
+    bounds = [2 * (x.double() - r).abs().max().item() + 1e-5 for x, r in zip(same, ref)]
+    print(json.dumps({"kernel": kern.config.name, "family": kern.config.family, "errs": errs, "bounds": bounds}))
+""")
+
+
+def test_a_short_sm90_backward_tune_of_modifiers_reading_tensors_is_taken_by_autograd(tmp_path):
+    """--pass bwd --arch sm90 with the same modifiers: the backward entry is stored under the sm90 family, the
+    backward of a call without arch takes it, and dq, dk, dv are within the bar of float64."""
+    key, entry, got = tune_then_call(tmp_path, MODS_READING, CHECK_SM90_BWD, [
+        "--arch", "sm90", "--pass", "bwd", "--score-mod", "{mods}:bias", "--mask-mod", "{mods}:document"])
+    assert key.startswith("sm90_") and "_bwd_sm" in key
+    assert got["kernel"] == entry["kernel"] and got["family"] == "sm90"  # autograd took the tuned backward
+    assert all(e <= b for e, b in zip(got["errs"], got["bounds"])), got

@@ -111,7 +111,8 @@ def add_parser(sub: Any) -> None:
                         "lazy_rescale after a new knob: a re-tune of the stored tile, not of the whole space); "
                         "problems without a stored entry keep the whole space")
     t.add_argument("--score-mod", default=None, metavar="FILE.py:FUNC",
-                   help="tune the forward with this score_mod(score, b, h, q_idx, kv_idx) compiled in (--arch sm90 "
+                   help="tune the forward (or --pass bwd the backward) with this score_mod(score, b, h, q_idx, "
+                        "kv_idx) compiled in (--arch sm90 "
                         "on Hopper, as flashgen.attention runs it there; sm80 elsewhere); the store keys end in its "
                         "digest, so that attention(..., score_mod=FUNC) finds the entry. FILE.py runs again in the "
                         "GPU worker for the tensors FUNC reads: size them for the tuned --seqlen")
@@ -132,8 +133,11 @@ def add_parser(sub: Any) -> None:
 
 def pass_family(args: argparse.Namespace, pass_: str, head_dim: int) -> str:
     """The template family a pass is tuned in: --arch for the forward; for the backward --arch where that
-    family has a backward for the head dim (sm90: C.SM90_BWD_HEAD_DIMS), else sm80."""
-    if pass_ == "fwd" or (args.arch == "sm90" and head_dim in C.SM90_BWD_HEAD_DIMS):
+    family has a backward for the head dim (sm90: C.SM90_BWD_HEAD_DIMS; with modifiers, where one consumer
+    warpgroup holds each key's rows: C.sm90_bwd_kv_split 1), else sm80."""
+    modified = bool(getattr(args, "modifiers", None))
+    if pass_ == "fwd" or (args.arch == "sm90" and head_dim in C.SM90_BWD_HEAD_DIMS
+                          and not (modified and C.sm90_bwd_kv_split(head_dim) > 1)):
         return args.arch
     return "sm80"
 
@@ -141,13 +145,12 @@ def pass_family(args: argparse.Namespace, pass_: str, head_dim: int) -> str:
 def restricted_space(args: argparse.Namespace, head_dim: int, dtype: str, causal: bool,
                      pass_: str = "fwd", gqa_group: int = 1) -> list:
     family = pass_family(args, pass_, head_dim)
-    if pass_ == "bwd":
+    if getattr(args, "modifiers", None):
+        cfgs = modifier_space(family, head_dim, dtype, causal, gqa_group, **args.modifiers, pass_=pass_)
+    elif pass_ == "bwd":
         cfgs = C.bwd_space(head_dim, dtype, causal, family=family)
     else:
-        if getattr(args, "modifiers", None):
-            cfgs = modifier_space(args.arch, head_dim, dtype, causal, gqa_group, **args.modifiers)
-        else:
-            cfgs = C.space(args.arch, head_dim, dtype, causal, gqa_group)
+        cfgs = C.space(args.arch, head_dim, dtype, causal, gqa_group)
     for field in ("block_m", "block_n", "num_warps") + ("num_stages",) * (pass_ == "fwd" or family == "sm90"):
         keep = getattr(args, field)
         if keep is not None:
@@ -177,16 +180,13 @@ def around_store(args: argparse.Namespace, problem: Any, space: list, stores: di
 def tune_modifiers(args: argparse.Namespace) -> dict[str, str]:
     """The digests of --score-mod and --mask-mod (traced here, so that the compile pool and the GPU worker can be
     given them; a modifier that reads tensors also names its file, which the worker runs to have them); {} without
-    them. Only dense forward problems take them, in the family the call runs (--arch sm90 on Hopper, sm80
-    elsewhere)."""
+    them. Only dense problems take them (forward and backward), in the family the call runs (--arch sm90 on Hopper,
+    sm80 elsewhere)."""
     if not (args.score_mod or args.mask_mod):
         return {}
     given = " and ".join(o for o, v in (("--score-mod", args.score_mod), ("--mask-mod", args.mask_mod)) if v)
     if args.kind != "dense":
         raise CliError(f"{given}: --kind {args.kind} takes no modifier (they tune dense forward problems)")
-    if passes(args) != ["fwd"]:
-        raise CliError(f"{given}: tuned for the forward only (--pass fwd; the backward of a modifier call takes "
-                       "its family's rule)")
     here = None if args.simulate or args.compile_only else current_gpu()
     if here is not None and here[1] == "sm90" and args.arch != "sm90":
         print(f"flashgen tune: {given} with --arch {args.arch} on {here[0]}: attention() there runs family sm90's "
