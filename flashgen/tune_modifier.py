@@ -29,6 +29,8 @@ from typing import Any, Callable
 from .bench import TrialInputs, median_ms, time_cuda
 from .checks import Mods
 from .config import BwdConfig, ConfigError, KernelConfig, bwd_space, modifier_bwd_config, space as config_space
+from .kernels.backward import ServeArgs, backward, load_backward
+from .kernels.modified import run_mod_plan
 from .kernels.serving import (MODIFIER_SPILL_SLACK, fire_sm90, launch_prefill, serve_config, sm90_launch, sm90_maps,
                               sm90_modifier_bwd_config, sm90_modifier_config)
 from .modifiers import Modifier, ModifierError, load_file, lookup, register
@@ -333,8 +335,7 @@ class BwdInputs(TrialInputs):
         """(q, k, v, out, lse, dout): random q, k, v, dout and the forward's out and LSE."""
         import torch  # noqa: PLC0415
 
-        from .kernels.modified import run_mod_plan  # noqa: PLC0415  (torch operators: the GPU worker only)
-        from .ops import modifier_plan  # noqa: PLC0415
+        from .ops import modifier_plan  # noqa: PLC0415  (torch operators: imported in the GPU worker only)
 
         p = self.problem
         q, k, v = random_qkv(b, sq, sk, h, hk, p.head_dim, p.dtype, seed)
@@ -345,8 +346,7 @@ class BwdInputs(TrialInputs):
 
     def call(self, cand: BwdConfig, data: tuple, grads: tuple) -> Callable[[], None]:
         """One backward of `cand` on `data` into `grads` (dq, dk, dv)."""
-        from .kernels.backward import ServeArgs, backward, load_backward  # noqa: PLC0415
-        from .ops import kernel_block_map  # noqa: PLC0415
+        from .ops import kernel_block_map  # noqa: PLC0415  (torch operators: imported in the GPU worker only)
 
         q, k, v, out, lse, dout = data
         p = self.problem

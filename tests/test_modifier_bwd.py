@@ -365,7 +365,7 @@ def emulated(monkeypatch):
     monkeypatch.setattr(ops, "tuned_modifier", lambda *a: None)
     monkeypatch.setattr(ops, "backward", emulated_backward)
     monkeypatch.setattr(ops, "modifier_backward_kernel", lambda device, d, dt, causal, features, det, sm, mm, bmap,
-                        family=None:
+                        family=None, seqlen=None, gqa_group=1:
                         FakeCompiled(modifier_bwd_config(d, dt, causal, "sm90", det, features, score_mod=sm,
                                                          mask_mod=mm, block_map=bmap)))
     monkeypatch.setattr(api, "check_dense", lambda q, k, v, window, softcap, alibi, causal: checks.clamp_window(
