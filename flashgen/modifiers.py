@@ -18,6 +18,7 @@ import builtins
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import math
 import numbers
 import sys
@@ -25,6 +26,7 @@ import threading
 import types
 import weakref
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 KINDS = ("score", "mask")
@@ -241,9 +243,6 @@ def load_file(spec: str, kind: str) -> Modifier:
     """`FILE.py:FUNC`: the function FUNC of the Python file FILE.py, run as a module (so that the tensors it reads
     exist), traced as a score_mod (kind "score") or mask_mod ("mask"). ModifierError, naming the spec, for a missing
     file or function, an error the file raises, or a function outside the traced op set."""
-    import importlib.util  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
-
     path, _, name = spec.rpartition(":")
     if not path or not name:
         raise ModifierError(f"{spec!r}: expected FILE.py:FUNCTION")

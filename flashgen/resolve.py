@@ -430,15 +430,11 @@ def _modifier(gpu_name: str, arch: str, stamp: tuple | None, head_dim: int, dtyp
               pass_: str) -> KernelConfig | BwdConfig | None:
     if stamp is None:
         return None
-    try:
-        cfg = store.lookup(gpu_name, arch, head_dim, dtype, causal, seqlen, family, pass_=pass_, gqa_group=gqa_group,
-                           score_mod=score_mod, mask_mod=mask_mod)
+    try:  # of `family` and `pass_`, fitting `arch` (store.lookup keeps to those)
+        return store.lookup(gpu_name, arch, head_dim, dtype, causal, seqlen, family, pass_=pass_,
+                            gqa_group=gqa_group, score_mod=score_mod, mask_mod=mask_mod)
     except store.StoreError:  # load()'s path warns about a damaged store; a modifier call takes the default
         return None
-    kind = BwdConfig if pass_ == "bwd" else KernelConfig
-    if not isinstance(cfg, kind) or cfg.family != family or cfg.unfit_reason(arch) is not None:
-        return None
-    return cfg
 
 
 def sm90_config(device: int, head_dim: int, dtype: str, causal: bool, rows: int, seqlen_k: int,

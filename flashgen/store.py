@@ -311,8 +311,8 @@ def matches(cfg: KernelConfig | BwdConfig, head_dim: int, dtype: str, causal: bo
     if getattr(cfg, "head_dim_v", None) is not None:  # a split width's output is narrower than the call's v
         return False
     if score_mod or mask_mod:
-        return (isinstance(cfg, (KernelConfig, BwdConfig)) and (cfg.score_mod, cfg.mask_mod) == (score_mod, mask_mod)
-                and cfg.block_map == bool(mask_mod) and not cfg.features)
+        return ((cfg.score_mod, cfg.mask_mod) == (score_mod, mask_mod) and cfg.block_map == bool(mask_mod)
+                and not cfg.features)
     return not getattr(cfg, "serving", False)
 
 

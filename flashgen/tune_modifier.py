@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,8 +30,8 @@ from .checks import Mods
 from .config import BwdConfig, ConfigError, KernelConfig, bwd_space, modifier_bwd_config, space as config_space
 from .kernels.backward import ServeArgs, backward, load_backward
 from .kernels.modified import run_mod_plan
-from .kernels.serving import (MODIFIER_SPILL_SLACK, fire_sm90, launch_prefill, serve_config, sm90_launch, sm90_maps,
-                              sm90_modifier_bwd_config, sm90_modifier_config)
+from .kernels.serving import (MODIFIER_SPILL_SLACK, build_fault, fire_sm90, launch_prefill, serve_config, sm90_launch,
+                              sm90_maps, sm90_modifier_bwd_config, sm90_modifier_config)
 from .modifiers import Modifier, ModifierError, load_file, lookup, register
 from .problem import HeldInputs, TuneProblem
 from .tensors import torch_dtype
@@ -107,16 +106,12 @@ def modifier_space(family: str, head_dim: int, dtype: str, causal: bool, gqa_gro
 
 
 def compile_reason(problem: TuneProblem, kernel: Any) -> str | None:
-    """Why a compiled candidate leaves the space: it serializes its wgmmas, or spills (family sm90's forward at head
-    dims up to 128: more than the MODIFIER_SPILL_SLACK bytes the call's rule allows); None to keep it."""
-    if re.search(r"C751[239]", kernel.ptxas_log):
-        return "serializes its wgmmas with the modifiers (ptxas C751x)"
-    forward = problem.pass_ == "fwd"  # the backward's rule allows no spill
+    """Why a compiled candidate leaves the space, as the call's rule would refuse it (kernels.serving.build_fault):
+    it serializes its wgmmas, or spills (family sm90's forward at head dims up to 128: more than the
+    MODIFIER_SPILL_SLACK bytes the rule allows; the backward's rule allows none); None to keep it."""
+    forward = problem.pass_ == "fwd"
     slack = MODIFIER_SPILL_SLACK if forward and problem.family == "sm90" and problem.head_dim <= 128 else 0
-    spilled = kernel.resources.spill_stores if slack else int(kernel.resources.spills)
-    if spilled > slack:
-        return f"spills registers with the modifiers ({spilled} bytes stored, {slack} allowed)"
-    return None
+    return build_fault(kernel, slack)
 
 
 def default_config(problem: TuneProblem) -> KernelConfig | BwdConfig:

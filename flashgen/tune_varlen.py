@@ -106,14 +106,8 @@ class VarlenProblem:
 
 def spill_reason(kernel: Any) -> str | None:
     """Why a compiled candidate is left out of the space: it spills registers or serializes its wgmmas (the
-    features' extra live registers tip some wide tiles over); None to keep it."""
-    import re  # noqa: PLC0415
-
-    if kernel.resources.spills:
-        return "spills registers with the problem's features"
-    if re.search(r"C751[239]", kernel.ptxas_log):
-        return "serializes its wgmmas with the problem's features (ptxas C751x)"
-    return None
+    features' extra live registers tip some wide tiles over; kernels.serving.build_fault); None to keep it."""
+    return serve_kernels.build_fault(kernel)
 
 
 def space(problem: VarlenProblem, compiled: Callable[[KernelConfig], Any] | None = None) -> list[KernelConfig]:

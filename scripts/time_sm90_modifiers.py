@@ -28,10 +28,9 @@ from flashgen.kernels import serving  # noqa: E402
 
 HEADS = 16
 OVERLAP, IN_ORDER = serving.SM90_OVERLAP, serving.SM90_IN_ORDER
-_ONE_TILE = tuple(k for k in IN_ORDER if k[0] != "persistent")  # the schedules without the persistent scheduler
-_TWO_TILES = tuple(k for k in OVERLAP if k[0] != "persistent")
-KNOBS = {"in_order": _ONE_TILE, "overlap": _TWO_TILES, "in_order_persistent": _ONE_TILE + (("persistent", True),),
-         "overlap_persistent": _TWO_TILES + (("persistent", True),)}
+PERSISTENT = (("persistent", True),)
+KNOBS = {"in_order": IN_ORDER, "overlap": OVERLAP, "in_order_persistent": IN_ORDER + PERSISTENT,
+         "overlap_persistent": OVERLAP + PERSISTENT}
 
 
 def forward_schedules(head_dim: int) -> dict[str, tuple]:

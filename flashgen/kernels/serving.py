@@ -528,13 +528,21 @@ def _sm90_modifier_config(head_dim: int, dtype: str, causal: bool, features: tup
     return next((c for c in cfgs[:-1] if _builds_clean(c, slack)), cfgs[-1])
 
 
+def build_fault(kernel: Any, spill_slack: int = 0) -> str | None:
+    """Why a compiled kernel is not taken: ptxas serialized its wgmmas (C7512/C7513/C7519), or it spills (more than
+    `spill_slack` bytes stored where a slack is given, any spill otherwise); None where it builds clean."""
+    if any(code in kernel.ptxas_log for code in ("C7512", "C7513", "C7519")):
+        return "serializes its wgmmas (ptxas C751x)"
+    spilled = kernel.resources.spill_stores if spill_slack else int(kernel.resources.spills)
+    if spilled > spill_slack:
+        return f"spills registers ({spilled} bytes stored, {spill_slack} allowed)"
+    return None
+
+
 @functools.lru_cache(maxsize=256)
 def _builds_clean(cfg: KernelConfig | BwdConfig, spill_slack: int = 0) -> bool:
-    """Whether ptxas builds `cfg` for sm_90a without serializing its wgmmas (C7512/C7513/C7519) and spilling at most
-    `spill_slack` bytes."""
-    kern = compiled_kernel(cfg, target_for("sm90", cfg.family))
-    spilled = kern.resources.spill_stores if spill_slack else int(kern.resources.spills)
-    return spilled <= spill_slack and not any(code in kern.ptxas_log for code in ("C7512", "C7513", "C7519"))
+    """Whether ptxas builds `cfg` for sm_90a clean (build_fault), spilling at most `spill_slack` bytes."""
+    return build_fault(compiled_kernel(cfg, target_for("sm90", cfg.family)), spill_slack) is None
 
 
 # The sm90 family's backward with modifiers, by head dim: (block_m, block_n, num_warps, num_stages, stagger), the first
@@ -713,8 +721,8 @@ def append_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, bl
 
 
 __all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "ServeLaunch", "Sm90Launch",
-           "append_kv", "arch_and_slots", "call_features", "choose_splits", "decode_config", "fire_serve", "fire_sm90",
-           "has_mods", "kernel_sinks", "kvcache_launch", "launch_prefill", "list_slots", "modifier_config",
+           "append_kv", "arch_and_slots", "build_fault", "call_features", "choose_splits", "decode_config", "fire_serve",
+           "fire_sm90", "has_mods", "kernel_sinks", "kvcache_launch", "launch_prefill", "list_slots", "modifier_config",
            "modifier_digests", "modifier_tail", "modifier_values", "run_plan", "serve_config", "serve_grids",
            "serve_launch", "sm90_launch", "sm90_maps", "sm90_modifier_bwd_config", "sm90_modifier_config",
            "SM90_MODIFIER_BWD_SCHEDULES", "SM90_MODIFIER_SCHEDULES", "want_split"]
