@@ -4,11 +4,14 @@
     python scripts/time_configs.py fwd_sm90_d64_bf16_full_bm128_bn128_w12_s2_ov0_pp0_ps@1024,16384 ...
     python scripts/time_configs.py store:sm90_d128_bf16_full_s4096_g1_bt16384_hdt2048@4096 ...   (a tuned entry's kernel)
     python scripts/time_configs.py store:sm90_d64_bf16_full_s4096_g1_bt16384_hdt2048+exp2_fma=1 ...  (one knob changed)
+    python scripts/time_configs.py store:sm90_d128_bf16_full_s4096_g1_bt16384_hdt2048_bwd+s_ahead=true ...  (a backward)
 
 For before/after checks of a template change on chosen configurations: batch = 16384 // seqlen,
 heads = 2048 // head_dim (as in `flashgen bench`), CUDA-event medians after warm-up, inputs
 rotated past L2. A name may carry its own seqlens after `@`. Prints one line per configuration
-and seqlen; a kernel that fails to verify is reported and not timed.
+and seqlen; a kernel that fails to verify is reported and not timed. A backward (a tuned backward entry) is verified
+against float64 gradients and timed alone, all its launches, out and LSE from the default forward; its TFLOP/s count
+2.5x the forward's FLOPs.
 """
 from __future__ import annotations
 
@@ -20,17 +23,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flashgen.bench import flops, time_kernel  # noqa: E402
+from flashgen.bench import flops, time_backward, time_kernel  # noqa: E402
 from flashgen.compile import compile_kernel, target_for  # noqa: E402
-from flashgen.config import KernelConfig  # noqa: E402
+from flashgen.config import BwdConfig, KernelConfig, default_config  # noqa: E402
 from flashgen.store import config_from_entry, read_store  # noqa: E402
-from flashgen.verify import verify  # noqa: E402
+from flashgen.verify import verify, verify_backward  # noqa: E402
 
 _NAME = re.compile(r"fwd_(sm\d+)_d(\d+)_(fp16|bf16|fp8_e4m3)_(full|causal)_bm(\d+)_bn(\d+)_w(\d+)_s(\d+)"
                    r"(?:_ov([01])_pp([01])(_ps)?(_oe)?)?(?:_o(bf16|fp16)(_bq)?(_rs)?)?(_lz)?(_qr)?(_psm)?(_ot)?(_cl)?(_pk)?$")
 
 
-def parse(name: str) -> KernelConfig:
+def parse(name: str) -> KernelConfig | BwdConfig:
     """The KernelConfig a kernel name spells (KernelConfig.name, read back), or store:KEY's (tuned/*.json)."""
     if name.startswith("store:"):
         key = name[len("store:"):]
@@ -53,14 +56,14 @@ def parse(name: str) -> KernelConfig:
     return cfg
 
 
-def with_knobs(spec: str) -> KernelConfig:
+def with_knobs(spec: str) -> KernelConfig | BwdConfig:
     """parse()'s configuration with `+field=value` changes after the name (ints, or true/false)."""
     name, *changes = spec.split("+")
     cfg = parse(name)
     for change in changes:
         field, _, value = change.partition("=")
         if not hasattr(cfg, field):
-            raise SystemExit(f"{spec}: KernelConfig has no field {field}")
+            raise SystemExit(f"{spec}: {type(cfg).__name__} has no field {field}")
         cfg = dataclasses.replace(cfg, **{field: value == "true" if value in ("true", "false") else int(value)})
     return cfg
 
@@ -80,16 +83,23 @@ def main() -> None:
         name, _, seqlens = arg.partition("@")
         cfg = with_knobs(name)
         kern = compile_kernel(cfg, target_for(args.gpu_arch, cfg.family))
+        bwd = isinstance(cfg, BwdConfig)
+        if bwd:  # out and LSE for the backward's inputs
+            fwd_cfg = default_config(cfg.head_dim, cfg.dtype, cfg.causal, "sm80")
+            fwd = compile_kernel(fwd_cfg, target_for(args.gpu_arch, fwd_cfg.family))
         ns = [None] if shape else [int(x) for x in (seqlens or args.seqlen).split(",")]
         for n in ns:
             b, sq, sk, h, hk = shape or (max(1, 16384 // n), n, n, max(1, 2048 // cfg.head_dim), None)
             where = f"shape {b}x{sq}x{sk}x{h}x{hk}" if shape else f"N={n}"
-            vr = verify(kern, min(b, 2), sq, sk, h, hk)
+            vr = verify_backward(kern, fwd, min(b, 2), sq, sk, h, hk) if bwd else verify(kern, min(b, 2), sq, sk, h, hk)
             if not vr.ok:
                 print(f"{name} {where}: VERIFY FAILED {vr.reason}")
                 continue
-            ms = time_kernel(kern, b, sq, sk, h, hk, reps=args.reps)
-            tf = flops(b, h, sq, sk, cfg.head_dim, cfg.causal) / (ms * 1e-3) / 1e12
+            if bwd:
+                ms = time_backward(kern, fwd, b, sq, sk, h, hk, reps=args.reps)
+            else:
+                ms = time_kernel(kern, b, sq, sk, h, hk, reps=args.reps)
+            tf = flops(b, h, sq, sk, cfg.head_dim, cfg.causal) * (2.5 if bwd else 1) / (ms * 1e-3) / 1e12
             print(f"{name} {where} {cfg.name if name != cfg.name else ''}: {ms:.3f} ms {tf:.1f} TFLOP/s "
                   f"(max err {vr.max_err:.2e})", flush=True)
 
