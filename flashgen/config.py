@@ -615,9 +615,9 @@ def space(family: str, head_dim: int, dtype: str, causal: bool, gqa_group: int =
     return out
 
 
-def around(cfg: KernelConfig, cfgs: list[KernelConfig], free: list[str]) -> list[KernelConfig]:
+def around(cfg: KernelConfig | BwdConfig, cfgs: list, free: list[str]) -> list:
     """The configurations of `cfgs` equal to `cfg` but in the `free` fields (a re-tune of a stored tile over a
-    new knob: `tune --around-store`)."""
+    new knob: `tune --around-store`; forward or backward, as `cfg` is)."""
     fixed = [f.name for f in fields(cfg) if f.name not in free]
     return [c for c in cfgs if all(getattr(c, f) == getattr(cfg, f) for f in fixed)]
 
@@ -759,10 +759,6 @@ class BwdConfig(_AsDict):
     # warp of the producer warpgroup adds it to dq_accum by one TMA bulk reduce-add (FlashAttention-3's dQ), instead
     # of the consumers' per-thread vector atomics. Takes BLOCK_M x head_dim fp32 of shared memory (dq_tile_bytes).
     dq_tma: bool = False
-    # sm90 (one consumer warpgroup per 64 keys, two or more stages): S^T = K Q^T of the next Q tile is issued before
-    # this tile's dV and dK products, so that at the next tile dP^T = V dO^T alone runs while the exponentials of P^T
-    # are taken from S^T already in registers (the same gradients, bit for bit).
-    s_ahead: bool = False
     # Programmable attention (dense): the forward's score_mod and mask_mod digests (KernelConfig's; the gradient
     # recomputes the modified score and applies d score_mod / d score), and a block map (the q tiles of each K/V tile
     # for the main kernel, the K/V tiles of each q tile for sm80's _dq: empty pairs skipped, full ones unmasked).
@@ -773,7 +769,7 @@ class BwdConfig(_AsDict):
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
-        for f in ("s_ahead", "score_mod", "mask_mod", "block_map"):  # left out when off: other backwards' dicts as before
+        for f in ("score_mod", "mask_mod", "block_map"):  # left out when off: dicts of other backwards as before
             if not d[f]:
                 del d[f]
         return d
@@ -784,7 +780,6 @@ class BwdConfig(_AsDict):
         _check_choice("causal", self.causal, (False, True))
         _check_choice("deterministic", self.deterministic, (False, True))
         _check_choice("dq_tma", self.dq_tma, (False, True))
-        _check_choice("s_ahead", self.s_ahead, (False, True))
         for f in BWD_FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
         self._check_modifiers()
@@ -797,7 +792,6 @@ class BwdConfig(_AsDict):
         _check_choice("num_stages", self.num_stages, (2,))
         _check_choice("stagger", self.stagger, (False,))
         _check_choice("dq_tma", self.dq_tma, (False,))
-        _check_choice("s_ahead", self.s_ahead, (False,))
         _check_choice("head_dim", self.head_dim, DENSE_HEAD_DIMS)
         if self.head_dim in DENSE_ONLY_HEAD_DIMS and (self.features or self.modified):
             raise ConfigError(f"head_dim={self.head_dim} is built for the dense backward only, without serving "
@@ -850,10 +844,6 @@ class BwdConfig(_AsDict):
             raise ConfigError(
                 f"block_m={self.block_m} with block_n={self.block_n} cannot split dQ = dS K over {self.consumers} "
                 "consumer warpgroup(s): each takes 64 rows of block_m, or 64-column slices of head_dim")
-        if self.s_ahead and (self.kv_split > 1 or self.num_stages < 2):
-            raise ConfigError(f"s_ahead=True needs one consumer warpgroup per 64 keys and two or more stages (the next "
-                              f"Q tile in shared memory while this one is in use), not head_dim={self.head_dim} "
-                              f"(kv_split {self.kv_split}) with num_stages={self.num_stages}")
         limit = ARCHS["sm90"].smem_per_block
         if self.dq_tma and self.smem_bytes > limit:
             raise ConfigError(f"dq_tma=True needs {self.dq_tile_bytes} more bytes of shared memory (the [{self.block_m}, "
@@ -894,7 +884,6 @@ class BwdConfig(_AsDict):
                 f"_w{self.num_warps}")
         name += f"_s{self.num_stages}_st{int(self.stagger)}" if self.family == "sm90" else f"_det{int(self.deterministic)}"
         name += "_dqt" if self.dq_tma else ""
-        name += "_sa" if self.s_ahead else ""
         name += "_det" if self.deterministic and self.family == "sm90" else ""
         name += "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
         name += f"_sm{self.score_mod[:8]}" if self.score_mod else ""
@@ -1022,17 +1011,15 @@ def bwd_space(head_dim: int, dtype: str, causal: bool, deterministic: bool = Fal
               family: str = "sm80") -> list[BwdConfig]:
     """Every valid backward configuration of one family for one problem (arch fit not checked: see unfit_reason)."""
     if family == "sm90":
-        # the later knobs outermost (s_ahead, then dq_tma): the configurations without them keep their order
-        grid = [(bm, bn, 4 * (1 + bn // 64 * sm90_bwd_kv_split(head_dim)), s, st, dqt, sa) for sa in (False, True)
-                for dqt in (False, True) for bm in SM90_BWD_BLOCK_MS for bn in SM90_BWD_BLOCK_NS
-                for s in SM90_BWD_STAGES for st in (False, True)]
+        # dq_tma outermost: the configurations without it keep their order, those with it follow
+        grid = [(bm, bn, 4 * (1 + bn // 64 * sm90_bwd_kv_split(head_dim)), s, st, dqt) for dqt in (False, True)
+                for bm in SM90_BWD_BLOCK_MS for bn in SM90_BWD_BLOCK_NS for s in SM90_BWD_STAGES for st in (False, True)]
     else:
-        grid = [(bm, bn, w, 2, False, False, False) for bm in BWD_BLOCK_MS for bn in BWD_BLOCK_NS for w in BWD_NUM_WARPS]
+        grid = [(bm, bn, w, 2, False, False) for bm in BWD_BLOCK_MS for bn in BWD_BLOCK_NS for w in BWD_NUM_WARPS]
     out = []
-    for bm, bn, w, s, st, dqt, sa in grid:
+    for bm, bn, w, s, st, dqt in grid:
         try:
-            out.append(BwdConfig(head_dim, dtype, causal, bm, bn, w, deterministic, family, s, st, dq_tma=dqt,
-                                 s_ahead=sa))
+            out.append(BwdConfig(head_dim, dtype, causal, bm, bn, w, deterministic, family, s, st, dq_tma=dqt))
         except ConfigError:
             continue
     return out

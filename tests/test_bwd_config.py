@@ -310,48 +310,6 @@ def test_sm90_dq_tma_compiles_without_spills_or_serialized_wgmma():
             assert "UBLKRED.G.S.ADD.F32" in sass and "REDG" not in sass, k.name
 
 
-def test_sm90_s_ahead_rules_name_space_and_render():
-    """s_ahead (the next Q tile's S^T issued before this one's dV and dK) needs one consumer warpgroup per 64 keys
-    and a second stage; it is spelled `_sa` after `_dqt` (other kernels keep their names and dicts); the sm90 space
-    holds it beside every configuration that allows it; rendered, S^T and dP^T go apart and P^T is formed first."""
-    c = BwdConfig(128, "bf16", True, 64, 128, 12, family="sm90", num_stages=2, stagger=True, dq_tma=True)
-    sa = dataclasses.replace(c, s_ahead=True)
-    assert sa.name == c.name + "_sa" and BwdConfig.from_dict(sa.to_dict()) == sa and "s_ahead" not in c.to_dict()
-    assert sa.smem_bytes == c.smem_bytes and sa.unfit_reason("sm90") is None
-    with pytest.raises(ConfigError, match="s_ahead=True needs .* two or more stages"):
-        dataclasses.replace(c, num_stages=1, s_ahead=True)
-    with pytest.raises(ConfigError, match="s_ahead=True needs one consumer warpgroup per 64 keys"):
-        BwdConfig(256, "bf16", True, 64, 64, 12, family="sm90", num_stages=2, s_ahead=True)
-    with pytest.raises(ConfigError, match="s_ahead=True is not allowed"):  # family sm80
-        BwdConfig(64, "bf16", True, 64, 64, 4, s_ahead=True)
-    for hd in SM90_BWD_HEAD_DIMS:
-        assert not default_bwd_config(hd, "bf16", True, "sm90").s_ahead
-        space = bwd_space(hd, "bf16", False, family="sm90")
-        ahead = {x for x in space if x.s_ahead}
-        assert {dataclasses.replace(x, s_ahead=True) for x in space
-                if x.kv_split == 1 and x.num_stages > 1 and not x.s_ahead} == ahead
-        assert bool(ahead) == (hd != 256)
-    src, base = render(sa), render(c)
-    assert "constexpr bool S_AHEAD = true;" in src and "constexpr bool S_AHEAD = false;" in base
-    loop = src[src.index("float acc_dp[BLOCK_M / 2];"):]  # the Q-tile loop with one warpgroup per 64 keys
-    assert loop.index("dp_issue(acc_dp") < loop.index("exp2_approx(") < loop.index("dv_dk(") < loop.index(
-        "s_issue(acc_next")
-    assert "sdp(acc_s, acc_dp" in base  # without it: S^T and dP^T issued together, one softmax pass
-
-
-@pytest.mark.sweep
-def test_sm90_s_ahead_compiles_without_spills_or_serialized_wgmma():
-    """s_ahead on d128's and d32's default tiles, both dtypes and masks, and d64's with 64-row Q tiles: no spills, no
-    wgmma serialized (the next S^T goes to an array of its own, copied over at the tile's end)."""
-    from conftest import compile_sm90a_clean
-
-    cfgs = []
-    for hd, dt, causal in itertools.product((32, 128), HALF_DTYPES, (False, True)):
-        cfgs.append(dataclasses.replace(default_bwd_config(hd, dt, causal, "sm90"), s_ahead=True))
-    cfgs += [BwdConfig(64, "bf16", causal, 64, 64, 8, family="sm90", num_stages=2, s_ahead=True) for causal in (False, True)]
-    compile_sm90a_clean(cfgs)
-
-
 def test_sm90_deterministic_rules_name_defaults_and_render():
     """deterministic in family sm90 orders dq_tma's bulk reduces, so it needs dq_tma; spelled `_det` after `_dqt`
     (the kernels without it keep their names); the same three kernels as without it (sm80's has _dq instead of

@@ -3,6 +3,7 @@ tune/show/export, and the command as a checkout, `python -m flashgen` and an ins
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -177,6 +178,24 @@ def test_around_store_retunes_only_the_free_fields_of_the_stored_configuration(t
                                    "--around-store", "lazy_rescale", "--storage", f"sqlite:///{tmp_path / 'c.db'}"]) == 2
     err = capsys.readouterr().err
     assert "no configuration of the restricted space matches the stored one" in err and "Traceback" not in err
+
+
+def test_around_store_retunes_a_stored_backward_over_its_free_fields(tmp_path, capsys):
+    """--pass bwd: the stored backward tile with num_stages and stagger free (one to three stages, staggered or
+    not, as fit), the rest kept."""
+    common = ["tune", "--pass", "bwd", "--arch", "sm90", "--head-dim", "128", "--causal", "no", "--seqlen", "4096",
+              "--simulate", "--tuned-dir", str(tmp_path / "tuned")]
+    assert cli.main(common + ["--trials", "4", "--storage", f"sqlite:///{tmp_path / 'a.db'}"]) == 0
+    (key, entry), = json.loads((tmp_path / "tuned" / "simulated-gpu-sm90.json").read_text())["entries"].items()
+    capsys.readouterr()
+    assert cli.main(common + ["--around-store", "num_stages,stagger", "--force",
+                              "--storage", f"sqlite:///{tmp_path / 'b.db'}"]) == 0
+    out = capsys.readouterr().out
+    found = re.search(r"exhaustive: all (\d+) fitting configurations", out)
+    assert found and 2 <= int(found.group(1)) <= 6, out
+    new = json.loads((tmp_path / "tuned" / "simulated-gpu-sm90.json").read_text())["entries"][key]["config"]
+    free = ("num_stages", "stagger")
+    assert {k: v for k, v in new.items() if k not in free} == {k: v for k, v in entry["config"].items() if k not in free}
 
 
 def test_around_store_of_a_gqa_problem_starts_from_its_mha_entry(tmp_path, capsys):

@@ -28,9 +28,6 @@ OTHER_SM90 = [(64, 64, 8, 1, True), (64, 64, 8, 2, False), (128, 128, 12, 1, Fal
 # sm90 with dq_tma (dQ through shared memory and a TMA bulk reduce): d32/d64's default tiles, d128's, d256's at one
 # stage (two leave no room for the dQ tile), and one consumer warpgroup at d32-d128.
 DQ_TMA_SM90 = [(128, 128, 12, 2, True), (64, 128, 12, 3, True), (64, 64, 12, 1, False), (64, 64, 8, 2, False)]
-# sm90 with s_ahead (the next Q tile's S^T issued before this one's dV and dK): d128's tile at both ring depths and
-# schedules, one consumer warpgroup, and 128-row Q tiles (d32/d64).
-S_AHEAD_SM90 = [(64, 128, 12, 2, True), (64, 128, 12, 3, False), (64, 64, 8, 2, False), (128, 128, 12, 3, True)]
 DET_PAIRS = [(17, 17), (113, 211), (211, 113), (1023, 1023)]
 # The sm90 deterministic backward (dQ's bulk reduces in n-block order): odd lengths, unequal both ways (the last two
 # with many Q tiles per CTA and many CTAs per Q tile: causal, each CTA's walk down from the last Q tile to a diagonal
@@ -52,9 +49,7 @@ def _others(head_dim: int, dtype: str, causal: bool, arch: str) -> list[BwdConfi
     out = []
     sm90 = ([dict(block_m=bm, block_n=bn, num_warps=w, family="sm90", num_stages=s, stagger=st) for bm, bn, w, s, st in OTHER_SM90]
             + [dict(block_m=bm, block_n=bn, num_warps=w, family="sm90", num_stages=s, stagger=st, dq_tma=True)
-               for bm, bn, w, s, st in DQ_TMA_SM90]
-            + [dict(block_m=bm, block_n=bn, num_warps=w, family="sm90", num_stages=s, stagger=st, s_ahead=True)
-               for bm, bn, w, s, st in S_AHEAD_SM90]) if arch == "sm90" else []
+               for bm, bn, w, s, st in DQ_TMA_SM90]) if arch == "sm90" else []
     for tile in [dict(block_m=bm, block_n=bn, num_warps=w) for bm, bn, w in OTHER_TILES] + sm90:
         try:
             c = BwdConfig(head_dim, dtype, causal, **tile)
@@ -225,34 +220,6 @@ def test_sm90_deterministic_backward_is_bit_identical_and_correct(kernels, head_
     failures += [f"{det.name} sq={sq} sk={sk} gqa: {g} differs between runs" for g in _runs_differ(det, fwd, q, k, v, dout, 4)]
     if failures and all(_d256_precision(f) for f in failures):
         pytest.xfail(D256_PRECISION + "\n".join(failures))
-    assert not failures, "\n".join(failures)
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_s_ahead_gives_the_same_gradients_bit_for_bit(kernels, head_dim, causal):
-    """S^T issued a Q tile ahead changes when the products run, not what they compute: the deterministic backward
-    with and without s_ahead give the same dq, dk and dv bits, at odd and unequal lengths in every head layout."""
-    import dataclasses
-
-    import torch
-
-    from flashgen.kernels.backward import backward
-    from flashgen.kernels.dense import run
-
-    if _arch() != "sm90":
-        pytest.skip("family sm90 runs on Hopper (sm90) only")
-    fwd = kernels[("fwd", head_dim, "bf16", causal)][0]
-    base = default_bwd_config(head_dim, "bf16", causal, "sm90", deterministic=True)
-    pair = [compile_kernel(c, target_for("sm90", "sm90")) for c in (base, dataclasses.replace(base, s_ahead=True))]
-    failures = []
-    for (sq, sk), layout in itertools.product(DET_PAIRS + [(1, 1), (1024, 1024)], LAYOUTS):
-        q, k, v, dout = _inputs(2, sq, sk, *LAYOUTS[layout], head_dim, "bf16")
-        out, lse, _ = run(fwd, q, k, v)
-        got = [backward(b, q, k, v, out, dout, lse, None, *(torch.full_like(t, float("nan")) for t in (q, k, v)))
-               for b in pair]
-        failures += [f"sq={sq} sk={sk} {layout}: {name} differs" for name, a, b in zip(("dq", "dk", "dv"), *got)
-                     if not torch.equal(a, b)]
     assert not failures, "\n".join(failures)
 
 

@@ -107,8 +107,9 @@ def add_parser(sub: Any) -> None:
         t.add_argument(f"--{knob.replace('_', '-')}", choices=("yes", "no"), default=None,
                        help=f"sm90: restrict {knob} to on (any nonzero choice) or off (default: both)")
     t.add_argument("--around-store", type=str_list, default=None, metavar="FIELD,...",
-                   help="forward: each problem's space is its stored configuration with only these fields free (e.g. "
-                        "lazy_rescale after a new knob: a re-tune of the stored tile, not of the whole space); "
+                   help="each problem's space is its stored configuration with only these fields free (e.g. "
+                        "lazy_rescale after a new knob, or dq_tma with --pass bwd: a re-tune of the stored tile, not "
+                        "of the whole space); "
                         "problems without a stored entry keep the whole space")
     t.add_argument("--score-mod", default=None, metavar="FILE.py:FUNC",
                    help="tune the forward (or --pass bwd the backward) with this score_mod(score, b, h, q_idx, "
@@ -164,7 +165,7 @@ def restricted_space(args: argparse.Namespace, head_dim: int, dtype: str, causal
 def around_store(args: argparse.Namespace, problem: Any, space: list, stores: dict) -> tuple:
     """--around-store: the configurations of `space` equal to the problem's stored one but in the free fields.
     `stores` keeps each GPU's store entries, read once for all problems."""
-    if not args.around_store or problem.pass_ != "fwd":
+    if not args.around_store:
         return tuple(space)
     path = store_path(problem.gpu_name, problem.gpu_arch, args.tuned_dir)
     if path not in stores:
@@ -210,7 +211,7 @@ def validate(args: argparse.Namespace) -> None:
         raise CliError("--retime must be 0 (off) or more")
     if args.around_store:
         args.around_store = [f.replace("-", "_") for f in args.around_store]
-        fields = {f.name for f in dataclasses.fields(C.KernelConfig)}
+        fields = {f.name for cls in (C.KernelConfig, C.BwdConfig) for f in dataclasses.fields(cls)}
         check_choices("around-store", args.around_store, tuple(sorted(fields)))
     if args.grace <= args.heartbeat:
         raise CliError(f"--grace {args.grace} must be longer than --heartbeat {args.heartbeat}")
