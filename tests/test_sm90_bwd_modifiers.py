@@ -176,6 +176,26 @@ def test_a_modifier_loading_per_score_takes_the_64_key_tiles_first_at_d64(monkey
                      ("sliding_window", 128): (64, 128)}
 
 
+def test_a_d128_mask_mod_backward_adds_dq_by_the_bulk_reduce(monkeypatch):
+    """At d128 a backward with a block map and no score_mod takes dq_tma (the tuner's winner on three masks), and the
+    same tile without it where dq_tma does not build clean; a score_mod, d64 and deterministic keep their rules."""
+    from flashgen.kernels import serving  # noqa: PLC0415
+
+    monkeypatch.setattr(serving, "_builds_clean", lambda cfg, spill_slack=0: True)
+
+    def rule(name, d=128, det=False):
+        return sm90_modifier_bwd_config(d, "bf16", False, (), det, *digests(name).values())
+
+    for name in ("document", "prefix_lm", "sliding_window"):
+        c = rule(name)
+        assert c.dq_tma and not c.deterministic and (c.block_m, c.block_n, c.num_stages) == (64, 128, 3), c.name
+        assert not rule(name, 64).dq_tma and rule(name, det=True).dq_tma
+    assert not rule("relative_bias").dq_tma and not rule("relative_prefix_lm").dq_tma
+    monkeypatch.setattr(serving, "_builds_clean", lambda cfg, spill_slack=0: not cfg.dq_tma)
+    c = rule("prefix_lm")
+    assert not c.dq_tma and (c.block_m, c.block_n, c.num_stages) == (64, 128, 3)
+
+
 # The brief's examples at d64 and d128: a score_mod over a captured table (relative bias), one with transcendental
 # arithmetic (softcap), a mask over a captured tensor with its block map (document), a causal mask_mod.
 BUILDS = [("relative_bias", False), ("softcap", False), ("document", False), ("causal", True)]

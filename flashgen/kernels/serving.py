@@ -8,6 +8,7 @@ too (serve_config, choose_splits); flashgen.resolve picks a tuned kernel where t
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import struct
 from typing import Any, NamedTuple
@@ -560,24 +561,31 @@ SM90_MODIFIER_BWD_SCHEDULES = {
 # 128 x 128 tiles (which a relative bias or ALiBi spill), while masks of indices alone (prefix LM, a window) ran
 # 1.0-1.8x faster on 128 x 128.
 SM90_MODIFIER_BWD_READS_FIRST = {64: (64, 64, 8, 2, False)}
+# Head dims whose backward with a block map and no score_mod adds dQ by a producer warp's TMA bulk reduce (dq_tma)
+# before trying the consumers' atomics: `tune --pass bwd --arch sm90` on the flex bench's prefix LM, random block-sparse and
+# sliding-window masks (H200, bf16, 16 heads, N 4k and 16k) took the d128 rule's tile with dq_tma at all six points,
+# 1.02-1.09x the rule's kernel alone; through the public call prefix LM's backward ran 1.07-1.09x.
+SM90_MODIFIER_BWD_DQ_TMA = (128,)
 
 
 def sm90_modifier_bwd_config(head_dim: int, dtype: str, causal: bool, features: tuple[str, ...], deterministic: bool,
                              score_mod: str, mask_mod: str, block_map: bool) -> BwdConfig | None:
     """The sm90 family's backward of a dense call with a score_mod, mask_mod or block map (Hopper): the first of
-    SM90_MODIFIER_BWD_SCHEDULES that ptxas builds clean (deterministic: with dq_tma, in as many of its stages as
-    leave room for the dQ tile); None where the family does not build the call (softcap, ALiBi, head dim 256) or
+    SM90_MODIFIER_BWD_SCHEDULES that ptxas builds clean (deterministic, and first with a block map and no score_mod
+    at SM90_MODIFIER_BWD_DQ_TMA's head dims: with dq_tma, in as many of its stages as leave room for the dQ tile); None where the family does not build the call (softcap, ALiBi, head dim 256) or
     no schedule builds clean: the sm80 family's backward then."""
     schedules = SM90_MODIFIER_BWD_SCHEDULES.get(head_dim, ())
     first = SM90_MODIFIER_BWD_READS_FIRST.get(head_dim)
     if first in schedules and _reads_per_score(score_mod, mask_mod):
         schedules = (first, *(s for s in schedules if s != first))
+    tma_first = block_map and not score_mod and head_dim in SM90_MODIFIER_BWD_DQ_TMA
+    dq_tma = (True,) if deterministic else (True, False) if tma_first else (False,)
     configs = []
-    for bm, bn, w, stages, stagger in schedules:
-        for s in range(stages, 0, -1) if deterministic else (stages,):
+    for (bm, bn, w, stages, stagger), tma in itertools.product(schedules, dq_tma):
+        for s in range(stages, 0, -1) if tma else (stages,):
             try:
                 cfg = BwdConfig(head_dim, dtype, causal, bm, bn, w, deterministic, "sm90", s, stagger,
-                                dq_tma=deterministic, **dict.fromkeys(features, True), score_mod=score_mod,
+                                dq_tma=tma, **dict.fromkeys(features, True), score_mod=score_mod,
                                 mask_mod=mask_mod, block_map=block_map)
             except ConfigError:
                 continue
