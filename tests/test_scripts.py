@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flashgen.config import KernelConfig
+from flashgen.config import BwdConfig, KernelConfig
 from flashgen.store import read_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -40,6 +40,20 @@ def test_store_names_read_the_tuned_entry():
     assert time_configs.parse(f"store:{key}").to_dict() == KernelConfig.from_dict(entry["config"]).to_dict()
     with pytest.raises(SystemExit, match="no tuned entry"):
         time_configs.parse("store:no_such_problem")
+
+
+def test_a_stored_backward_reads_back_with_a_knob_changed():
+    """store:KEY of a backward entry is its BwdConfig (timed as a backward), +field=value changes one knob, and a
+    field the configuration lacks is refused by name."""
+    path = Path(__file__).resolve().parent.parent / "tuned" / "nvidia-h200-sm90.json"
+    key, entry = next((k, e) for k, e in read_store(path)["entries"].items()
+                      if k.startswith("sm90_d128_bf16_full") and k.endswith("_bwd"))
+    cfg = time_configs.with_knobs(f"store:{key}")
+    assert isinstance(cfg, BwdConfig) and cfg.to_dict() == BwdConfig.from_dict(entry["config"]).to_dict()
+    on = time_configs.with_knobs(f"store:{key}+dq_tma=true")
+    assert on == dataclasses.replace(cfg, dq_tma=True) and on.name == cfg.name + "_dqt"
+    with pytest.raises(SystemExit, match="BwdConfig has no field overlap"):
+        time_configs.with_knobs(f"store:{key}+overlap=true")
 
 
 CSV = '''"Kernel Name","fwd_x",
