@@ -63,6 +63,22 @@ def gpu_slug(gpu_name: str, arch: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") + f"-{arch}"
 
 
+def verify_cut(batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: int,
+               cap: int) -> tuple[int, int, int, int, int]:
+    """A shape to verify on: batch, then heads, cut (keeping the GQA ratio) until the float64 reference's
+    (batch, heads, seqlen_q, seqlen_k) scores are at most `cap`; the lengths are kept."""
+    b, h, hk = batch, heads, heads_k
+    g = h // hk
+    while b > 1 and b * h * seqlen_q * seqlen_k > cap:
+        b //= 2
+    while hk > 1 and b * h * seqlen_q * seqlen_k > cap:
+        hk //= 2
+        h = hk * g
+    while h > 1 and b * h * seqlen_q * seqlen_k > cap:  # one k/v head left: cut the group instead
+        h //= 2
+    return b, seqlen_q, seqlen_k, h, hk
+
+
 @dataclass(frozen=True)
 class TuneProblem:
     """(GPU, template family, dtype, head_dim, causal, seqlen bucket, GQA group size) plus how it is shaped."""
@@ -130,17 +146,7 @@ class TuneProblem:
         """The timed shape with batch, then heads, cut (keeping the GQA ratio) until the
         float64 reference's (batch, heads, seqlen, seqlen) scores are at most VERIFY_REF_SCORES
         (VERIFY_REF_SCORES_BWD for a backward problem)."""
-        b, s, _, h, hk = self.shape()
-        cap = VERIFY_REF_SCORES_BWD if self.pass_ == "bwd" else VERIFY_REF_SCORES
-        g = h // hk
-        while b > 1 and b * h * s * s > cap:
-            b //= 2
-        while hk > 1 and b * h * s * s > cap:
-            hk //= 2
-            h = hk * g
-        while h > 1 and b * h * s * s > cap:  # one k/v head left: cut the group instead
-            h //= 2
-        return b, s, s, h, hk
+        return verify_cut(*self.shape(), VERIFY_REF_SCORES_BWD if self.pass_ == "bwd" else VERIFY_REF_SCORES)
 
     def default_config(self) -> KernelConfig | BwdConfig:
         if self.pass_ == "bwd":

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flashgen.bench import flops, time_backward, time_kernel  # noqa: E402
 from flashgen.compile import compile_kernel, target_for  # noqa: E402
 from flashgen.config import BwdConfig, KernelConfig, default_config  # noqa: E402
-from flashgen.problem import VERIFY_REF_SCORES_BWD  # noqa: E402
+from flashgen.problem import VERIFY_REF_SCORES_BWD, verify_cut  # noqa: E402
 from flashgen.store import config_from_entry, read_store  # noqa: E402
 from flashgen.verify import verify, verify_backward  # noqa: E402
 
@@ -92,11 +92,8 @@ def main() -> None:
         for n in ns:
             b, sq, sk, h, hk = shape or (max(1, 16384 // n), n, n, max(1, 2048 // cfg.head_dim), None)
             where = f"shape {b}x{sq}x{sk}x{h}x{hk}" if shape else f"N={n}"
-            if bwd:  # float64 autograd keeps several (batch, heads, sq, sk) tensors: heads cut as the tuner cuts them
-                vh = h
-                while vh > 1 and min(b, 2) * vh * sq * sk > VERIFY_REF_SCORES_BWD:
-                    vh //= 2
-                vr = verify_backward(kern, fwd, min(b, 2), sq, sk, vh, hk and max(1, hk * vh // h))
+            if bwd:  # float64 autograd keeps several (batch, heads, sq, sk) tensors: cut as the tuner cuts them
+                vr = verify_backward(kern, fwd, *verify_cut(min(b, 2), sq, sk, h, hk or h, VERIFY_REF_SCORES_BWD))
             else:
                 vr = verify(kern, min(b, 2), sq, sk, h, hk)
             if not vr.ok:

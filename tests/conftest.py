@@ -90,10 +90,11 @@ def compile_grouped(cfgs: list, arch: str, key) -> dict:
 def compile_sm90a_clean(cfgs: list) -> list:
     """Compile sm90-family configurations for sm_90a (two at a time) and assert what every one must show in
     ptxas's report: no spills, no serialized wgmma (C7513: registers an in-flight wgmma reads were
-    redefined; C7511: too few registers for the wgmma pipeline), no wgmma wait ptxas injected (C7517: registers a wgmma may still define were read), the shared
-    memory its config says, and in the SASS (where a disassembler is installed) no wgmma serialized silently: ptxas
-    13.0 fences every wgmma of a kernel with wgmmas in runtime branches (WARPGROUP.ARRIVE 3 -> 80) without C7513
-    (docs/design-notes.md); the stored kernels have at most 3. Returns the compiled kernels."""
+    redefined; C7511: too few registers for the wgmma pipeline), no wgmma wait ptxas injected (C7517: registers a
+    wgmma may still define were read), the shared memory its config says, and in the SASS (where a disassembler is
+    installed) no wgmma serialized silently: ptxas 13.0 fences every wgmma of a kernel with wgmmas in runtime
+    branches (WARPGROUP.ARRIVE 3 -> 80) without C7513 (docs/design-notes.md); the stored kernels have at most 3.
+    Returns the compiled kernels."""
     from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 
     from flashgen.compile import compile_kernel, disassemble, disassembler  # noqa: PLC0415

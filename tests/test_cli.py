@@ -3,8 +3,8 @@ tune/show/export, and the command as a checkout, `python -m flashgen` and an ins
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -195,7 +195,8 @@ def test_around_store_retunes_a_stored_backward_over_its_free_fields(tmp_path, c
     assert found and 2 <= int(found.group(1)) <= 6, out
     new = json.loads((tmp_path / "tuned" / "simulated-gpu-sm90.json").read_text())["entries"][key]["config"]
     free = ("num_stages", "stagger")
-    assert {k: v for k, v in new.items() if k not in free} == {k: v for k, v in entry["config"].items() if k not in free}
+    assert {k: v for k, v in new.items() if k not in free} == {k: v for k, v in entry["config"].items()
+                                                                if k not in free}
 
 
 def test_around_store_of_a_gqa_problem_starts_from_its_mha_entry(tmp_path, capsys):

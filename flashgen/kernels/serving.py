@@ -562,9 +562,9 @@ SM90_MODIFIER_BWD_SCHEDULES = {
 # 1.0-1.8x faster on 128 x 128.
 SM90_MODIFIER_BWD_READS_FIRST = {64: (64, 64, 8, 2, False)}
 # Head dims whose backward with a block map and no score_mod adds dQ by a producer warp's TMA bulk reduce (dq_tma)
-# before trying the consumers' atomics: `tune --pass bwd --arch sm90` on the flex bench's prefix LM, random block-sparse and
-# sliding-window masks (H200, bf16, 16 heads, N 4k and 16k) took the d128 rule's tile with dq_tma at all six points,
-# 1.02-1.09x the rule's kernel alone; through the public call prefix LM's backward ran 1.07-1.09x.
+# before trying the consumers' atomics: `tune --pass bwd --arch sm90` on the flex bench's prefix LM, random
+# block-sparse and sliding-window masks (H200, bf16, 16 heads, N 4k and 16k) took the d128 rule's tile with dq_tma at
+# all six points, 1.02-1.09x the rule's kernel alone; through the public call prefix LM's backward ran 1.07-1.09x.
 SM90_MODIFIER_BWD_DQ_TMA = (128,)
 
 
@@ -572,8 +572,9 @@ def sm90_modifier_bwd_config(head_dim: int, dtype: str, causal: bool, features: 
                              score_mod: str, mask_mod: str, block_map: bool) -> BwdConfig | None:
     """The sm90 family's backward of a dense call with a score_mod, mask_mod or block map (Hopper): the first of
     SM90_MODIFIER_BWD_SCHEDULES that ptxas builds clean (deterministic, and first with a block map and no score_mod
-    at SM90_MODIFIER_BWD_DQ_TMA's head dims: with dq_tma, in as many of its stages as leave room for the dQ tile); None where the family does not build the call (softcap, ALiBi, head dim 256) or
-    no schedule builds clean: the sm80 family's backward then."""
+    at SM90_MODIFIER_BWD_DQ_TMA's head dims: with dq_tma, in as many of its stages as leave room for the dQ tile);
+    None where the family does not build the call (softcap, ALiBi, head dim 256) or no schedule builds clean: the
+    sm80 family's backward then."""
     schedules = SM90_MODIFIER_BWD_SCHEDULES.get(head_dim, ())
     first = SM90_MODIFIER_BWD_READS_FIRST.get(head_dim)
     if first in schedules and _reads_per_score(score_mod, mask_mod):
