@@ -171,6 +171,14 @@ class Modifier:
         return any(node.op == "read" and any(inputs_used(a) & {"q_idx", "kv_idx"} for a in node.args)
                    for node in nodes(self.root))
 
+    @functools.cached_property
+    def split_expr(self) -> str:
+        """`expr` with q_idx and kv_idx split into bases and unrolled offsets, unclamped (emit's `split`), for the sm90
+        forward's tiles that no sequence end cuts; "" where it reads neither index or has no graph (CUDA text)."""
+        if self.root is None or not inputs_used(self.root) & set(SPLIT_INPUTS):
+            return ""
+        return emit(self.root, self.captured, split=True)
+
     @property
     def params(self) -> str:
         """The kernel parameters of every captured tensor (empty when none)."""
@@ -805,9 +813,56 @@ def _positive_constant(node: Node) -> bool:
     return node.op == "const" and node.value > 0
 
 
-def emit(root: Node, captured: tuple[Captured, ...] = (), narrow: bool = False) -> str:
+# split: a tile's row and key as a runtime base plus an offset the unrolled loop knows (q_idx = qb + qo, kv_idx = kb +
+# ko); an index's float from a base within SPLIT_BASE_LIMIT of zero plus a constant is exact (the kernel takes the split
+# expression only where its lengths are below SPLIT_LENGTH_LIMIT).
+SPLIT_INPUTS = {"q_idx": ("qb", "qo"), "kv_idx": ("kb", "ko")}
+SPLIT_LENGTH_LIMIT = 2**22
+SPLIT_CONSTANT_LIMIT = 2**22
+
+
+def _index_affine(node: Node) -> tuple[int, int, int] | None:
+    """(a, b, c) where the int node is exactly a * q_idx + b * kv_idx + c with a, b in {-1, 0, 1} and |c| below
+    SPLIT_CONSTANT_LIMIT (then |value| < 3 * 2^22 for lengths below SPLIT_LENGTH_LIMIT: exact in a float); else None."""
+    if node.type != "int":
+        return None
+    op, args = node.op, node.args
+    out: tuple[int, int, int] | None = None
+    if op == "const" and not isinstance(node.value, bool):
+        out = (0, 0, int(node.value))
+    elif op == "input":
+        out = {"q_idx": (1, 0, 0), "kv_idx": (0, 1, 0)}.get(node.value)
+    elif op in ("add", "sub") and all(a.type == "int" for a in args):
+        x, y = _index_affine(args[0]), _index_affine(args[1])
+        if x is not None and y is not None:
+            sign = 1 if op == "add" else -1
+            out = (x[0] + sign * y[0], x[1] + sign * y[1], x[2] + sign * y[2])
+    elif op == "neg":
+        x = _index_affine(args[0])
+        out = None if x is None else (-x[0], -x[1], -x[2])
+    elif op == "to_int":
+        out = _index_affine(args[0])
+    if out is None or abs(out[0]) > 1 or abs(out[1]) > 1 or abs(out[2]) >= SPLIT_CONSTANT_LIMIT:
+        return None
+    return out
+
+
+def _split_float(a: int, b: int, c: int) -> str:
+    """float(a * q_idx + b * kv_idx + c) as the float of its runtime part plus that of its unrolled offset."""
+    def terms(q: str, kv: str, const: int) -> str:
+        signed = sorted(((k, name) for k, name in ((a, q), (b, kv), (const, str(abs(const)))) if k),
+                        key=lambda t: t[0] < 0)  # positive terms first
+        text = " ".join(f"{'-' if k < 0 else '+'} {name}" for k, name in signed)
+        return "0" if not text else text[2:] if text.startswith("+ ") else f"0 {text}"
+    return f"(static_cast<float>({terms('qb', 'kb', c)}) + static_cast<float>({terms('qo', 'ko', 0)}))"
+
+
+def emit(root: Node, captured: tuple[Captured, ...] = (), narrow: bool = False, split: bool = False) -> str:
     """The CUDA expression of the graph, fully parenthesized; `narrow`: reads of captured tensors whose layout
-    allows it at 32-bit offsets (Captured.layout), else all offsets in 64 bits."""
+    allows it at 32-bit offsets (Captured.layout), else all offsets in 64 bits. `split`: q_idx and kv_idx as bases
+    and unrolled offsets (SPLIT_INPUTS), unclamped: reads at 64-bit offsets whose unit strides are not multiplied, so
+    the compiler folds each score's offset into its load, and the float of an index difference (ALiBi's kv_idx - q_idx)
+    one conversion per row (_split_float)."""
     memo: dict[tuple[Node, str, bool], str] = {}
 
     def as_type(node: Node, t: str, wide: bool = False) -> str:
@@ -818,6 +873,8 @@ def emit(root: Node, captured: tuple[Captured, ...] = (), narrow: bool = False) 
             v = node.value
             text = (_float_literal(float(v)) if t == "float" else _int_literal(int(v)) if t == "int"
                     else ("true" if v else "false"))
+        elif split and t == "float" and node.type == "int" and (affine := _index_affine(node)) and affine[:2] != (0, 0):
+            text = _split_float(*affine)
         else:
             text = raw(node, wide)
             if node.type != t:
@@ -847,10 +904,18 @@ def emit(root: Node, captured: tuple[Captured, ...] = (), narrow: bool = False) 
     def raw(node: Node, wide: bool) -> str:
         op, args = node.op, node.args
         if op == "input":  # inside a captured read's index, all arithmetic is 64-bit
+            if split and node.value in SPLIT_INPUTS:
+                base, off = SPLIT_INPUTS[node.value]
+                return f"(static_cast<long long>({base}) + {off})" if wide else f"({base} + {off})"
             return f"static_cast<long long>({node.value})" if wide and node.type == "int" else node.value
         if op == "read":
             c = captured[node.value]
-            if narrow and c.layout:  # every element below 2^31: the offset modulo 2^32 is the offset
+            if split:  # 64-bit, unit strides unmultiplied: a score's unrolled offset becomes the load's immediate
+                classes = c.layout or "s" * len(args)
+                offset = " + ".join(as_type(a, "int", True) if cls == "1" else
+                                    f"{as_type(a, 'int', True)} * {c.arg}_s{k}"
+                                    for k, (a, cls) in enumerate(zip(args, classes)) if cls != "0") or "0LL"
+            elif narrow and c.layout:  # every element below 2^31: the offset modulo 2^32 is the offset
                 offset = " + ".join(ring(a) if cls == "1" else f"{ring(a)} * static_cast<unsigned>({c.arg}_s{k})"
                                     for k, (a, cls) in enumerate(zip(args, c.layout)) if cls != "0") or "0u"
             else:

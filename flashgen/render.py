@@ -8,7 +8,7 @@ import jinja2
 from . import abi
 from .__version__ import __version__
 from .config import BWD_ROW_WARPS, COMBINE_WARPS, MAX_SPLITS, SM90_REGS, SM90_REGS_FP8, BwdConfig, KernelConfig
-from .modifiers import MAX_CAPTURED, MAX_RANK, Modifier, ModifierError, lookup
+from .modifiers import MAX_CAPTURED, MAX_RANK, SPLIT_LENGTH_LIMIT, Modifier, ModifierError, lookup
 from .paths import templates_dir
 
 # dtype -> (C++ element type, its 2-vector, the float2 packer, the PTX mma type)
@@ -50,7 +50,7 @@ def render(cfg: KernelConfig | BwdConfig) -> str:
         params_t=("Sm90Fp8FwdParams" if cfg.fp8 else "Sm90ServeModFwdParams" if cfg.modified
                   else "Sm90ServeFwdParams" if cfg.serving else "Sm90FwdParams"),
         producer_regs=producer_regs, consumer_regs=consumer_regs, combine_warps=COMBINE_WARPS, max_splits=MAX_SPLITS,
-        score_mod=score_mod, mask_mod=mask_mod, captured=captured,
+        score_mod=score_mod, mask_mod=mask_mod, captured=captured, split_length_limit=SPLIT_LENGTH_LIMIT,
     )
 
 

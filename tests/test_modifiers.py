@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 
 from flashgen import compile as fcompile  # noqa: E402
 from flashgen.render import template_env  # noqa: E402
-from flashgen.modifiers import (Captured, Modifier, ModifierError, index_layout, trace_mask_mod,  # noqa: E402
-                                trace_score_mod)
+from flashgen.modifiers import (Captured, Modifier, ModifierError, index_layout, inputs_used,  # noqa: E402
+                                trace_mask_mod, trace_score_mod)
 
 N = 96  # sequence length of the grids
 HEADS, BATCH = 4, 2
@@ -190,6 +190,11 @@ def test_a_captured_tensors_offsets_are_32_bit_only_below_2_to_the_31():
     c = small.captured[0]
     assert c.fits(REL) and c.fits(torch.randn_like(REL)) and not c.fits(REL.t().contiguous().t())
     assert c.fits(edge) and not c.fits(wide_table) and wide.captured[0].fits(REL)
+
+
+def linear_distance(score, b, h, q_idx, kv_idx):
+    """Index arithmetic turned into floats: a constant and both signs (the split form's one conversion per row)."""
+    return score - 0.125 * (q_idx - kv_idx - 7) + (kv_idx + 3).float() * SLOPES[h] - (-q_idx) * 0.5
 
 
 def overflowing(score, b, h, q_idx, kv_idx):
@@ -431,7 +436,8 @@ int main() {{
     for (int i = 0; i < {n}; ++i) {{
         const float score = scores[i];
         const int b = bs[i], h = hs[i], q_idx = qs[i], kv_idx = kvs[i];
-        (void)score; (void)b; (void)h; (void)q_idx; (void)kv_idx;
+        const int qo = ((q_idx % 16) + 16) % 16, qb = q_idx - qo, ko = ((kv_idx % 37) + 37) % 37, kb = kv_idx - ko;
+        (void)score; (void)b; (void)h; (void)q_idx; (void)kv_idx; (void)qb; (void)qo; (void)kb; (void)ko;
         std::printf("%.9g\\n", static_cast<double>({value}));
     }}
 }}
@@ -443,12 +449,13 @@ def c_list(values) -> str:
 
 
 @pytest.mark.parametrize("fn", [document, block_sparse, prefix_per_batch, floors, alibi, softcap, relative_bias,
-                                leaky, masked_score, overflowing], ids=lambda f: f.__name__)
-@pytest.mark.parametrize("narrow", [False, True], ids=["64-bit offsets", "32-bit offsets"])
-def test_emitted_cuda_text_computes_what_the_graph_does(fn, narrow, tmp_path):
+                                leaky, masked_score, overflowing, linear_distance], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("form", ["expr", "narrow", "split"], ids=["64-bit offsets", "32-bit offsets", "split indices"])
+def test_emitted_cuda_text_computes_what_the_graph_does(fn, form, tmp_path):
     """The CUDA text, built as host C++ (float32 and integer tensors only), gives evaluate()'s numbers: floor
     division and remainder on negative operands, the casts and the precedence as written; with 32-bit offsets
-    (narrow_expr) too, products past 2^32 included (overflowing)."""
+    (narrow_expr) too, products past 2^32 included (overflowing); and with q_idx and kv_idx split into a base and an
+    offset (split_expr), bit for bit what `expr` gives."""
     import shutil
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
@@ -463,14 +470,39 @@ def test_emitted_cuda_text_computes_what_the_graph_does(fn, narrow, tmp_path):
                      for c, t in zip(m.captured, m.tensors))
     for c, t in zip(m.captured, m.tensors):
         assert t.is_contiguous() and c.dtype in ("float32", "int32", "int64", "bool")
-    source = HOST.format(arrays=arrays, scores=c_list(score.tolist()), bs=c_list(b.tolist()), hs=c_list(h.tolist()),
-                         qs=c_list(q.tolist()), kvs=c_list(kv.tolist()), n=len(score),
-                         value=(m.narrow_expr or m.expr) if narrow else m.expr)
-    (tmp_path / "host.cpp").write_text(source)
-    build = subprocess.run([cxx, "-O1", "-o", str(tmp_path / "host"), str(tmp_path / "host.cpp")],
-                           capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr + source
-    run = subprocess.run([str(tmp_path / "host")], capture_output=True, text=True, timeout=60, check=True)
-    got = torch.tensor([float(x) for x in run.stdout.split()])
+
+    def host_values(value: str) -> list[str]:
+        source = HOST.format(arrays=arrays, scores=c_list(score.tolist()), bs=c_list(b.tolist()),
+                             hs=c_list(h.tolist()), qs=c_list(q.tolist()), kvs=c_list(kv.tolist()), n=len(score),
+                             value=value)
+        (tmp_path / "host.cpp").write_text(source)
+        build = subprocess.run([cxx, "-O1", "-o", str(tmp_path / "host"), str(tmp_path / "host.cpp")],
+                               capture_output=True, text=True, timeout=300)
+        assert build.returncode == 0, build.stderr + source
+        return subprocess.run([str(tmp_path / "host")], capture_output=True, text=True, timeout=60,
+                              check=True).stdout.split()
+
+    if form == "split":
+        if not m.split_expr:
+            assert not inputs_used(m.root) & {"q_idx", "kv_idx"}
+            return
+        assert host_values(m.split_expr) == host_values(m.expr)
+        return
+    got = torch.tensor([float(x) for x in host_values((m.narrow_expr or m.expr) if form == "narrow" else m.expr)])
     expected = (m.evaluate(score, b, h, q, kv) if m.kind == "score" else m.evaluate(b, h, q, kv)).float()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_split_form_converts_an_index_difference_once_per_row():
+    """split_expr: ALiBi's kv_idx - q_idx becomes the float of the bases' difference plus that of the unrolled
+    offsets (no per-score conversion of the whole index, no clamp), reads index by base + offset, and a modifier
+    reading neither index has no split form."""
+    m = trace_score_mod(alibi)
+    assert "(static_cast<float>(kb - qb) + static_cast<float>(ko - qo))" in m.split_expr
+    assert "q_idx" not in m.split_expr and "kv_idx" not in m.split_expr
+    rel = trace_score_mod(relative_bias)
+    assert "(static_cast<long long>(qb) + qo)" in rel.split_expr
+    assert "(static_cast<long long>(kb) + ko)" in rel.split_expr
+    assert trace_score_mod(softcap).split_expr == ""
+    d = trace_score_mod(linear_distance)
+    assert "static_cast<float>(qb - kb - 7)" in d.split_expr and "static_cast<float>(kb + 3)" in d.split_expr
