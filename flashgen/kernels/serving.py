@@ -471,7 +471,8 @@ def modifier_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: st
 # serialized wgmma and within MODIFIER_SPILL_SLACK taken (the last unchecked). Two consumer warpgroups of 64 rows.
 # FlashAttention-3's schedule first (S of the next tile beside this one's P V, the warpgroups taking turns, O rescaled
 # lazily), then the in-order one, which needs fewer registers; a table read per score beside a mask (FlexAttention's
-# heavier examples) spills at 128 keys. Lazy rescaling (H200, d128, bf16, 4k / 16k): softcap 342 -> 391 / 353 -> 403
+# heavier examples) spills 8 bytes at 128 keys (more before the uncut tiles' split form, which shares each row's reads).
+# Lazy rescaling (H200, d128, bf16, 4k / 16k): softcap 342 -> 391 / 353 -> 403
 # TFLOP/s, ALiBi with its causal mask_mod 388 -> 426 / 467 -> 482 (from the in-order schedule, which it had at 128 keys
 # before). Not persistent: `tune --arch sm90` of the flex examples (H200, d128, 4k / 16k, the kernel alone; ms over
 # the best of the space) put the persistent scheduler ahead for document ids (in order: 1.046 / 1.012 -> 1.000 /
@@ -489,7 +490,7 @@ SM90_MODIFIER_SCHEDULES = {
 # Spill stores (bytes) a forward schedule with modifiers may have and still be taken, at head dims up to 128 (where it
 # was measured): the overlapped schedule's few spilled bytes (8-52 at d128) cost less than the in-order schedule they
 # displace (H200, d128, 4k: ALiBi with its causal mask_mod, 52 bytes, 426 against 388 TFLOP/s; a relative-bias table
-# at 128 keys, 8 bytes, 395 against 380 at 64).
+# at 128 keys, 8 bytes, 395 against 380 at 64; measured before the split form, with which ALiBi spills none).
 MODIFIER_SPILL_SLACK = 64
 SM90_MODIFIER_FEATURES = ("window", "sinks")  # what an sm90 modifier kernel also builds (dense: no varlen)
 
