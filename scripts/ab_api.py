@@ -3,11 +3,15 @@ checkouts, alternated round by round on one GPU.
 
     mkdir .ab-base && git archive REV | tar -x -C .ab-base
     python scripts/ab_api.py base=.ab-base new=. [--rounds 3] [--points 128:4096:1,...]
+    python scripts/ab_api.py base=.ab-base new=. --flex alibi,document [--seqlen 4096,16384] [--pass bwd] [--arch sm80]
 
 Each round runs every checkout in its own process (its own `flashgen` package, the same kernel cache), times
 each point as CUDA events around loops of calls issued back to back over input sets larger than L2, and keeps
 the median loop. The checkouts' order turns from round to round, so that neither always runs first. The table
-gives the best round per point and checkout, and each checkout's ratio to the first.
+gives the best round per point and checkout, and each checkout's ratio to the first. --flex: FlexAttention's
+examples of `bench --kind flex` instead (d128, 16 heads, bf16, their score_mod / mask_mod through
+`flashgen.attention`, TFLOP/s over the pairs each mask keeps; --pass bwd: autograd's backward alone, 2.5x the
+forward's FLOPs); the table then also says whether every checkout's output (its sum of |values|) agrees.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 BATCH_TOKENS, HEADS_DIM = 16384, 2048  # batch * seqlen and heads * head_dim of every point
 DEFAULT_POINTS = "64:4096:0,128:1024:0,128:4096:1,128:16384:0,256:4096:1,256:16384:1"
@@ -56,6 +61,38 @@ def worker(points: list[tuple[int, int, bool]], calls: int, loops: int) -> dict[
     return out
 
 
+def flex_worker(names: tuple[str, ...], seqlens: list[int], backward: bool, arch: str, calls: int,
+                loops: int) -> dict[str, list[float]]:
+    """[TFLOP/s, sum of |output|] of each FlexAttention example through flashgen.attention in this checkout."""
+    import torch  # noqa: PLC0415  (the GPU side only)
+
+    import flashgen  # noqa: PLC0415  (the checkout on sys.path, chosen by the caller)
+    from flashgen.bench_flex import cases, kept_pairs  # noqa: PLC0415  (the same checkout's)
+    from flashgen.compare import back_to_back_ms  # noqa: PLC0415
+
+    out = {}
+    for n in seqlens:
+        batch, heads, head_dim = max(1, BATCH_TOKENS // n), 16, 128
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(batch, n, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen,
+                               requires_grad=backward) for _ in range(3))
+        dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for case in cases(n, batch, heads, q.device, names=names):
+            def call(_i: int, case=case) -> Any:
+                return flashgen.attention(q, k, v, score_mod=case.score_mod, mask_mod=case.mask_mod, arch=arch)
+            result = call(0)
+            fn = call
+            if backward:
+                def fn(_i: int, held: Any = result) -> Any:  # the backward alone, of one forward's graph
+                    return torch.autograd.grad(held, (q, k, v), dout, retain_graph=True)
+                result = torch.stack([g.float().abs().sum() for g in fn(0)])
+            fwd_flops = 4 * head_dim * heads * kept_pairs(case, batch, n, q.device)
+            ms = back_to_back_ms(fn, calls, 1, loops)
+            out[f"{case.name} N{n} {'bwd' if backward else 'fwd'}"] = [
+                (2.5 if backward else 1.0) * fwd_flops / ms / 1e9, float(result.detach().float().abs().sum())]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("revs", nargs="*", help="LABEL=DIR of each checkout, the first is the reference")
@@ -63,30 +100,44 @@ def main() -> None:
     ap.add_argument("--points", default=DEFAULT_POINTS)
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--loops", type=int, default=7)
+    ap.add_argument("--flex", help="FlexAttention examples (bench --kind flex's cases, comma-separated) instead")
+    ap.add_argument("--seqlen", default="4096,16384", help="--flex: sequence lengths")
+    ap.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="fwd", help="--flex: which pass")
+    ap.add_argument("--arch", default="sm90", help="--flex: the template family flashgen.attention takes")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     points = parse_points(args.points)
     if args.worker:
         sys.path.insert(0, str(args.worker.resolve()))
-        print(json.dumps(worker(points, args.calls, args.loops)))
+        if args.flex:
+            got = flex_worker(tuple(args.flex.split(",")), [int(n) for n in args.seqlen.split(",")],
+                              args.pass_ == "bwd", args.arch, args.calls, args.loops)
+        else:
+            got = {key: [tf, float("nan")] for key, tf in worker(points, args.calls, args.loops).items()}
+        print(json.dumps(got))
         return
     revs = [r.split("=", 1) for r in args.revs]
     best: dict[str, dict[str, float]] = {label: {} for label, _ in revs}
+    sums: dict[str, set[float]] = {}
+    options = ["--points", args.points, "--calls", str(args.calls), "--loops", str(args.loops)]
+    if args.flex:
+        options += ["--flex", args.flex, "--seqlen", args.seqlen, "--pass", args.pass_, "--arch", args.arch]
     for rnd in range(args.rounds):
         # The order turns every round: on the H200 the first process of a round ran the longest point (d256
         # N16384 causal) about 3% faster than the second, whichever checkout it was.
         for label, path in revs[rnd % len(revs):] + revs[:rnd % len(revs)]:
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(  # the checkout first, then what the caller had
                 [str(Path(path).resolve()), *filter(None, [os.environ.get("PYTHONPATH")])]))
-            res = subprocess.run([sys.executable, __file__, "--worker", path, "--points", args.points,
-                                  "--calls", str(args.calls), "--loops", str(args.loops)],
+            res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", path, *options],
                                  capture_output=True, text=True, env=env, cwd=path)
             if res.returncode:
                 raise SystemExit(f"{label} failed:\n{res.stderr[-3000:]}")
             got = json.loads(res.stdout.strip().splitlines()[-1])
-            for key, tf in got.items():
+            for key, (tf, total) in got.items():
                 print(f"round {rnd + 1} {label:>8} {key:<18} {tf:7.1f} TFLOP/s", flush=True)
                 best[label][key] = max(best[label].get(key, 0.0), tf)
+                if total == total:  # NaN: not recorded
+                    sums.setdefault(key, set()).add(total)
     first = revs[0][0]
     print(f"\nbest of {args.rounds} rounds, TFLOP/s through flashgen.attention, back to back (ratio to {first})")
     print(f"{'point':<18}" + "".join(f"{label:>18}" for label, _ in revs))
@@ -94,7 +145,8 @@ def main() -> None:
         cells = [f"{best[label][key]:7.1f}" + ("" if label == first else
                                                 f" ({best[label][key] / best[first][key]:.3f})")
                  for label, _ in revs]
-        print(f"{key:<18}" + "".join(f"{c:>18}" for c in cells))
+        agree = "" if key not in sums else "  outputs agree" if len(sums[key]) == 1 else "  OUTPUTS DIFFER"
+        print(f"{key:<18}" + "".join(f"{c:>18}" for c in cells) + agree)
 
 
 if __name__ == "__main__":

@@ -233,3 +233,36 @@ def test_deterministic_timing_compares_the_same_tiles_with_and_without_the_order
     assert list(c) == ["default", "dq_tma", "det sm90", "det sm80"]
     assert c["det sm90"].deterministic and c["det sm90"].family == "sm90" and c["det sm80"].family == "sm80"
     assert c["dq_tma"] == dataclasses.replace(c["det sm90"], deterministic=False) and c["dq_tma"].dq_tma
+
+
+def test_ab_api_alternates_checkouts_and_says_whether_their_outputs_agree(monkeypatch, capsys, tmp_path):
+    """ab_api.py --flex: each round runs every checkout's worker (the order turning), keeps each point's best round,
+    and marks a point whose checkouts' outputs differ; the workers' figures here are canned."""
+    import json
+    import os
+    import subprocess
+
+    import ab_api
+
+    base, new = tmp_path / "base", tmp_path / "new"
+    base.mkdir(), new.mkdir()
+    runs = []
+
+    def fake_run(cmd, **kw):
+        path = Path(cmd[cmd.index("--worker") + 1])
+        runs.append(path.name)
+        assert cmd[cmd.index("--flex") + 1] == "alibi,document" and cmd[cmd.index("--pass") + 1] == "bwd"
+        assert kw["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(path.resolve()) and kw["cwd"] == str(path)
+        tf = {"base": 100.0, "new": 110.0}[path.name] + len(runs)
+        out = {"alibi N4096 bwd": [tf, 5.0], "document N4096 bwd": [tf, 7.0 if path.name == "base" else 7.5]}
+        return subprocess.CompletedProcess(cmd, 0, json.dumps(out) + "\n", "")
+
+    monkeypatch.setattr(ab_api.subprocess, "run", fake_run)
+    monkeypatch.setattr(sys, "argv", ["ab_api.py", f"base={base}", f"new={new}", "--flex", "alibi,document",
+                                      "--seqlen", "4096", "--pass", "bwd", "--rounds", "2"])
+    ab_api.main()
+    assert runs == ["base", "new", "new", "base"]
+    table = capsys.readouterr().out.split("best of 2 rounds")[1]
+    alibi = next(line for line in table.splitlines() if line.startswith("alibi"))
+    assert "104.0" in alibi and "113.0 (1.087)" in alibi and "outputs agree" in alibi
+    assert "OUTPUTS DIFFER" in next(line for line in table.splitlines() if line.startswith("document"))
