@@ -81,10 +81,11 @@ def flex_worker(names: tuple[str, ...], seqlens: list[int], backward: bool, arch
             def call(_i: int, case=case) -> Any:
                 return flashgen.attention(q, k, v, score_mod=case.score_mod, mask_mod=case.mask_mod, arch=arch)
             result = call(0)
-            fn = call
+
+            def backward_of(_i: int, held: Any = result) -> Any:  # the backward alone, of one forward's graph
+                return torch.autograd.grad(held, (q, k, v), dout, retain_graph=True)
+            fn = backward_of if backward else call
             if backward:
-                def fn(_i: int, held: Any = result) -> Any:  # the backward alone, of one forward's graph
-                    return torch.autograd.grad(held, (q, k, v), dout, retain_graph=True)
                 result = torch.stack([g.float().abs().sum() for g in fn(0)])
             fwd_flops = 4 * head_dim * heads * kept_pairs(case, batch, n, q.device)
             ms = back_to_back_ms(fn, calls, 1, loops)
