@@ -506,3 +506,19 @@ def test_split_form_converts_an_index_difference_once_per_row():
     assert trace_score_mod(softcap).split_expr == ""
     d = trace_score_mod(linear_distance)
     assert "static_cast<float>(qb - kb - 7)" in d.split_expr and "static_cast<float>(kb + 3)" in d.split_expr
+
+
+def test_split_form_keeps_the_whole_conversion_where_the_index_is_not_a_unit_sum():
+    """Only a ±1 combination of q_idx and kv_idx plus a small constant splits its float (exact below 2^24 for
+    lengths below SPLIT_LENGTH_LIMIT); a scaled index, a large constant or a read index converts whole."""
+    from flashgen.modifiers import SPLIT_CONSTANT_LIMIT, _index_affine, nodes
+
+    def conv(fn):
+        return trace_score_mod(fn).split_expr
+
+    assert "static_cast<float>(kb + 5 - qb)" in conv(lambda s, b, h, q, kv: s + (kv - q + 5).float())
+    twice = conv(lambda s, b, h, q, kv: s + (2 * kv - q).float())
+    assert "static_cast<float>(kb" not in twice and "static_cast<float>((" in twice
+    far = conv(lambda s, b, h, q, kv: s + (kv + SPLIT_CONSTANT_LIMIT).float())
+    assert "static_cast<float>(kb" not in far
+    assert all(_index_affine(n) is None for n in nodes(trace_score_mod(relative_bias).root) if n.op == "read")
