@@ -173,8 +173,9 @@ class Modifier:
 
     @functools.cached_property
     def split_expr(self) -> str:
-        """`expr` with q_idx and kv_idx split into bases and unrolled offsets, unclamped (emit's `split`), for the sm90
-        forward's tiles that no sequence end cuts; "" where it reads neither index or has no graph (CUDA text)."""
+        """`expr` with q_idx and kv_idx split into bases and unrolled offsets, unclamped (emit's `split`), for the
+        forward's tiles that no sequence end cuts (the sm90 family's, and the sm80 family's dense kernels); "" where it
+        reads neither index or has no graph (CUDA text)."""
         if self.root is None or not inputs_used(self.root) & set(SPLIT_INPUTS):
             return ""
         return emit(self.root, self.captured, split=True)
@@ -814,8 +815,8 @@ def _positive_constant(node: Node) -> bool:
 
 
 # split: a tile's row and key as a runtime base plus an offset the unrolled loop knows (q_idx = qb + qo, kv_idx = kb +
-# ko); an index's float from a base within SPLIT_BASE_LIMIT of zero plus a constant is exact (the kernel takes the split
-# expression only where its lengths are below SPLIT_LENGTH_LIMIT).
+# ko); an index's float as the float of its base part plus that of a constant is exact while both stay below 2^24 (the
+# kernel takes the split expression only where its lengths are below SPLIT_LENGTH_LIMIT; _index_affine bounds the rest).
 SPLIT_INPUTS = {"q_idx": ("qb", "qo"), "kv_idx": ("kb", "ko")}
 SPLIT_LENGTH_LIMIT = 2**22
 SPLIT_CONSTANT_LIMIT = 2**22
