@@ -171,6 +171,25 @@ class Modifier:
         return any(node.op == "read" and any(inputs_used(a) & {"q_idx", "kv_idx"} for a in node.args)
                    for node in nodes(self.root))
 
+    def constant_on_tiles(self, block_m: int, block_n: int) -> bool:
+        """Whether its value is the same for every score of an aligned tile of block_m rows x block_n keys: q_idx and
+        kv_idx appear only as `q_idx // c` with c a multiple of block_m and `kv_idx // c` with c a multiple of block_n
+        (a block-sparse table read by tile). A block map at such tiles then has no partial tile: the kernel never
+        evaluates it. False without a graph."""
+        if self.root is None:
+            return False
+        steps = {"q_idx": block_m, "kv_idx": block_n}
+
+        def constant(node: Node) -> bool:
+            if node.op == "input":
+                return node.value not in steps
+            if (node.op == "floordiv" and node.args[0].op == "input" and node.args[0].value in steps
+                    and node.args[1].op == "const" and node.args[1].value > 0):
+                return node.args[1].value % steps[node.args[0].value] == 0
+            return all(constant(a) for a in node.args)
+
+        return constant(self.root)
+
     @functools.cached_property
     def split_expr(self) -> str:
         """`expr` with q_idx and kv_idx split into bases and unrolled offsets, unclamped (emit's `split`), for the

@@ -382,6 +382,21 @@ def test_reads_per_score():
     assert Modifier.from_cuda("score", "score").reads_per_score is False
 
 
+def test_constant_on_tiles():
+    """A mask that reads its indices only divided by multiples of the tile (a block-sparse table) is the same on
+    every score of an aligned tile; one that reads an index otherwise is not."""
+    table = torch.zeros(4, 4, dtype=torch.bool)
+    by_tile = trace_mask_mod(lambda b, h, q_idx, kv_idx: table[q_idx // 256, kv_idx // 128] & (b >= 0))
+    assert by_tile.constant_on_tiles(128, 128) and by_tile.constant_on_tiles(256, 64)
+    assert not by_tile.constant_on_tiles(128, 256) and not by_tile.constant_on_tiles(512, 64)
+    for fn in (lambda b, h, q_idx, kv_idx: table[q_idx // 128, (kv_idx + 1) // 128],
+               lambda b, h, q_idx, kv_idx: table[q_idx // 128, kv_idx // 128] & (q_idx >= kv_idx),
+               lambda b, h, q_idx, kv_idx: table[q_idx % 4, kv_idx // 128]):
+        assert not trace_mask_mod(fn).constant_on_tiles(128, 128)
+    assert not trace_mask_mod(document).constant_on_tiles(128, 128)
+    assert Modifier.from_cuda("true", "mask").constant_on_tiles(128, 128) is False  # no graph: not known
+
+
 def test_emitted_expressions_compile_for_sm90a(tmp_path):
     """The CUDA text of several modifiers (masks, score mods and their derivatives) builds with nvcc."""
     try:

@@ -13,7 +13,7 @@ from flashgen.checks import Mods
 from flashgen.config import ConfigError, KernelConfig
 from flashgen.kernels import serving
 from flashgen.kernels.serving import modifier_values, sm90_modifier_config
-from flashgen.modifiers import MAX_CAPTURED, MAX_RANK
+from flashgen.modifiers import MAX_CAPTURED, MAX_RANK, trace_mask_mod
 from flashgen.render import render
 
 torch = pytest.importorskip("torch")
@@ -120,11 +120,13 @@ def test_parameter_block_is_the_serving_block_then_the_modifier_slots():
     # the launcher packs the serving fields and modifier_values after them: the same slots as ServeModParams'
     tail = mod.tail("cu_seqlens_q")
     values = [1, 2, 3, 4, 5, 6, 7, 8] + list(range(100, 100 + (MAX_CAPTURED + 2) * (1 + MAX_RANK)))
-    packed = tail.pack(*values)
+    packed = tail.pack(*values, 0x2000)  # then a persistent kernel's map order
     assert len(packed) == mod.size - mod.offset("cu_seqlens_q")
     start = mod.offset("t0.ptr") - mod.offset("cu_seqlens_q")
     mod_tail = abi.SERVE_MOD.tail("t0.ptr")
     assert packed[start:start + mod_tail.size] == mod_tail.pack(*values[8:])
+    at = mod.offset("map_order") - mod.offset("cu_seqlens_q")
+    assert packed[at:at + 8] == (0x2000).to_bytes(8, "little")
 
 
 def test_modifier_values_fill_the_slots_in_capture_order():
@@ -150,16 +152,23 @@ def test_sm90_config_refuses_what_the_family_does_not_build():
 
 def test_a_mask_mod_reading_per_score_takes_the_in_order_schedule_first(monkeypatch):
     """A mask_mod that loads per score (document ids by q_idx and kv_idx) goes in order, at the same block_n: the
-    overlapped schedule holds its bits beside the next tile's S. A score_mod that loads per score (a bias table)
-    keeps the overlapped schedule (its loads are made once per score there too), as do modifiers that read per head
-    (ALiBi's slopes) or nothing; the overlapped schedule rescales O lazily."""
+    overlapped schedule holds its bits beside the next tile's S; without a score_mod persistent, in the map's order.
+    A score_mod that loads per score (a bias table) keeps the overlapped schedule (its loads are made once per score
+    there too), as do modifiers that read per head (ALiBi's slopes) or nothing, and a mask read by whole tiles (a
+    block-sparse table: no partial tile, never evaluated); the overlapped schedule rescales O lazily."""
     monkeypatch.setattr(serving, "_builds_clean", lambda cfg, spill_slack=0: True)
     serving._sm90_modifier_config.cache_clear()
+    table = torch.zeros(64, 64, dtype=torch.bool)
+    block_sparse = trace_mask_mod(lambda b, h, q_idx, kv_idx: table[q_idx // 128, kv_idx // 128])
     picked = {name: sm90_modifier_config(128, "bf16", False, mods_of(name))
-              for name in ("relative_bias", "alibi", "document", "sliding_window")}
-    assert {n: (c.block_n, c.overlap) for n, c in picked.items()} == {
-        "relative_bias": (128, True), "alibi": (128, True), "document": (128, False), "sliding_window": (128, True)}
+              for name in ("relative_bias", "alibi", "document", "sliding_window", "softcap_document")}
+    picked["block_sparse"] = sm90_modifier_config(128, "bf16", False, Mods(mask_mod=block_sparse))
+    assert {n: (c.block_n, c.overlap, c.persistent) for n, c in picked.items()} == {
+        "relative_bias": (128, True, False), "alibi": (128, True, False), "document": (128, False, True),
+        "sliding_window": (128, True, False), "softcap_document": (128, False, False),
+        "block_sparse": (128, True, False)}
     assert all(c.lazy_rescale == c.overlap for c in picked.values())
+    assert serving.cut_tiles_read(mods_of("document").mask_mod) and not serving.cut_tiles_read(block_sparse)
     serving._sm90_modifier_config.cache_clear()
 
 
@@ -214,6 +223,18 @@ def test_export_refuses_them(tmp_path):
     with pytest.raises(ValueError, match="not exported"):
         export_configs([sm90_cfg("document")], tmp_path, "sm90")
     assert not list(tmp_path.iterdir())
+
+
+def test_persistent_kernels_of_a_block_map_take_its_order():
+    """With a block map the persistent tile loops (producer and consumers) take the host's order of its tiles
+    (map_tile, the map_order field last in the parameter block); without one the fixed order (tile_at)."""
+    src = render(sm90_cfg("document", persistent=True))
+    assert src.count("const TileCoord tc = map_tile(P, t, m_blocks, p.heads);") == 2 and "tc = tile_at(" not in src
+    assert "map_order;" in src
+    plain = render(sm90_cfg("relative_bias", persistent=True))
+    assert "map_tile" not in plain and plain.count("const TileCoord tc = tile_at(t, m_blocks, p.heads, pairs, IS_CAUSAL);") == 2
+    mod = abi.SM90_SERVE_MOD_FWD
+    assert mod.fields[-1].path == "map_order" and mod.offset("map_order") == mod.offset("map_idx.s3") + 8
 
 
 def test_persistent_kernels_find_each_tiles_list_in_producer_and_consumers():

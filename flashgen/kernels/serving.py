@@ -371,7 +371,7 @@ class Sm90Launch(NamedTuple):
     maps: tuple  # q's, k's and v's tensor maps' (dims, byte strides, box)
     fields: tuple  # FwdParams after its five pointers
     tail: bytes  # what follows FwdParams (Sm90ServeFwdParams' serving fields, a modifier's slots)
-    held: Any = None  # what the tail points into that must live until the launch is queued (fp32 sinks)
+    held: Any = None  # what the tail points into that must live until the launch is queued (fp32 sinks, tile order)
 
 
 def sm90_launch(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, *, num_seqs: int, max_seqlen_q: int, cu_q: Any,
@@ -388,15 +388,19 @@ def sm90_launch(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, *, num_seqs
     sinks = kernel_sinks(mods.sinks)  # alive until the launch is queued (the allocator orders its reuse)
     serve = (0 if cu_q is None else cu_q.data_ptr(), 0 if cu_k is None else cu_k.data_ptr(), *mods.window, num_seqs,
              max_seqlen_q, error_word(dev), 0 if sinks is None else sinks.data_ptr())
+    order = None
     if cfg.modified:  # the captured tensors' and the block map's slots follow (Sm90ServeModFwdParams)
-        tail = _SM90_SERVE_MOD_TAIL.pack(*serve, *modifier_values(cfg, mods, dev, b, h))
+        values = modifier_values(cfg, mods, dev, b, h)
+        if cfg.persistent and cfg.block_map:  # its tiles in the map's order, longest first
+            order = mods.block_map.tile_order(b, h)
+        tail = _SM90_SERVE_MOD_TAIL.pack(*serve, *values, 0 if order is None else order.data_ptr())
     else:
         tail = _SM90_SERVE_TAIL.pack(*serve)
     if not max_seqlen_q * h * num_seqs:
         return None
     grid = cfg.grid(num_seqs, h, max_seqlen_q, arch_and_slots(dev)[1] if cfg.persistent else None)
     fn, _ = _functions(cfg, "sm90", driver.primary_context_id(dev))
-    return Sm90Launch(dev, fn, grid, cfg.threads, cfg.dtype, cfg.row_bytes, maps, fields, tail, sinks)
+    return Sm90Launch(dev, fn, grid, cfg.threads, cfg.dtype, cfg.row_bytes, maps, fields, tail, (sinks, order))
 
 
 def sm90_maps(run: Sm90Launch, q_ptr: int, k_ptr: int, v_ptr: int) -> bytes:
@@ -482,6 +486,7 @@ def modifier_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: st
 # Tuning takes it where it wins.
 SM90_OVERLAP = (("overlap", True), ("pingpong", True), ("lazy_rescale", True))
 SM90_IN_ORDER: tuple = ()
+SM90_IN_ORDER_PERSISTENT = (("persistent", True),)
 SM90_MODIFIER_SCHEDULES = {
     **{d: ((128, SM90_OVERLAP), (128, SM90_IN_ORDER), (64, SM90_OVERLAP), (64, SM90_IN_ORDER))
        for d in (32, 64, 96, 128)},
@@ -504,12 +509,16 @@ def sm90_modifier_config(head_dim: int, dtype: str, causal: bool, mods: Mods) ->
     if not {f for f, on in features.items() if on} <= set(SM90_MODIFIER_FEATURES):
         return None
     schedules = SM90_MODIFIER_SCHEDULES.get(head_dim)
-    if schedules is not None and mods.mask_mod is not None and mods.mask_mod.reads_per_score:
-        # A mask_mod with a load per score: its verdicts, kept in bits in the overlapped schedule, take registers
-        # beside the next tile's S; the in-order one, at the same block_n, goes first (H200: document ids 1.29-1.31x at
-        # d64, 1.21-1.23x at d128, where the 128-key tiles spill; a random block-sparse table within 3% at d64). A
-        # score_mod's loads are made once per score in either (apply_score_mod, in place).
-        schedules = tuple(sorted(schedules, key=lambda s: (-s[0], s[1] != SM90_IN_ORDER)))
+    if schedules is not None and mods.mask_mod is not None and cut_tiles_read(mods.mask_mod):
+        # A mask_mod with a load per score on partial tiles: its verdicts, kept in bits in the overlapped schedule,
+        # take registers beside the next tile's S; the in-order one, at the same block_n, goes first (H200: document
+        # ids 1.29-1.31x at d64, 1.21-1.23x at d128, where the 128-key tiles spill). A score_mod's loads are made once
+        # per score in either (apply_score_mod, in place). Without a score_mod it runs persistent, its tiles in the
+        # map's order (longest first): such masks (document ids) leave rows of a few key tiles each, whose start
+        # and end a CTA per row block leaves exposed.
+        order = SM90_IN_ORDER_PERSISTENT if mods.score_mod is None else SM90_IN_ORDER
+        schedules = tuple(sorted(((bn, order if knobs == SM90_IN_ORDER else knobs) for bn, knobs in schedules),
+                                 key=lambda s: (-s[0], s[1] != order)))
     return _sm90_modifier_config(head_dim, dtype, causal, tuple(features.items()),
                                  mods.score_mod.digest if mods.score_mod is not None else "",
                                  mods.mask_mod.digest if mods.mask_mod is not None else "",
@@ -595,6 +604,13 @@ def sm90_modifier_bwd_config(head_dim: int, dtype: str, causal: bool, features: 
                 configs.append(cfg)
                 break
     return next((c for c in configs if _builds_clean(c)), None)
+
+
+def cut_tiles_read(mask_mod: Any) -> bool:
+    """Whether a mask_mod loads per score where the kernel evaluates it: a captured tensor indexed by q_idx or kv_idx
+    (Modifier.reads_per_score), unless it reads by whole tiles of every sm90 schedule (at most 128 x 128: a
+    block-sparse table), whose block map then has no partial tile, so the kernel never evaluates it."""
+    return mask_mod.reads_per_score and not mask_mod.constant_on_tiles(128, 128)
 
 
 def _reads_per_score(score_mod: str, mask_mod: str) -> bool:
@@ -731,7 +747,7 @@ def append_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, bl
 
 
 __all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "ServeLaunch", "Sm90Launch",
-           "append_kv", "arch_and_slots", "build_fault", "call_features", "choose_splits", "decode_config", "fire_serve",
+           "append_kv", "arch_and_slots", "build_fault", "call_features", "choose_splits", "cut_tiles_read", "decode_config", "fire_serve",
            "fire_sm90", "has_mods", "kernel_sinks", "kvcache_launch", "launch_prefill", "list_slots", "modifier_config",
            "modifier_digests", "modifier_tail", "modifier_values", "run_plan", "serve_config", "serve_grids",
            "serve_launch", "sm90_launch", "sm90_maps", "sm90_modifier_bwd_config", "sm90_modifier_config",
