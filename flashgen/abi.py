@@ -316,11 +316,10 @@ SM90_SERVE_FWD = Block("Sm90ServeFwdParams", "FLASHGEN_SM90_SERVE_FWD_PARAMS", (
 
 SM90_SERVE_MOD_FWD = Block("Sm90ServeModFwdParams", "FLASHGEN_SM90_SERVE_MOD_FWD_PARAMS", (
     "Sm90ServeFwdParams's fields, then those of a kernel generated with a score_mod, mask_mod or block map: the",
-    "tensors the modifiers read and the block map's lists, as in ServeModParams, then a persistent kernel's order of",
-    "the block map's tiles."), (
+    "tensors the modifiers read and the block map's lists, as in ServeModParams, then a tile queue's counters."), (
     *SM90_SERVE_FWD.lines, *SERVE_MOD.lines[1:],
-    Line("const int*", ("map_order",),
-         "persistent with a block map: (batch * heads * m-blocks) tiles, (b * heads + h) * m-blocks + m, most keys first"),
+    Line("int*", ("tile_queue",),
+         "persistent with a block map: int32 [2], zero at launch and left zero (tiles taken, CTAs done)"),
 ))
 
 FP8_DESCALE = Block("Fp8Descale", "FLASHGEN_FP8_DESCALE", (

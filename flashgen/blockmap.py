@@ -9,9 +9,9 @@ brought to the kernel's tile size with `retile` (a tile is empty only where ever
 only where every one is full). A batch or head dimension of 1 stands for all of them (the mask does not read `b`
 or `h`; the kernel reads it with stride 0).
 
-The kernel reads `tile_lists`: per (batch, head, query tile) the count of partial and of full key tiles, and the
+The kernel reads `tile_lists()`: per (batch, head, query tile) the count of partial and of full key tiles, and the
 key tiles' indices, partial ones first, each group ascending (the layout of BlockMask's kv_num_blocks and
-kv_indices, both groups in one list); a persistent kernel also its `tile_order`, the query tiles longest first.
+kv_indices, both groups in one list).
 """
 from __future__ import annotations
 
@@ -130,18 +130,6 @@ class BlockMap:
         above = visits.flip(-1).cumsum(-1).flip(-1) - visits  # key tiles past n that visit m
         idx = self.transposed_lists.idx.long()  # (B, H, N, M): query tiles of key tile n
         return torch.gather(above.transpose(2, 3), 3, idx).to(torch.int32).contiguous()
-
-    def tile_order(self, batch: int, heads: int) -> Any:
-        """int32 (batch * heads * M,): the query tiles of a call of `batch` sequences and `heads` heads, each as
-        (b * heads + h) * M + m, those with the most listed key tiles first (ties in that order): a persistent
-        kernel's schedule (templates/sm90/fwd.cu.j2, map_tile), longest first so that its CTAs finish together.
-        Computed on the map's device without a sync, once per (batch, heads)."""
-        held = self.__dict__.setdefault("_orders", {})
-        if (batch, heads) not in held:
-            import torch  # noqa: PLC0415  (torch is optional; block maps are built from torch tensors)
-            listed = self.tile_lists.num.sum(-1).expand(batch, heads, -1).reshape(-1)
-            held[batch, heads] = torch.argsort(-listed, stable=True).to(torch.int32)
-        return held[batch, heads]
 
     def dense(self, batch: int, heads: int) -> Any:
         """The states at score granularity, (batch, heads, seqlen_q, seqlen_k) int8 (for tests and inspection)."""

@@ -206,23 +206,6 @@ def test_tile_lists_put_partial_tiles_first():
     assert lists.num.dtype == lists.idx.dtype == torch.int32 and lists.idx.is_contiguous()
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 7, 5), (1, 4, 6, 9), (1, 1, 5, 3), (2, 1, 1, 1)])
-def test_tile_order_goes_longest_first(shape):
-    """A persistent kernel's order of the call's query tiles: each (b * heads + h) * M + m once, key tiles listed
-    non-increasing, ties in that order; a map broadcast over batch or heads stands for every one of them."""
-    g = torch.Generator().manual_seed(sum(shape))
-    states = torch.randint(0, 3, shape, generator=g, dtype=torch.int8)
-    bm = BlockMap(states, (64, 32), (shape[2] * 64, shape[3] * 32))
-    batch, heads, m_blocks = 2, 4 if shape[1] == 1 else shape[1], shape[2]
-    order = bm.tile_order(batch, heads)
-    assert order.dtype == torch.int32 and order.shape == (batch * heads * m_blocks,)
-    assert sorted(order.tolist()) == list(range(batch * heads * m_blocks))
-    listed = (states != EMPTY).sum(-1).expand(batch, heads, m_blocks).reshape(-1)
-    keys = [(-int(listed[t]), t) for t in order.tolist()]
-    assert keys == sorted(keys)
-    assert bm.tile_order(batch, heads) is order  # once per (batch, heads)
-
-
 @pytest.mark.parametrize("shape", [(2, 3, 7, 5), (1, 4, 6, 9), (2, 1, 1, 1)])
 def test_transposed_turns_count_the_key_tiles_above(shape):
     """Beside each entry of the transposed lists (query tile m listed for key tile n), the count of key tiles above n

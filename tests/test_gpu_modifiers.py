@@ -453,3 +453,43 @@ def test_repeated_calls_by_their_plan_agree(family):
         grads.append(torch.autograd.grad(out, qg, torch.ones_like(out))[0])
     assert torch.isfinite(grads[0]).all()  # dQ is summed by atomics: the same up to their order
     assert (grads[0] - grads[1]).abs().max().item() <= 1e-2 * grads[0].abs().max().item()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tile_queue_kernels_repeat_on_streams_and_in_cuda_graphs(head_dim):
+    """A mask_mod read per score (document ids) runs the sm90 persistent kernel whose CTAs take tiles from counters
+    every launch leaves zero: more tiles than CTAs, calls repeated on one stream, on a second stream, and a CUDA graph
+    of the call replayed after eager calls give the first call's bits, into poisoned outputs."""
+    from flashgen import api
+
+    needs_family("sm90")
+    q, k, v = qkv(4, 1023, 1023, 16, 4, head_dim, "bf16", seed=11)  # 4 x 16 x 8 tiles: more than one per SM
+    doc = documents(4, 1023, seed=6, mean=150)
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[b, q_idx] == doc[b, kv_idx]
+
+    api._mod_routes.clear()
+    first = check(q, k, v, 0.1, None, same_doc)
+    plan = next(iter(api._mod_routes.values())).plan
+    assert plan.config.family == "sm90" and plan.config.tile_queue, plan.config.name
+    for _ in range(3):
+        poison_allocator(q)
+        assert torch.equal(flashgen.attention(q, k, v, softmax_scale=0.1, mask_mod=same_doc), first)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # the side stream's own counters
+            poison_allocator(q)
+            assert torch.equal(flashgen.attention(q, k, v, softmax_scale=0.1, mask_mod=same_doc), first)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = flashgen.attention(q, k, v, softmax_scale=0.1, mask_mod=same_doc)
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(3):
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
+    poison_allocator(q)
+    assert torch.equal(flashgen.attention(q, k, v, softmax_scale=0.1, mask_mod=same_doc), first)

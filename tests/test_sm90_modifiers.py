@@ -120,12 +120,12 @@ def test_parameter_block_is_the_serving_block_then_the_modifier_slots():
     # the launcher packs the serving fields and modifier_values after them: the same slots as ServeModParams'
     tail = mod.tail("cu_seqlens_q")
     values = [1, 2, 3, 4, 5, 6, 7, 8] + list(range(100, 100 + (MAX_CAPTURED + 2) * (1 + MAX_RANK)))
-    packed = tail.pack(*values, 0x2000)  # then a persistent kernel's map order
+    packed = tail.pack(*values, 0x2000)  # then a tile queue's counters
     assert len(packed) == mod.size - mod.offset("cu_seqlens_q")
     start = mod.offset("t0.ptr") - mod.offset("cu_seqlens_q")
     mod_tail = abi.SERVE_MOD.tail("t0.ptr")
     assert packed[start:start + mod_tail.size] == mod_tail.pack(*values[8:])
-    at = mod.offset("map_order") - mod.offset("cu_seqlens_q")
+    at = mod.offset("tile_queue") - mod.offset("cu_seqlens_q")
     assert packed[at:at + 8] == (0x2000).to_bytes(8, "little")
 
 
@@ -211,10 +211,12 @@ def test_sm90_modifier_kernels_compile_without_spills_or_serialized_wgmma():
     assert all(c.family == "sm90" and c.block_map for c in cfgs)
     overlapped = dataclasses.replace(cfgs[0], block_n=64)
     others = [overlapped, dataclasses.replace(cfgs[1], overlap=True, pingpong=True)]
-    compile_sm90a_clean(cfgs[1:] + others + [dataclasses.replace(overlapped, persistent=True)])
-    # the table read beside a mask at 128 keys overlapped: within the spilled bytes the rule takes at d128
+    compile_sm90a_clean(cfgs[1:] + others)
+    # the table read beside a mask at 128 keys overlapped: within the spilled bytes the rule takes at d128; so is the
+    # persistent kernel of a block map, whose loading thread (24 registers) keeps the tile queue's count in memory
     from flashgen.compile import compile_kernel  # noqa: PLC0415
-    assert serving.build_fault(compile_kernel(cfgs[0], "sm_90a"), serving.MODIFIER_SPILL_SLACK) is None
+    for cfg in (cfgs[0], dataclasses.replace(overlapped, persistent=True)):
+        assert serving.build_fault(compile_kernel(cfg, "sm_90a"), serving.MODIFIER_SPILL_SLACK) is None
 
 
 def test_export_refuses_them(tmp_path):
@@ -225,16 +227,48 @@ def test_export_refuses_them(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_persistent_kernels_of_a_block_map_take_its_order():
-    """With a block map the persistent tile loops (producer and consumers) take the host's order of its tiles
-    (map_tile, the map_order field last in the parameter block); without one the fixed order (tile_at)."""
-    src = render(sm90_cfg("document", persistent=True))
-    assert src.count("const TileCoord tc = map_tile(P, t, m_blocks, p.heads);") == 2 and "tc = tile_at(" not in src
-    assert "map_order;" in src
+def test_persistent_kernels_of_a_block_map_take_tiles_from_a_queue():
+    """With a block map the persistent loops take their tiles from the queue: warp 1 of the producer warpgroup takes
+    them (the counter, tile_queue last in the parameter block), the loading thread and the consumers read them;
+    without one the fixed order (tile_at). The queue's barriers and slots are in KernelConfig.smem_bytes."""
+    cfg = sm90_cfg("document", persistent=True)
+    src = render(cfg)
+    assert cfg.tile_queue and src.count("const TileCoord tc = queue_tile(t, m_blocks, p.heads);") == 2
+    assert "t = queue_take(bar_queue, 0); t < tiles; t = queue_take(bar_queue, ++k)" in src
+    assert "t = queue_get(bar_queue, 0, lane); t < tiles; t = queue_get(bar_queue, ++k, lane)" in src
+    assert "gridDim.x + atomicAdd(P.tile_queue, 1)" in src and "queue_done(P.tile_queue);" in src
+    assert "tc = tile_at(" not in src and "int* tile_queue;" in src
     plain = render(sm90_cfg("relative_bias", persistent=True))
-    assert "map_tile" not in plain and plain.count("const TileCoord tc = tile_at(t, m_blocks, p.heads, pairs, IS_CAUSAL);") == 2
+    assert "queue_" not in plain and plain.count("const TileCoord tc = tile_at(t, m_blocks, p.heads, pairs, IS_CAUSAL") == 2
+    assert not sm90_cfg("document").tile_queue and not sm90_cfg("relative_bias", persistent=True).tile_queue
+    assert cfg.smem_bytes == dataclasses.replace(cfg, block_map=False, mask_mod="").smem_bytes + 40
     mod = abi.SM90_SERVE_MOD_FWD
-    assert mod.fields[-1].path == "map_order" and mod.offset("map_order") == mod.offset("map_idx.s3") + 8
+    assert mod.fields[-1].path == "tile_queue" and mod.offset("tile_queue") == mod.offset("map_idx.s3") + 8
+
+
+def test_a_tile_queue_launch_takes_its_streams_counters(monkeypatch):
+    """fire_sm90 writes the stream's zeroed counters (a capture's own) into the parameter block of a tile-queue
+    kernel, and nothing into another's."""
+    launched = []
+    fn = type("Fn", (), {"launch": lambda self, grid, threads, params, stream: launched.append((params, stream))})()
+    made = []
+
+    def counters(device, stream, n, fresh):
+        made.append((device, stream, n, fresh))
+        return type("T", (), {"data_ptr": lambda self: 0xC0DE0})()
+
+    monkeypatch.setattr(serving, "_tile_counters", counters)
+    monkeypatch.setattr(serving, "current_stream", lambda device: 77)
+    monkeypatch.setattr(serving, "capturing", lambda: False)
+    tail = bytes(abi.SM90_SERVE_MOD_FWD.size - abi.SM90_SERVE_MOD_FWD.offset("cu_seqlens_q"))
+    fields = (0,) * (len(abi.FWD.fields) - 5)
+    run = serving.Sm90Launch(0, fn, (132, 1, 1), 384, "bf16", 128, (), fields, tail, None, True)
+    serving.fire_sm90(run, 1, 2, 3, 4, 0, maps=bytes(384))
+    at = abi.SM90_SERVE_MOD_FWD.offset("tile_queue")
+    params, stream = launched[-1]
+    assert stream == 77 and made == [(0, 77, 2, False)] and params[at:at + 8] == (0xC0DE0).to_bytes(8, "little")
+    serving.fire_sm90(run._replace(tile_queue=False), 1, 2, 3, 4, 0, maps=bytes(384))
+    assert launched[-1][0][at:at + 8] == bytes(8) and len(made) == 1
 
 
 def test_persistent_kernels_find_each_tiles_list_in_producer_and_consumers():

@@ -27,6 +27,7 @@ SERVE_PARAMS = abi.SERVE.struct
 _MOD_TAIL = abi.SERVE_MOD.tail("t0.ptr")  # the captured tensors' slots after ServeParams (ServeModParams)
 _SM90_SERVE_TAIL = abi.SM90_SERVE_FWD.tail("cu_seqlens_q")  # what follows the tensor maps and FwdParams
 _SM90_SERVE_MOD_TAIL = abi.SM90_SERVE_MOD_FWD.tail("cu_seqlens_q")  # the same with a modifier's slots after it
+_QUEUE_AT, _POINTER = abi.SM90_SERVE_MOD_FWD.offset("tile_queue"), struct.Struct("<Q")  # fire_sm90's counters
 # Decode tiles (at most 32 query rows per sequence, packed): (block_m, block_n, num_warps, num_stages)
 # by head dim. Two warps even for 16 rows: one warp alone holds the K/V copies of a tile and its
 # accumulators, and spills at d128 and d256 where pages are smaller than a tile.
@@ -218,14 +219,16 @@ def _workspace(device: int, stream: int, floats: int, fresh: bool) -> Any:
     return held
 
 
-# fused_combine's arrival counters, one per row block, kept per (device, stream) apart from the accumulators (whose
-# layout changes from call to call): zero when allocated, and every launch leaves them zero (the last split of a
-# row block resets its counter). Inside a capture each launch gets zeroed ones of its own, as the accumulators.
+# fused_combine's arrival counters, one per row block, and a tile queue's two counters (sm90 persistent with a block
+# map), kept per (device, stream) apart from the accumulators (whose layout changes from call to call): zero when
+# allocated, and every launch leaves them zero (the last split of a row block resets its counter, the last CTA the
+# queue's). Inside a capture each launch gets zeroed ones of its own, as the accumulators.
 _counters: dict[tuple[int, int], Any] = {}
 
 
 def _tile_counters(device: int, stream: int, n: int, fresh: bool) -> Any:
-    """`n` int32 arrival counters, all zero, for a fused-combine launch on `stream` (`fresh`: a capture's own)."""
+    """`n` int32 counters, all zero, for a fused-combine or tile-queue launch on `stream` (`fresh`: a capture's
+    own)."""
     if fresh:
         return _cuda_tensor("zeros", n, "int32", device)
     held = _counters.get((device, stream))
@@ -371,7 +374,8 @@ class Sm90Launch(NamedTuple):
     maps: tuple  # q's, k's and v's tensor maps' (dims, byte strides, box)
     fields: tuple  # FwdParams after its five pointers
     tail: bytes  # what follows FwdParams (Sm90ServeFwdParams' serving fields, a modifier's slots)
-    held: Any = None  # what the tail points into that must live until the launch is queued (fp32 sinks, tile order)
+    held: Any = None  # what the tail points into that must live until the launch is queued (fp32 sinks)
+    tile_queue: bool = False  # its tile counters are the stream's (fire_sm90)
 
 
 def sm90_launch(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, *, num_seqs: int, max_seqlen_q: int, cu_q: Any,
@@ -388,19 +392,15 @@ def sm90_launch(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, *, num_seqs
     sinks = kernel_sinks(mods.sinks)  # alive until the launch is queued (the allocator orders its reuse)
     serve = (0 if cu_q is None else cu_q.data_ptr(), 0 if cu_k is None else cu_k.data_ptr(), *mods.window, num_seqs,
              max_seqlen_q, error_word(dev), 0 if sinks is None else sinks.data_ptr())
-    order = None
     if cfg.modified:  # the captured tensors' and the block map's slots follow (Sm90ServeModFwdParams)
-        values = modifier_values(cfg, mods, dev, b, h)
-        if cfg.persistent and cfg.block_map:  # its tiles in the map's order, longest first
-            order = mods.block_map.tile_order(b, h)
-        tail = _SM90_SERVE_MOD_TAIL.pack(*serve, *values, 0 if order is None else order.data_ptr())
+        tail = _SM90_SERVE_MOD_TAIL.pack(*serve, *modifier_values(cfg, mods, dev, b, h), 0)  # fire_sm90: tile_queue
     else:
         tail = _SM90_SERVE_TAIL.pack(*serve)
     if not max_seqlen_q * h * num_seqs:
         return None
     grid = cfg.grid(num_seqs, h, max_seqlen_q, arch_and_slots(dev)[1] if cfg.persistent else None)
     fn, _ = _functions(cfg, "sm90", driver.primary_context_id(dev))
-    return Sm90Launch(dev, fn, grid, cfg.threads, cfg.dtype, cfg.row_bytes, maps, fields, tail, (sinks, order))
+    return Sm90Launch(dev, fn, grid, cfg.threads, cfg.dtype, cfg.row_bytes, maps, fields, tail, sinks, cfg.tile_queue)
 
 
 def sm90_maps(run: Sm90Launch, q_ptr: int, k_ptr: int, v_ptr: int) -> bytes:
@@ -416,7 +416,11 @@ def fire_sm90(run: Sm90Launch, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, l
     if maps is None:
         maps = sm90_maps(run, q_ptr, k_ptr, v_ptr)
     params = (maps + FWD.pack(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, *run.fields) + run.tail).ljust(SM90_BYTES, b"\0")
-    run.fn.launch(run.grid, run.threads, params, current_stream(run.device))
+    stream = current_stream(run.device)
+    if run.tile_queue:  # the stream's zeroed counters (a capture's own), which every launch leaves zero
+        counters = _tile_counters(run.device, stream, 2, capturing())
+        params = params[:_QUEUE_AT] + _POINTER.pack(counters.data_ptr()) + params[_QUEUE_AT + _POINTER.size:]
+    run.fn.launch(run.grid, run.threads, params, stream)
 
 
 @functools.lru_cache(maxsize=512)
@@ -513,8 +517,8 @@ def sm90_modifier_config(head_dim: int, dtype: str, causal: bool, mods: Mods) ->
         # A mask_mod with a load per score on partial tiles: its verdicts, kept in bits in the overlapped schedule,
         # take registers beside the next tile's S; the in-order one, at the same block_n, goes first (H200: document
         # ids 1.29-1.31x at d64, 1.21-1.23x at d128, where the 128-key tiles spill). A score_mod's loads are made once
-        # per score in either (apply_score_mod, in place). Without a score_mod it runs persistent, its tiles in the
-        # map's order (longest first): such masks (document ids) leave rows of a few key tiles each, whose start
+        # per score in either (apply_score_mod, in place). Without a score_mod it runs persistent (its tiles from a
+        # queue, KernelConfig.tile_queue): such masks (document ids) leave rows of a few key tiles each, whose start
         # and end a CTA per row block leaves exposed.
         order = SM90_IN_ORDER_PERSISTENT if mods.score_mod is None else SM90_IN_ORDER
         schedules = tuple(sorted(((bn, order if knobs == SM90_IN_ORDER else knobs) for bn, knobs in schedules),
