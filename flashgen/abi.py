@@ -316,10 +316,8 @@ SM90_SERVE_FWD = Block("Sm90ServeFwdParams", "FLASHGEN_SM90_SERVE_FWD_PARAMS", (
 
 SM90_SERVE_MOD_FWD = Block("Sm90ServeModFwdParams", "FLASHGEN_SM90_SERVE_MOD_FWD_PARAMS", (
     "Sm90ServeFwdParams's fields, then those of a kernel generated with a score_mod, mask_mod or block map: the",
-    "tensors the modifiers read and the block map's lists, as in ServeModParams, then a tile queue's counters."), (
+    "tensors the modifiers read and the block map's lists, as in ServeModParams."), (
     *SM90_SERVE_FWD.lines, *SERVE_MOD.lines[1:],
-    Line("int*", ("tile_queue",),
-         "persistent with a block map: int32 [2], zero at launch and left zero (tiles taken, CTAs done)"),
 ))
 
 FP8_DESCALE = Block("Fp8Descale", "FLASHGEN_FP8_DESCALE", (

@@ -411,13 +411,6 @@ class KernelConfig(_AsDict):
         return bool(self.score_mod or self.mask_mod or self.block_map)
 
     @property
-    def tile_queue(self) -> bool:
-        """Persistent with a block map (family sm90): its CTAs take tiles from a counter in global memory, in the
-        order a grid of one CTA per tile would run them, instead of a fixed share each (a block map's rows differ
-        in length in ways no fixed order balances while keeping the K/V they read together in L2)."""
-        return self.persistent and self.block_map
-
-    @property
     def fp8(self) -> bool:
         return self.dtype in FP8_DTYPES
 
@@ -484,7 +477,6 @@ class KernelConfig(_AsDict):
         v_tiles = (2 if self.fp8 else 1) * self.v_dim  # V (FP8: and its transpose VT)
         kv = self.num_stages * self.block_n * (self.head_dim + v_tiles) + 8 * self.block_n * self.mma_rowsum
         bars = 1 + self.persistent + (6 if self.fp8 else 4) * self.num_stages
-        bars += 5 * self.tile_queue  # tile queue: two slots' full and empty barriers, and the slots
         extra = 8 * bars + 1024 if self.family == "sm90" else 0
         p = self.consumers * 64 * self.block_n if self.p_smem else 0  # a P tile per consumer warpgroup
         o = self.block_m * (self.v_dim + 8) if self.o_tma else 0  # O's staging rows, padded by 16 bytes

@@ -120,13 +120,11 @@ def test_parameter_block_is_the_serving_block_then_the_modifier_slots():
     # the launcher packs the serving fields and modifier_values after them: the same slots as ServeModParams'
     tail = mod.tail("cu_seqlens_q")
     values = [1, 2, 3, 4, 5, 6, 7, 8] + list(range(100, 100 + (MAX_CAPTURED + 2) * (1 + MAX_RANK)))
-    packed = tail.pack(*values, 0x2000)  # then a tile queue's counters
+    packed = tail.pack(*values)
     assert len(packed) == mod.size - mod.offset("cu_seqlens_q")
     start = mod.offset("t0.ptr") - mod.offset("cu_seqlens_q")
     mod_tail = abi.SERVE_MOD.tail("t0.ptr")
     assert packed[start:start + mod_tail.size] == mod_tail.pack(*values[8:])
-    at = mod.offset("tile_queue") - mod.offset("cu_seqlens_q")
-    assert packed[at:at + 8] == (0x2000).to_bytes(8, "little")
 
 
 def test_modifier_values_fill_the_slots_in_capture_order():
@@ -152,10 +150,10 @@ def test_sm90_config_refuses_what_the_family_does_not_build():
 
 def test_a_mask_mod_reading_per_score_takes_the_in_order_schedule_first(monkeypatch):
     """A mask_mod that loads per score (document ids by q_idx and kv_idx) goes in order, at the same block_n: the
-    overlapped schedule holds its bits beside the next tile's S; without a score_mod persistent, in the map's order.
-    A score_mod that loads per score (a bias table) keeps the overlapped schedule (its loads are made once per score
-    there too), as do modifiers that read per head (ALiBi's slopes) or nothing, and a mask read by whole tiles (a
-    block-sparse table: no partial tile, never evaluated); the overlapped schedule rescales O lazily."""
+    overlapped schedule holds its bits beside the next tile's S. A score_mod that loads per score (a bias table)
+    keeps the overlapped schedule (its loads are made once per score there too), as do modifiers that read per head
+    (ALiBi's slopes) or nothing, and a mask read by whole tiles (a block-sparse table: its block map has no partial
+    tile, so it is never evaluated); the overlapped schedule rescales O lazily."""
     monkeypatch.setattr(serving, "_builds_clean", lambda cfg, spill_slack=0: True)
     serving._sm90_modifier_config.cache_clear()
     table = torch.zeros(64, 64, dtype=torch.bool)
@@ -163,11 +161,10 @@ def test_a_mask_mod_reading_per_score_takes_the_in_order_schedule_first(monkeypa
     picked = {name: sm90_modifier_config(128, "bf16", False, mods_of(name))
               for name in ("relative_bias", "alibi", "document", "sliding_window", "softcap_document")}
     picked["block_sparse"] = sm90_modifier_config(128, "bf16", False, Mods(mask_mod=block_sparse))
-    assert {n: (c.block_n, c.overlap, c.persistent) for n, c in picked.items()} == {
-        "relative_bias": (128, True, False), "alibi": (128, True, False), "document": (128, False, True),
-        "sliding_window": (128, True, False), "softcap_document": (128, False, False),
-        "block_sparse": (128, True, False)}
-    assert all(c.lazy_rescale == c.overlap for c in picked.values())
+    assert {n: (c.block_n, c.overlap) for n, c in picked.items()} == {
+        "relative_bias": (128, True), "alibi": (128, True), "document": (128, False), "sliding_window": (128, True),
+        "softcap_document": (128, False), "block_sparse": (128, True)}
+    assert all(c.lazy_rescale == c.overlap and not c.persistent for c in picked.values())
     assert serving.cut_tiles_read(mods_of("document").mask_mod) and not serving.cut_tiles_read(block_sparse)
     serving._sm90_modifier_config.cache_clear()
 
@@ -211,12 +208,10 @@ def test_sm90_modifier_kernels_compile_without_spills_or_serialized_wgmma():
     assert all(c.family == "sm90" and c.block_map for c in cfgs)
     overlapped = dataclasses.replace(cfgs[0], block_n=64)
     others = [overlapped, dataclasses.replace(cfgs[1], overlap=True, pingpong=True)]
-    compile_sm90a_clean(cfgs[1:] + others)
-    # the table read beside a mask at 128 keys overlapped: within the spilled bytes the rule takes at d128; so is the
-    # persistent kernel of a block map, whose loading thread (24 registers) keeps the tile queue's count in memory
+    compile_sm90a_clean(cfgs[1:] + others + [dataclasses.replace(overlapped, persistent=True)])
+    # the table read beside a mask at 128 keys overlapped: within the spilled bytes the rule takes at d128
     from flashgen.compile import compile_kernel  # noqa: PLC0415
-    for cfg in (cfgs[0], dataclasses.replace(overlapped, persistent=True)):
-        assert serving.build_fault(compile_kernel(cfg, "sm_90a"), serving.MODIFIER_SPILL_SLACK) is None
+    assert serving.build_fault(compile_kernel(cfgs[0], "sm_90a"), serving.MODIFIER_SPILL_SLACK) is None
 
 
 def test_export_refuses_them(tmp_path):
@@ -225,50 +220,6 @@ def test_export_refuses_them(tmp_path):
     with pytest.raises(ValueError, match="not exported"):
         export_configs([sm90_cfg("document")], tmp_path, "sm90")
     assert not list(tmp_path.iterdir())
-
-
-def test_persistent_kernels_of_a_block_map_take_tiles_from_a_queue():
-    """With a block map the persistent loops take their tiles from the queue: warp 1 of the producer warpgroup takes
-    them (the counter, tile_queue last in the parameter block), the loading thread and the consumers read them;
-    without one the fixed order (tile_at). The queue's barriers and slots are in KernelConfig.smem_bytes."""
-    cfg = sm90_cfg("document", persistent=True)
-    src = render(cfg)
-    assert cfg.tile_queue and src.count("const TileCoord tc = queue_tile(t, m_blocks, p.heads);") == 2
-    assert "t = queue_take(bar_queue, 0); t < tiles; t = queue_take(bar_queue, ++k)" in src
-    assert "t = queue_get(bar_queue, 0, lane); t < tiles; t = queue_get(bar_queue, ++k, lane)" in src
-    assert "gridDim.x + atomicAdd(P.tile_queue, 1)" in src and "queue_done(P.tile_queue);" in src
-    assert "tc = tile_at(" not in src and "int* tile_queue;" in src
-    plain = render(sm90_cfg("relative_bias", persistent=True))
-    assert "queue_" not in plain and plain.count("const TileCoord tc = tile_at(t, m_blocks, p.heads, pairs, IS_CAUSAL") == 2
-    assert not sm90_cfg("document").tile_queue and not sm90_cfg("relative_bias", persistent=True).tile_queue
-    assert cfg.smem_bytes == dataclasses.replace(cfg, block_map=False, mask_mod="").smem_bytes + 40
-    mod = abi.SM90_SERVE_MOD_FWD
-    assert mod.fields[-1].path == "tile_queue" and mod.offset("tile_queue") == mod.offset("map_idx.s3") + 8
-
-
-def test_a_tile_queue_launch_takes_its_streams_counters(monkeypatch):
-    """fire_sm90 writes the stream's zeroed counters (a capture's own) into the parameter block of a tile-queue
-    kernel, and nothing into another's."""
-    launched = []
-    fn = type("Fn", (), {"launch": lambda self, grid, threads, params, stream: launched.append((params, stream))})()
-    made = []
-
-    def counters(device, stream, n, fresh):
-        made.append((device, stream, n, fresh))
-        return type("T", (), {"data_ptr": lambda self: 0xC0DE0})()
-
-    monkeypatch.setattr(serving, "_tile_counters", counters)
-    monkeypatch.setattr(serving, "current_stream", lambda device: 77)
-    monkeypatch.setattr(serving, "capturing", lambda: False)
-    tail = bytes(abi.SM90_SERVE_MOD_FWD.size - abi.SM90_SERVE_MOD_FWD.offset("cu_seqlens_q"))
-    fields = (0,) * (len(abi.FWD.fields) - 5)
-    run = serving.Sm90Launch(0, fn, (132, 1, 1), 384, "bf16", 128, (), fields, tail, None, True)
-    serving.fire_sm90(run, 1, 2, 3, 4, 0, maps=bytes(384))
-    at = abi.SM90_SERVE_MOD_FWD.offset("tile_queue")
-    params, stream = launched[-1]
-    assert stream == 77 and made == [(0, 77, 2, False)] and params[at:at + 8] == (0xC0DE0).to_bytes(8, "little")
-    serving.fire_sm90(run._replace(tile_queue=False), 1, 2, 3, 4, 0, maps=bytes(384))
-    assert launched[-1][0][at:at + 8] == bytes(8) and len(made) == 1
 
 
 def test_persistent_kernels_find_each_tiles_list_in_producer_and_consumers():

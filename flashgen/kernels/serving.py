@@ -27,7 +27,6 @@ SERVE_PARAMS = abi.SERVE.struct
 _MOD_TAIL = abi.SERVE_MOD.tail("t0.ptr")  # the captured tensors' slots after ServeParams (ServeModParams)
 _SM90_SERVE_TAIL = abi.SM90_SERVE_FWD.tail("cu_seqlens_q")  # what follows the tensor maps and FwdParams
 _SM90_SERVE_MOD_TAIL = abi.SM90_SERVE_MOD_FWD.tail("cu_seqlens_q")  # the same with a modifier's slots after it
-_QUEUE_AT, _POINTER = abi.SM90_SERVE_MOD_FWD.offset("tile_queue"), struct.Struct("<Q")  # fire_sm90's counters
 # Decode tiles (at most 32 query rows per sequence, packed): (block_m, block_n, num_warps, num_stages)
 # by head dim. Two warps even for 16 rows: one warp alone holds the K/V copies of a tile and its
 # accumulators, and spills at d128 and d256 where pages are smaller than a tile.
@@ -219,16 +218,14 @@ def _workspace(device: int, stream: int, floats: int, fresh: bool) -> Any:
     return held
 
 
-# fused_combine's arrival counters, one per row block, and a tile queue's two counters (sm90 persistent with a block
-# map), kept per (device, stream) apart from the accumulators (whose layout changes from call to call): zero when
-# allocated, and every launch leaves them zero (the last split of a row block resets its counter, the last CTA the
-# queue's). Inside a capture each launch gets zeroed ones of its own, as the accumulators.
+# fused_combine's arrival counters, one per row block, kept per (device, stream) apart from the accumulators (whose
+# layout changes from call to call): zero when allocated, and every launch leaves them zero (the last split of a
+# row block resets its counter). Inside a capture each launch gets zeroed ones of its own, as the accumulators.
 _counters: dict[tuple[int, int], Any] = {}
 
 
 def _tile_counters(device: int, stream: int, n: int, fresh: bool) -> Any:
-    """`n` int32 counters, all zero, for a fused-combine or tile-queue launch on `stream` (`fresh`: a capture's
-    own)."""
+    """`n` int32 arrival counters, all zero, for a fused-combine launch on `stream` (`fresh`: a capture's own)."""
     if fresh:
         return _cuda_tensor("zeros", n, "int32", device)
     held = _counters.get((device, stream))
@@ -375,7 +372,6 @@ class Sm90Launch(NamedTuple):
     fields: tuple  # FwdParams after its five pointers
     tail: bytes  # what follows FwdParams (Sm90ServeFwdParams' serving fields, a modifier's slots)
     held: Any = None  # what the tail points into that must live until the launch is queued (fp32 sinks)
-    tile_queue: bool = False  # its tile counters are the stream's (fire_sm90)
 
 
 def sm90_launch(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, *, num_seqs: int, max_seqlen_q: int, cu_q: Any,
@@ -393,14 +389,14 @@ def sm90_launch(cfg: KernelConfig, q: Any, k: Any, v: Any, out: Any, *, num_seqs
     serve = (0 if cu_q is None else cu_q.data_ptr(), 0 if cu_k is None else cu_k.data_ptr(), *mods.window, num_seqs,
              max_seqlen_q, error_word(dev), 0 if sinks is None else sinks.data_ptr())
     if cfg.modified:  # the captured tensors' and the block map's slots follow (Sm90ServeModFwdParams)
-        tail = _SM90_SERVE_MOD_TAIL.pack(*serve, *modifier_values(cfg, mods, dev, b, h), 0)  # fire_sm90: tile_queue
+        tail = _SM90_SERVE_MOD_TAIL.pack(*serve, *modifier_values(cfg, mods, dev, b, h))
     else:
         tail = _SM90_SERVE_TAIL.pack(*serve)
     if not max_seqlen_q * h * num_seqs:
         return None
     grid = cfg.grid(num_seqs, h, max_seqlen_q, arch_and_slots(dev)[1] if cfg.persistent else None)
     fn, _ = _functions(cfg, "sm90", driver.primary_context_id(dev))
-    return Sm90Launch(dev, fn, grid, cfg.threads, cfg.dtype, cfg.row_bytes, maps, fields, tail, sinks, cfg.tile_queue)
+    return Sm90Launch(dev, fn, grid, cfg.threads, cfg.dtype, cfg.row_bytes, maps, fields, tail, sinks)
 
 
 def sm90_maps(run: Sm90Launch, q_ptr: int, k_ptr: int, v_ptr: int) -> bytes:
@@ -416,11 +412,7 @@ def fire_sm90(run: Sm90Launch, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, l
     if maps is None:
         maps = sm90_maps(run, q_ptr, k_ptr, v_ptr)
     params = (maps + FWD.pack(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, *run.fields) + run.tail).ljust(SM90_BYTES, b"\0")
-    stream = current_stream(run.device)
-    if run.tile_queue:  # the stream's zeroed counters (a capture's own), which every launch leaves zero
-        counters = _tile_counters(run.device, stream, 2, capturing())
-        params = params[:_QUEUE_AT] + _POINTER.pack(counters.data_ptr()) + params[_QUEUE_AT + _POINTER.size:]
-    run.fn.launch(run.grid, run.threads, params, stream)
+    run.fn.launch(run.grid, run.threads, params, current_stream(run.device))
 
 
 @functools.lru_cache(maxsize=512)
@@ -490,7 +482,6 @@ def modifier_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: st
 # Tuning takes it where it wins.
 SM90_OVERLAP = (("overlap", True), ("pingpong", True), ("lazy_rescale", True))
 SM90_IN_ORDER: tuple = ()
-SM90_IN_ORDER_PERSISTENT = (("persistent", True),)
 SM90_MODIFIER_SCHEDULES = {
     **{d: ((128, SM90_OVERLAP), (128, SM90_IN_ORDER), (64, SM90_OVERLAP), (64, SM90_IN_ORDER))
        for d in (32, 64, 96, 128)},
@@ -517,12 +508,9 @@ def sm90_modifier_config(head_dim: int, dtype: str, causal: bool, mods: Mods) ->
         # A mask_mod with a load per score on partial tiles: its verdicts, kept in bits in the overlapped schedule,
         # take registers beside the next tile's S; the in-order one, at the same block_n, goes first (H200: document
         # ids 1.29-1.31x at d64, 1.21-1.23x at d128, where the 128-key tiles spill). A score_mod's loads are made once
-        # per score in either (apply_score_mod, in place). Without a score_mod it runs persistent (its tiles from a
-        # queue, KernelConfig.tile_queue): such masks (document ids) leave rows of a few key tiles each, whose start
-        # and end a CTA per row block leaves exposed.
-        order = SM90_IN_ORDER_PERSISTENT if mods.score_mod is None else SM90_IN_ORDER
-        schedules = tuple(sorted(((bn, order if knobs == SM90_IN_ORDER else knobs) for bn, knobs in schedules),
-                                 key=lambda s: (-s[0], s[1] != order)))
+        # per score in either (apply_score_mod, in place). A mask read by whole tiles (a block-sparse table) is never
+        # evaluated and keeps the overlapped schedule (H200, d128, 4k / 16k: 1.05-1.07x the in-order one).
+        schedules = tuple(sorted(schedules, key=lambda s: (-s[0], s[1] != SM90_IN_ORDER)))
     return _sm90_modifier_config(head_dim, dtype, causal, tuple(features.items()),
                                  mods.score_mod.digest if mods.score_mod is not None else "",
                                  mods.mask_mod.digest if mods.mask_mod is not None else "",
@@ -751,8 +739,8 @@ def append_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, bl
 
 
 __all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "ServeLaunch", "Sm90Launch",
-           "append_kv", "arch_and_slots", "build_fault", "call_features", "choose_splits", "cut_tiles_read", "decode_config", "fire_serve",
-           "fire_sm90", "has_mods", "kernel_sinks", "kvcache_launch", "launch_prefill", "list_slots", "modifier_config",
+           "append_kv", "arch_and_slots", "build_fault", "call_features", "choose_splits", "cut_tiles_read",
+           "decode_config", "fire_serve", "fire_sm90", "has_mods", "kernel_sinks", "kvcache_launch", "launch_prefill", "list_slots", "modifier_config",
            "modifier_digests", "modifier_tail", "modifier_values", "run_plan", "serve_config", "serve_grids",
            "serve_launch", "sm90_launch", "sm90_maps", "sm90_modifier_bwd_config", "sm90_modifier_config",
            "SM90_MODIFIER_BWD_SCHEDULES", "SM90_MODIFIER_SCHEDULES", "want_split"]
