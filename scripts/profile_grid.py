@@ -2,6 +2,7 @@
 
     python scripts/profile_grid.py --out DIR [--dtype bf16,fp16] [--head-dim 64,128,256]
                                    [--seqlen 1024,4096,16384] [--mask full,causal]
+    python scripts/profile_grid.py --out DIR --flex document,causal [--seqlen 4096,16384]
     python scripts/profile_grid.py --from DIR            (summarize a kept profile again, no GPU)
 
 One ncu session profiles one launch of the kernel `load()` picks at each point (batch*seqlen = 16384,
@@ -9,7 +10,9 @@ heads*head_dim = 2048, as `flashgen bench`), clocks left alone, with the SpeedOf
 WarpStateStats and SourceCounters sections. Keeps the report, its raw metrics and per-instruction samples under
 DIR, and prints a row per point: duration, SM / memory throughput, the tensor pipe's share of active cycles,
 issue slots busy, and where the sm90 consumer warpgroups' samples fall (profile_stalls.category: waiting for a
-wgmma, waiting on an mbarrier, the exp unit, other float, integer/moves).
+wgmma, waiting on an mbarrier, the exp unit, other float, integer/moves). --flex: FlexAttention's examples of
+`bench --kind flex` instead (d128, bf16, 16 heads, their modifiers through `flashgen.attention`, one call each), TF/s
+over the pairs each mask keeps.
 """
 from __future__ import annotations
 
@@ -48,6 +51,27 @@ def launch(pts: list[tuple[str, int, int, bool]]) -> None:
         kern(q, k, v)
         torch.cuda.synchronize()
         print(f"launched {dtype} d{d} N{n} {'causal' if causal else 'full'}: {kern.config.name}", flush=True)
+
+
+def launch_flex(names: list[str], seqlens: list[int], out: Path) -> None:
+    """The profiled process of --flex: one `flashgen.attention` call of each case at each N (bench --kind flex's
+    shapes), in order; writes each point's FLOPs over the pairs its mask keeps to out/flops.json."""
+    import torch
+
+    import flashgen
+    from flashgen import bench_flex
+    from flashgen.verify import random_qkv
+
+    counted = []
+    for n in seqlens:
+        batch = 16384 // n
+        for case in bench_flex.cases(n, batch, 16, "cuda", names=tuple(names)):
+            q, k, v = random_qkv(batch, n, n, 16, 16, 128, "bf16")
+            flashgen.attention(q, k, v, score_mod=case.score_mod, mask_mod=case.mask_mod)
+            torch.cuda.synchronize()
+            counted.append(4 * 16 * 128 * bench_flex.kept_pairs(case, batch, n, q.device))
+            print(f"launched {case.name} N{n}", flush=True)
+    (out / "flops.json").write_text(json.dumps(counted))
 
 
 def raw_rows(text: str) -> list[dict[str, str]]:
@@ -102,6 +126,7 @@ def flops(label: str) -> float:
 
 def summarize(out: Path) -> None:
     labels = json.loads((out / "points.json").read_text())
+    counted = json.loads((out / "flops.json").read_text()) if (out / "flops.json").exists() else None
     rows = raw_rows((out / "grid-raw.csv").read_text())
     if len(rows) != len(labels):
         print(f"warning: {len(rows)} profiled kernels for {len(labels)} points")
@@ -115,7 +140,7 @@ def summarize(out: Path) -> None:
         split = consumer_split(sass_rows(sass.read_text())) if sass.exists() else {}
         us = num(row["us"])
         print(f"{label:23s} {row.get('Kernel Name', '?').split('(')[0][4:60]:56s} {us:7.1f} "
-              f"{flops(label) / us / 1e6 if us else 0:5.0f} "
+              f"{(counted[i] if counted else flops(label)) / us / 1e6 if us else 0:5.0f} "
               + " ".join(f"{num(row.get(m, '')):6.1f}" for m, _ in COLUMNS)
               + "                     " + " ".join(f"{split.get(c, 0.0):6.1f}" for c in CONSUMER)
               + "   " + stalls(row))
@@ -132,11 +157,15 @@ def main() -> None:
     ap.add_argument("--head-dim", default="64,128,256")
     ap.add_argument("--seqlen", default="1024,4096,16384")
     ap.add_argument("--mask", default="full,causal")
+    ap.add_argument("--flex", help="FlexAttention examples (bench --kind flex's cases, comma-separated) instead")
     ap.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)  # the process ncu profiles
     args = ap.parse_args()
     pts = points(args)
     if args.launch:
-        launch(pts)
+        if args.flex:
+            launch_flex(args.flex.split(","), [int(n) for n in args.seqlen.split(",")], args.out)
+        else:
+            launch(pts)
         return
     if args.src:
         summarize(args.src)
@@ -144,13 +173,17 @@ def main() -> None:
     if not args.out:
         ap.error("--out DIR (profile) or --from DIR (summarize)")
     args.out.mkdir(parents=True, exist_ok=True)
-    labels = [f"{dt} d{d} N{n} {'causal' if c else 'full'}" for dt, d, n, c in pts]
+    if args.flex:
+        labels = [f"flex {c} N{n}" for n in args.seqlen.split(",") for c in args.flex.split(",")]
+        target = ["--flex", args.flex, "--seqlen", args.seqlen, "--out", str(args.out)]
+    else:
+        labels = [f"{dt} d{d} N{n} {'causal' if c else 'full'}" for dt, d, n, c in pts]
+        target = ["--dtype", args.dtype, "--head-dim", args.head_dim, "--seqlen", args.seqlen, "--mask", args.mask]
     (args.out / "points.json").write_text(json.dumps(labels))
     rep = args.out / "grid"
     sections = [a for s in SECTIONS for a in ("--section", s)]
     log = ncu("--clock-control", "none", "-k", "regex:^fwd_", *sections, "--import-source", "no", "-f", "-o",
-              str(rep), sys.executable, __file__, "--launch", "--dtype", args.dtype, "--head-dim", args.head_dim,
-              "--seqlen", args.seqlen, "--mask", args.mask)
+              str(rep), sys.executable, __file__, "--launch", *target)
     (args.out / "ncu.log").write_text(log)
     (args.out / "grid-raw.csv").write_text(ncu("-i", f"{rep}.ncu-rep", "--page", "raw", "--csv"))
     (args.out / "grid-details.txt").write_text(ncu("-i", f"{rep}.ncu-rep", "--page", "details",

@@ -1,6 +1,6 @@
 """Time the sm90 family's modifier kernels schedule by schedule on `bench --kind flex`'s cases (FlexAttention's
 examples, d128 by default, 16 heads, batch x N = 16384): the forward at each block_n in order, overlapped
-(FlashAttention-3's schedule), each persistent or not, and the backward at each of SM90_MODIFIER_BWD_SCHEDULES, each forced
+(FlashAttention-3's schedule), each persistent or not, and in order with the warpgroups taking turns (ping-pong), and the backward at each of SM90_MODIFIER_BWD_SCHEDULES, each forced
 one at a time beside the rule's own choice.
 
     python scripts/time_sm90_modifiers.py [--seqlen 4096,16384] [--cases document,alibi] [--flex] [--forward-only]
@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flashgen import bench_flex, resolve  # noqa: E402
+from flashgen import api, bench_flex, resolve  # noqa: E402
 from flashgen.compare import back_to_back_ms  # noqa: E402
 from flashgen.kernels import serving  # noqa: E402
 
@@ -30,7 +30,7 @@ HEADS = 16
 OVERLAP, IN_ORDER = serving.SM90_OVERLAP, serving.SM90_IN_ORDER
 PERSISTENT = (("persistent", True),)
 KNOBS = {"in_order": IN_ORDER, "overlap": OVERLAP, "in_order_persistent": IN_ORDER + PERSISTENT,
-         "overlap_persistent": OVERLAP + PERSISTENT}
+         "overlap_persistent": OVERLAP + PERSISTENT, "in_order_pingpong": IN_ORDER + (("pingpong", True),)}
 
 
 def forward_schedules(head_dim: int) -> dict[str, tuple]:
@@ -47,7 +47,8 @@ def backward_schedules(head_dim: int) -> dict[str, tuple]:
 
 class Forced:
     """The rule's schedule tables with one schedule in place of the head dim's list (forward, backward or both),
-    restored on exit; the choice caches are emptied either way."""
+    restored on exit; the choice caches and `flashgen.attention`'s routes (a repeated call's kept plan) are emptied
+    either way, so that each call inside takes the forced schedule."""
 
     def __init__(self, head_dim: int, fwd: tuple | None = None, bwd: tuple | None = None) -> None:
         self.head_dim, self.fwd, self.bwd = head_dim, fwd, bwd
@@ -59,11 +60,13 @@ class Forced:
         if self.bwd is not None:
             serving.SM90_MODIFIER_BWD_SCHEDULES = {**self.saved[1], self.head_dim: (self.bwd,)}
         serving._sm90_modifier_config.cache_clear()
+        api._mod_routes.clear()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         serving.SM90_MODIFIER_SCHEDULES, serving.SM90_MODIFIER_BWD_SCHEDULES = self.saved
         serving._sm90_modifier_config.cache_clear()
+        api._mod_routes.clear()
 
 
 def kernel_configs(head_dim: int, dtype: str, names: tuple[str, ...], seqlens: tuple[int, ...] = (4096,),

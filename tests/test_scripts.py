@@ -153,7 +153,8 @@ def test_fill_kernel_cache_flex_names_each_cases_modifier_kernels(monkeypatch):
 def test_time_sm90_modifiers_builds_every_schedule_it_times(monkeypatch):
     """--compile builds, per case, the forward at each block_n in order and overlapped, each persistent or not, each
     backward schedule, and the sm80 backward it falls back to (not with --forward-only); the rule's tables are
-    restored after each forced one."""
+    restored after each forced one, and a forced schedule empties flashgen.attention's routes (a route kept from an
+    earlier call would run the rule's kernel)."""
     pytest.importorskip("torch")
     import time_sm90_modifiers
     from flashgen.config import BwdConfig
@@ -163,14 +164,21 @@ def test_time_sm90_modifiers_builds_every_schedule_it_times(monkeypatch):
     tables = serving.SM90_MODIFIER_SCHEDULES, serving.SM90_MODIFIER_BWD_SCHEDULES
     assert list(time_sm90_modifiers.forward_schedules(128)) == [
         f"bn{bn}_{s}" for bn in (128, 64)
-        for s in ("in_order", "overlap", "in_order_persistent", "overlap_persistent")]
+        for s in ("in_order", "overlap", "in_order_persistent", "overlap_persistent", "in_order_pingpong")]
     cfgs = time_sm90_modifiers.kernel_configs(128, "bf16", ("alibi",))
     assert (serving.SM90_MODIFIER_SCHEDULES, serving.SM90_MODIFIER_BWD_SCHEDULES) == tables
-    forward = {(c.block_n, c.overlap, c.persistent) for c in cfgs if not isinstance(c, BwdConfig)}
-    assert forward == {(bn, o, p) for bn in (128, 64) for o in (False, True) for p in (False, True)}
+    forward = {(c.block_n, c.overlap, c.persistent, c.pingpong) for c in cfgs if not isinstance(c, BwdConfig)}
+    assert forward == ({(bn, o, p, o) for bn in (128, 64) for o in (False, True) for p in (False, True)}
+                       | {(bn, False, False, True) for bn in (128, 64)})
     only = time_sm90_modifiers.kernel_configs(128, "bf16", ("relative_bias",), (4096, 16384), backward=False)
     assert not any(isinstance(c, BwdConfig) for c in only)
     assert len({c.score_mod for c in only}) == 2  # the table's length is the sequence's: a kernel per N
+    from flashgen import api
+    api._mod_routes["kept"] = None
+    with time_sm90_modifiers.Forced(128, fwd=(64, serving.SM90_IN_ORDER)):
+        assert not api._mod_routes
+        api._mod_routes["kept"] = None
+    assert not api._mod_routes
     backward = {(c.block_m, c.block_n, c.num_warps, c.num_stages, c.stagger)
                 for c in cfgs if isinstance(c, BwdConfig) and c.family == "sm90"}
     assert backward == set(serving.SM90_MODIFIER_BWD_SCHEDULES[128])
