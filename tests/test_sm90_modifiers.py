@@ -83,23 +83,34 @@ def test_render_applies_the_modifiers_on_the_accumulator(name):
 @pytest.mark.parametrize("name", ["relative_prefix_lm", "alibi", "document", "sliding_window"])
 def test_render_of_the_overlapped_schedule_applies_them_as_the_softmax_reads_s(name):
     """With overlap the score_mod rewrites S in place once S_j has landed (once per score, before either softmax
-    pass; ptxas keeps the P V product in flight), and softmax_pack applies the masks per score it reads (the mask_mod's
-    verdicts taken once per tile), the masked variant on tiles the mask_mod decides."""
+    pass; ptxas keeps the P V product in flight), and so does a mask_mod alone that loads per score (document ids)
+    on the tiles it decides; softmax_pack applies the other masks per score it reads (a mask_mod alone that reads
+    tensors otherwise: its verdicts taken once per tile), the masked variant on tiles the mask_mod decides."""
     score, mask = trace(EXAMPLES[name])
     src = render(sm90_cfg(name, overlap=True, pingpong=True))
     assert src.count("softmax_pack<true>(acc_s, a, m_i, l_i, corr, scale_log2, m0 + warp_row0, n0, sv.seqlen_k, "
                      "win_lo, win_hi, lane, P, sv, head, kt.full(j));") == 1
-    assert ("win_lo || !kt.full(j))" in src) == (mask is not None)
+    mask_in_place = mask is not None and score is None and mask.reads_per_score
+    assert ("if (!kt.full(j)) apply_mask_mod(acc_s, P, sv, head, m0 + warp_row0, n0, lane);  // in place: its loads "
+            "once" in src) == mask_in_place
+    assert ("win_lo || !kt.full(j))" in src) == (mask is not None and not mask_in_place)
     in_place = "apply_score_mod(acc_s, P, sv, head, m0 + warp_row0, n0, lane, to_score);  // in place, once per score"
     assert src.count(in_place) == (score is not None)
     assert "score_mod_at(s[0][nt][e] * to_score, P, sv, head, row, col)" not in src  # not again per read
-    # a mask_mod alone that reads tensors is decided once per element of the tile (its bits), not again by each pass
-    bits = mask is not None and score is None and bool(mask.captured)
+    # a mask_mod alone that reads tensors (not per score) is decided once per element of the tile (its bits), not
+    # again by each pass
+    bits = mask is not None and score is None and bool(mask.captured) and not mask_in_place
     assert ("if (MASK && !full) mask_mod_bits(verdicts, P, sv, head, row0, col0, lane);" in src) == bits
     assert ("if (!full && !((verdicts[(nt * 4 + e) / 32] >> ((nt * 4 + e) % 32)) & 1u)) return -INFINITY;"
             in src) == bits
-    assert ("if (!full && !mask_mod_at(P, sv, head, row, col)) return -INFINITY;" in src) == (mask is not None
-                                                                                              and not bits)
+    assert ("if (!full && !mask_mod_at(P, sv, head, row, col)) return -INFINITY;" in src) == (
+        mask is not None and not bits and not mask_in_place)
+    if mask_in_place:  # read by whole tiles (a block-sparse table, no partial tile): the bits, which take fewer registers
+        table = torch.zeros(8, 8, dtype=torch.bool)
+        sparse = trace_mask_mod(lambda b, h, q_idx, kv_idx: table[q_idx // 128, kv_idx // 128])
+        cfg = KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", overlap=True, pingpong=True,
+                           mask_mod=sparse.digest, block_map=True)
+        assert "mask_mod_bits(verdicts, P, sv, head, row0, col0, lane);" in render(cfg)
 
 
 def test_kernels_without_modifiers_render_without_them():
@@ -208,7 +219,10 @@ def test_sm90_modifier_kernels_compile_without_spills_or_serialized_wgmma():
     assert all(c.family == "sm90" and c.block_map for c in cfgs)
     overlapped = dataclasses.replace(cfgs[0], block_n=64)
     others = [overlapped, dataclasses.replace(cfgs[1], overlap=True, pingpong=True)]
-    compile_sm90a_clean(cfgs[1:] + others + [dataclasses.replace(overlapped, persistent=True)])
+    # document ids overlapped, their mask applied in place: no verdict bits beside the next S, no spill at 128 keys
+    in_place = KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", **dict(serving.SM90_OVERLAP),
+                            mask_mod=mods_of("document").mask_mod.digest, block_map=True)
+    compile_sm90a_clean(cfgs[1:] + others + [dataclasses.replace(overlapped, persistent=True), in_place])
     # the table read beside a mask at 128 keys overlapped: within the spilled bytes the rule takes at d128
     from flashgen.compile import compile_kernel  # noqa: PLC0415
     assert serving.build_fault(compile_kernel(cfgs[0], "sm_90a"), serving.MODIFIER_SPILL_SLACK) is None
