@@ -190,6 +190,13 @@ class Modifier:
 
         return constant(self.root)
 
+    @functools.cached_property  # asked by the schedule rule and the renderer of every modified kernel
+    def loads_on_cut_tiles(self) -> bool:
+        """Whether a kernel evaluating this mask_mod loads per score: it reads a captured tensor at an index of q_idx
+        or kv_idx (reads_per_score) other than by whole tiles of every sm90 forward schedule (up to 128 x 128, as a
+        block-sparse table is read), whose block map then has no partial tile, so the kernel never evaluates it."""
+        return self.reads_per_score and not self.constant_on_tiles(128, 128)
+
     @functools.cached_property
     def split_expr(self) -> str:
         """`expr` with q_idx and kv_idx split into bases and unrolled offsets, unclamped (emit's `split`), for the

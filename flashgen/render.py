@@ -51,6 +51,8 @@ def render(cfg: KernelConfig | BwdConfig) -> str:
                   else "Sm90ServeFwdParams" if cfg.serving else "Sm90FwdParams"),
         producer_regs=producer_regs, consumer_regs=consumer_regs, combine_warps=COMBINE_WARPS, max_splits=MAX_SPLITS,
         score_mod=score_mod, mask_mod=mask_mod, captured=captured, split_length_limit=SPLIT_LENGTH_LIMIT,
+        # a mask_mod alone that loads per score: the overlapped schedule applies it to S in place (consumer_ops)
+        mask_in_place=mask_mod is not None and score_mod is None and mask_mod.loads_on_cut_tiles,
     )
 
 

@@ -1,7 +1,7 @@
 """Time the sm90 family's modifier kernels schedule by schedule on `bench --kind flex`'s cases (FlexAttention's
 examples, d128 by default, 16 heads, batch x N = 16384): the forward at each block_n in order, overlapped
-(FlashAttention-3's schedule), each persistent or not, and in order with the warpgroups taking turns (ping-pong), and the backward at each of SM90_MODIFIER_BWD_SCHEDULES, each forced
-one at a time beside the rule's own choice.
+(FlashAttention-3's schedule), each persistent or not, and in order with the warpgroups taking turns (ping-pong), and
+the backward at each of SM90_MODIFIER_BWD_SCHEDULES, each forced one at a time beside the rule's own choice.
 
     python scripts/time_sm90_modifiers.py [--seqlen 4096,16384] [--cases document,alibi] [--flex] [--forward-only]
     FLASHGEN_CACHE_DIR=.kcache python scripts/time_sm90_modifiers.py --compile   # no GPU: build them all first

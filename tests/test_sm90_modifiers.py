@@ -176,7 +176,7 @@ def test_a_mask_mod_reading_per_score_takes_the_in_order_schedule_first(monkeypa
         "relative_bias": (128, True), "alibi": (128, True), "document": (128, False), "sliding_window": (128, True),
         "softcap_document": (128, False), "block_sparse": (128, True)}
     assert all(c.lazy_rescale == c.overlap and not c.persistent for c in picked.values())
-    assert serving.cut_tiles_read(mods_of("document").mask_mod) and not serving.cut_tiles_read(block_sparse)
+    assert mods_of("document").mask_mod.loads_on_cut_tiles and not block_sparse.loads_on_cut_tiles
     serving._sm90_modifier_config.cache_clear()
 
 

@@ -504,7 +504,7 @@ def sm90_modifier_config(head_dim: int, dtype: str, causal: bool, mods: Mods) ->
     if not {f for f, on in features.items() if on} <= set(SM90_MODIFIER_FEATURES):
         return None
     schedules = SM90_MODIFIER_SCHEDULES.get(head_dim)
-    if schedules is not None and mods.mask_mod is not None and cut_tiles_read(mods.mask_mod):
+    if schedules is not None and mods.mask_mod is not None and mods.mask_mod.loads_on_cut_tiles:
         # A mask_mod with a load per score on partial tiles: its verdicts, kept in bits in the overlapped schedule,
         # take registers beside the next tile's S; the in-order one, at the same block_n, goes first (H200: document
         # ids 1.29-1.31x at d64, 1.21-1.23x at d128, where the 128-key tiles spill). A score_mod's loads are made once
@@ -596,13 +596,6 @@ def sm90_modifier_bwd_config(head_dim: int, dtype: str, causal: bool, features: 
                 configs.append(cfg)
                 break
     return next((c for c in configs if _builds_clean(c)), None)
-
-
-def cut_tiles_read(mask_mod: Any) -> bool:
-    """Whether a mask_mod loads per score where the kernel evaluates it: a captured tensor indexed by q_idx or kv_idx
-    (Modifier.reads_per_score), unless it reads by whole tiles of every sm90 schedule (at most 128 x 128: a
-    block-sparse table), whose block map then has no partial tile, so the kernel never evaluates it."""
-    return mask_mod.reads_per_score and not mask_mod.constant_on_tiles(128, 128)
 
 
 def _reads_per_score(score_mod: str, mask_mod: str) -> bool:
@@ -739,8 +732,8 @@ def append_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, bl
 
 
 __all__ = ["DECODE_ROWS", "MAX_SPLITS", "Mods", "NO_BACKWARD", "SERVE_PARAMS", "ServeLaunch", "Sm90Launch",
-           "append_kv", "arch_and_slots", "build_fault", "call_features", "choose_splits", "cut_tiles_read",
-           "decode_config", "fire_serve", "fire_sm90", "has_mods", "kernel_sinks", "kvcache_launch", "launch_prefill", "list_slots", "modifier_config",
+           "append_kv", "arch_and_slots", "build_fault", "call_features", "choose_splits", "decode_config", "fire_serve",
+           "fire_sm90", "has_mods", "kernel_sinks", "kvcache_launch", "launch_prefill", "list_slots", "modifier_config",
            "modifier_digests", "modifier_tail", "modifier_values", "run_plan", "serve_config", "serve_grids",
            "serve_launch", "sm90_launch", "sm90_maps", "sm90_modifier_bwd_config", "sm90_modifier_config",
            "SM90_MODIFIER_BWD_SCHEDULES", "SM90_MODIFIER_SCHEDULES", "want_split"]
