@@ -159,12 +159,13 @@ def test_sm90_config_refuses_what_the_family_does_not_build():
     assert sm90_modifier_config(80, "bf16", False, mods_of("document")) is None
 
 
-def test_a_mask_mod_reading_per_score_takes_the_in_order_schedule_first(monkeypatch):
-    """A mask_mod that loads per score (document ids by q_idx and kv_idx) goes in order, at the same block_n: the
-    overlapped schedule holds its bits beside the next tile's S. A score_mod that loads per score (a bias table)
-    keeps the overlapped schedule (its loads are made once per score there too), as do modifiers that read per head
-    (ALiBi's slopes) or nothing, and a mask read by whole tiles (a block-sparse table: its block map has no partial
-    tile, so it is never evaluated); the overlapped schedule rescales O lazily."""
+def test_a_mask_mod_reading_per_score_takes_the_in_order_schedule_beside_a_score_mod_or_at_d64(monkeypatch):
+    """A mask_mod that loads per score (document ids by q_idx and kv_idx) goes in order, at the same block_n, beside
+    a score_mod (the overlapped schedule holds its bits beside the next tile's S) and at head dims up to 64; alone from
+    d96 it keeps the overlapped schedule, which applies it to S in place. A score_mod that loads per score (a bias
+    table) keeps the overlapped schedule, as do modifiers that read per head (ALiBi's slopes) or nothing, and a mask
+    read by whole tiles (a block-sparse table: its block map has no partial tile, so it is never evaluated); the
+    overlapped schedule rescales O lazily."""
     monkeypatch.setattr(serving, "_builds_clean", lambda cfg, spill_slack=0: True)
     serving._sm90_modifier_config.cache_clear()
     table = torch.zeros(64, 64, dtype=torch.bool)
@@ -172,9 +173,12 @@ def test_a_mask_mod_reading_per_score_takes_the_in_order_schedule_first(monkeypa
     picked = {name: sm90_modifier_config(128, "bf16", False, mods_of(name))
               for name in ("relative_bias", "alibi", "document", "sliding_window", "softcap_document")}
     picked["block_sparse"] = sm90_modifier_config(128, "bf16", False, Mods(mask_mod=block_sparse))
+    picked["document_d64"] = sm90_modifier_config(64, "bf16", False, mods_of("document"))
+    picked["document_d256"] = sm90_modifier_config(256, "bf16", False, mods_of("document"))
     assert {n: (c.block_n, c.overlap) for n, c in picked.items()} == {
-        "relative_bias": (128, True), "alibi": (128, True), "document": (128, False), "sliding_window": (128, True),
-        "softcap_document": (128, False), "block_sparse": (128, True)}
+        "relative_bias": (128, True), "alibi": (128, True), "document": (128, True), "sliding_window": (128, True),
+        "softcap_document": (128, False), "block_sparse": (128, True), "document_d64": (128, False),
+        "document_d256": (64, True)}
     assert all(c.lazy_rescale == c.overlap and not c.persistent for c in picked.values())
     assert mods_of("document").mask_mod.loads_on_cut_tiles and not block_sparse.loads_on_cut_tiles
     serving._sm90_modifier_config.cache_clear()
@@ -214,7 +218,8 @@ BUILDS = [("relative_prefix_lm", 128, "fp16", False), ("softcap_document", 64, "
 def test_sm90_modifier_kernels_compile_without_spills_or_serialized_wgmma():
     cfgs = [sm90_modifier_config(d, dt, causal, mods_of(name)) for name, d, dt, causal in BUILDS]
     # a table read per score beside a mask builds overlapped at 128 keys and ALiBi's slopes at d256 at 64 (the tiles
-    # no sequence end cuts share each row's reads and index conversions: emit's split form); document ids go in order
+    # no sequence end cuts share each row's reads and index conversions: emit's split form); document ids beside a
+    # score_mod go in order
     assert [(c.block_n, c.overlap) for c in cfgs] == [(128, True), (128, False), (64, True), (128, True)]
     assert all(c.family == "sm90" and c.block_map for c in cfgs)
     overlapped = dataclasses.replace(cfgs[0], block_n=64)

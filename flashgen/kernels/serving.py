@@ -504,12 +504,14 @@ def sm90_modifier_config(head_dim: int, dtype: str, causal: bool, mods: Mods) ->
     if not {f for f, on in features.items() if on} <= set(SM90_MODIFIER_FEATURES):
         return None
     schedules = SM90_MODIFIER_SCHEDULES.get(head_dim)
-    if schedules is not None and mods.mask_mod is not None and mods.mask_mod.loads_on_cut_tiles:
-        # A mask_mod with a load per score on partial tiles: its verdicts, kept in bits in the overlapped schedule,
-        # take registers beside the next tile's S; the in-order one, at the same block_n, goes first (H200: document
-        # ids 1.29-1.31x at d64, 1.21-1.23x at d128, where the 128-key tiles spill). A score_mod's loads are made once
-        # per score in either (apply_score_mod, in place). A mask read by whole tiles (a block-sparse table) is never
-        # evaluated and keeps the overlapped schedule (H200, d128, 4k / 16k: 1.05-1.07x the in-order one).
+    if (schedules is not None and mods.mask_mod is not None and mods.mask_mod.loads_on_cut_tiles
+            and (mods.score_mod is not None or head_dim <= 64)):
+        # A mask_mod with a load per score on partial tiles goes in order first, at the same block_n, beside a
+        # score_mod: the overlapped schedule keeps its verdicts in bits, which take registers beside the next tile's S
+        # (H200, document ids: 1.29-1.31x at d64, 1.21-1.23x at d128, where the 128-key tiles spill). Alone, such a
+        # mask is applied to S in place once it lands (render's mask_in_place), and the overlapped schedule is ahead
+        # from d128 (document ids, H200, 4k / 16k: 1.04 / 1.05x at d128, 1.03 / 1.06x at d256), behind at d64 (0.97 /
+        # 0.98x). A mask read by whole tiles (a block-sparse table) is never evaluated.
         schedules = tuple(sorted(schedules, key=lambda s: (-s[0], s[1] != SM90_IN_ORDER)))
     return _sm90_modifier_config(head_dim, dtype, causal, tuple(features.items()),
                                  mods.score_mod.digest if mods.score_mod is not None else "",
