@@ -964,11 +964,17 @@ class BwdConfig(_AsDict):
                           f"ceil(seqlen_q / {self.block_m}) * heads * batch")
 
     def rows_grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
-        """_pre and _convert kernels: groups of BWD_ROW_WARPS query rows x heads x batch (sm90: over
-        seqlen_q_pad rows, and _convert takes convert_grid)."""
+        """_pre and _convert kernels: groups of BWD_ROW_WARPS query rows x heads x batch (sm90: _pre over groups of
+        pre_rows of the seqlen_q_pad rows, and _convert takes convert_grid)."""
         g = grids.SM90_BWD_ROWS if self.family == "sm90" else grids.BWD_ROWS
-        return _flat_grid(g.bind(BLOCK_M=self.block_m, ROW_WARPS=BWD_ROW_WARPS)(seqlen_q, heads, batch),
-                          f"ceil(seqlen_q / {BWD_ROW_WARPS}) * heads * batch")
+        return _flat_grid(g.bind(BLOCK_M=self.block_m, ROW_WARPS=BWD_ROW_WARPS, PRE_ROWS=self.pre_rows)(
+            seqlen_q, heads, batch), f"ceil(seqlen_q / {BWD_ROW_WARPS}) * heads * batch")
+
+    @property
+    def pre_rows(self) -> int:
+        """sm90 _pre: padded query rows per block of row_threads, each row read by 4 threads (8 from d256), 16 bytes
+        of O and of dO at a time (one warp a row, 4 bytes at a time, left the d64 kernel latency-bound)."""
+        return self.row_threads // (8 if self.head_dim >= 256 else 4)
 
     def seqlen_q_pad(self, seqlen_q: int) -> int:
         """sm90: the row count of the padded LSE, D and dQ-accumulator buffers (whole Q tiles)."""

@@ -139,7 +139,7 @@ _SM90_BWD_HEADER = """\
 // Tuned on: {tuned_on}.
 // Build the kernels with plain nvcc, e.g.  nvcc {arch_flags} -c {name}.cu
 // Launches, in order, on one stream, each with one argument, Sm90BwdParams by value (launch() below):
-//   {name}_pre      grid (seqlen_q_pad / ROW_WARPS * heads * batch), block ROW_THREADS: D = rowsum(dO * O),
+//   {name}_pre      grid (seqlen_q_pad / PRE_ROWS * heads * batch), block ROW_THREADS: D = rowsum(dO * O),
 //                   lse2 = LSE * log2(e) (+inf past seqlen_q), dq_accum zeroed
 //   {name}          grid (ceil(seqlen_k / BLOCK_N) * heads * batch), block THREADS, SMEM_BYTES dynamic shared
 //                   memory (opt in): dK, dV per K/V tile, dQ added to dq_accum by fp32 atomics
@@ -163,8 +163,8 @@ constexpr int BLOCK_M = {cfg.block_m};
 constexpr int BLOCK_N = {cfg.block_n};
 constexpr int NUM_STAGES = {cfg.num_stages};
 constexpr int THREADS = {cfg.threads};
-constexpr int ROW_WARPS = {row_warps};
 constexpr int ROW_THREADS = {cfg.row_threads};
+constexpr int PRE_ROWS = {cfg.pre_rows};
 constexpr int SMEM_BYTES = {cfg.smem_bytes};
 constexpr int SMEM_W = {smem_w};
 constexpr int SWIZZLE_BYTES = {swizzle};
@@ -447,7 +447,7 @@ def bwd_header(cfg: BwdConfig, tuned_on: list[str], target: str) -> str:
         return _SM90_BWD_HEADER.format(name=cfg.name, version=__version__, tuned_on=", ".join(tuned_on) or "untuned",
                                        grid_fns="\n".join([grids.CPP_HELPERS, *fns]),
                                        arch_flags=" ".join(arch_flags(target)), params=params, cfg=cfg,
-                                       causal=str(cfg.causal).lower(), row_warps=BWD_ROW_WARPS, smem_w=cfg.smem_w,
+                                       causal=str(cfg.causal).lower(), smem_w=cfg.smem_w,
                                        swizzle=cfg.row_bytes, det_note=_SM90_DET_NOTE if cfg.deterministic else "")
     det = cfg.deterministic
     last = "dq" if det else "convert"

@@ -87,8 +87,8 @@ BWD_DQ = Grid(("seqlen_q", "heads", "batch"), "cdiv(seqlen_q, BLOCK_M) * heads *
               "m-blocks x heads x batch.")
 BWD_ROWS = Grid(("seqlen_q", "heads", "batch"), "cdiv(seqlen_q, ROW_WARPS) * heads * batch",
                 "groups of ROW_WARPS query rows x heads x batch.")
-SM90_BWD_ROWS = Grid(("seqlen_q", "heads", "batch"), "cdiv(cdiv(seqlen_q, BLOCK_M) * BLOCK_M, ROW_WARPS) * heads * batch",
-                     "groups of ROW_WARPS of the padded query rows x heads x batch.")
+SM90_BWD_ROWS = Grid(("seqlen_q", "heads", "batch"), "idiv(cdiv(seqlen_q, BLOCK_M) * BLOCK_M, PRE_ROWS) * heads * batch",
+                     "groups of PRE_ROWS padded query rows (256 threads a block) x heads x batch.")
 SM90_BWD_CONVERT = Grid(("seqlen_q", "heads", "batch"), "idiv(cdiv(seqlen_q, BLOCK_M) * BLOCK_M * HEAD_DIM, 1024) * heads * batch",
                         "a thread per 4 floats of the padded dQ accumulator, 256 a block, x heads x batch.")
 

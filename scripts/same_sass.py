@@ -5,6 +5,7 @@ templates and by the working tree's, compared instruction by instruction (no GPU
     python scripts/same_sass.py --base .ab-base/templates --tests fwd fp8 --store
     python scripts/same_sass.py --base .ab-base/templates --tests fwd fp8 --sample 60   # a quick spread of them
     python scripts/same_sass.py --base .ab-base/templates --tests bwd serving --store --backward --family sm90 --sample 16
+    python scripts/same_sass.py --base .ab-base/templates --store --backward --family sm90 --skip-functions _pre _convert
 
 A refactor of the templates (a helper, a renamed local) whose kernels all compile to identical SASS needs no new
 GPU run; one that changes any is a kernel change. Prints how many are identical and names the others. Needs
@@ -31,11 +32,27 @@ from flashgen.config import BwdConfig  # noqa: E402
 from fill_kernel_cache import SUITES, chosen_configs, default_configs  # noqa: E402
 
 _ADDR = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/")
+_SECTION = re.compile(r"(?:^//-+ \.text\.|Function : )(\S+)")  # nvdisasm's and cuobjdump's function headers
+_LABEL = re.compile(r"\.L_x_\d+")
 
 
-def sass_digest(cubin: bytes) -> str:
-    """A digest of the instructions alone (addresses dropped; the ELF around them differs with the source)."""
-    lines = [_ADDR.sub("", line).strip() for line in disassemble(cubin).splitlines() if _ADDR.match(line)]
+def sass_digest(cubin: bytes, skip: tuple[str, ...] = ()) -> str:
+    """A digest of the instructions alone (addresses dropped; the ELF around them differs with the source), leaving
+    out the functions whose names end with one of `skip`. With `skip`, branch labels are numbered per function (the
+    disassembler numbers them across the file, so a change in one function renumbers the others')."""
+    lines, keep, labels = [], True, {}
+    for line in disassemble(cubin).splitlines():
+        section = _SECTION.search(line)
+        if section:
+            keep = not section.group(1).endswith(skip) if skip else True
+            labels = {}
+            if keep:
+                lines.append(section.group(1))
+        elif keep and _ADDR.match(line):
+            ins = _ADDR.sub("", line).strip()
+            if skip:
+                ins = _LABEL.sub(lambda m: f".L{labels.setdefault(m.group(0), len(labels))}", ins)
+            lines.append(ins)
     if not lines:
         raise SystemExit("no instructions in the disassembly")
     return hashlib.sha1("\n".join(lines).encode()).hexdigest()
@@ -50,6 +67,9 @@ def main() -> None:
     ap.add_argument("--backward", action="store_true", help="only the backward's kernels (a change under a bwd template)")
     ap.add_argument("--family", default=None, help="only this template family's kernels (sm80, sm90)")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--skip-functions", nargs="+", default=(), metavar="SUFFIX",
+                    help="leave out the __global__ functions whose names end so (e.g. _pre _convert: a change to "
+                         "those alone, the main kernels compared)")
     ap.add_argument("--sample", type=int, default=None, metavar="N",
                     help="only N of the chosen kernels, evenly spread over them by name (the same N every run)")
     args = ap.parse_args()
@@ -66,8 +86,8 @@ def main() -> None:
 
     def digests() -> list[str]:
         with ThreadPoolExecutor(args.jobs) as pool:
-            return list(pool.map(lambda c: sass_digest(compile_kernel(c, target_for(args.arch, c.family)).cubin),
-                                 cfgs))
+            return list(pool.map(lambda c: sass_digest(compile_kernel(c, target_for(args.arch, c.family)).cubin,
+                                                       tuple(args.skip_functions)), cfgs))
 
     new = digests()
     render.template_env.cache_clear()

@@ -33,7 +33,8 @@ def test_serving_and_backward_grids():
     assert grids.COMBINE.bind(SPLIT=False, COMBINE_WARPS=4)(1000, 8) == 0
     assert grids.COMBINE.bind(SPLIT=True, COMBINE_WARPS=4)(1001, 3) == cdiv(3003, 4)
     cfg = BwdConfig(128, "bf16", False, 128, 128, 12, family="sm90")
-    assert cfg.rows_grid(2, 4, 113)[0] == cdiv(cdiv(113, 128) * 128, 8) * 8
+    assert cfg.rows_grid(2, 4, 113)[0] == 128 // 64 * 8  # 64 padded rows a _pre block (four threads a row)
+    assert BwdConfig(256, "bf16", False, 64, 64, 12, family="sm90").rows_grid(2, 4, 113)[0] == 128 // 32 * 8
     assert cfg.convert_grid(2, 4, 113)[0] == 128 * 128 // 1024 * 8
 
 
@@ -45,7 +46,7 @@ def test_a_grid_past_the_launch_limit_is_refused():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_cpp_computes_what_python_computes(tmp_path):
-    consts = {"BLOCK_M": 64, "BLOCK_N": 128, "ROW_WARPS": 8, "HEAD_DIM": 96, "PACK_GQA": True, "SPLIT": True,
+    consts = {"BLOCK_M": 64, "BLOCK_N": 128, "ROW_WARPS": 8, "PRE_ROWS": 32, "HEAD_DIM": 96, "PACK_GQA": True, "SPLIT": True,
               "COMBINE_WARPS": 4}
     formulas = {"fwd": grids.FWD, "cluster": grids.FWD_CLUSTER, "packed": grids.FWD_PACKED,
                 "pfwd": grids.persistent(grids.FWD), "pcluster": grids.persistent(grids.FWD_CLUSTER, True),
