@@ -981,9 +981,9 @@ class BwdConfig(_AsDict):
         return -(-seqlen_q // self.block_m) * self.block_m
 
     def convert_grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
-        """sm90 _convert: one thread per 4 floats of the accumulator, 256 per block."""
+        """sm90 _convert: 256 threads a block, 128 per unit of 64 rows x 32 columns of the accumulator."""
         g = grids.SM90_BWD_CONVERT.bind(BLOCK_M=self.block_m, HEAD_DIM=self.head_dim)
-        return _flat_grid(g(seqlen_q, heads, batch), "seqlen_q * head_dim / 1024 * heads * batch")
+        return _flat_grid(g(seqlen_q, heads, batch), "ceil(seqlen_q * head_dim / 4096) * heads * batch")
 
     def unfit_reason(self, arch: str) -> str | None:
         """Why this config cannot run on `arch`, or None if it fits."""

@@ -143,7 +143,7 @@ _SM90_BWD_HEADER = """\
 //                   lse2 = LSE * log2(e) (+inf past seqlen_q), dq_accum zeroed
 //   {name}          grid (ceil(seqlen_k / BLOCK_N) * heads * batch), block THREADS, SMEM_BYTES dynamic shared
 //                   memory (opt in): dK, dV per K/V tile, dQ added to dq_accum by fp32 atomics
-//   {name}_convert  grid (seqlen_q_pad * HEAD_DIM / 1024 * heads * batch), block 256: dq = softmax_scale * dq_accum
+//   {name}_convert  grid (ceil(seqlen_q_pad * HEAD_DIM / 4096) * heads * batch), block 256: dq = softmax_scale * dq_accum
 // seqlen_q_pad = seqlen_q rounded up to BLOCK_M. The caller allocates p.delta and lse2 (batch, heads,
 // seqlen_q_pad) fp32 and p.dq_accum (batch, heads, seqlen_q_pad, HEAD_DIM) fp32, each 16-byte aligned (its
 // layout is the main kernel's register order: only _convert reads it). p.lse is the forward's (batch, heads,

@@ -89,8 +89,8 @@ BWD_ROWS = Grid(("seqlen_q", "heads", "batch"), "cdiv(seqlen_q, ROW_WARPS) * hea
                 "groups of ROW_WARPS query rows x heads x batch.")
 SM90_BWD_ROWS = Grid(("seqlen_q", "heads", "batch"), "idiv(cdiv(seqlen_q, BLOCK_M) * BLOCK_M, PRE_ROWS) * heads * batch",
                      "groups of PRE_ROWS padded query rows (256 threads a block) x heads x batch.")
-SM90_BWD_CONVERT = Grid(("seqlen_q", "heads", "batch"), "idiv(cdiv(seqlen_q, BLOCK_M) * BLOCK_M * HEAD_DIM, 1024) * heads * batch",
-                        "a thread per 4 floats of the padded dQ accumulator, 256 a block, x heads x batch.")
+SM90_BWD_CONVERT = Grid(("seqlen_q", "heads", "batch"), "cdiv(cdiv(seqlen_q, BLOCK_M) * BLOCK_M * HEAD_DIM, 4096) * heads * batch",
+                        "two units of 64 rows x 32 columns of the padded dQ accumulator a block (128 threads a unit) x heads x batch.")
 
 __all__ = ["BWD_DQ", "BWD_MAIN", "BWD_ROWS", "COMBINE", "CPP_HELPERS", "FWD", "FWD_CLUSTER", "FWD_PACKED", "Grid",
            "SERVE", "SM90_BWD_CONVERT", "SM90_BWD_ROWS", "persistent"]

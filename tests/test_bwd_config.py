@@ -105,7 +105,7 @@ def test_sm90_rules_name_fields_and_reasons():
     assert c.smem_bytes == 1024 + 2 * 128 * 128 * 2 + 2 * (2 * 64 * 128 * 2 + 2 * 64 * 4) + 2 * 128 * 64 * 2 + 8 * 9
     assert c.accum_regs == 128 + 64 and c.unfit_reason("sm90") is None
     assert "runs on sm90 only" in c.unfit_reason("sm80")
-    assert c.seqlen_q_pad(65) == 128 and c.convert_grid(2, 3, 65) == (128 * 128 // 1024 * 3 * 2, 1, 1)
+    assert c.seqlen_q_pad(65) == 128 and c.convert_grid(2, 3, 65) == (128 * 128 // 4096 * 3 * 2, 1, 1)
     assert c.rows_grid(2, 3, 65) == (2 * 3 * 2, 1, 1)  # 128 padded rows in groups of 64
     with pytest.raises(ConfigError, match="num_warps=8 must be 12 for block_n=128"):
         BwdConfig(128, "bf16", True, 64, 128, 8, family="sm90")

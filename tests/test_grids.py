@@ -35,7 +35,8 @@ def test_serving_and_backward_grids():
     cfg = BwdConfig(128, "bf16", False, 128, 128, 12, family="sm90")
     assert cfg.rows_grid(2, 4, 113)[0] == 128 // 64 * 8  # 64 padded rows a _pre block (four threads a row)
     assert BwdConfig(256, "bf16", False, 64, 64, 12, family="sm90").rows_grid(2, 4, 113)[0] == 128 // 32 * 8
-    assert cfg.convert_grid(2, 4, 113)[0] == 128 * 128 // 1024 * 8
+    assert cfg.convert_grid(2, 4, 113)[0] == 128 * 128 // 4096 * 8  # two units of 64 x 32 floats a block
+    assert BwdConfig(96, "bf16", False, 64, 64, 8, family="sm90").convert_grid(1, 1, 1)[0] == 2  # 3 units
 
 
 def test_a_grid_past_the_launch_limit_is_refused():
