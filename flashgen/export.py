@@ -338,7 +338,11 @@ def modifier_notes(cfg: KernelConfig) -> list[str]:
         return []
     score, mask, captured = modifiers_of(cfg)
     out = ["ServeModParams p = ServeParams p.s (above: set_scales(p.s, ...)), then ModTensor slots t0..t3 and the",
-           "    block map's map_num, map_idx (a ModTensor: ptr and strides s0..s3 in elements, 0 past its rank)."]
+           "    block map's map_num, map_idx (a ModTensor: ptr and strides s0..s3 in elements, 0 past its rank)."] \
+        if cfg.family != "sm90" else [
+           "Sm90ServeModFwdParams p = Sm90ServeFwdParams' fields (above; p.p.softmax_scale and p.p.scale_log2 as for",
+           "    any sm90 kernel), then ModTensor slots t0..t3 and the block map's map_num, map_idx (a ModTensor: ptr",
+           "    and strides s0..s3 in elements, 0 past its rank)."]
     for what, mod in (("score_mod", score), ("mask_mod", mask)):
         if mod is not None:
             out.append(f"{what} {mod.digest} (flashgen.modifiers; its CUDA expression is in the .cu): "
@@ -492,8 +496,12 @@ def header(cfg: KernelConfig | BwdConfig, tuned_on: list[str], target: str) -> s
             extra += _PACKED_Q_NOTE
         if cfg.cluster:  # each CTA of a pair loads half of every K/V tile
             extra += f"\nconstexpr int KV_BOX_ROWS = {cfg.kv_box_rows};  // tm_k, tm_v box rows: BLOCK_N / 2 (cluster)"
-    params_type = ("Sm90Fp8FwdParams" if cfg.fp8 else "Sm90ServeFwdParams" if cfg.serving else "Sm90FwdParams") \
-        if sm90 else "FwdParams"
+    params_type = ("Sm90Fp8FwdParams" if cfg.fp8 else "Sm90ServeModFwdParams" if cfg.modified else
+                   "Sm90ServeFwdParams" if cfg.serving else "Sm90FwdParams") if sm90 else "FwdParams"
+    if sm90 and cfg.modified:  # the slots the modifiers read, and the struct's size as flashgen packs it
+        extra += (f"\nconstexpr int MOD_PARAMS_BYTES = {abi.SM90_SERVE_MOD_FWD.size};  // Sm90ServeModFwdParams"
+                  "\nstatic_assert(sizeof(Sm90ServeModFwdParams) == MOD_PARAMS_BYTES, "
+                  '"Sm90ServeModFwdParams disagrees with flashgen.kernels.serving");')
     grid = (_PERSISTENT_CLUSTER_GRID if cfg.cluster else _PERSISTENT_PACKED_GRID if packed else _PERSISTENT_GRID) \
         if cfg.persistent else _CLUSTER_GRID if cfg.cluster else _PACKED_GRID if packed else _FLAT_GRID
     formula = cfg.grid_formula()
@@ -506,7 +514,8 @@ def header(cfg: KernelConfig | BwdConfig, tuned_on: list[str], target: str) -> s
                           arch_flags=" ".join(arch_flags(target)), params=_params_source(cfg),
                           tile_consts=_tile_consts(cfg), params_type=params_type,
                           params_note=(_SM90_NOTE + (_FP8_NOTE if cfg.fp8 else "") + (_SM90_SERVE_NOTE if cfg.serving
-                                                                                        else "")) if sm90 else "",
+                                                                                        else "")
+                                       + "".join(f"\n// {line}" for line in modifier_notes(cfg))) if sm90 else "",
                           fwd_params="p.p" if sm90 else "p", extra_consts=extra, **grid)
 
 
@@ -605,12 +614,14 @@ def _write_kernel(cfg: KernelConfig | BwdConfig, out_dir: Path, tuned_on: list[s
              "smem_bytes": cfg.smem_bytes, "grid": _grid_text(cfg), "problems": uses}
     if isinstance(cfg, BwdConfig):
         entry["kernels"] = cfg.kernel_names
-    elif cfg.serving and cfg.family == "sm90":
+    elif cfg.serving and cfg.family == "sm90" and not cfg.modified:
         entry.update(features=list(cfg.features), params="Sm90ServeFwdParams", params_bytes=abi.SM90_SERVE_FWD.size)
     elif cfg.modified:
         score, mask, captured = modifiers_of(cfg)
-        entry.update(kernels=cfg.kernel_names, features=list(cfg.features), params="ServeModParams",
-                     params_bytes=abi.SERVE_MOD.size, block_map=cfg.block_map,
+        params = (("Sm90ServeModFwdParams", abi.SM90_SERVE_MOD_FWD.size) if cfg.family == "sm90"
+                  else ("ServeModParams", abi.SERVE_MOD.size))
+        entry.update(kernels=cfg.kernel_names, features=list(cfg.features), params=params[0],
+                     params_bytes=params[1], block_map=cfg.block_map,
                      modifiers={what: {"digest": m.digest, "expr": m.expr, "source": m.source}
                                 for what, m in (("score_mod", score), ("mask_mod", mask)) if m is not None},
                      captured=[{"slot": f"t{i}", "arg": c.arg, "name": c.name, "dtype": c.dtype, "rank": c.rank}
@@ -646,13 +657,9 @@ def export(family: str, out_dir: Path | str, tuned_dir: Path | str | None = None
 
 
 def export_configs(cfgs: Iterable[KernelConfig | BwdConfig], out_dir: Path | str, arch: str = "sm80") -> list[Path]:
-    """Write `.cu` + `.h` for the given configurations (serving kernels: they are chosen by
-    flashgen.kernels.serving.serve_config, not tuned) for an `arch` GPU, and a manifest; returns the files written."""
+    """Write `.cu` + `.h` for the given configurations (serving and modifier kernels: they are chosen by
+    flashgen.kernels.serving, not tuned) for an `arch` GPU, and a manifest; returns the files written."""
     cfgs = sorted(set(cfgs), key=lambda c: c.name)
-    for cfg in cfgs:  # their launch header (Sm90ServeModFwdParams and the slots) is not written
-        if isinstance(cfg, KernelConfig) and cfg.modified and cfg.family == "sm90":
-            raise ValueError(f"{cfg.name}: the sm90 family's modifier kernels are not exported (export the sm80 "
-                             "family's: --arch sm80)")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written, manifest, families = [], [], set()

@@ -418,6 +418,43 @@ def test_export_cli_writes_a_modifier_kernel(tmp_path, capsys):
     assert cli.main(["export", "--out", str(out), "--mask-mod", f"{mods}"]) == 2  # no :FUNC
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the schedule rule asks ptxas)")
+def test_export_cli_writes_the_hopper_modifier_kernel(tmp_path, capsys):
+    """--arch sm90 with a modifier: the sm90 family's kernel flashgen.attention takes on Hopper (its schedule rule),
+    with --features window / sinks where given; features the family does not build are refused."""
+    import json
+
+    from flashgen import cli
+    from flashgen.kernels.serving import sm90_modifier_config
+
+    mods = tmp_path / "mods.py"
+    mods.write_text(MOD_FILE)
+    out = tmp_path / "out"
+    assert cli.main(["export", "--arch", "sm90", "--out", str(out), "--mask-mod", f"{mods}:same_doc",
+                     "--head-dim", "128", "--causal", "no"]) == 0
+    (entry,) = json.loads((out / "manifest.json").read_text())["kernels"]
+    cfg = KernelConfig.from_dict(entry["config"])
+    assert cfg == sm90_modifier_config(128, "bf16", False, Mods(mask_mod=traced_file(mods, "same_doc")))
+    assert cfg.family == "sm90" and cfg.block_map and entry["params"] == "Sm90ServeModFwdParams"
+    assert entry["targets"] == ["sm_90a"] and "wrote 1 serving kernels" in capsys.readouterr().out
+    assert cli.main(["export", "--arch", "sm90", "--out", str(out), "--score-mod", f"{mods}:alibi",
+                     "--features", "window,sinks", "--head-dim", "64", "--causal", "yes"]) == 0
+    (entry,) = json.loads((out / "manifest.json").read_text())["kernels"]
+    assert KernelConfig.from_dict(entry["config"]).features == ("window", "sinks")
+    assert cli.main(["export", "--arch", "sm90", "--out", str(out), "--mask-mod", f"{mods}:same_doc",
+                     "--features", "varlen"]) == 2
+    assert "--features varlen: choose from window,sinks" in capsys.readouterr().err
+    assert cli.main(["export", "--arch", "sm90", "--out", str(out), "--mask-mod", f"{mods}:same_doc",
+                     "--dtype", "fp8_e4m3"]) == 2
+    assert "export --arch sm80" in capsys.readouterr().err
+
+
+def traced_file(path, func: str):
+    from flashgen.modifiers import load_file
+
+    return load_file(f"{path}:{func}", "mask")
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("g++") is None, reason="needs nvcc and g++")
 def test_an_exported_modifier_kernel_compiles_and_links(tmp_path):
     from test_export import assert_plain_cpp, compile_cubins, link_app

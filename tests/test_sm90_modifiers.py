@@ -233,12 +233,48 @@ def test_sm90_modifier_kernels_compile_without_spills_or_serialized_wgmma():
     assert serving.build_fault(compile_kernel(cfgs[0], "sm_90a"), serving.MODIFIER_SPILL_SLACK) is None
 
 
-def test_export_refuses_them(tmp_path):
+SM90_MOD_MAIN = """\
+#include "{a}.h"
+int main() {{
+    Sm90ServeModFwdParams p = {{}};  // tensor maps and slots left empty: this only builds and links
+    p.p.batch = 1; p.p.heads = 2; p.p.heads_k = 2; p.p.seqlen_q = 300; p.p.seqlen_k = 300;
+    p.num_seqs = 1; p.max_seqlen_q = 300; p.window_left = -1; p.window_right = -1;
+    static_assert(flashgen::{a}_launch::MOD_PARAMS_BYTES == sizeof(Sm90ServeModFwdParams), "the struct's size");
+    if (flashgen::{a}_launch::grid_x(p.max_seqlen_q, p.p.heads, p.num_seqs) != 6) return 1;
+    return (int)flashgen::{a}_launch::launch(p);  // links against the kernel
+}}
+"""
+
+
+def test_export_writes_the_rules_kernel_with_its_slots(tmp_path):
+    """The kernel flashgen.attention takes on Hopper for a score_mod over a table beside a document mask: its .cu
+    (the expressions pasted in) and a header with Sm90ServeModFwdParams, the slots and the block map's lists."""
+    import json
+
     from flashgen.export import export_configs
 
-    with pytest.raises(ValueError, match="not exported"):
-        export_configs([sm90_cfg("document")], tmp_path, "sm90")
-    assert not list(tmp_path.iterdir())
+    cfg = sm90_modifier_config(128, "bf16", False, mods_of("relative_prefix_lm"))
+    export_configs([cfg], tmp_path, "sm90")
+    (entry,) = json.loads((tmp_path / "manifest.json").read_text())["kernels"]
+    assert entry["params"] == "Sm90ServeModFwdParams" and entry["params_bytes"] == abi.SM90_SERVE_MOD_FWD.size
+    assert entry["block_map"] and set(entry["modifiers"]) == {"score_mod", "mask_mod"} and entry["targets"] == ["sm_90a"]
+    source = (tmp_path / f"{cfg.name}.cu").read_text()  # the expressions as this family emits them (narrowed indices)
+    assert "float score_mod_at(" in source and "bool mask_mod_at(" in source and "score_mod_t0[" in source
+    header = (tmp_path / f"{cfg.name}.h").read_text()
+    assert "struct Sm90ServeModFwdParams" in header and "launch(const Sm90ServeModFwdParams& p" in header
+    assert "t0: " in header and "map_idx int32" in header and "cuTensorMapEncodeTiled" in header
+    assert "grid_x(p.max_seqlen_q, f.heads, p.num_seqs)" in header
+
+
+@needs_nvcc
+def test_an_exported_sm90_modifier_kernel_compiles_and_links_for_sm90a(tmp_path):
+    from test_export import link_app
+
+    from flashgen.export import export_configs
+
+    cfg = sm90_modifier_config(64, "bf16", False, mods_of("softcap_document"))
+    export_configs([cfg], tmp_path, "sm90")
+    link_app(tmp_path, SM90_MOD_MAIN.format(a=cfg.name), (cfg.name,), ("-gencode", "arch=compute_90a,code=sm_90a"))
 
 
 def test_persistent_kernels_find_each_tiles_list_in_producer_and_consumers():

@@ -7,15 +7,17 @@ from pathlib import Path
 from typing import Any
 
 from flashgen import config as C
+from flashgen.checks import Mods
 from flashgen.export import export, export_configs
-from flashgen.kernels.serving import serve_config
+from flashgen.kernels.serving import SM90_MODIFIER_FEATURES, serve_config, sm90_modifier_config
 
 from .common import CliError, causal_list, check_choices, int_list, load_modifier, str_list
 
 
 def add_parser(sub: Any) -> None:
     e = sub.add_parser("export", help="write tuned kernels as .cu + launch header for a C++ project")
-    e.add_argument("--arch", default="sm80", help="template family to export (default sm80)")
+    e.add_argument("--arch", default="sm80", help="template family to export (default sm80; sm90 with --score-mod / "
+                                                  "--mask-mod: the modifier kernel flashgen.attention takes on Hopper)")
     e.add_argument("--out", type=Path, required=True, help="output directory")
     e.add_argument("--gpu", default=None, help="only kernels tuned on this GPU (name or file slug)")
     e.add_argument("--tuned-dir", type=Path, default=None, help="tuned store directory")
@@ -47,8 +49,11 @@ def add_parser(sub: Any) -> None:
 def serving_configs(args: argparse.Namespace) -> list[C.KernelConfig]:
     """export --features: the serving kernel of each feature set x head dim x dtype x mask, chosen by
     flashgen.kernels.serving.serve_config for --rows rows on --gpu-arch (what the runtime would launch)."""
+    if args.arch == "sm90" and (args.score_mod or args.mask_mod):
+        return sm90_modifier_configs(args)
     if args.arch != "sm80":
-        raise CliError(f"--arch {args.arch}: serving kernels are family sm80 (they run on Hopper too: --gpu-arch sm90)")
+        raise CliError(f"--arch {args.arch}: serving kernels are family sm80 (they run on Hopper too: --gpu-arch sm90; "
+                       "with --score-mod / --mask-mod, --arch sm90 exports the sm90 family's modifier kernel)")
     if args.gpu or args.tuned_dir:
         raise CliError("--features exports serving kernels, which are not tuned: drop --gpu and --tuned-dir")
     check_choices("head-dim", args.head_dim, C.HEAD_DIMS)
@@ -71,6 +76,31 @@ def serving_configs(args: argparse.Namespace) -> list[C.KernelConfig]:
     return cfgs
 
 
+def sm90_modifier_configs(args: argparse.Namespace) -> list[C.KernelConfig]:
+    """export --arch sm90 --score-mod / --mask-mod: the sm90 family's forward that flashgen.attention takes on Hopper
+    for these modifiers (flashgen.kernels.serving.sm90_modifier_config: its schedule, a block map with a mask_mod),
+    per head dim x dtype x mask, with --features window and / or sinks where given."""
+    if args.gpu or args.tuned_dir or args.rows is not None or args.block_map is not None:
+        raise CliError("--arch sm90 exports the modifier kernel flashgen.attention takes on Hopper: drop --gpu, "
+                       "--tuned-dir, --rows and --block-map")
+    check_choices("head-dim", args.head_dim, C.HEAD_DIMS)
+    check_choices("dtype", args.dtype, C.DTYPES)
+    mods = dict(score_mod=load_modifier(args.score_mod, "score") if args.score_mod else None,
+                mask_mod=load_modifier(args.mask_mod, "mask") if args.mask_mod else None)
+    cfgs = []
+    for feats in args.features or [[]]:
+        if feats:
+            check_choices("features", feats, SM90_MODIFIER_FEATURES)
+        extra = dict(window=(64, 64) if "window" in feats else (-1, -1), sinks=True if "sinks" in feats else None)
+        for d, dtype, causal in itertools.product(args.head_dim, args.dtype, causal_list(args.causal)):
+            cfg = sm90_modifier_config(d, dtype, causal, Mods(**mods, **extra))
+            if cfg is None:
+                raise CliError(f"the sm90 family has no modifier kernel for head_dim {d}, {dtype}"
+                               f"{' with ' + ','.join(feats) if feats else ''}: export --arch sm80 (it runs on Hopper)")
+            cfgs.append(cfg)
+    return cfgs
+
+
 def modifier_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The KernelConfig fields --score-mod, --mask-mod and --block-map give (the modifiers traced here, so that the
     render finds their expressions)."""
@@ -88,7 +118,7 @@ def modifier_fields(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     if args.features or args.score_mod or args.mask_mod or args.block_map == "yes":
         cfgs = serving_configs(args)
-        files = export_configs(cfgs, args.out, args.gpu_arch)
+        files = export_configs(cfgs, args.out, "sm90" if cfgs and cfgs[0].family == "sm90" else args.gpu_arch)
         kernels = sum(1 for f in files if f.suffix == ".cu")
         print(f"wrote {kernels} serving kernels ({len(files)} files) to {args.out}")
         return 0
