@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import sys
 from pathlib import Path
 
@@ -105,6 +106,38 @@ def test_same_sass_reads_instructions_and_tells_kernels_apart():
     b = compile_kernel(KernelConfig(64, "bf16", True, 128, 64, 4, 2), "sm_80")
     assert same_sass.sass_digest(a.cubin) == same_sass.sass_digest(a.cubin)
     assert same_sass.sass_digest(a.cubin) != same_sass.sass_digest(b.cubin)
+
+
+SKIP_SOURCE = """\
+extern "C" __global__ void k(float* x, int n) {{
+    for (int i = threadIdx.x; i < n; i += blockDim.x) if (x[i] > 0.f) x[i] = sqrtf(x[i]);
+}}
+extern "C" __global__ void k_pre(float* x, int n) {{ {pre} }}
+"""
+
+
+@pytest.mark.sweep  # needs the disassembler the sweep installs (the sass extra)
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_same_sass_can_leave_functions_out(tmp_path):
+    """--skip-functions: two cubins whose _pre functions differ (one with a loop, which renumbers the file's branch
+    labels) have the same digest without them, and different ones with them."""
+    import subprocess
+
+    from flashgen.compile import disassembler
+
+    import same_sass
+
+    if disassembler() is None:
+        pytest.skip("no nvdisasm or cuobjdump (pip install nvidia-cuda-nvdisasm)")
+    cubins = []
+    for i, pre in enumerate(("x[threadIdx.x] += 1.f;",
+                             "for (int i = threadIdx.x; i < n; i += 32) if (x[i] < 0.f) x[i] = 2.f * x[i];")):
+        (tmp_path / f"{i}.cu").write_text(SKIP_SOURCE.format(pre=pre))
+        subprocess.run(["nvcc", "-cubin", "-arch=sm_80", "-o", str(tmp_path / f"{i}.cubin"), str(tmp_path / f"{i}.cu")],
+                       check=True, capture_output=True)
+        cubins.append((tmp_path / f"{i}.cubin").read_bytes())
+    assert same_sass.sass_digest(cubins[0]) != same_sass.sass_digest(cubins[1])
+    assert same_sass.sass_digest(cubins[0], ("_pre",)) == same_sass.sass_digest(cubins[1], ("_pre",))
 
 
 def test_fill_kernel_cache_space_is_the_restricted_tune_space():
