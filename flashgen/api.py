@@ -58,9 +58,11 @@ def _check_options(causal: Any, softmax_scale: Any) -> None:
 
 
 def reload() -> None:
-    """Forget every resolved kernel: the next call reads the tuned store again (it is also re-read by
-    itself when its file changes, checked at most once a second)."""
+    """Forget every resolved kernel, and the plans repeated calls keep: the next call reads the tuned store again (it
+    is also re-read by itself when its file changes, checked at most once a second) and chooses its kernel anew."""
     resolve.clear()
+    _decode_routes.clear()
+    _mod_routes.clear()
 
 
 def _padded(q: Any, k: Any, v: Any, rank: int, dense: bool = False, arch: str | None = None) -> bool:

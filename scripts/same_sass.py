@@ -44,7 +44,7 @@ def sass_digest(cubin: bytes, skip: tuple[str, ...] = ()) -> str:
     for line in disassemble(cubin).splitlines():
         section = _SECTION.search(line)
         if section:
-            keep = not section.group(1).endswith(skip) if skip else True
+            keep = not section.group(1).endswith(skip)  # endswith(()) is False: nothing skipped
             labels = {}
             if keep:
                 lines.append(section.group(1))

@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flashgen import api, bench_flex, resolve  # noqa: E402
+import flashgen  # noqa: E402
+from flashgen import bench_flex, resolve  # noqa: E402
 from flashgen.compare import back_to_back_ms  # noqa: E402
 from flashgen.kernels import serving  # noqa: E402
 
@@ -60,13 +61,13 @@ class Forced:
         if self.bwd is not None:
             serving.SM90_MODIFIER_BWD_SCHEDULES = {**self.saved[1], self.head_dim: (self.bwd,)}
         serving._sm90_modifier_config.cache_clear()
-        api._mod_routes.clear()
+        flashgen.reload()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         serving.SM90_MODIFIER_SCHEDULES, serving.SM90_MODIFIER_BWD_SCHEDULES = self.saved
         serving._sm90_modifier_config.cache_clear()
-        api._mod_routes.clear()
+        flashgen.reload()
 
 
 def kernel_configs(head_dim: int, dtype: str, names: tuple[str, ...], seqlens: tuple[int, ...] = (4096,),
@@ -123,8 +124,6 @@ def call_ms(fn: Callable[[], object], reps: int) -> float:
 
 def time_all(args: argparse.Namespace, names: tuple[str, ...]) -> None:
     import torch  # noqa: PLC0415
-
-    import flashgen  # noqa: PLC0415
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     d = args.head_dim

@@ -207,9 +207,9 @@ def test_time_sm90_modifiers_builds_every_schedule_it_times(monkeypatch):
     assert not any(isinstance(c, BwdConfig) for c in only)
     assert len({c.score_mod for c in only}) == 2  # the table's length is the sequence's: a kernel per N
     from flashgen import api
-    api._mod_routes["kept"] = None
+    api._mod_routes["kept"] = api._decode_routes["kept"] = None  # flashgen.reload() forgets the kept plans
     with time_sm90_modifiers.Forced(128, fwd=(64, serving.SM90_IN_ORDER)):
-        assert not api._mod_routes
+        assert not api._mod_routes and not api._decode_routes
         api._mod_routes["kept"] = None
     assert not api._mod_routes
     backward = {(c.block_m, c.block_n, c.num_warps, c.num_stages, c.stagger)

@@ -118,7 +118,7 @@ def modifier_fields(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     if args.features or args.score_mod or args.mask_mod or args.block_map == "yes":
         cfgs = serving_configs(args)
-        files = export_configs(cfgs, args.out, "sm90" if cfgs and cfgs[0].family == "sm90" else args.gpu_arch)
+        files = export_configs(cfgs, args.out, args.arch if args.arch == "sm90" else args.gpu_arch)
         kernels = sum(1 for f in files if f.suffix == ".cu")
         print(f"wrote {kernels} serving kernels ({len(files)} files) to {args.out}")
         return 0
