@@ -165,7 +165,7 @@ def chosen_configs(arch: str, tests: list[str] | None, store: bool, around_store
     if tests is not None:
         cfgs |= test_suite_configs(arch, tuple(tests) or SUITES)
     if store:
-        cfgs |= store_configs(arch)
+        cfgs |= store_configs(arch, problems)
     if around_store:
         cfgs |= around_store_configs(arch, [f.replace("-", "_") for f in around_store], gqa, problems)
     if restrict:
@@ -184,8 +184,9 @@ def main() -> None:
     ap.add_argument("--around-store", nargs="+", default=None, metavar="FIELD")
     ap.add_argument("--gqa", type=int, default=1, help="--around-store for GQA problems of this group (tune --gqa)")
     ap.add_argument("--problems", nargs="+", default=None, metavar="KEY_PART",
-                    help="--around-store only around the store entries whose key holds one of these, as a tune "
-                         "restricted by --head-dim/--seqlen/--causal, e.g. d128_bf16_causal_s1024")
+                    help="--store / --around-store: only the store entries whose key holds one of these (for "
+                         "--around-store, as a tune restricted by --head-dim/--seqlen/--causal), e.g. "
+                         "d128_bf16_causal_s1024")
     ap.add_argument("--space", nargs="+", default=None, metavar="FIELD=V,...",
                     help="a restricted tune's space, e.g. head_dim=64 dtype=bf16,fp16 block_m=192 block_n=128,192")
     ap.add_argument("--defaults", action="store_true")
