@@ -161,8 +161,13 @@ def test_cli_bench_pass_bwd_simulated_table_and_files(tmp_path, capsys):
     assert "2.5x the forward's FLOPs" in out
     doc = json.loads(next(tmp_path.glob("*.json")).read_text())
     recs = {r["pass_"]: r for r in doc["results"]}
-    assert recs["bwd"]["kernel"].startswith("simulated_bwd") and recs["bwd"]["fa4_over_cudnn_target"] is None
-    # backward rows stand beside FlashAttention-4's backward on the H200 (flashgen/data/peers.json: d128 causal N=1024, 272)
+    assert recs["bwd"]["kernel"].startswith("simulated_bwd")
+    # backward rows stand beside FlashAttention-4's backward on the H200 (flashgen/data/peers.json: d128 causal N=1024, 272):
+    # their goal is its ratio to this run's cuDNN, the ratio flashgen's backward has to reach
+    assert recs["bwd"]["fa4_over_cudnn_target"] == pytest.approx(272 / recs["bwd"]["cudnn_tflops"])
+    bwd_cols = next(line for line in lines if line.startswith("bwd ")).split()
+    # pass dtype d mask N flashgen api api/kern flash cudnn (x flash) (x cudnn) (FA4 goal) (x FA4 bwd)
+    assert bwd_cols[12] == f"{272 / recs['bwd']['cudnn_tflops']:.2f}"
     assert "x FA4 bwd" in lines[0] and recs["fwd"]["ratio_fa4_bwd"] is None
     assert recs["bwd"]["ratio_fa4_bwd"] == pytest.approx(recs["bwd"]["flashgen_tflops"] / 272)
     # a backward point counts 2.5x the forward's FLOPs (the simulated runner's times follow the FLOPs)
