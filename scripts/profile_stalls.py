@@ -1,13 +1,14 @@
 """Where a bench point's kernel waits: ncu's warp-state samples per SASS instruction (needs ncu and a GPU).
 
-    python scripts/profile_stalls.py FAMILY HEAD_DIM SEQLEN CAUSAL(0|1) [DTYPE] --out DIR [--top 40]
+    python scripts/profile_stalls.py FAMILY HEAD_DIM SEQLEN CAUSAL(0|1) [DTYPE [PASS]] --out DIR [--top 40]
     python scripts/profile_stalls.py --csv DIR/stalls-...-sass.csv          (summarize a kept profile, no GPU)
 
 Profiles the kernel `load()` picks for the point (scripts/launch_bench_point.py: batch*seqlen = 16384,
 heads*head_dim = 2048) with the SourceCounters and WarpStateStats sections, keeps the report and the
 per-instruction CSV under DIR, and prints the kernel's stall reasons, where the sm90 consumer warpgroups'
 samples fall (GEMM waits, mbarrier waits, MUFU, ... : the region after setmaxnreg.inc) and the instructions
-most often sampled, with their SASS: the consumer's critical path shows as the waits it sits on.
+most often sampled, with their SASS: the consumer's critical path shows as the waits it sits on. PASS bwd: the
+backward's main kernel (its second call's; a call launches _pre, the main kernel and _convert).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def ncu(*args: str, fatal: bool = True) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("point", nargs="*", help="FAMILY HEAD_DIM SEQLEN CAUSAL [DTYPE]")
+    ap.add_argument("point", nargs="*", help="FAMILY HEAD_DIM SEQLEN CAUSAL [DTYPE [PASS]]")
     ap.add_argument("--out", type=Path, help="where the report, details and per-instruction CSV go")
     ap.add_argument("--csv", type=Path, help="summarize this kept per-instruction CSV instead of profiling")
     ap.add_argument("--top", type=int, default=40)
@@ -48,7 +49,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     tag = "-".join(args.point)
     rep = args.out / f"stalls-{tag}"
-    ncu("--clock-control", "none", "-k", "regex:fwd_", "-s", "2", "-c", "1", "--section", "SourceCounters",
+    bwd = len(args.point) > 5 and args.point[5] == "bwd"
+    ncu("--clock-control", "none", "-k", "regex:bwd_" if bwd else "regex:fwd_", "-s", "4" if bwd else "2", "-c", "1",
+        "--section", "SourceCounters", "--section", "SpeedOfLight", "--section", "ComputeWorkloadAnalysis",
+        "--section", "MemoryWorkloadAnalysis",
         "--section", "WarpStateStats", "--import-source", "no", "-f", "-o", str(rep),
         sys.executable, str(ROOT / "scripts" / "launch_bench_point.py"), *args.point)
     details = ncu("-i", f"{rep}.ncu-rep", "--page", "details", "--print-details", "all")
@@ -58,7 +62,7 @@ def main() -> None:
 
     print(f"== {tag}")
     for line in details.splitlines():  # the kernel's name and its stall breakdown (cycles per issued instruction)
-        if re.search(r"fwd_|Warp Cycles Per Issued|Stall|stall", line):
+        if re.search(r"fwd_|bwd_|Warp Cycles Per Issued|Stall|stall", line):
             print(line.rstrip()[:150])
     summarize(source, tag, args.top)
 
