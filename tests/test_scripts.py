@@ -307,3 +307,25 @@ def test_ab_api_alternates_checkouts_and_says_whether_their_outputs_agree(monkey
     alibi = next(line for line in table.splitlines() if line.startswith("alibi"))
     assert "104.0" in alibi and "113.0 (1.087)" in alibi and "outputs agree" in alibi
     assert "OUTPUTS DIFFER" in next(line for line in table.splitlines() if line.startswith("document"))
+
+
+def test_search_vs_exhaustive_runs_both_searches_into_their_own_stores(tmp_path):
+    """Each search of a problem gets a storage and tuned directory of its own and stores one entry for the problem
+    (the simulated backend: no GPU); a rerun resumes the recorded study and measures nothing again."""
+    import search_vs_exhaustive as sve
+
+    spec = ["--arch", "sm90", "--head-dim", "128", "--causal", "no", "--seqlen", "4096", "--pass", "bwd", "--simulate"]
+    exhaustive = sve.search(spec, ["--exhaustive"], tmp_path / "e")
+    halving = sve.search(spec, ["--search", "halving"], tmp_path / "h")
+    assert exhaustive["problem"] == halving["problem"] and exhaustive["problem"]["pass_"] == "bwd"
+    assert exhaustive["trials"] == halving["trials"] == 24  # every fitting configuration of d128's backward space
+    assert (tmp_path / "e" / "study.db").exists() and (tmp_path / "h" / "study.db").exists()
+    assert sve.search(spec, ["--exhaustive"], tmp_path / "e")["kernel"] == exhaustive["kernel"]
+
+
+def test_fill_kernel_cache_store_takes_only_the_named_problems():
+    import fill_kernel_cache
+
+    some = fill_kernel_cache.store_configs("sm90", ["sm90_d128_bf16_full_s4096"])
+    everything = fill_kernel_cache.store_configs("sm90")
+    assert some and some < everything and all(c.head_dim == 128 and not c.causal for c in some)
