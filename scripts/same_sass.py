@@ -6,6 +6,7 @@ templates and by the working tree's, compared instruction by instruction (no GPU
     python scripts/same_sass.py --base .ab-base/templates --tests fwd fp8 --sample 60   # a quick spread of them
     python scripts/same_sass.py --base .ab-base/templates --tests bwd serving --store --backward --family sm90 --sample 16
     python scripts/same_sass.py --base .ab-base/templates --store --backward --family sm90 --skip-functions _pre _convert
+    python scripts/same_sass.py --base .ab-base/templates --tests serving --flex --backward --family sm90
 
 A refactor of the templates (a helper, a renamed local) whose kernels all compile to identical SASS needs no new
 GPU run; one that changes any is a kernel change. Prints how many are identical and names the others. Needs
@@ -64,6 +65,7 @@ def main() -> None:
     ap.add_argument("--arch", default="sm90")
     ap.add_argument("--tests", nargs="*", choices=SUITES, default=None, help="the GPU suites' kernels (all if bare)")
     ap.add_argument("--store", action="store_true", help="every tuned kernel")
+    ap.add_argument("--flex", action="store_true", help="the modifier kernels of `bench --kind flex` (needs torch)")
     ap.add_argument("--backward", action="store_true", help="only the backward's kernels (a change under a bwd template)")
     ap.add_argument("--family", default=None, help="only this template family's kernels (sm80, sm90)")
     ap.add_argument("--jobs", type=int, default=2)
@@ -73,7 +75,8 @@ def main() -> None:
     ap.add_argument("--sample", type=int, default=None, metavar="N",
                     help="only N of the chosen kernels, evenly spread over them by name (the same N every run)")
     args = ap.parse_args()
-    cfgs = sorted(chosen_configs(args.arch, args.tests, args.store) or default_configs(args.arch), key=lambda c: c.name)
+    cfgs = sorted(chosen_configs(args.arch, args.tests, args.store, flex=args.flex) or default_configs(args.arch),
+                  key=lambda c: c.name)
     if args.backward:
         cfgs = [c for c in cfgs if isinstance(c, BwdConfig)]
     if args.family:
