@@ -335,23 +335,26 @@ def fa4_target(pt: Point) -> float | None:
     return FA4_OVER_CUDNN.get((pt.head_dim, pt.seqlen, pt.causal))
 
 
+def _fa4_bwd(pt: Point) -> float | None:
+    """FlashAttention-4's backward TFLOP/s on the H200 at a backward point (data/peers.json, bf16 only), or None."""
+    if pt.pass_ != "bwd" or pt.dtype != "bf16":
+        return None
+    return FA4_BWD_TFLOPS.get((pt.head_dim, pt.seqlen, pt.causal))
+
+
 def fa4_goal(r: Row) -> float | None:
     """The ratio to cuDNN that flashgen has to reach at this row: FlashAttention-4's forward over cuDNN (both measured
-    on the H200), or for a backward row FlashAttention-4's backward TFLOP/s (data/peers.json) over this run's cuDNN."""
+    on the H200), or for a backward row FlashAttention-4's backward TFLOP/s over this run's cuDNN."""
     if r.point.pass_ == "fwd":
         return fa4_target(r.point)
-    fa4, cudnn = FA4_BWD_TFLOPS.get((r.point.head_dim, r.point.seqlen, r.point.causal)), r.tflops("cudnn")
-    if r.point.dtype != "bf16" or fa4 is None or not cudnn:
-        return None
-    return fa4 / cudnn
+    fa4, cudnn = _fa4_bwd(r.point), r.tflops("cudnn")
+    return fa4 / cudnn if fa4 is not None and cudnn else None
 
 
 def fa4_bwd_ratio(r: Row) -> float | None:
-    """A backward row's kernel TFLOP/s over FlashAttention-4's backward on the H200 (data/peers.json, bf16 only)."""
-    t, fa4 = r.tflops("flashgen"), FA4_BWD_TFLOPS.get((r.point.head_dim, r.point.seqlen, r.point.causal))
-    if r.point.pass_ != "bwd" or r.point.dtype != "bf16" or t is None or fa4 is None:
-        return None
-    return t / fa4
+    """A backward row's kernel TFLOP/s over FlashAttention-4's backward on the H200."""
+    t, fa4 = r.tflops("flashgen"), _fa4_bwd(r.point)
+    return t / fa4 if t is not None and fa4 is not None else None
 
 
 def table(rows: list[Row], peers: list[str], ceiling: dict[str, float] | None = None) -> str:

@@ -966,9 +966,12 @@ class BwdConfig(_AsDict):
     def rows_grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         """_pre and _convert kernels: groups of BWD_ROW_WARPS query rows x heads x batch (sm90: _pre over groups of
         pre_rows of the seqlen_q_pad rows, and _convert takes convert_grid)."""
-        g = grids.SM90_BWD_ROWS if self.family == "sm90" else grids.BWD_ROWS
+        sm90 = self.family == "sm90"
+        g = grids.SM90_BWD_ROWS if sm90 else grids.BWD_ROWS
+        what = (f"ceil(seqlen_q / {self.block_m}) * {self.block_m} / {self.pre_rows} * heads * batch" if sm90
+                else f"ceil(seqlen_q / {BWD_ROW_WARPS}) * heads * batch")
         return _flat_grid(g.bind(BLOCK_M=self.block_m, ROW_WARPS=BWD_ROW_WARPS, PRE_ROWS=self.pre_rows)(
-            seqlen_q, heads, batch), f"ceil(seqlen_q / {BWD_ROW_WARPS}) * heads * batch")
+            seqlen_q, heads, batch), what)
 
     @property
     def pre_rows(self) -> int:
