@@ -48,7 +48,7 @@ FEATURES = ("varlen", "paged", "split", "pack_gqa", "window", "softcap", "alibi"
 SM90_FEATURES = ("varlen", "window", "sinks")  # the sm90 family's forward has these (its backward: varlen, window)
 # The sm90 forward's schedule knobs (KernelConfig fields; tuned beside the tile, `tune --<knob> yes/no` restricts them).
 SM90_KNOBS = ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum", "lazy_rescale", "q_regs", "p_smem",
-              "o_tma", "pack_gqa", "cluster", "lpt_by_head", "exp2_fma")
+              "o_tma", "pack_gqa", "cluster", "lpt_by_head", "exp2_fma", "desc_step")
 # The sm90 knobs of the dense forward only: a serving kernel built from a dense configuration drops them.
 SM90_DENSE_KNOBS = ("pack_gqa", "o_tma", "cluster", "lpt_by_head")
 # exp2_fma's choices: quarters of P's exponentials on the FMA pipe (0: all on the MUFU unit). The tuning space has them
@@ -212,11 +212,16 @@ class KernelConfig(_AsDict):
     # P V product, O's accumulator, epilogue and V's tiles take it; Q K^T keeps head_dim (DeepSeek-V3's MLA prefill:
     # 192 and 128). See SPLIT_HEAD_DIMS.
     head_dim_v: int | None = None
+    # sm90: each tile's wgmma descriptors are made once and stepped per k-step by a constant added to their start
+    # address (fewer uniform-datapath instructions in the consumers), instead of one made whole per k-step.
+    desc_step: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
         if d["head_dim_v"] is None:  # left out when q, k and v share a head dim: those dicts stay as they were
             del d["head_dim_v"]
+        if not d["desc_step"]:  # left out when off, the same way
+            del d["desc_step"]
         return d
 
     def __post_init__(self) -> None:
@@ -290,6 +295,9 @@ class KernelConfig(_AsDict):
                               f"pack_gqa or cluster (they order their own tiles), not {self.dtype} "
                               f"{'persistent' if self.persistent else 'plain'} "
                               f"{'causal' if self.causal else 'full'} / family {self.family} / {kind}")
+        _check_choice("desc_step", self.desc_step, (False, True))
+        if self.desc_step and self.family != "sm90":
+            raise ConfigError(f"desc_step is an sm90 knob (wgmma's shared-memory descriptors), not family {self.family}")
         _check_choice("exp2_fma", self.exp2_fma, EXP2_FMA_SHARES)
         if self.exp2_fma and (self.family != "sm90" or self.fp8):
             raise ConfigError(f"exp2_fma is an sm90 knob for 16-bit inputs (their softmax), not {self.dtype} / family "
@@ -392,6 +400,7 @@ class KernelConfig(_AsDict):
             name += "_cl" if self.cluster else ""
             name += "_hl" if self.lpt_by_head else ""
             name += f"_ef{self.exp2_fma}" if self.exp2_fma else ""
+            name += "_dst" if self.desc_step else ""
         name += "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
         name += "_fc" if self.fused_combine else ""
         name += f"_sm{self.score_mod[:8]}" if self.score_mod else ""
@@ -609,6 +618,8 @@ def space(family: str, head_dim: int, dtype: str, causal: bool, gqa_group: int =
                                         continue
     if family == "sm90" and dtype not in FP8_DTYPES and head_dim <= EXP2_FMA_MAX_HEAD_DIM:
         out += [replace(c, exp2_fma=e) for e in EXP2_FMA_SHARES[1:] for c in out]  # after the rest: its order stays
+    if family == "sm90":
+        out += [replace(c, desc_step=True) for c in out]  # after the rest, the same way
     if family == "sm90" and gqa_group > 1:
         out += [replace(c, pack_gqa=True) for c in out
                 if gqa_group <= c.block_m and not c.o_tma and not c.cluster and not c.lpt_by_head]
@@ -715,6 +726,8 @@ SM90_BWD_HEAD_DIMS = (32, 64, 96, 128, 256)
 SM90_BWD_BLOCK_MS = (64, 128)
 SM90_BWD_BLOCK_NS = (64, 128)
 SM90_BWD_STAGES = (1, 2, 3)  # Q/dO tiles in flight
+LSE_AHEADS = (0, 1, 2, 4, 8)  # BwdConfig.lse_ahead's choices (8 at block_m 64: the whole tile's, as FA4 reads them)
+LSE_AHEAD_SPACE = (0, 2)  # those in the tuning space (the others: scripts/time_configs.py +lse_ahead=N)
 
 
 def sm90_bwd_kv_split(head_dim: int) -> int:
@@ -766,10 +779,14 @@ class BwdConfig(_AsDict):
     score_mod: str = ""
     mask_mod: str = ""
     block_map: bool = False
+    # sm90, without kv_split or modifiers: the softmax reads each n-tile's LSE and D this many n-tiles (of 8 queries)
+    # ahead of their first use, the first ones before the wait for S^T and dP^T (0: each just before its use, where
+    # the dS^T stores pin it). LSE_AHEADS.
+    lse_ahead: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
-        for f in ("score_mod", "mask_mod", "block_map"):  # left out when off: dicts of other backwards as before
+        for f in ("score_mod", "mask_mod", "block_map", "lse_ahead"):  # left out when off: other dicts as before
             if not d[f]:
                 del d[f]
         return d
@@ -780,6 +797,7 @@ class BwdConfig(_AsDict):
         _check_choice("causal", self.causal, (False, True))
         _check_choice("deterministic", self.deterministic, (False, True))
         _check_choice("dq_tma", self.dq_tma, (False, True))
+        _check_choice("lse_ahead", self.lse_ahead, LSE_AHEADS)
         for f in BWD_FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
         self._check_modifiers()
@@ -792,6 +810,7 @@ class BwdConfig(_AsDict):
         _check_choice("num_stages", self.num_stages, (2,))
         _check_choice("stagger", self.stagger, (False,))
         _check_choice("dq_tma", self.dq_tma, (False,))
+        _check_choice("lse_ahead", self.lse_ahead, (0,))
         _check_choice("head_dim", self.head_dim, DENSE_HEAD_DIMS)
         if self.head_dim in DENSE_ONLY_HEAD_DIMS and (self.features or self.modified):
             raise ConfigError(f"head_dim={self.head_dim} is built for the dense backward only, without serving "
@@ -830,6 +849,9 @@ class BwdConfig(_AsDict):
         _check_choice("block_n", self.block_n, SM90_BWD_BLOCK_NS)
         _check_choice("num_stages", self.num_stages, SM90_BWD_STAGES)
         _check_choice("stagger", self.stagger, (False, True))
+        if self.lse_ahead and (self.kv_split > 1 or self.modified):
+            raise ConfigError(f"lse_ahead is built for the sm90 backward without kv_split or modifiers (its softmax), not "
+                              f"head_dim={self.head_dim}{' with a score_mod, mask_mod or block map' if self.modified else ''}")
         if self.deterministic and not self.dq_tma:
             raise ConfigError("deterministic=True in family sm90 needs dq_tma=True (dQ's bulk reduces are what it orders; "
                               "the consumers' per-thread atomics have no order)")
@@ -885,6 +907,7 @@ class BwdConfig(_AsDict):
         name += f"_s{self.num_stages}_st{int(self.stagger)}" if self.family == "sm90" else f"_det{int(self.deterministic)}"
         name += "_dqt" if self.dq_tma else ""
         name += "_det" if self.deterministic and self.family == "sm90" else ""
+        name += f"_la{self.lse_ahead}" if self.lse_ahead else ""
         name += "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
         name += f"_sm{self.score_mod[:8]}" if self.score_mod else ""
         name += f"_mm{self.mask_mod[:8]}" if self.mask_mod else ""
@@ -1020,15 +1043,18 @@ def bwd_space(head_dim: int, dtype: str, causal: bool, deterministic: bool = Fal
               family: str = "sm80") -> list[BwdConfig]:
     """Every valid backward configuration of one family for one problem (arch fit not checked: see unfit_reason)."""
     if family == "sm90":
-        # dq_tma outermost: the configurations without it keep their order, those with it follow
-        grid = [(bm, bn, 4 * (1 + bn // 64 * sm90_bwd_kv_split(head_dim)), s, st, dqt) for dqt in (False, True)
-                for bm in SM90_BWD_BLOCK_MS for bn in SM90_BWD_BLOCK_NS for s in SM90_BWD_STAGES for st in (False, True)]
+        # the later knobs outermost (lse_ahead, then dq_tma): the configurations without them keep their order
+        las = LSE_AHEAD_SPACE if sm90_bwd_kv_split(head_dim) == 1 else (0,)
+        grid = [(bm, bn, 4 * (1 + bn // 64 * sm90_bwd_kv_split(head_dim)), s, st, dqt, la) for la in las
+                for dqt in (False, True) for bm in SM90_BWD_BLOCK_MS for bn in SM90_BWD_BLOCK_NS
+                for s in SM90_BWD_STAGES for st in (False, True)]
     else:
-        grid = [(bm, bn, w, 2, False, False) for bm in BWD_BLOCK_MS for bn in BWD_BLOCK_NS for w in BWD_NUM_WARPS]
+        grid = [(bm, bn, w, 2, False, False, 0) for bm in BWD_BLOCK_MS for bn in BWD_BLOCK_NS for w in BWD_NUM_WARPS]
     out = []
-    for bm, bn, w, s, st, dqt in grid:
+    for bm, bn, w, s, st, dqt, la in grid:
         try:
-            out.append(BwdConfig(head_dim, dtype, causal, bm, bn, w, deterministic, family, s, st, dq_tma=dqt))
+            out.append(BwdConfig(head_dim, dtype, causal, bm, bn, w, deterministic, family, s, st, dq_tma=dqt,
+                                 lse_ahead=la))
         except ConfigError:
             continue
     return out

@@ -196,7 +196,7 @@ def result_of(t: FrozenTrial) -> TrialResult:
 LATE_KNOBS = {f.name: f.default for f in fields(KernelConfig)
               if f.name in SM90_KNOBS[SM90_KNOBS.index("overlap_epilogue"):]}
 # The same for the sm90 backward: its knobs after num_stages and stagger.
-LATE_BWD_KNOBS = {f.name: f.default for f in fields(BwdConfig) if f.name == "dq_tma"}
+LATE_BWD_KNOBS = {f.name: f.default for f in fields(BwdConfig) if f.name in ("dq_tma", "lse_ahead")}
 # The same for decode: the fused combine.
 LATE_DECODE_KNOBS = {"fused_combine": False}
 

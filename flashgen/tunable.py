@@ -38,7 +38,7 @@ BWD_PARAMS = ("block_m", "block_n", "num_warps")  # = BwdConfig's tuned fields (
 # Keyed by `params_key`: the family for a forward or varlen problem, "bwd_<family>" for a backward one, "decode".
 FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, *SM90_KNOBS),
                  "bwd_sm80": BWD_PARAMS,
-                 "bwd_sm90": (*BWD_PARAMS, "num_stages", "stagger", "dq_tma"),
+                 "bwd_sm90": (*BWD_PARAMS, "num_stages", "stagger", "dq_tma", "lse_ahead"),
                  "decode": (*PARAMS, "num_splits", "fused_combine")}
 
 Problem = TuneProblem | td.DecodeProblem | tv.VarlenProblem

@@ -12,7 +12,7 @@ from flashgen.abi import BWD, SM90_BWD
 from flashgen.kernels.backward import backward, pack_params
 from flashgen.compile import CompiledKernel, Resources, compile_kernel, parse_ptxas, target_for
 from flashgen.config import (
-    ARCHS, HALF_DTYPES, HEAD_DIMS, SM90_BWD_HEAD_DIMS, BwdConfig, ConfigError, KernelConfig, bwd_space, bwd_warp_grid, default_bwd_config,
+    ARCHS, HALF_DTYPES, HEAD_DIMS, LSE_AHEAD_SPACE, SM90_BWD_HEAD_DIMS, BwdConfig, ConfigError, KernelConfig, bwd_space, bwd_warp_grid, default_bwd_config,
 )
 from flashgen.render import render
 from flashgen.tensors import Problem
@@ -254,6 +254,66 @@ def test_sm90_kernels_compile_without_spills_or_serialized_wgmma():
     assert {c.family for c in cfgs} == {"sm90"}
     for k in compile_sm90a_clean(cfgs):
         assert not re.search(r"C751[239]", k.ptxas_log), f"{k.name}: {k.ptxas_log}"
+
+
+def test_lse_ahead_rules_name_and_dict():
+    """lse_ahead: an sm90 knob, off by default (names and dicts of the kernels without it unchanged), spelled `_laN`,
+    for the softmax without kv_split or modifiers, not in sm80."""
+    c = BwdConfig(128, "bf16", False, 64, 128, 12, family="sm90", num_stages=3, stagger=True)
+    on = dataclasses.replace(c, lse_ahead=2)
+    assert c.lse_ahead == 0 and "lse_ahead" not in c.to_dict() and on.to_dict()["lse_ahead"] == 2
+    assert on.name == c.name + "_la2" and BwdConfig.from_dict(on.to_dict()) == on and on.smem_bytes == c.smem_bytes
+    assert "constexpr int LSE_AHEAD = 2;" in render(on) and "constexpr int LSE_AHEAD = 0;" in render(c)
+    assert BwdConfig(64, "bf16", True, 64, 64, 8, family="sm90", lse_ahead=4, window=True, varlen=True).lse_ahead == 4
+    with pytest.raises(ConfigError, match="lse_ahead=. is not allowed"):
+        dataclasses.replace(c, lse_ahead=3)
+    with pytest.raises(ConfigError, match="without kv_split or modifiers.*head_dim=256"):
+        BwdConfig(256, "bf16", False, 64, 64, 12, family="sm90", num_stages=1, lse_ahead=2)
+    with pytest.raises(ConfigError, match="with a score_mod, mask_mod or block map"):
+        dataclasses.replace(c, lse_ahead=2, block_map=True)
+    with pytest.raises(ConfigError, match="lse_ahead=2 is not allowed"):  # sm80 reads LSE and D its own way
+        BwdConfig(64, "bf16", True, 64, 64, 4, lse_ahead=2)
+    space = bwd_space(128, "bf16", False, family="sm90")  # each read distance after the rest, which keep their order
+    plain = [x for x in space if not x.lse_ahead]
+    assert space[:len(plain)] == plain and {x.lse_ahead for x in space} == set(LSE_AHEAD_SPACE) == {0, 2}
+    assert {dataclasses.replace(x, lse_ahead=0) for x in space} == set(plain)
+    assert {x.lse_ahead for x in bwd_space(256, "bf16", False, family="sm90")} == {0}
+
+
+@pytest.mark.sweep
+def test_lse_ahead_builds_clean_and_reads_before_the_wait():
+    """With lse_ahead, the first n-tiles' LSE and D loads (LDS.64) sit before the main kernel's first wgmma wait (the
+    wait for S^T and dP^T); without it, none do. Each read distance at d64's and d128's stored tiles, both masks, a
+    window and varlen: no spills, no serialized wgmma."""
+    import re
+
+    from conftest import compile_sm90a_clean
+
+    from flashgen.compile import disassemble, disassembler
+
+    cfgs = [BwdConfig(hd, "bf16", causal, bm, 128, 12, family="sm90", num_stages=s, stagger=True, lse_ahead=la)
+            for hd, bm, s in ((64, 128, 2), (128, 64, 3)) for causal in (False, True) for la in (0, 1, 2, 4, 8)]
+    cfgs += [BwdConfig(128, "fp16", True, 64, 128, 12, family="sm90", num_stages=2, stagger=True, lse_ahead=2,
+                       window=True, varlen=True),
+             BwdConfig(64, "bf16", False, 64, 64, 8, family="sm90", num_stages=2, lse_ahead=2)]
+    kernels = compile_sm90a_clean(cfgs)
+    if disassembler() is None:
+        pytest.skip("no SASS disassembler for the load placement (pip install nvidia-cuda-nvdisasm)")
+    section = re.compile(r"(?:^//-+ \.text\.|Function : )(\S+)")
+    for k in kernels:
+        ops, current = [], None
+        for line in disassemble(k.cubin).splitlines():
+            m = section.search(line)
+            if m:
+                current = m.group(1)
+            elif current == k.config.name and (op := re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)):
+                ops.append(op.group(1))
+        first_wait = next(i for i, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR"))
+        early = sum(op.startswith("LDS.64") for op in ops[:first_wait])
+        if k.config.lse_ahead:
+            assert early >= 2, f"{k.name}: {early} LSE/D loads before the wait for S^T and dP^T"
+        else:
+            assert early == 0, f"{k.name}: {early} loads before the wait without lse_ahead"
 
 
 def test_dq_tma_rules_name_shared_memory_and_space():

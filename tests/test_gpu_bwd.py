@@ -28,6 +28,10 @@ OTHER_SM90 = [(64, 64, 8, 1, True), (64, 64, 8, 2, False), (128, 128, 12, 1, Fal
 # sm90 with dq_tma (dQ through shared memory and a TMA bulk reduce): d32/d64's default tiles, d128's, d256's at one
 # stage (two leave no room for the dQ tile), and one consumer warpgroup at d32-d128.
 DQ_TMA_SM90 = [(128, 128, 12, 2, True), (64, 128, 12, 3, True), (64, 64, 12, 1, False), (64, 64, 8, 2, False)]
+# sm90 with lse_ahead (LSE and D read n-tiles ahead in the softmax): d32/d64's default tiles and d128's, each read
+# distance, and one consumer warpgroup.
+LSE_AHEAD_SM90 = [(128, 128, 12, 2, True, 2), (64, 128, 12, 3, True, 2), (128, 128, 12, 3, True, 4),
+                  (64, 128, 12, 2, True, 1), (64, 64, 8, 2, False, 2)]
 DET_PAIRS = [(17, 17), (113, 211), (211, 113), (1023, 1023)]
 # The sm90 deterministic backward (dQ's bulk reduces in n-block order): odd lengths, unequal both ways (the last two
 # with many Q tiles per CTA and many CTAs per Q tile: causal, each CTA's walk down from the last Q tile to a diagonal
@@ -49,7 +53,9 @@ def _others(head_dim: int, dtype: str, causal: bool, arch: str) -> list[BwdConfi
     out = []
     sm90 = ([dict(block_m=bm, block_n=bn, num_warps=w, family="sm90", num_stages=s, stagger=st) for bm, bn, w, s, st in OTHER_SM90]
             + [dict(block_m=bm, block_n=bn, num_warps=w, family="sm90", num_stages=s, stagger=st, dq_tma=True)
-               for bm, bn, w, s, st in DQ_TMA_SM90]) if arch == "sm90" else []
+               for bm, bn, w, s, st in DQ_TMA_SM90]
+            + [dict(block_m=bm, block_n=bn, num_warps=w, family="sm90", num_stages=s, stagger=st, lse_ahead=la)
+               for bm, bn, w, s, st, la in LSE_AHEAD_SM90]) if arch == "sm90" else []
     for tile in [dict(block_m=bm, block_n=bn, num_warps=w) for bm, bn, w in OTHER_TILES] + sm90:
         try:
             c = BwdConfig(head_dim, dtype, causal, **tile)

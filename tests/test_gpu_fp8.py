@@ -33,13 +33,21 @@ TILES = [(128, 128, 12, 2), (128, 128, 12, 2, True), (128, 128, 12, 2, False, Tr
          (192, 128, 16, 2, False, False, True, False, True, True)]
 
 
+# desc_step (descriptors stepped per k-step: Q, K, VT and the row sums' ones): with and without the row sums on the
+# tensor cores, each schedule.
+DESC_STEP_TILES = [(128, 256, 12, 2, False, False, True, False, True), (128, 128, 12, 2, True, False, False, False, True),
+                   (128, 64, 12, 3, True, True), (192, 128, 16, 2, False, False, True, False, True, True)]
+
+
 def fp8_configs(arch: str = "sm90") -> list[KernelConfig]:
     if arch != "sm90":
         return []
     out = []
-    for d, causal, tiles in itertools.product(FP8_HEAD_DIMS, (False, True), TILES):
+    for d, causal, (tiles, step) in itertools.product(FP8_HEAD_DIMS, (False, True),
+                                                        [(t, False) for t in TILES] + [(t, True) for t in DESC_STEP_TILES]):
         c = KernelConfig(d, DT, causal, *tiles[:4], "sm90", *tiles[4:7], block_quant_p=bool(tiles[7:] and tiles[7]),
-                         mma_rowsum=bool(tiles[8:] and tiles[8]), lazy_rescale=bool(tiles[9:] and tiles[9]))
+                         mma_rowsum=bool(tiles[8:] and tiles[8]), lazy_rescale=bool(tiles[9:] and tiles[9]),
+                         desc_step=step)
         if c.unfit_reason(arch) is None:
             out.append(c)
     return out

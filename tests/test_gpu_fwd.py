@@ -84,6 +84,16 @@ OTHER_TILES = {
              (64, 128, 8, 2, False, False, True, False, False, False, False, False, False, True)],
 }
 
+# desc_step (each tile's descriptors stepped per k-step) with every descriptor path: Q and K from shared memory, Q in
+# registers, P from shared memory, one and three consumer warpgroups, each schedule, persistent with lazy rescaling.
+DESC_STEP_SM90 = [dict(block_m=128, block_n=128, num_warps=12, num_stages=2),
+                  dict(block_m=128, block_n=64, num_warps=12, num_stages=3, overlap=True, pingpong=True, persistent=True,
+                       lazy_rescale=True),
+                  dict(block_m=128, block_n=128, num_warps=12, num_stages=2, pingpong=True, q_regs=True),
+                  dict(block_m=128, block_n=64, num_warps=12, num_stages=2, overlap=True, p_smem=True),
+                  dict(block_m=192, block_n=64, num_warps=16, num_stages=2, overlap=True),
+                  dict(block_m=64, block_n=128, num_warps=8, num_stages=2, persistent=True)]
+
 
 def _arch() -> str:
     import torch
@@ -105,6 +115,10 @@ def configs_for(head_dim: int, dtype: str, causal: bool, arch: str) -> list[Kern
                              q_regs=tiles[9:10] == (True,), p_smem=tiles[10:11] == (True,), o_tma=tiles[11:12] == (True,),
                              cluster=tiles[12:13] == (True,), lpt_by_head=causal and tiles[13:14] == (True,))
             if c.unfit_reason(arch) is None and c not in cfgs:
+                cfgs.append(c)
+        for kw in DESC_STEP_SM90 if family == "sm90" else ():
+            c = KernelConfig(head_dim, dtype, causal, family="sm90", desc_step=True, **kw)
+            if c.unfit_reason(arch) is None:
                 cfgs.append(c)
     return cfgs
 

@@ -414,15 +414,17 @@ def test_a_stored_trial_from_before_a_knob_reads_as_the_knob_off():
 def test_a_stored_backward_trial_from_before_dq_tma_reads_as_it_off():
     from optuna.distributions import CategoricalDistribution
 
-    assert search_mod.FAMILY_PARAMS["bwd_sm90"][-1] == "dq_tma" and search_mod.LATE_BWD_KNOBS == {"dq_tma": False}
-    values = dict(zip(search_mod.FAMILY_PARAMS["bwd_sm90"][:-1], (64, 128, 12, 3, True)))
+    assert search_mod.FAMILY_PARAMS["bwd_sm90"][-2:] == ("dq_tma", "lse_ahead")
+    assert search_mod.LATE_BWD_KNOBS == {"dq_tma": False, "lse_ahead": 0}
+    values = dict(zip(search_mod.FAMILY_PARAMS["bwd_sm90"][:-2], (64, 128, 12, 3, True)))
     t = optuna.trial.create_trial(params=values, value=1.0, user_attrs={"status": "ok"},
                                   distributions={n: CategoricalDistribution([v]) for n, v in values.items()})
     params = search_mod._params(t, "bwd_sm90")
-    assert params == (64, 128, 12, 3, True, False)
+    assert params == (64, 128, 12, 3, True, False, 0)
     p = TuneProblem("Test GPU", "sm90", "sm90", "bf16", 128, True, 4096, pass_="bwd")
     assert search_mod.config_of(p, params).name == "bwd_sm90_d128_bf16_causal_bm64_bn128_w12_s3_st1"
-    assert search_mod.config_of(p, params[:-1] + (True,)).name.endswith("_s3_st1_dqt")
+    assert search_mod.config_of(p, params[:-2] + (True, 0)).name.endswith("_s3_st1_dqt")
+    assert search_mod.config_of(p, params[:-1] + (2,)).name.endswith("_s3_st1_la2")
 
 
 def test_leaders_are_timed_again_before_the_outcome(tmp_path):
