@@ -5,7 +5,7 @@
 
 Carry the directory to the GPU machine and point FLASHGEN_CACHE_DIR at it there: device minutes
 then go to the GPU, not to nvcc. --tests: the GPU test suite's kernels; --store: every tuned
-kernel; --around-store FIELD ...: what `tune --around-store` tries (each stored forward kernel with only
+kernel; --around-store FIELD ...: what `tune --around-store` tries (each stored dense forward or backward with only
 these fields free); --space FIELD=V,... ...: what a restricted `tune` tries (the family's space, both masks, of
 the head_dim and dtype values given, only configurations with these values of the other fields, e.g. `--space
 head_dim=64 dtype=bf16,fp16 block_m=192 block_n=128,192`); --defaults: each family's default for every head dim, dtype and mask; --flex: the modifier kernels of `bench --kind
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from flashgen.compile import CompileError, cache_entries, compile_kernel, target_for  # noqa: E402
 from flashgen.config import (FP8_DTYPES, FP8_HEAD_DIMS, HALF_DTYPES, FAMILIES, HEAD_DIMS, BwdConfig, KernelConfig,  # noqa: E402
-                             around, default_config, space)
+                             around, bwd_space, default_config, space)
 from flashgen.store import config_from_entry, read_store  # noqa: E402
 
 
@@ -87,15 +87,20 @@ def store_configs(arch: str, problems: list[str] | None = None) -> set[KernelCon
 
 
 def around_store_configs(arch: str, free: list[str], gqa: int = 1,
-                         problems: list[str] | None = None) -> set[KernelConfig]:
-    """What `tune --around-store FREE [--gqa G]` evaluates around each stored forward configuration (problems: only
-    around the entries whose problem key holds one of these strings, e.g. d128_bf16_causal_s1024)."""
-    out = set()
+                         problems: list[str] | None = None) -> set[KernelConfig | BwdConfig]:
+    """What `tune --around-store FREE [--gqa G]` (and `--pass bwd`) evaluates around each stored dense configuration,
+    forward or backward (problems: only around the entries whose problem key holds one of these strings, e.g.
+    d128_bf16_causal_s1024)."""
+    out: set[KernelConfig | BwdConfig] = set()
     for cfg in store_configs(arch, problems):
         if isinstance(cfg, KernelConfig) and not cfg.serving:
             group = max(gqa, 2 if cfg.pack_gqa else 1)  # a GQA problem's space: its pack_gqa configurations too
-            out |= {c for c in around(cfg, space(cfg.family, cfg.head_dim, cfg.dtype, cfg.causal, group), free)
-                    if c.unfit_reason(arch) is None}
+            cands = space(cfg.family, cfg.head_dim, cfg.dtype, cfg.causal, group)
+        elif isinstance(cfg, BwdConfig) and not (cfg.serving or cfg.deterministic):
+            cands = bwd_space(cfg.head_dim, cfg.dtype, cfg.causal, family=cfg.family)
+        else:
+            continue
+        out |= {c for c in around(cfg, cands, free) if c.unfit_reason(arch) is None}
     return out
 
 

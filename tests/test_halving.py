@@ -138,7 +138,7 @@ def test_a_configuration_failing_verification_never_enters_a_later_rung_nor_the_
 
 SMALL = ["--arch", "sm90", "--head-dim", "64", "--dtype", "bf16", "--causal", "no", "--seqlen", "1024", "--block-m",
          "64,128", "--block-n", "128,192", "--num-stages", "2", "--exp2-fma", "no", "--cluster", "no", "--lpt-by-head",
-         "no", "--pack-gqa", "no", "--o-tma", "no", "--p-smem", "no", "--q-regs", "no"]
+         "no", "--pack-gqa", "no", "--o-tma", "no", "--p-smem", "no", "--q-regs", "no", "--desc-step", "no"]
 
 
 def test_cli_tunes_with_halving(tmp_path, capsys):

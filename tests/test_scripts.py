@@ -324,6 +324,18 @@ def test_search_vs_exhaustive_runs_both_searches_into_their_own_stores(tmp_path)
     assert sve.search(spec, ["--exhaustive"], tmp_path / "e")["kernel"] == exhaustive["kernel"]
 
 
+def test_fill_kernel_cache_around_store_takes_stored_backwards_too():
+    """--around-store FIELD compiles what tune --around-store evaluates, with --pass bwd too: each stored dense
+    backward with only FIELD free (here the two values of lse_ahead in the space)."""
+    import fill_kernel_cache
+
+    got = fill_kernel_cache.around_store_configs("sm90", ["lse_ahead"], problems=["sm90_d128_bf16_full_s4096"])
+    bwd = {c for c in got if isinstance(c, BwdConfig)}
+    assert {c.lse_ahead for c in bwd} == {0, 2} and len(bwd) == 2 and all(c.head_dim == 128 for c in bwd)
+    assert len({dataclasses.replace(c, lse_ahead=0) for c in bwd}) == 1  # the stored tile, nothing else free
+    assert all(not c.desc_step for c in got if isinstance(c, KernelConfig))  # the forward with lse_ahead: itself
+
+
 def test_fill_kernel_cache_store_takes_only_the_named_problems():
     import fill_kernel_cache
 
