@@ -29,9 +29,9 @@ OTHER_SM90 = [(64, 64, 8, 1, True), (64, 64, 8, 2, False), (128, 128, 12, 1, Fal
 # stage (two leave no room for the dQ tile), and one consumer warpgroup at d32-d128.
 DQ_TMA_SM90 = [(128, 128, 12, 2, True), (64, 128, 12, 3, True), (64, 64, 12, 1, False), (64, 64, 8, 2, False)]
 # sm90 with lse_ahead (LSE and D read n-tiles ahead in the softmax): d32/d64's default tiles and d128's, each read
-# distance, and one consumer warpgroup.
+# distance (8: a 64-row tile's whole LSE and D before the wait), and one consumer warpgroup.
 LSE_AHEAD_SM90 = [(128, 128, 12, 2, True, 2), (64, 128, 12, 3, True, 2), (128, 128, 12, 3, True, 4),
-                  (64, 128, 12, 2, True, 1), (64, 64, 8, 2, False, 2)]
+                  (64, 128, 12, 2, True, 1), (64, 64, 8, 2, False, 2), (64, 128, 12, 3, True, 8)]
 DET_PAIRS = [(17, 17), (113, 211), (211, 113), (1023, 1023)]
 # The sm90 deterministic backward (dQ's bulk reduces in n-block order): odd lengths, unequal both ways (the last two
 # with many Q tiles per CTA and many CTAs per Q tile: causal, each CTA's walk down from the last Q tile to a diagonal

@@ -324,6 +324,29 @@ def test_search_vs_exhaustive_runs_both_searches_into_their_own_stores(tmp_path)
     assert sve.search(spec, ["--exhaustive"], tmp_path / "e")["kernel"] == exhaustive["kernel"]
 
 
+def test_time_configs_times_in_rounds_and_compares_each_problem_with_its_base():
+    """Rounds take every point in turn (a drift of the card falls on all alike); the table gives each point's rounds,
+    their median and its ratio to the first point of its own problem, not to another problem's."""
+    base = KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90")
+    on = dataclasses.replace(base, desc_step=True)
+    d64 = KernelConfig(64, "bf16", False, 128, 128, 12, 2, "sm90")
+    shape = (4, 4096, 4096, 16, None)
+    pts = [time_configs.Point(n, c, "N=4096", shape, None, None, 1e-3)
+           for n, c in (("a", base), ("b", on), ("c", d64), ("d", dataclasses.replace(d64, desc_step=True)))]
+    order, ms = [], {"a": [1.0, 1.2, 1.1], "b": [0.9, 0.95, 1.0], "c": [2.0, 2.0, 2.0], "d": [2.2, 2.2, 2.2]}
+
+    def timer(pt, reps):
+        order.append(pt.name)
+        return ms[pt.name][order.count(pt.name) - 1]
+
+    times = time_configs.timed_rounds(pts, 3, 5, timer)
+    assert order == ["a", "b", "c", "d"] * 3 and times == [ms[k] for k in "abcd"]
+    lines = time_configs.table(pts, times)
+    assert lines[0].startswith("a (fwd_sm90_d128_bf16_full_bm128_bn128_w12_s2_ov0_pp0) N=4096: 1.100 ms") and "x1.000 the base's time (rounds 1.000 1.200 1.100" in lines[0]
+    assert "x0.864 the base's time" in lines[1]  # 0.95 / 1.10
+    assert "x1.000" in lines[2] and "x1.100 the base's time" in lines[3]  # d64 against d64's base, not d128's
+
+
 def test_fill_kernel_cache_around_store_takes_stored_backwards_too():
     """--around-store FIELD compiles what tune --around-store evaluates, with --pass bwd too: each stored dense
     backward with only FIELD free (here the two values of lse_ahead in the space)."""
