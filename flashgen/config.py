@@ -726,7 +726,7 @@ SM90_BWD_HEAD_DIMS = (32, 64, 96, 128, 256)
 SM90_BWD_BLOCK_MS = (64, 128)
 SM90_BWD_BLOCK_NS = (64, 128)
 SM90_BWD_STAGES = (1, 2, 3)  # Q/dO tiles in flight
-LSE_AHEADS = (0, 1, 2, 4, 8)  # BwdConfig.lse_ahead's choices (8 at block_m 64: the whole tile's, as FA4 reads them)
+LSE_AHEADS = (0, 1, 2, 4, 8)  # BwdConfig.lse_ahead's choices (8 at block_m 64: the whole tile's)
 LSE_AHEAD_SPACE = (0, 2)  # those in the tuning space (the others: scripts/time_configs.py +lse_ahead=N)
 
 
