@@ -21,6 +21,14 @@ def gpu_missing_reason() -> str | None:
     return None
 
 
+def named_by_filter(cfgs: list) -> list:
+    """The configurations a GPU suite runs beside its defaults: all, or with FLASHGEN_TEST_NAMES set (comma-separated
+    pieces of kernel names, e.g. `_dst,_la`) those whose name holds one of them: after a template change that
+    scripts/same_sass.py shows leaves every other kernel's SASS alone, the run covers what changed."""
+    pieces = [s for s in os.environ.get("FLASHGEN_TEST_NAMES", "").split(",") if s]
+    return [c for c in cfgs if any(s in c.name for s in pieces)] if pieces else cfgs
+
+
 RAM_TMP = Path("/dev/shm")
 RAM_TMP_MIN_FREE = 2 << 30  # what a run writes there at most (kernel caches, studies, a wheel, a venv), with room
 

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from conftest import named_by_filter
 from flashgen.compile import compile_kernel, target_for
 from flashgen.config import HALF_DTYPES, HEAD_DIMS, BwdConfig, default_bwd_config, default_config
 from flashgen.verify import attention_grads as _grads, judge_backward  # the reference, shared with the tuner
@@ -63,7 +64,7 @@ def _others(head_dim: int, dtype: str, causal: bool, arch: str) -> list[BwdConfi
             continue
         if c.unfit_reason(arch) is None and c != default_bwd_config(head_dim, dtype, causal, arch):
             out.append(c)
-    return out
+    return named_by_filter(out)
 
 
 def bwd_configs(arch: str) -> list[BwdConfig]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from conftest import compile_grouped
+from conftest import compile_grouped, named_by_filter
 
 from flashgen.config import FP8_HEAD_DIMS, KernelConfig
 
@@ -50,7 +50,7 @@ def fp8_configs(arch: str = "sm90") -> list[KernelConfig]:
                          desc_step=step)
         if c.unfit_reason(arch) is None:
             out.append(c)
-    return out
+    return named_by_filter(out)
 
 
 def compiled_on_sm90(cfgs: list) -> dict:
@@ -203,7 +203,7 @@ def pack_fp8_configs(arch: str = "sm90") -> list[KernelConfig]:
         c = KernelConfig(d, DT, causal, *t[:4], "sm90", *t[4:7], mma_rowsum=bool(t[8:] and t[8]), pack_gqa=True)
         if c.unfit_reason(arch) is None:
             out.append(c)
-    return out
+    return named_by_filter(out)
 
 
 @pytest.fixture(scope="module")

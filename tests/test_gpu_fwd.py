@@ -7,7 +7,7 @@ import itertools
 import os
 
 import pytest
-from conftest import compile_grouped
+from conftest import compile_grouped, named_by_filter
 
 from flashgen.config import HALF_DTYPES, FAMILIES, HEAD_DIMS, KernelConfig, default_config
 
@@ -109,17 +109,19 @@ def configs_for(head_dim: int, dtype: str, causal: bool, arch: str) -> list[Kern
         if family == "sm90" and arch != "sm90":
             continue  # the Hopper family runs only on sm90
         cfgs.append(default_config(head_dim, dtype, causal, arch, family))
+        others = []
         for tiles in OTHER_TILES[family]:
             c = KernelConfig(head_dim, dtype, causal, *tiles[:4], family, *tiles[4:7],
                              overlap_epilogue=tiles[7:8] == (True,), lazy_rescale=tiles[8:9] == (True,),
                              q_regs=tiles[9:10] == (True,), p_smem=tiles[10:11] == (True,), o_tma=tiles[11:12] == (True,),
                              cluster=tiles[12:13] == (True,), lpt_by_head=causal and tiles[13:14] == (True,))
-            if c.unfit_reason(arch) is None and c not in cfgs:
-                cfgs.append(c)
+            if c.unfit_reason(arch) is None and c not in cfgs + others:
+                others.append(c)
         for kw in DESC_STEP_SM90 if family == "sm90" else ():
             c = KernelConfig(head_dim, dtype, causal, family="sm90", desc_step=True, **kw)
             if c.unfit_reason(arch) is None:
-                cfgs.append(c)
+                others.append(c)
+        cfgs += named_by_filter(others)
     return cfgs
 
 

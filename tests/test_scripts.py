@@ -359,6 +359,21 @@ def test_fill_kernel_cache_around_store_takes_stored_backwards_too():
     assert all(not c.desc_step for c in got if isinstance(c, KernelConfig))  # the forward with lse_ahead: itself
 
 
+def test_gpu_suites_narrowed_by_name_keep_their_defaults(monkeypatch):
+    """FLASHGEN_TEST_NAMES narrows the GPU suites (and fill_kernel_cache's view of them) to the kernels whose names
+    hold one of its pieces, beside each suite's defaults."""
+    import fill_kernel_cache
+
+    every = {s: fill_kernel_cache.test_suite_configs("sm90", (s,)) for s in ("fwd", "bwd")}
+    monkeypatch.setenv("FLASHGEN_TEST_NAMES", "_dst,_la")
+    some = {s: fill_kernel_cache.test_suite_configs("sm90", (s,)) for s in ("fwd", "bwd")}
+    for s in some:
+        assert some[s] < every[s]
+        assert {c for c in every[s] if "_dst" in c.name or "_la" in c.name} <= some[s]
+    assert any(not c.desc_step for c in some["fwd"] if isinstance(c, KernelConfig))  # the defaults stay
+    assert sum(isinstance(c, BwdConfig) and c.lse_ahead > 0 for c in some["bwd"]) > 0
+
+
 def test_fill_kernel_cache_store_takes_only_the_named_problems():
     import fill_kernel_cache
 
