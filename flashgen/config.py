@@ -783,10 +783,13 @@ class BwdConfig(_AsDict):
     # ahead of their first use, the first ones before the wait for S^T and dP^T (0: each just before its use, where
     # the dS^T stores pin it). LSE_AHEADS.
     lse_ahead: int = 0
+    # sm90, without kv_split or modifiers: each consumer warpgroup overlaps its own work, forming P^T while dP^T's
+    # product runs and dS^T while dV's does (FlashAttention-4's order), beside or instead of the staggered warpgroups.
+    inner_overlap: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
-        for f in ("score_mod", "mask_mod", "block_map", "lse_ahead"):  # left out when off: other dicts as before
+        for f in ("score_mod", "mask_mod", "block_map", "lse_ahead", "inner_overlap"):  # left out when off
             if not d[f]:
                 del d[f]
         return d
@@ -798,6 +801,7 @@ class BwdConfig(_AsDict):
         _check_choice("deterministic", self.deterministic, (False, True))
         _check_choice("dq_tma", self.dq_tma, (False, True))
         _check_choice("lse_ahead", self.lse_ahead, LSE_AHEADS)
+        _check_choice("inner_overlap", self.inner_overlap, (False, True))
         for f in BWD_FEATURES:
             _check_choice(f, getattr(self, f), (False, True))
         self._check_modifiers()
@@ -811,6 +815,7 @@ class BwdConfig(_AsDict):
         _check_choice("stagger", self.stagger, (False,))
         _check_choice("dq_tma", self.dq_tma, (False,))
         _check_choice("lse_ahead", self.lse_ahead, (0,))
+        _check_choice("inner_overlap", self.inner_overlap, (False,))
         _check_choice("head_dim", self.head_dim, DENSE_HEAD_DIMS)
         if self.head_dim in DENSE_ONLY_HEAD_DIMS and (self.features or self.modified):
             raise ConfigError(f"head_dim={self.head_dim} is built for the dense backward only, without serving "
@@ -849,9 +854,18 @@ class BwdConfig(_AsDict):
         _check_choice("block_n", self.block_n, SM90_BWD_BLOCK_NS)
         _check_choice("num_stages", self.num_stages, SM90_BWD_STAGES)
         _check_choice("stagger", self.stagger, (False, True))
-        if self.lse_ahead and (self.kv_split > 1 or self.modified):
-            raise ConfigError(f"lse_ahead is built for the sm90 backward without kv_split or modifiers (its softmax), not "
-                              f"head_dim={self.head_dim}{' with a score_mod, mask_mod or block map' if self.modified else ''}")
+        for knob in ("lse_ahead", "inner_overlap"):
+            if getattr(self, knob) and (self.kv_split > 1 or self.modified):
+                raise ConfigError(f"{knob} is built for the sm90 backward without kv_split or modifiers (its softmax), "
+                                  f"not head_dim={self.head_dim}"
+                                  f"{' with a score_mod, mask_mod or block map' if self.modified else ''}")
+        if self.inner_overlap and self.head_dim + 3 * self.block_m // 2 > 224:
+            raise ConfigError(f"inner_overlap keeps P^T in fp32 beside its packed copy: at head_dim={self.head_dim} with "
+                              f"block_m={self.block_m} the consumers run out of registers (ptxas serializes the wgmmas, "
+                              "C7512); 64-row tiles up to d128, 128-row ones at d32")
+        if self.inner_overlap and self.lse_ahead:
+            raise ConfigError("inner_overlap reads each n-tile's LSE and D in its own pass (lse_ahead is for the one-pass "
+                              "softmax)")
         if self.deterministic and not self.dq_tma:
             raise ConfigError("deterministic=True in family sm90 needs dq_tma=True (dQ's bulk reduces are what it orders; "
                               "the consumers' per-thread atomics have no order)")
@@ -908,6 +922,7 @@ class BwdConfig(_AsDict):
         name += "_dqt" if self.dq_tma else ""
         name += "_det" if self.deterministic and self.family == "sm90" else ""
         name += f"_la{self.lse_ahead}" if self.lse_ahead else ""
+        name += "_io" if self.inner_overlap else ""
         name += "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
         name += f"_sm{self.score_mod[:8]}" if self.score_mod else ""
         name += f"_mm{self.mask_mod[:8]}" if self.mask_mod else ""

@@ -317,6 +317,48 @@ def test_lse_ahead_builds_clean_and_reads_before_the_wait():
             assert early == 0, f"{k.name}: {early} loads before the wait without lse_ahead"
 
 
+def test_inner_overlap_rules_name_and_dict():
+    """inner_overlap: an sm90 knob outside the space, off by default (the kernels without it render as before),
+    spelled `_io`, for the one-pass softmax's kernels where P^T in fp32 fits beside its packed copy."""
+    c = BwdConfig(128, "bf16", False, 64, 128, 12, family="sm90", num_stages=3, stagger=True)
+    on = dataclasses.replace(c, inner_overlap=True)
+    assert on.name == c.name + "_io" and BwdConfig.from_dict(on.to_dict()) == on and "inner_overlap" not in c.to_dict()
+    assert "dv_issue(acc_dv, a_p" in render(on) and "dv_issue" not in render(c) and "dk_issue" not in render(c)
+    assert not any(x.inner_overlap for x in bwd_space(128, "bf16", False, family="sm90"))
+    assert BwdConfig(32, "bf16", True, 128, 128, 12, family="sm90", inner_overlap=True).inner_overlap  # 32 + 192 regs
+    with pytest.raises(ConfigError, match="run out of registers.*C7512"):
+        BwdConfig(64, "bf16", False, 128, 128, 12, family="sm90", inner_overlap=True)
+    with pytest.raises(ConfigError, match="inner_overlap is built for the sm90 backward without kv_split"):
+        BwdConfig(256, "bf16", False, 64, 64, 12, family="sm90", num_stages=1, inner_overlap=True)
+    with pytest.raises(ConfigError, match="with a score_mod, mask_mod or block map"):
+        dataclasses.replace(on, block_map=True)
+    with pytest.raises(ConfigError, match="lse_ahead is for the one-pass"):
+        dataclasses.replace(on, lse_ahead=2)
+    with pytest.raises(ConfigError, match="inner_overlap=True is not allowed"):
+        BwdConfig(64, "bf16", True, 64, 64, 4, inner_overlap=True)
+
+
+@pytest.mark.sweep
+def test_inner_overlap_builds_clean():
+    """With inner_overlap (dV issued apart from dK: one more wgmma group, one more WARPGROUP.ARRIVE) every allowed
+    tile kind builds without spills or wgmma advisories, staggered or not, both masks, and with a window and varlen."""
+    from conftest import compile_sm90a_clean
+
+    from flashgen.compile import disassemble, disassembler
+
+    base = [BwdConfig(hd, "bf16", causal, bm, bn, 4 * (1 + bn // 64), family="sm90", num_stages=s, stagger=st)
+            for hd, bm, bn, s in ((128, 64, 128, 3), (128, 64, 128, 2), (64, 64, 64, 2), (32, 128, 128, 3), (96, 64, 64, 2))
+            for causal in (False, True) for st in (True, False)]
+    base += [BwdConfig(128, "fp16", True, 64, 128, 12, family="sm90", num_stages=2, stagger=True, window=True,
+                       varlen=True)]
+    kernels = compile_sm90a_clean(base + [dataclasses.replace(c, inner_overlap=True) for c in base])
+    if disassembler() is None:
+        pytest.skip("no SASS disassembler for the ARRIVE counts (pip install nvidia-cuda-nvdisasm)")
+    for off, on in zip(kernels[:len(base)], kernels[len(base):]):
+        arrives = [disassemble(k.cubin).count("WARPGROUP.ARRIVE") for k in (off, on)]
+        assert arrives[1] == arrives[0] + 1, f"{on.name}: {arrives}"
+
+
 def test_dq_tma_rules_name_shared_memory_and_space():
     """dq_tma: an sm90 knob, off by default (names and shared memory of the kernels without it unchanged), spelled
     `_dqt`, taking a [block_m, head_dim] fp32 tile and two barriers per consumer warpgroup, rejected where that does

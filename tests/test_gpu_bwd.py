@@ -33,6 +33,9 @@ DQ_TMA_SM90 = [(128, 128, 12, 2, True), (64, 128, 12, 3, True), (64, 64, 12, 1, 
 # distance (8: a 64-row tile's whole LSE and D before the wait), and one consumer warpgroup.
 LSE_AHEAD_SM90 = [(128, 128, 12, 2, True, 2), (64, 128, 12, 3, True, 2), (128, 128, 12, 3, True, 4),
                   (64, 128, 12, 2, True, 1), (64, 64, 8, 2, False, 2), (64, 128, 12, 3, True, 8)]
+# sm90 with inner_overlap (P^T under dP^T's product, dS^T under dV's): d128's default tiles staggered and not, 64-key
+# tiles, and d32's 128-row tile.
+INNER_OVERLAP_SM90 = [(64, 128, 12, 3, True), (64, 128, 12, 2, False), (64, 64, 8, 2, True), (128, 128, 12, 3, True)]
 DET_PAIRS = [(17, 17), (113, 211), (211, 113), (1023, 1023)]
 # The sm90 deterministic backward (dQ's bulk reduces in n-block order): odd lengths, unequal both ways (the last two
 # with many Q tiles per CTA and many CTAs per Q tile: causal, each CTA's walk down from the last Q tile to a diagonal
@@ -56,7 +59,9 @@ def _others(head_dim: int, dtype: str, causal: bool, arch: str) -> list[BwdConfi
             + [dict(block_m=bm, block_n=bn, num_warps=w, family="sm90", num_stages=s, stagger=st, dq_tma=True)
                for bm, bn, w, s, st in DQ_TMA_SM90]
             + [dict(block_m=bm, block_n=bn, num_warps=w, family="sm90", num_stages=s, stagger=st, lse_ahead=la)
-               for bm, bn, w, s, st, la in LSE_AHEAD_SM90]) if arch == "sm90" else []
+               for bm, bn, w, s, st, la in LSE_AHEAD_SM90]
+            + [dict(block_m=bm, block_n=bn, num_warps=w, family="sm90", num_stages=s, stagger=st, inner_overlap=True)
+               for bm, bn, w, s, st in INNER_OVERLAP_SM90]) if arch == "sm90" else []
     for tile in [dict(block_m=bm, block_n=bn, num_warps=w) for bm, bn, w in OTHER_TILES] + sm90:
         try:
             c = BwdConfig(head_dim, dtype, causal, **tile)
