@@ -50,7 +50,7 @@ def test_names_carry_the_digests_and_other_backwards_stay():
     plain = default_bwd_config(128, "bf16", True, "sm80", family="sm80")
     assert not plain.modified and not plain.serving and plain.name.endswith("_det0")
     assert set(plain.to_dict()) == {f.name for f in dataclasses.fields(BwdConfig)} - {"score_mod", "mask_mod",
-                                                                                      "block_map", "lse_ahead"}
+                                                                                      "block_map", "lse_ahead", "inner_overlap"}
     assert BwdConfig.from_dict(cfg.to_dict()) == cfg and BwdConfig.from_dict(plain.to_dict()) == plain
     # modifier_bwd_config is family sm80's on Hopper too (the sm90 family's: test_sm90_bwd_modifiers.py)
     assert bwd_config_of("document", arch="sm90").family == "sm80"
