@@ -30,6 +30,10 @@ import time_configs  # noqa: E402
     KernelConfig(64, "fp16", False, 128, 128, 12, 2, "sm90", True, lazy_rescale=True, q_regs=True, p_smem=True),
     KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, True, True, lazy_rescale=True, o_tma=True),
     KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", True, False, True, pack_gqa=True),
+    KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90", True, True, True, lazy_rescale=True, lpt_by_head=True,
+                 desc_step=True),
+    KernelConfig(64, "bf16", False, 128, 128, 12, 2, "sm90", exp2_fma=2, desc_step=True, pack_gqa=True),
+    KernelConfig(128, "fp8_e4m3", False, 128, 256, 12, 2, "sm90", persistent=True, mma_rowsum=True, desc_step=True),
 ])
 def test_a_kernel_name_reads_back_as_its_configuration(cfg):
     assert time_configs.parse(cfg.name) == cfg
