@@ -24,6 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import time_configs  # noqa: E402  (its kernels-alone timing, shared)
 
 
 def search(tune_args: list[str], how: list[str], where: Path) -> dict:
@@ -39,23 +42,15 @@ def search(tune_args: list[str], how: list[str], where: Path) -> dict:
     return entries[0]
 
 
-def timer(entry: dict):
-    """A function timing the entry's kernel once on its problem (ms), as the tuner does."""
-    from flashgen.bench import time_backward, time_kernel  # noqa: PLC0415
-    from flashgen.compile import compile_kernel, target_for  # noqa: PLC0415
-    from flashgen.config import default_config  # noqa: PLC0415
+def point(who: str, entry: dict) -> "time_configs.Point":
+    """The stored entry's kernel on its problem, to time as the tuner does (the search verified it)."""
     from flashgen.store import config_from_entry  # noqa: PLC0415
 
     cfg, prob = config_from_entry(entry), entry["problem"]
-    kern = compile_kernel(cfg, target_for(prob["gpu_arch"], cfg.family))
     n = prob["seqlen"]
     b, h = prob["batch_tokens"] // n, prob["heads_dim_total"] // cfg.head_dim
-    hk = h // prob.get("gqa_group", 1)
-    if prob.get("pass_") == "bwd":
-        fwd_cfg = default_config(cfg.head_dim, cfg.dtype, cfg.causal, "sm80")
-        fwd = compile_kernel(fwd_cfg, target_for(prob["gpu_arch"], fwd_cfg.family))
-        return lambda: time_backward(kern, fwd, b, n, n, h, hk)
-    return lambda: time_kernel(kern, b, n, n, h, hk)
+    kern, fwd = time_configs.compiled(cfg, prob["gpu_arch"])
+    return time_configs.Point(who, cfg, f"N={n}", (b, n, n, h, h // prob.get("gqa_group", 1)), kern, fwd, float("nan"))
 
 
 def main() -> None:
@@ -69,12 +64,9 @@ def main() -> None:
         tune_args = shlex.split(spec)
         exhaustive = search(tune_args, ["--exhaustive"], args.out / f"p{i}-exhaustive")
         halving = search(tune_args, ["--search", "halving"], args.out / f"p{i}-halving")
-        times: dict[str, list[float]] = {"exhaustive": [], "halving": []}
-        runs = {"exhaustive": timer(exhaustive), "halving": timer(halving)}
-        for _ in range(args.rounds):
-            for who in times:  # both even where they agree: the spread of one kernel's figures
-                times[who].append(runs[who]())
-        ms = {who: statistics.median(t) for who, t in times.items()}
+        # both even where they agree: the spread of one kernel's figures
+        pts = [point("exhaustive", exhaustive), point("halving", halving)]
+        ms = {pt.name: statistics.median(t) for pt, t in zip(pts, time_configs.timed_rounds(pts, args.rounds, 50))}
         rows.append((spec, exhaustive, halving, ms))
     print("\nproblem | exhaustive: winner (trials) | halving: winner (rung-0 trials) | ms exhaustive / halving | halving / "
           "exhaustive")

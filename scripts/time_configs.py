@@ -93,18 +93,24 @@ class Point(NamedTuple):
         return flops(b, h, sq, sk, self.cfg.head_dim, self.cfg.causal) * (2.5 if bwd else 1) / (ms * 1e-3) / 1e12
 
 
+def compiled(cfg: KernelConfig | BwdConfig, gpu_arch: str) -> tuple[Any, Any]:
+    """The configuration's kernel and, for a backward, the forward that makes its out and LSE (sm80's default, as the
+    tuner takes it), else None."""
+    kern = compile_kernel(cfg, target_for(gpu_arch, cfg.family))
+    if not isinstance(cfg, BwdConfig):
+        return kern, None
+    fwd_cfg = default_config(cfg.head_dim, cfg.dtype, cfg.causal, "sm80")
+    return kern, compile_kernel(fwd_cfg, target_for(gpu_arch, fwd_cfg.family))
+
+
 def verified_points(names: list[str], seqlen: str, gpu_arch: str, shape: tuple | None) -> list[Point]:
     """Each name at each of its seqlens (or the --shape), compiled and verified; one that fails is reported, not kept."""
     out = []
     for arg in names:
         name, _, seqlens = arg.partition("@")
         cfg = with_knobs(name)
-        kern = compile_kernel(cfg, target_for(gpu_arch, cfg.family))
-        bwd = isinstance(cfg, BwdConfig)
-        fwd = None
-        if bwd:  # out and LSE for the backward's inputs
-            fwd_cfg = default_config(cfg.head_dim, cfg.dtype, cfg.causal, "sm80")
-            fwd = compile_kernel(fwd_cfg, target_for(gpu_arch, fwd_cfg.family))
+        kern, fwd = compiled(cfg, gpu_arch)
+        bwd = fwd is not None
         for n in [None] if shape else [int(x) for x in (seqlens or seqlen).split(",")]:
             b, sq, sk, h, hk = shape or (max(1, 16384 // n), n, n, max(1, 2048 // cfg.head_dim), None)
             where = f"shape {b}x{sq}x{sk}x{h}x{hk}" if shape else f"N={n}"

@@ -378,6 +378,19 @@ def test_gpu_suites_narrowed_by_name_keep_their_defaults(monkeypatch):
     assert sum(isinstance(c, BwdConfig) and c.lse_ahead > 0 for c in some["bwd"]) > 0
 
 
+def test_search_vs_exhaustive_times_a_winner_on_its_problem(monkeypatch):
+    """A stored winner becomes a time_configs point on its own problem's shape (batch and heads from the entry's
+    token and head-dim totals, KV heads by its GQA group), with the backward's forward beside a backward."""
+    import search_vs_exhaustive as sve
+
+    monkeypatch.setattr(time_configs, "compiled", lambda cfg, arch: ("kernel", "fwd" if isinstance(cfg, BwdConfig) else None))
+    store = read_store(Path(__file__).resolve().parent.parent / "tuned" / "nvidia-h200-sm90.json")["entries"]
+    bwd = sve.point("halving", store["sm90_d128_bf16_full_s4096_g1_bt16384_hdt2048_bwd"])
+    assert bwd.shape == (4, 4096, 4096, 16, 16) and bwd.fwd == "fwd" and bwd.where == "N=4096"
+    gqa = sve.point("exhaustive", store["sm90_d128_bf16_causal_s4096_g4_bt16384_hdt4096_bwd"])
+    assert gqa.shape == (4, 4096, 4096, 32, 8) and gqa.name == "exhaustive"
+
+
 def test_fill_kernel_cache_store_takes_only_the_named_problems():
     import fill_kernel_cache
 
