@@ -7,6 +7,7 @@ exported file name and the tuner's trial label.
 from __future__ import annotations
 
 import itertools
+import math
 
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -724,6 +725,11 @@ BWD_MAX_ACCUM_REGS = 144
 # at 96 only one consumer warpgroup fits (block_m 64, block_n 64: dQ cannot split 96 columns into 64-wide slices).
 SM90_BWD_HEAD_DIMS = (32, 64, 96, 128, 256)
 SM90_BWD_BLOCK_MS = (64, 128)
+# FlashAttention-4's Hopper tile for d128 without a mask: 80 queries per K/V barrier, stage and dS hand-off, 25% more
+# than 64 at the same registers' reach. dQ's 80 rows are no multiple of wgmma's 64-row M, so dQ^T = K^T dS^T is
+# computed instead (BwdConfig.dq_transposed), one warpgroup per 64 head dims: d128 with 128-key tiles. Outside the
+# space until timed.
+SM90_BWD_DQ_T_BLOCK_M = 80
 SM90_BWD_BLOCK_NS = (64, 128)
 SM90_BWD_STAGES = (1, 2, 3)  # Q/dO tiles in flight
 LSE_AHEADS = (0, 1, 2, 4, 8)  # BwdConfig.lse_ahead's choices (8 at block_m 64: the whole tile's)
@@ -850,10 +856,12 @@ class BwdConfig(_AsDict):
 
     def _check_sm90(self) -> None:
         _check_choice("head_dim", self.head_dim, SM90_BWD_HEAD_DIMS)
-        _check_choice("block_m", self.block_m, SM90_BWD_BLOCK_MS)
+        _check_choice("block_m", self.block_m, SM90_BWD_BLOCK_MS + (SM90_BWD_DQ_T_BLOCK_M,))
         _check_choice("block_n", self.block_n, SM90_BWD_BLOCK_NS)
         _check_choice("num_stages", self.num_stages, SM90_BWD_STAGES)
         _check_choice("stagger", self.stagger, (False, True))
+        if self.dq_transposed:
+            self._check_dq_transposed()
         for knob in ("lse_ahead", "inner_overlap"):
             if getattr(self, knob) and (self.kv_split > 1 or self.modified):
                 raise ConfigError(f"{knob} is built for the sm90 backward without kv_split or modifiers (its softmax), "
@@ -886,6 +894,21 @@ class BwdConfig(_AsDict):
                               f"{self.head_dim}] fp32 dQ tile): {self.smem_bytes} B > {limit} B per block at "
                               f"block_m={self.block_m}, block_n={self.block_n}, num_stages={self.num_stages}")
 
+    def _check_dq_transposed(self) -> None:
+        if (self.head_dim, self.block_n) != (128, 128):  # (d64's one warpgroup: _pre's rows would not divide 80)
+            raise ConfigError(f"block_m={self.block_m} computes dQ^T = K^T dS^T, one consumer warpgroup per 64 head dims: "
+                              f"built for head_dim 128 with block_n 128, not head_dim={self.head_dim} with "
+                              f"block_n={self.block_n}")
+        if self.modified or self.inner_overlap:
+            raise ConfigError(f"block_m={self.block_m} (dQ^T) is built for the one-pass softmax without modifiers: not with "
+                              f"{'a score_mod, mask_mod or block map' if self.modified else 'inner_overlap'}")
+
+    @property
+    def dq_transposed(self) -> bool:
+        """sm90: dQ computed as dQ^T = K^T dS^T (block_m no multiple of wgmma's 64-row M): dS goes to shared memory
+        with keys contiguous, each consumer warpgroup adds 64 head dims of it, and _convert undoes that order."""
+        return self.family == "sm90" and self.block_m % 64 != 0
+
     @property
     def kv_split(self) -> int:
         """sm90: consumer warpgroups sharing one group of 64 keys, each with a slice of dK and dV's columns
@@ -911,7 +934,7 @@ class BwdConfig(_AsDict):
     def dq_parts(self) -> int:
         """sm90: column slices of dQ = dS K, one per consumer warpgroup and 64-row chunk of block_m
         (0 if block_m has more 64-row chunks than there are consumer warpgroups)."""
-        return self.consumers // (self.block_m // 64)
+        return self.consumers if self.dq_transposed else self.consumers // (self.block_m // 64)
 
     @property
     def name(self) -> str:
@@ -1015,14 +1038,19 @@ class BwdConfig(_AsDict):
     def pre_rows(self) -> int:
         """sm90 _pre: padded query rows per block of row_threads, each row read by 4 threads (8 from d256), 16 bytes
         of O and of dO at a time (one warp a row, 4 bytes at a time, left the d64 kernel latency-bound)."""
-        return self.row_threads // (8 if self.head_dim >= 256 else 4)
+        rows = self.row_threads // (8 if self.head_dim >= 256 else 4)
+        return math.gcd(rows, self.block_m)  # a block's rows lie in one Q tile (16 of 80-row ones: 16 lanes a row)
 
     def seqlen_q_pad(self, seqlen_q: int) -> int:
         """sm90: the row count of the padded LSE, D and dQ-accumulator buffers (whole Q tiles)."""
         return -(-seqlen_q // self.block_m) * self.block_m
 
     def convert_grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
-        """sm90 _convert: 256 threads a block, 128 per unit of 64 rows x 32 columns of the accumulator."""
+        """sm90 _convert: 256 threads a block, 128 per unit of 64 rows x 32 columns of the accumulator (dq_transposed:
+        of 16 rows x 64 columns)."""
+        if self.dq_transposed:  # units of 16 rows x 64 columns
+            g = grids.SM90_BWD_CONVERT_T.bind(BLOCK_M=self.block_m, HEAD_DIM=self.head_dim)
+            return _flat_grid(g(seqlen_q, heads, batch), "ceil(seqlen_q * head_dim / 2048) * heads * batch")
         g = grids.SM90_BWD_CONVERT.bind(BLOCK_M=self.block_m, HEAD_DIM=self.head_dim)
         return _flat_grid(g(seqlen_q, heads, batch), "ceil(seqlen_q * head_dim / 4096) * heads * batch")
 
@@ -1036,7 +1064,7 @@ class BwdConfig(_AsDict):
         if self.smem_bytes > lim.smem_per_block:
             return f"shared memory {self.smem_bytes} B > {lim.smem_per_block} B per block on {arch}"
         if self.family == "sm90":
-            limit = SM90_REGS[self.consumers][1] - 40
+            limit = SM90_REGS[self.consumers][1] - 32  # addresses, descriptors, loop state (d128's 80-row tile: 208)
             if self.accum_regs > limit:
                 return (f"{self.accum_regs} accumulator registers per consumer thread (dK + dV + S^T + dP^T) > {limit} "
                         f"(head_dim={self.head_dim}, block_m={self.block_m})")

@@ -91,6 +91,8 @@ SM90_BWD_ROWS = Grid(("seqlen_q", "heads", "batch"), "idiv(cdiv(seqlen_q, BLOCK_
                      "groups of PRE_ROWS padded query rows (256 threads a block) x heads x batch.")
 SM90_BWD_CONVERT = Grid(("seqlen_q", "heads", "batch"), "cdiv(cdiv(seqlen_q, BLOCK_M) * BLOCK_M * HEAD_DIM, 4096) * heads * batch",
                         "two units of 64 rows x 32 columns of the padded dQ accumulator a block (128 threads a unit) x heads x batch.")
+SM90_BWD_CONVERT_T = Grid(("seqlen_q", "heads", "batch"), "cdiv(cdiv(seqlen_q, BLOCK_M) * BLOCK_M * HEAD_DIM, 2048) * heads * batch",
+                          "dQ^T's accumulator (80-row tiles): two units of 16 rows x 64 columns a block x heads x batch.")
 
 __all__ = ["BWD_DQ", "BWD_MAIN", "BWD_ROWS", "COMBINE", "CPP_HELPERS", "FWD", "FWD_CLUSTER", "FWD_PACKED", "Grid",
-           "SERVE", "SM90_BWD_CONVERT", "SM90_BWD_ROWS", "persistent"]
+           "SERVE", "SM90_BWD_CONVERT", "SM90_BWD_CONVERT_T", "SM90_BWD_ROWS", "persistent"]

@@ -82,5 +82,6 @@ def _render_bwd(cfg: BwdConfig) -> str:
         cfg=cfg, version=__version__, elem_t=elem_t, elem2_t=elem2_t, pack_fn=pack_fn, ptx_type=ptx_type,
         row_warps=BWD_ROW_WARPS, producer_regs=producer_regs, consumer_regs=consumer_regs,
         unpack_fn={"fp16": "__half22float2", "bf16": "__bfloat1622float2"}[cfg.dtype],
+        cvt_fn={"fp16": "__float2half_rn", "bf16": "__float2bfloat16_rn"}[cfg.dtype],
         score_mod=score_mod, mask_mod=mask_mod, captured=captured,
     )

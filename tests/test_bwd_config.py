@@ -359,6 +359,68 @@ def test_inner_overlap_builds_clean():
         assert arrives[1] == arrives[0] + 1, f"{on.name}: {arrives}"
 
 
+def test_dq_transposed_tile_rules_and_figures():
+    """block_m 80 (FlashAttention-4's d128 tile): dQ^T = K^T dS^T, one consumer warpgroup per 64 head dims, so d128
+    with 128-key tiles; not with modifiers or inner_overlap; outside the space; _pre in 16-row blocks (80 is no
+    multiple of 64), _convert in units of 16 rows x 64 columns; three stages fit at d128."""
+    c = BwdConfig(128, "bf16", False, 80, 128, 12, family="sm90", num_stages=3, stagger=True)
+    assert c.dq_transposed and c.name == "bwd_sm90_d128_bf16_full_bm80_bn128_w12_s3_st1" and c.unfit_reason("sm90") is None
+    assert c.dq_parts == 2 and c.pre_rows == 16 and c.seqlen_q_pad(4096) == 4160 and c.smem_bytes <= 227 * 1024
+    assert c.convert_grid(2, 16, 4096) == (4160 * 128 // 2048 * 16 * 2, 1, 1)
+    assert c.rows_grid(2, 16, 4096) == (4160 // 16 * 16 * 2, 1, 1)
+    assert BwdConfig.from_dict(c.to_dict()) == c and not BwdConfig(128, "bf16", False, 64, 128, 12, family="sm90").dq_transposed
+    assert BwdConfig(128, "fp16", True, 80, 128, 12, family="sm90", dq_tma=True, deterministic=True).dq_transposed
+    assert BwdConfig(128, "bf16", False, 64, 128, 12, family="sm90").pre_rows == 64  # the others' _pre unchanged
+    for hd, bn, w in ((128, 64, 8), (64, 128, 12), (64, 64, 8), (96, 64, 8), (32, 128, 12), (256, 64, 12)):
+        with pytest.raises(ConfigError, match="one consumer warpgroup per 64 head dims"):
+            BwdConfig(hd, "bf16", False, 80, bn, w, family="sm90", num_stages=1)
+    with pytest.raises(ConfigError, match="not with inner_overlap"):
+        BwdConfig(128, "bf16", False, 80, 128, 12, family="sm90", inner_overlap=True)
+    with pytest.raises(ConfigError, match="not with a score_mod, mask_mod or block map"):
+        dataclasses.replace(c, block_map=True)
+    with pytest.raises(ConfigError, match="block_m=80 is not allowed"):
+        BwdConfig(128, "bf16", False, 80, 128, 8)  # sm80
+    assert all(x.block_m in (64, 128) for x in bwd_space(128, "bf16", False, family="sm90"))
+    src = render(c)
+    assert "constexpr bool DQ_T = BLOCK_M % 64 != 0;" in src and "m64n80k16" in src and "p, 1, 1, 1, 0;" in src
+
+
+def _dq_transposed_configs() -> list[BwdConfig]:
+    cfgs = [BwdConfig(128, dt, causal, 80, 128, 12, family="sm90", num_stages=s, stagger=st)
+            for dt, causal, s, st in (("bf16", False, 3, True), ("bf16", False, 2, False), ("fp16", True, 2, True))]
+    cfgs += [BwdConfig(128, "bf16", False, 80, 128, 12, family="sm90", num_stages=2, stagger=True, dq_tma=True),
+             BwdConfig(128, "bf16", False, 80, 128, 12, family="sm90", num_stages=2, stagger=True, dq_tma=True,
+                       deterministic=True),  # (causal: 16 bytes spill)
+             BwdConfig(128, "bf16", False, 80, 128, 12, family="sm90", num_stages=3, stagger=True, lse_ahead=2),
+             BwdConfig(128, "bf16", True, 80, 128, 12, family="sm90", num_stages=2, stagger=True, window=True, varlen=True)]
+    return cfgs
+
+
+@pytest.mark.sweep
+def test_dq_transposed_builds_clean():
+    """The 80-row tiles build without spills or wgmma advisories, and their SASS has what dQ^T takes: S^T, dP^T and
+    dQ^T as m64n80 products (8 k-steps each at d128), dS written by transposing stmatrix (one per two n-tiles)."""
+    import re
+
+    from conftest import compile_sm90a_clean
+
+    from flashgen.compile import disassemble, disassembler
+
+    kernels = compile_sm90a_clean(_dq_transposed_configs())
+    if disassembler() is None:
+        pytest.skip("no SASS disassembler for the instruction shapes (pip install nvidia-cuda-nvdisasm)")
+    for k in kernels:
+        c = k.config
+        sass = disassemble(k.cubin)
+        parts = re.split(r"^//-+ \.text\.(\S+) -+$", sass, flags=re.M)  # nvdisasm's function headers
+        main = dict(zip(parts[1::2], parts[2::2]))[c.name]
+        shapes = re.findall(r"HGMMA\.64x(\d+)x16", main)
+        dq_steps = c.block_n // 16 * (2 if c.stagger else 1)  # STAGGER: the last tile's dQ^T after the loop too
+        assert shapes.count("80") == 2 * c.head_dim // 16 + dq_steps, f"{k.name}: {shapes}"
+        assert main.count("STSM.16.MT88.4") == c.block_m // 16, k.name
+        assert not re.search(r"\bSTS\s", main), k.name  # no 4-byte dS^T stores
+
+
 def test_dq_tma_rules_name_shared_memory_and_space():
     """dq_tma: an sm90 knob, off by default (names and shared memory of the kernels without it unchanged), spelled
     `_dqt`, taking a [block_m, head_dim] fp32 tile and two barriers per consumer warpgroup, rejected where that does
@@ -582,7 +644,8 @@ def test_sm90_deterministic_with_a_diagonal_runs_shortest_first():
     assert "constexpr bool DETERMINISTIC = true;" in src and "constexpr bool IS_CAUSAL = true;" in src
     for upward in (dataclasses.replace(det, causal=False), dataclasses.replace(det, deterministic=False)):
         assert re.search(r"constexpr bool (DETERMINISTIC|IS_CAUSAL) = false;", render(upward)), upward.name
-    assert src.count("BlockIndex bi(") == 3 and src.count(", p.heads, SPT, DET_INTERLEAVE);") == 1  # the main kernel's
+    # _pre, both _convert forms (dQ and dQ^T) and the main kernel; only the main kernel's counts down
+    assert src.count("BlockIndex bi(") == 4 and src.count(", p.heads, SPT, DET_INTERLEAVE);") == 1
     assert "constexpr int DET_INTERLEAVE = DETERMINISTIC && !SPT ? 8 : 1;" in src
     assert src.count("m_begin + it)") == 2 and "(m_begin + j)" in src  # the loads, the consumers, dq_add
     writer = src[src.index("void dq_writer("):]

@@ -36,6 +36,8 @@ LSE_AHEAD_SM90 = [(128, 128, 12, 2, True, 2), (64, 128, 12, 3, True, 2), (128, 1
 # sm90 with inner_overlap (P^T under dP^T's product, dS^T under dV's): d128's default tiles staggered and not, 64-key
 # tiles, and d32's 128-row tile.
 INNER_OVERLAP_SM90 = [(64, 128, 12, 3, True), (64, 128, 12, 2, False), (64, 64, 8, 2, True), (128, 128, 12, 3, True)]
+# sm90's 80-row tiles (dQ^T = K^T dS^T; d128 with 128-key tiles): each ring depth, staggered and not, and with dq_tma.
+DQ_T_SM90 = [(80, 128, 12, 3, True, False), (80, 128, 12, 2, False, False), (80, 128, 12, 2, True, True)]
 DET_PAIRS = [(17, 17), (113, 211), (211, 113), (1023, 1023)]
 # The sm90 deterministic backward (dQ's bulk reduces in n-block order): odd lengths, unequal both ways (the last two
 # with many Q tiles per CTA and many CTAs per Q tile: causal, each CTA's walk down from the last Q tile to a diagonal
@@ -61,7 +63,9 @@ def _others(head_dim: int, dtype: str, causal: bool, arch: str) -> list[BwdConfi
             + [dict(block_m=bm, block_n=bn, num_warps=w, family="sm90", num_stages=s, stagger=st, lse_ahead=la)
                for bm, bn, w, s, st, la in LSE_AHEAD_SM90]
             + [dict(block_m=bm, block_n=bn, num_warps=w, family="sm90", num_stages=s, stagger=st, inner_overlap=True)
-               for bm, bn, w, s, st in INNER_OVERLAP_SM90]) if arch == "sm90" else []
+               for bm, bn, w, s, st in INNER_OVERLAP_SM90]
+            + [dict(block_m=bm, block_n=bn, num_warps=w, family="sm90", num_stages=s, stagger=st, dq_tma=dqt)
+               for bm, bn, w, s, st, dqt in DQ_T_SM90]) if arch == "sm90" else []
     for tile in [dict(block_m=bm, block_n=bn, num_warps=w) for bm, bn, w in OTHER_TILES] + sm90:
         try:
             c = BwdConfig(head_dim, dtype, causal, **tile)
