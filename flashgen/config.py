@@ -700,6 +700,12 @@ def default_config(head_dim: int, dtype: str, causal: bool, arch: str = "sm80", 
     raise ConfigError(f"no default configuration of family {family} fits {arch} for head_dim={head_dim}: {reason}")
 
 
+def backward_forward_config(head_dim: int, dtype: str, causal: bool, arch: str) -> KernelConfig:
+    """The forward that makes out and lse for verifying or timing a backward on `arch`: family sm80's default (its
+    out and lse are exact either way; one rule, so the tuner and the timing scripts feed a backward the same)."""
+    return default_config(head_dim, dtype, causal, arch, "sm80")
+
+
 # ---- Backward ------------------------------------------------------------------------
 # FlashAttention-2's backward, sm80 family (mma.sync; runs on sm80..sm90). One BwdConfig
 # renders one .cu with three kernels: `{name}_pre` (D = rowsum(dO * O), zero the fp32 dQ

@@ -27,7 +27,7 @@ from . import driver
 from .backend import SimulatedBackend, TrialResult, ok_result
 from .bench import kernel_timer, retime_best, time_backward, time_cuda, time_kernel
 from .compile import CompiledKernel, CompileError, compile_kernel, target_for
-from .config import KernelConfig, default_config
+from .config import KernelConfig, backward_forward_config
 from .launch import FwdParams
 from .modifiers import Modifier, ModifierError, register, registered
 from .problem import TuneProblem
@@ -270,7 +270,7 @@ def gpu_devices() -> list[dict[str, Any]]:
 def fwd_config_for(problem: TuneProblem) -> KernelConfig:
     """The forward that makes out and lse for a backward trial: the sm80 family's default on the problem's GPU
     (the backward templates are sm80's; its out and lse are exact either way, verification says so)."""
-    return default_config(problem.head_dim, problem.dtype, problem.causal, problem.gpu_arch, "sm80")
+    return backward_forward_config(problem.head_dim, problem.dtype, problem.causal, problem.gpu_arch)
 
 
 class GpuBackend:

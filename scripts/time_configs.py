@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashgen.bench import flops, time_backward, time_kernel  # noqa: E402
 from flashgen.compile import compile_kernel, target_for  # noqa: E402
-from flashgen.config import BwdConfig, KernelConfig, default_config  # noqa: E402
+from flashgen.config import BwdConfig, KernelConfig, backward_forward_config  # noqa: E402
 from flashgen.problem import VERIFY_REF_SCORES_BWD, verify_cut  # noqa: E402
 from flashgen.store import config_from_entry, read_store  # noqa: E402
 from flashgen.verify import verify, verify_backward  # noqa: E402
@@ -94,12 +94,12 @@ class Point(NamedTuple):
 
 
 def compiled(cfg: KernelConfig | BwdConfig, gpu_arch: str) -> tuple[Any, Any]:
-    """The configuration's kernel and, for a backward, the forward that makes its out and LSE (sm80's default, as the
-    tuner takes it), else None."""
+    """The configuration's kernel and, for a backward, the forward that makes its out and LSE (the tuner's), else
+    None."""
     kern = compile_kernel(cfg, target_for(gpu_arch, cfg.family))
     if not isinstance(cfg, BwdConfig):
         return kern, None
-    fwd_cfg = default_config(cfg.head_dim, cfg.dtype, cfg.causal, "sm80")
+    fwd_cfg = backward_forward_config(cfg.head_dim, cfg.dtype, cfg.causal, gpu_arch)
     return kern, compile_kernel(fwd_cfg, target_for(gpu_arch, fwd_cfg.family))
 
 
