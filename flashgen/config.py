@@ -733,8 +733,8 @@ SM90_BWD_HEAD_DIMS = (32, 64, 96, 128, 256)
 SM90_BWD_BLOCK_MS = (64, 128)
 # FlashAttention-4's Hopper tile for d128 without a mask: 80 queries per K/V barrier, stage and dS hand-off, 25% more
 # than 64 at the same registers' reach. dQ's 80 rows are no multiple of wgmma's 64-row M, so dQ^T = K^T dS^T is
-# computed instead (BwdConfig.dq_transposed), one warpgroup per 64 head dims: d128 with 128-key tiles. Outside the
-# space until timed.
+# computed instead (BwdConfig.dq_transposed), one warpgroup per 64 head dims: d128 with 128-key tiles. In the space
+# after the other tiles.
 SM90_BWD_DQ_T_BLOCK_M = 80
 SM90_BWD_BLOCK_NS = (64, 128)
 SM90_BWD_STAGES = (1, 2, 3)  # Q/dO tiles in flight
@@ -1097,6 +1097,9 @@ def bwd_space(head_dim: int, dtype: str, causal: bool, deterministic: bool = Fal
         grid = [(bm, bn, 4 * (1 + bn // 64 * sm90_bwd_kv_split(head_dim)), s, st, dqt, la) for la in las
                 for dqt in (False, True) for bm in SM90_BWD_BLOCK_MS for bn in SM90_BWD_BLOCK_NS
                 for s in SM90_BWD_STAGES for st in (False, True)]
+        # then the 80-row tiles (d128 with 128-key tiles; the others refuse them)
+        grid += [(SM90_BWD_DQ_T_BLOCK_M, 128, 12, s, st, dqt, la) for la in las for dqt in (False, True)
+                 for s in SM90_BWD_STAGES for st in (False, True)]
     else:
         grid = [(bm, bn, w, 2, False, False, 0) for bm in BWD_BLOCK_MS for bn in BWD_BLOCK_NS for w in BWD_NUM_WARPS]
     out = []

@@ -130,7 +130,7 @@ def test_sm90_rules_name_fields_and_reasons():
         BwdConfig(64, "bf16", True, 64, 64, 4, num_stages=3)
     assert "accumulator registers" in BwdConfig(128, "bf16", True, 128, 128, 12, family="sm90", num_stages=1).unfit_reason("sm90")
     space = bwd_space(128, "bf16", False, family="sm90")
-    assert {(x.block_m, x.block_n) for x in space if x.unfit_reason("sm90") is None} == {(64, 64), (64, 128)}
+    assert {(x.block_m, x.block_n) for x in space if x.unfit_reason("sm90") is None} == {(64, 64), (64, 128), (80, 128)}
     assert {x.num_stages for x in space} == {1, 2, 3} and {x.stagger for x in space} == {False, True}
     with pytest.raises(ConfigError, match="stagger=True is not allowed"):  # an sm90 schedule
         BwdConfig(64, "bf16", True, 64, 64, 4, stagger=True)
@@ -273,7 +273,8 @@ def test_lse_ahead_rules_name_and_dict():
         dataclasses.replace(c, lse_ahead=2, block_map=True)
     with pytest.raises(ConfigError, match="lse_ahead=2 is not allowed"):  # sm80 reads LSE and D its own way
         BwdConfig(64, "bf16", True, 64, 64, 4, lse_ahead=2)
-    space = bwd_space(128, "bf16", False, family="sm90")  # each read distance after the rest, which keep their order
+    space = [x for x in bwd_space(128, "bf16", False, family="sm90") if x.block_m != 80]  # (80-row tiles: last)
+    # each read distance after the rest, which keep their order
     plain = [x for x in space if not x.lse_ahead]
     assert space[:len(plain)] == plain and {x.lse_ahead for x in space} == set(LSE_AHEAD_SPACE) == {0, 2}
     assert {dataclasses.replace(x, lse_ahead=0) for x in space} == set(plain)
@@ -361,7 +362,7 @@ def test_inner_overlap_builds_clean():
 
 def test_dq_transposed_tile_rules_and_figures():
     """block_m 80 (FlashAttention-4's d128 tile): dQ^T = K^T dS^T, one consumer warpgroup per 64 head dims, so d128
-    with 128-key tiles; not with modifiers or inner_overlap; outside the space; _pre in 16-row blocks (80 is no
+    with 128-key tiles; not with modifiers or inner_overlap; last in the space; _pre in 16-row blocks (80 is no
     multiple of 64), _convert in units of 16 rows x 64 columns; three stages fit at d128."""
     c = BwdConfig(128, "bf16", False, 80, 128, 12, family="sm90", num_stages=3, stagger=True)
     assert c.dq_transposed and c.name == "bwd_sm90_d128_bf16_full_bm80_bn128_w12_s3_st1" and c.unfit_reason("sm90") is None
@@ -380,7 +381,10 @@ def test_dq_transposed_tile_rules_and_figures():
         dataclasses.replace(c, block_map=True)
     with pytest.raises(ConfigError, match="block_m=80 is not allowed"):
         BwdConfig(128, "bf16", False, 80, 128, 8)  # sm80
-    assert all(x.block_m in (64, 128) for x in bwd_space(128, "bf16", False, family="sm90"))
+    space = bwd_space(128, "bf16", False, family="sm90")  # the 80-row tiles after the others, which keep their order
+    first = next(i for i, x in enumerate(space) if x.block_m == 80)
+    assert all(x.block_m == 80 for x in space[first:]) and len(space) - first == 20
+    assert not any(x.block_m == 80 for hd in (64, 256) for x in bwd_space(hd, "bf16", True, family="sm90"))
     src = render(c)
     assert "constexpr bool DQ_T = BLOCK_M % 64 != 0;" in src and "m64n80k16" in src and "p, 1, 1, 1, 0;" in src
 
