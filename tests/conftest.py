@@ -29,6 +29,12 @@ def named_by_filter(cfgs: list) -> list:
     return [c for c in cfgs if any(s in c.name for s in pieces)] if pieces else cfgs
 
 
+def skip_if_narrowed(what: str) -> None:
+    """Skip a test whose extra configurations FLASHGEN_TEST_NAMES left out (named_by_filter), saying which."""
+    if os.environ.get("FLASHGEN_TEST_NAMES"):
+        pytest.skip(f"FLASHGEN_TEST_NAMES={os.environ['FLASHGEN_TEST_NAMES']} leaves out {what}")
+
+
 RAM_TMP = Path("/dev/shm")
 RAM_TMP_MIN_FREE = 2 << 30  # what a run writes there at most (kernel caches, studies, a wheel, a venv), with room
 
