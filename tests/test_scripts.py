@@ -52,7 +52,7 @@ def test_a_stored_backward_reads_back_with_a_knob_changed():
     field the configuration lacks is refused by name."""
     path = Path(__file__).resolve().parent.parent / "tuned" / "nvidia-h200-sm90.json"
     key, entry = next((k, e) for k, e in read_store(path)["entries"].items()
-                      if k.startswith("sm90_d128_bf16_full") and k.endswith("_bwd"))
+                      if k.startswith("sm90_d64_bf16_full") and k.endswith("_bwd"))
     cfg = time_configs.with_knobs(f"store:{key}")
     assert isinstance(cfg, BwdConfig) and cfg.to_dict() == BwdConfig.from_dict(entry["config"]).to_dict()
     on = time_configs.with_knobs(f"store:{key}+dq_tma=true")
