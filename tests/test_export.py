@@ -269,13 +269,15 @@ int main() {{
 
 
 @needs_nvcc
-def test_exported_sm90_backward_documents_its_buffers_and_links(tmp_path):
+@pytest.mark.parametrize("tile", [(64, True, 128, 2), (128, False, 80, 3)], ids=["d64", "d128-80-row"])
+def test_exported_sm90_backward_documents_its_buffers_and_links(tmp_path, tile):
     from flashgen.config import BwdConfig
     from flashgen.problem import TuneProblem
 
-    cfg = BwdConfig(64, "bf16", True, 128, 128, 12, family="sm90", num_stages=2, stagger=True)
+    d, causal, bm, stages = tile  # (the 80-row tile: its own _convert grid, dQ^T's)
+    cfg = BwdConfig(d, "bf16", causal, bm, 128, 12, family="sm90", num_stages=stages, stagger=True)
     gpu, arch = "NVIDIA H200", "sm90"
-    p = TuneProblem(gpu, arch, "sm90", "bf16", 64, True, 4096, pass_="bwd")
+    p = TuneProblem(gpu, arch, "sm90", "bf16", d, causal, 4096, pass_="bwd")
     merge(store_path(gpu, arch, tmp_path / "tuned"), gpu, arch, {
         p.key: {"config": cfg.to_dict(), "kernel": cfg.name, "median_ms": 1.0, "tflops": 1.0, "problem": p.to_dict()}})
     out = tmp_path / "out"
@@ -283,7 +285,7 @@ def test_exported_sm90_backward_documents_its_buffers_and_links(tmp_path):
     h = (out / f"{cfg.name}.h").read_text()
     assert "struct Sm90BwdParams" in h and "struct BwdParams" in h and "code=sm_90a" in h
     for words in ("seqlen_q_pad", "lse2", "cuTensorMapEncodeTiled", f"SMEM_BYTES = {cfg.smem_bytes};",
-                  f"{cfg.name}_convert<<<"):
+                  f"{cfg.name}_convert<<<", f"PRE_ROWS = {cfg.pre_rows};", "* HEAD_DIM, 2048)" if bm == 80 else ", 4096)"):
         assert words in h, words
     link_app(out, SM90_BWD_MAIN.format(a=cfg.name), (cfg.name,), ("-gencode", "arch=compute_90a,code=sm_90a"))
 
