@@ -1054,11 +1054,14 @@ class BwdConfig(_AsDict):
     def convert_grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         """sm90 _convert: 256 threads a block, 128 per unit of 64 rows x 32 columns of the accumulator (dq_transposed:
         of 16 rows x 64 columns)."""
-        if self.dq_transposed:  # units of 16 rows x 64 columns
-            g = grids.SM90_BWD_CONVERT_T.bind(BLOCK_M=self.block_m, HEAD_DIM=self.head_dim)
-            return _flat_grid(g(seqlen_q, heads, batch), "ceil(seqlen_q * head_dim / 2048) * heads * batch")
-        g = grids.SM90_BWD_CONVERT.bind(BLOCK_M=self.block_m, HEAD_DIM=self.head_dim)
-        return _flat_grid(g(seqlen_q, heads, batch), "ceil(seqlen_q * head_dim / 4096) * heads * batch")
+        g = self.convert_grid_rule.bind(BLOCK_M=self.block_m, HEAD_DIM=self.head_dim)
+        floats = 2048 if self.dq_transposed else 4096  # of the accumulator a block
+        return _flat_grid(g(seqlen_q, heads, batch), f"ceil(seqlen_q * head_dim / {floats}) * heads * batch")
+
+    @property
+    def convert_grid_rule(self) -> grids.Grid:
+        """sm90 _convert's grid (launch and exported header): dQ's units, or dQ^T's."""
+        return grids.SM90_BWD_CONVERT_T if self.dq_transposed else grids.SM90_BWD_CONVERT
 
     def unfit_reason(self, arch: str) -> str | None:
         """Why this config cannot run on `arch`, or None if it fits."""

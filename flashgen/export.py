@@ -447,7 +447,7 @@ def bwd_header(cfg: BwdConfig, tuned_on: list[str], target: str) -> str:
         params = "\n".join(template_env().get_template(t).render()
                            for t in ("common/bwd_params.cuh.j2", "sm90/bwd_params.cuh.j2"))
         fns = [grids.SM90_BWD_ROWS.cpp("pre_grid_x"), grids.BWD_MAIN.cpp("main_grid_x"),
-               (grids.SM90_BWD_CONVERT_T if cfg.dq_transposed else grids.SM90_BWD_CONVERT).cpp("convert_grid_x")]
+               cfg.convert_grid_rule.cpp("convert_grid_x")]
         return _SM90_BWD_HEADER.format(name=cfg.name, version=__version__, tuned_on=", ".join(tuned_on) or "untuned",
                                        grid_fns="\n".join([grids.CPP_HELPERS, *fns]),
                                        arch_flags=" ".join(arch_flags(target)), params=params, cfg=cfg,
