@@ -49,9 +49,9 @@ FEATURES = ("varlen", "paged", "split", "pack_gqa", "window", "softcap", "alibi"
 SM90_FEATURES = ("varlen", "window", "sinks")  # the sm90 family's forward has these (its backward: varlen, window)
 # The sm90 forward's schedule knobs (KernelConfig fields; tuned beside the tile, `tune --<knob> yes/no` restricts them).
 SM90_KNOBS = ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum", "lazy_rescale", "q_regs", "p_smem",
-              "o_tma", "pack_gqa", "cluster", "lpt_by_head", "exp2_fma", "desc_step")
+              "o_tma", "pack_gqa", "cluster", "lpt_by_head", "exp2_fma", "desc_step", "diag_cut")
 # The sm90 knobs of the dense forward only: a serving kernel built from a dense configuration drops them.
-SM90_DENSE_KNOBS = ("pack_gqa", "o_tma", "cluster", "lpt_by_head")
+SM90_DENSE_KNOBS = ("pack_gqa", "o_tma", "cluster", "lpt_by_head", "diag_cut")
 # exp2_fma's choices: quarters of P's exponentials on the FMA pipe (0: all on the MUFU unit). The tuning space has them
 # up to EXP2_FMA_MAX_HEAD_DIM, where the MUFU unit rather than the GEMMs bounds the softmax.
 EXP2_FMA_SHARES = (0, 1, 2)
@@ -216,13 +216,19 @@ class KernelConfig(_AsDict):
     # sm90: each tile's wgmma descriptors are made once and stepped per k-step by a constant added to their start
     # address (fewer uniform-datapath instructions in the consumers), instead of one made whole per k-step.
     desc_step: bool = False
+    # sm90 causal dense forward with two or three consumer warpgroups: each warpgroup starts its key loop at the first
+    # key tile its own rows see. The tiles past its last row (the loop's first, last key block first; warpgroup 0's
+    # half of the diagonal at 64-key tiles) are waited for and released but never multiplied, where otherwise the
+    # warpgroup computes them fully masked.
+    diag_cut: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
         if d["head_dim_v"] is None:  # left out when q, k and v share a head dim: those dicts stay as they were
             del d["head_dim_v"]
-        if not d["desc_step"]:  # left out when off, the same way
-            del d["desc_step"]
+        for knob in ("desc_step", "diag_cut"):  # left out when off, the same way
+            if not d[knob]:
+                del d[knob]
         return d
 
     def __post_init__(self) -> None:
@@ -299,6 +305,13 @@ class KernelConfig(_AsDict):
         _check_choice("desc_step", self.desc_step, (False, True))
         if self.desc_step and self.family != "sm90":
             raise ConfigError(f"desc_step is an sm90 knob (wgmma's shared-memory descriptors), not family {self.family}")
+        _check_choice("diag_cut", self.diag_cut, (False, True))
+        if self.diag_cut and (self.family != "sm90" or not self.causal or self.block_m < 128 or self.serving
+                              or self.modified):
+            raise ConfigError("diag_cut is a knob of the sm90 causal dense forward with block_m >= 128 (a warpgroup's "
+                              "own first key tile, below its CTA's), not "
+                              f"{'causal' if self.causal else 'full'} block_m={self.block_m} / family {self.family} / "
+                              f"{'+'.join(self.features) or ('modifiers' if self.modified else 'dense')}")
         _check_choice("exp2_fma", self.exp2_fma, EXP2_FMA_SHARES)
         if self.exp2_fma and (self.family != "sm90" or self.fp8):
             raise ConfigError(f"exp2_fma is an sm90 knob for 16-bit inputs (their softmax), not {self.dtype} / family "
@@ -402,6 +415,7 @@ class KernelConfig(_AsDict):
             name += "_hl" if self.lpt_by_head else ""
             name += f"_ef{self.exp2_fma}" if self.exp2_fma else ""
             name += "_dst" if self.desc_step else ""
+            name += "_dc" if self.diag_cut else ""
         name += "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
         name += "_fc" if self.fused_combine else ""
         name += f"_sm{self.score_mod[:8]}" if self.score_mod else ""
@@ -621,6 +635,8 @@ def space(family: str, head_dim: int, dtype: str, causal: bool, gqa_group: int =
         out += [replace(c, exp2_fma=e) for e in EXP2_FMA_SHARES[1:] for c in out]  # after the rest: its order stays
     if family == "sm90":
         out += [replace(c, desc_step=True) for c in out]  # after the rest, the same way
+    if family == "sm90" and causal:  # where a warpgroup's rows end a key tile before its CTA's (block_n < block_m)
+        out += [replace(c, diag_cut=True) for c in out if c.block_m >= 128 and c.block_n < c.block_m]
     if family == "sm90" and gqa_group > 1:
         out += [replace(c, pack_gqa=True) for c in out
                 if gqa_group <= c.block_m and not c.o_tma and not c.cluster and not c.lpt_by_head]

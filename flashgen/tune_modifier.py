@@ -80,7 +80,7 @@ def bwd_with_modifiers(cfgs: list[BwdConfig], score_mod: str, mask_mod: str) -> 
 # the whole space has over 5,000.
 SM90_MODIFIER_TILE = {"block_m": 128, "num_stages": 2}
 SM90_MODIFIER_BLOCK_NS = (64, 128)
-SM90_MODIFIER_OFF = ("q_regs", "p_smem", "mma_rowsum", "lpt_by_head", "desc_step")
+SM90_MODIFIER_OFF = ("q_regs", "p_smem", "mma_rowsum", "lpt_by_head", "desc_step", "diag_cut")
 SM90_MODIFIER_EXP2_FMA = (0, 1)
 
 

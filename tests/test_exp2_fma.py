@@ -32,7 +32,7 @@ def test_rules_name_and_space():
     d.pop("exp2_fma")  # a store entry or trial from before the knob reads as off, under its old name
     assert KernelConfig.from_dict(d) == D64 and "_ef" not in D64.name
     for hd, dt, g in ((64, "bf16", 1), (128, "fp16", 4)):  # every 16-bit tile up to d128 comes with each share
-        sp = [c for c in space("sm90", hd, dt, True, gqa_group=g) if not c.desc_step]  # (desc_step's copies: after)
+        sp = [c for c in space("sm90", hd, dt, True, gqa_group=g) if not c.desc_step and not c.diag_cut]  # (theirs: after)
         off = [c for c in sp if not c.exp2_fma]
         for e in EXP2_FMA_SHARES[1:]:
             assert [dataclasses.replace(c, exp2_fma=0) for c in sp if c.exp2_fma == e] == off

@@ -37,17 +37,23 @@ TILES = [(128, 128, 12, 2), (128, 128, 12, 2, True), (128, 128, 12, 2, False, Tr
 # tensor cores, each schedule.
 DESC_STEP_TILES = [(128, 256, 12, 2, False, False, True, False, True), (128, 128, 12, 2, True, False, False, False, True),
                    (128, 64, 12, 3, True, True), (192, 128, 16, 2, False, False, True, False, True, True)]
+# diag_cut (causal: each warpgroup's key loop from its own first tile): 64-key tiles, where warpgroup 0 drops the
+# diagonal's upper half, in order with persistent row sums, overlapped ping-pong, three warpgroups.
+DIAG_CUT_TILES = [(128, 64, 12, 2, False, False, True, False, True), (128, 64, 12, 3, True, True),
+                  (192, 64, 16, 2, True, False, False, False, False, True)]
 
 
 def fp8_configs(arch: str = "sm90") -> list[KernelConfig]:
     if arch != "sm90":
         return []
     out = []
-    for d, causal, (tiles, step) in itertools.product(FP8_HEAD_DIMS, (False, True),
-                                                        [(t, False) for t in TILES] + [(t, True) for t in DESC_STEP_TILES]):
+    knobs = ([(t, {}) for t in TILES] + [(t, {"desc_step": True}) for t in DESC_STEP_TILES]
+             + [(t, {"diag_cut": True}) for t in DIAG_CUT_TILES])
+    for d, causal, (tiles, kw) in itertools.product(FP8_HEAD_DIMS, (False, True), knobs):
+        if kw.get("diag_cut") and not causal:
+            continue
         c = KernelConfig(d, DT, causal, *tiles[:4], "sm90", *tiles[4:7], block_quant_p=bool(tiles[7:] and tiles[7]),
-                         mma_rowsum=bool(tiles[8:] and tiles[8]), lazy_rescale=bool(tiles[9:] and tiles[9]),
-                         desc_step=step)
+                         mma_rowsum=bool(tiles[8:] and tiles[8]), lazy_rescale=bool(tiles[9:] and tiles[9]), **kw)
         if c.unfit_reason(arch) is None:
             out.append(c)
     return named_by_filter(out)

@@ -94,6 +94,17 @@ DESC_STEP_SM90 = [dict(block_m=128, block_n=128, num_warps=12, num_stages=2),
                   dict(block_m=192, block_n=64, num_warps=16, num_stages=2, overlap=True),
                   dict(block_m=64, block_n=128, num_warps=8, num_stages=2, persistent=True)]
 
+# diag_cut (causal: each warpgroup's key loop starts at its own first key tile): 64- and 96-key tiles, where the
+# tiles warpgroup 0 drops vary with the m-block and the length pair, in each schedule (in order, overlapped ping-pong,
+# persistent with lazy rescaling and the epilogue overlap, three warpgroups, a cluster, Q in registers).
+DIAG_CUT_SM90 = [dict(block_m=128, block_n=64, num_warps=12, num_stages=2, overlap=True, pingpong=True),
+                 dict(block_m=128, block_n=96, num_warps=12, num_stages=2, pingpong=True),
+                 dict(block_m=128, block_n=64, num_warps=12, num_stages=3, overlap=True, persistent=True,
+                      overlap_epilogue=True, lazy_rescale=True),
+                 dict(block_m=192, block_n=64, num_warps=16, num_stages=2, overlap=True),
+                 dict(block_m=128, block_n=64, num_warps=12, num_stages=2, cluster=True),
+                 dict(block_m=128, block_n=64, num_warps=12, num_stages=2, persistent=True, pingpong=True, q_regs=True)]
+
 
 def _arch() -> str:
     import torch
@@ -119,6 +130,10 @@ def configs_for(head_dim: int, dtype: str, causal: bool, arch: str) -> list[Kern
                 others.append(c)
         for kw in DESC_STEP_SM90 if family == "sm90" else ():
             c = KernelConfig(head_dim, dtype, causal, family="sm90", desc_step=True, **kw)
+            if c.unfit_reason(arch) is None:
+                others.append(c)
+        for kw in DIAG_CUT_SM90 if family == "sm90" and causal else ():
+            c = KernelConfig(head_dim, dtype, causal, family="sm90", diag_cut=True, **kw)
             if c.unfit_reason(arch) is None:
                 others.append(c)
         cfgs += named_by_filter(others)
@@ -218,6 +233,41 @@ def test_lazy_rescale_when_the_row_max_moves(kernels, dtype, grow):
             r = run_and_judge(kern, q, k, v, ref)
             if not r.ok:
                 failures.append(f"{kern.name} sq={sq} sk={sk}: {r.reason}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_diag_cut_changes_no_bit(kernels, dtype):
+    """The key tiles diag_cut drops held only masked scores for the warpgroup that drops them: with and without it,
+    the same output and LSE bit for bit, at length pairs that move the diagonal across the key tiles (equal, unequal
+    both ways, rows that see no key)."""
+    import dataclasses
+
+    import torch
+
+    from flashgen.compile import compile_kernel
+    from flashgen.kernels.dense import run
+    from flashgen.verify import poisoned_outputs, random_qkv
+
+    if _arch() != "sm90":
+        pytest.skip("diag_cut is an sm90-family knob")
+    cut = [k_ for d in (64, 128, 256) for k_ in kernels[(d, dtype, True)] if k_.config.diag_cut]
+    if not cut:
+        skip_if_narrowed("the diag_cut kernels")
+    assert cut, "no diag_cut kernel fits"
+    failures = []
+    for kern in cut:
+        twin = compile_kernel(dataclasses.replace(kern.config, diag_cut=False), "sm_90a")
+        for sq, sk in ((1023, 1023), (113, 211), (211, 113), (1, 1023), (2048, 17), (777, 1900)):
+            q, k, v = random_qkv(2, sq, sk, 6, 2, kern.config.head_dim, dtype)
+            got = []
+            for kk in (kern, twin):
+                out, lse = poisoned_outputs(q)
+                run(kk, q, k, v, out=out, lse=lse)
+                got.append((out, lse))
+            torch.cuda.synchronize()
+            if not (torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])):
+                failures.append(f"{kern.name} sq={sq} sk={sk}: differs from {twin.name}")
     assert not failures, "\n".join(failures)
 
 
