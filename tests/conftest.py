@@ -101,6 +101,20 @@ def compile_grouped(cfgs: list, arch: str, key) -> dict:
     return out
 
 
+def assert_only_the_switch_differs(cfg, knob: str, tag: str) -> None:
+    """A bool knob compiled as `inline constexpr bool KNOB`: the source rendered with it on differs from the one with it
+    off only in that constant, the kernel's name (`tag` added) and the configuration's repr."""
+    import dataclasses  # noqa: PLC0415
+
+    from flashgen.render import render  # noqa: PLC0415
+
+    const = knob.upper()
+    src, on = render(cfg), render(dataclasses.replace(cfg, **{knob: True}))
+    assert f"inline constexpr bool {const} = false;" in src and f"inline constexpr bool {const} = true;" in on
+    named = src.replace(cfg.name, cfg.name + tag).replace(f"{const} = false", f"{const} = true")
+    assert named.replace(f"{knob}=False", f"{knob}=True") == on
+
+
 def compile_sm90a_clean(cfgs: list) -> list:
     """Compile sm90-family configurations for sm_90a (two at a time) and assert what every one must show in
     ptxas's report: no spills, no serialized wgmma (C7513: registers an in-flight wgmma reads were
