@@ -238,9 +238,11 @@ def test_lazy_rescale_when_the_row_max_moves(kernels, dtype, grow):
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_diag_cut_changes_no_bit(kernels, dtype):
-    """The key tiles diag_cut drops held only masked scores for the warpgroup that drops them: with and without it,
-    the same output and LSE bit for bit, at length pairs that move the diagonal across the key tiles (equal, unequal
-    both ways, rows that see no key)."""
+    """The key tiles diag_cut drops held only masked scores for the warpgroup that drops them: in the in-order
+    schedule (where a tile's softmax is the same code first or later) the output and LSE are the same bit for bit with
+    and without it, at length pairs that move the diagonal across the key tiles (equal, unequal both ways, rows that
+    see no key). The overlapped schedule's first tile takes the prologue's softmax, whose rounding differs: those
+    kernels are held to the float64 reference above."""
     import dataclasses
 
     import torch
@@ -251,7 +253,7 @@ def test_diag_cut_changes_no_bit(kernels, dtype):
 
     if _arch() != "sm90":
         pytest.skip("diag_cut is an sm90-family knob")
-    cut = [k_ for d in (64, 128, 256) for k_ in kernels[(d, dtype, True)] if k_.config.diag_cut]
+    cut = [k_ for d in (64, 128, 256) for k_ in kernels[(d, dtype, True)] if k_.config.diag_cut and not k_.config.overlap]
     if not cut:
         skip_if_narrowed("the diag_cut kernels")
     assert cut, "no diag_cut kernel fits"
