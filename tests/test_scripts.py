@@ -56,7 +56,7 @@ def test_a_stored_backward_reads_back_with_a_knob_changed():
     cfg = time_configs.with_knobs(f"store:{key}")
     assert isinstance(cfg, BwdConfig) and cfg.to_dict() == BwdConfig.from_dict(entry["config"]).to_dict()
     on = time_configs.with_knobs(f"store:{key}+dq_tma=true")
-    assert on == dataclasses.replace(cfg, dq_tma=True) and on.name == cfg.name + "_dqt"
+    assert on == dataclasses.replace(cfg, dq_tma=True) and "_dqt" in on.name and on.name.replace("_dqt", "") == cfg.name
     with pytest.raises(SystemExit, match="BwdConfig has no field overlap"):
         time_configs.with_knobs(f"store:{key}+overlap=true")
 
