@@ -327,8 +327,10 @@ FP8_DESCALE = Block("Fp8Descale", "FLASHGEN_FP8_DESCALE", (
 ))
 
 SM90_FP8_FWD = Block("Sm90Fp8FwdParams", "FLASHGEN_SM90_FP8_PARAMS", (
-    "Sm90FwdParams, then the descale factors of q, k and v.",), (
+    "Sm90FwdParams, then the descale factors of q, k and v. Kernels generated with v_t take tm_v over vt,",
+    "(batch, heads_k, v's head_dim, keys rounded up to 16) e4m3, which their _vt kernel writes from v first."), (
     _MAPS, Line("FwdParams", ("p",)), Line("Fp8Descale", ("q_descale", "k_descale", "v_descale")),
+    Line("void*", ("vt",), "v_t: V transposed, each 16 keys in P's register order (else null); last: offsets kept"),
 ))
 
 SM90_BWD = Block("Sm90BwdParams", "FLASHGEN_SM90_BWD_PARAMS", (

@@ -42,6 +42,7 @@ def elem_bytes(dtype: str) -> int:
 FAMILY_BLOCK_MS = {"sm80": (16, 32, 64, 128, 256), "sm90": (64, 128, 192)}
 COMBINE_WARPS = 4  # (row, head) pairs per block of the split-KV combine kernel (a warp each)
 MAX_SPLITS = 128  # the most key ranges a split-KV launch splits into
+VT_KEYS, VT_THREADS = 64, 256  # v_t's _vt kernel: keys of one (batch, KV head) per block, threads per block
 # Row blocks below 64 (and one-warp blocks) serve few query rows (decode); dense spaces keep to 64 and up.
 DENSE_MIN_BLOCK_M = 64
 # Serving features of a forward kernel (sm80 family): each a compile-time switch, off = not in the code.
@@ -49,9 +50,9 @@ FEATURES = ("varlen", "paged", "split", "pack_gqa", "window", "softcap", "alibi"
 SM90_FEATURES = ("varlen", "window", "sinks")  # the sm90 family's forward has these (its backward: varlen, window)
 # The sm90 forward's schedule knobs (KernelConfig fields; tuned beside the tile, `tune --<knob> yes/no` restricts them).
 SM90_KNOBS = ("overlap", "pingpong", "persistent", "overlap_epilogue", "mma_rowsum", "lazy_rescale", "q_regs", "p_smem",
-              "o_tma", "pack_gqa", "cluster", "lpt_by_head", "exp2_fma", "desc_step", "diag_cut")
+              "o_tma", "pack_gqa", "cluster", "lpt_by_head", "exp2_fma", "desc_step", "diag_cut", "v_t")
 # The sm90 knobs of the dense forward only: a serving kernel built from a dense configuration drops them.
-SM90_DENSE_KNOBS = ("pack_gqa", "o_tma", "cluster", "lpt_by_head", "diag_cut")
+SM90_DENSE_KNOBS = ("pack_gqa", "o_tma", "cluster", "lpt_by_head", "diag_cut", "v_t")
 # exp2_fma's choices: quarters of P's exponentials on the FMA pipe (0: all on the MUFU unit). The tuning space has them
 # up to EXP2_FMA_MAX_HEAD_DIM, where the MUFU unit rather than the GEMMs bounds the softmax.
 EXP2_FMA_SHARES = (0, 1, 2)
@@ -74,7 +75,8 @@ FAMILY_BLOCK_NS = {"sm80": (32, 64, 128, 256), "sm90": (64, 96, 128, 160, 176, 1
 # sm90 consumers get registers from the producer through setmaxnreg: (producer, consumer)
 # per thread for 2 and 3 consumer warpgroups; one consumer keeps the 255 cap at entry.
 SM90_REGS = {1: (None, 255), 2: (24, 240), 3: (24, 160)}
-# FP8: the producer warpgroup also transposes V in shared memory, so it keeps more.
+# FP8: the producer warpgroup also transposes V in shared memory, so it keeps more (not with v_t, whose V comes
+# transposed). A split's sum (x 128 producer, x 128 per consumer) stays at the 168 x 384 a two-consumer CTA starts with.
 SM90_REGS_FP8 = {1: (None, 255), 2: (40, 232), 3: (40, 152)}
 
 
@@ -221,12 +223,16 @@ class KernelConfig(_AsDict):
     # half of the diagonal at 64-key tiles) are waited for and released but never multiplied, where otherwise the
     # warpgroup computes them fully masked.
     diag_cut: bool = False
+    # FP8 forward: V arrives transposed. A small kernel of the same file (`_vt`) first writes V as VT, (batch,
+    # heads_k, head_dim_v, keys padded to 16) with each 16 keys in P's register order, and TMA loads VT's tiles as they
+    # are used: no V ring, no transposing producer warps (the consumers then get FP8's 16-bit register split).
+    v_t: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
         if d["head_dim_v"] is None:  # left out when q, k and v share a head dim: those dicts stay as they were
             del d["head_dim_v"]
-        for knob in ("desc_step", "diag_cut"):  # left out when off, the same way
+        for knob in ("desc_step", "diag_cut", "v_t"):  # left out when off, the same way
             if not d[knob]:
                 del d[knob]
         return d
@@ -312,6 +318,9 @@ class KernelConfig(_AsDict):
                               "own first key tile, below its CTA's), not "
                               f"{'causal' if self.causal else 'full'} block_m={self.block_m} / family {self.family} / "
                               f"{'+'.join(self.features) or ('modifiers' if self.modified else 'dense')}")
+        _check_choice("v_t", self.v_t, (False, True))
+        if self.v_t and not self.fp8:
+            raise ConfigError(f"v_t is a knob of the FP8 forward (V transposed ahead by the _vt kernel), not {self.dtype}")
         _check_choice("exp2_fma", self.exp2_fma, EXP2_FMA_SHARES)
         if self.exp2_fma and (self.family != "sm90" or self.fp8):
             raise ConfigError(f"exp2_fma is an sm90 knob for 16-bit inputs (their softmax), not {self.dtype} / family "
@@ -416,6 +425,7 @@ class KernelConfig(_AsDict):
             name += f"_ef{self.exp2_fma}" if self.exp2_fma else ""
             name += "_dst" if self.desc_step else ""
             name += "_dc" if self.diag_cut else ""
+            name += "_vt" if self.v_t else ""
         name += "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
         name += "_fc" if self.fused_combine else ""
         name += f"_sm{self.score_mod[:8]}" if self.score_mod else ""
@@ -465,10 +475,22 @@ class KernelConfig(_AsDict):
 
     @property
     def kernel_names(self) -> dict[str, str]:
-        """Role -> `__global__` name of every kernel in the rendered file (split-KV adds its combine, unless fused)."""
+        """Role -> `__global__` name of every kernel in the rendered file (split-KV adds its combine, unless fused;
+        v_t the transpose of V that runs before the main kernel)."""
         if self.split and not self.fused_combine:
             return {"main": self.name, "combine": f"{self.name}_combine"}
+        if self.v_t:
+            return {"vt": f"{self.name}_vt", "main": self.name}
         return {"main": self.name}
+
+    def vt_grid(self, batch: int, heads_k: int, seqlen_k: int) -> int:
+        """v_t: blocks of the _vt kernel (VT_THREADS threads each), VT_KEYS keys of one (batch, KV head) a block."""
+        return -(-vt_keys(seqlen_k) // VT_KEYS) * heads_k * batch
+
+    @property
+    def vt_w(self) -> int:
+        """FP8: keys per column block of VT in shared memory (VT_W; its bytes, the 128- or 64-byte swizzle)."""
+        return 128 if self.block_n % 128 == 0 else 64
 
     @property
     def threads(self) -> int:
@@ -496,11 +518,13 @@ class KernelConfig(_AsDict):
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the Q tile plus `num_stages` K and V tiles (sm90: plus its
         mbarriers and 1024 bytes to align the swizzled tiles). FP8 adds a ring of transposed V tiles and its two barriers per
-        stage, and with mma_rowsum 8 x block_n bytes of e4m3 ones (the B operand that sums P's rows)."""
+        stage (v_t: VT's ring alone, loaded as it is), and with mma_rowsum 8 x block_n bytes of e4m3 ones (the B operand
+        that sums P's rows)."""
         q = self.block_m * self.head_dim
-        v_tiles = (2 if self.fp8 else 1) * self.v_dim  # V (FP8: and its transpose VT)
+        transposing = self.fp8 and not self.v_t
+        v_tiles = (2 if transposing else 1) * self.v_dim  # V (FP8: and its transpose VT)
         kv = self.num_stages * self.block_n * (self.head_dim + v_tiles) + 8 * self.block_n * self.mma_rowsum
-        bars = 1 + self.persistent + (6 if self.fp8 else 4) * self.num_stages
+        bars = 1 + self.persistent + (6 if transposing else 4) * self.num_stages
         extra = 8 * bars + 1024 if self.family == "sm90" else 0
         p = self.consumers * 64 * self.block_n if self.p_smem else 0  # a P tile per consumer warpgroup
         o = self.block_m * (self.v_dim + 8) if self.o_tma else 0  # O's staging rows, padded by 16 bytes
@@ -509,7 +533,8 @@ class KernelConfig(_AsDict):
     @property
     def accum_regs(self) -> int:
         """fp32 registers per math thread for the S and O accumulators."""
-        extra_p = self.block_n // 4 if self.overlap and not self.p_smem else 0  # a second P in flight
+        # a second P in flight: block_n / 2 values a thread, packed two (16-bit) or four (FP8) to a register
+        extra_p = self.block_n // (8 if self.fp8 else 4) if self.overlap and not self.p_smem else 0
         q = self.head_dim // 4 if self.q_regs else 0  # Q's 16-bit A fragments, held through the tile
         return self.warp_m_tiles * (self.block_n + self.v_dim) // 2 + extra_p + q
 
@@ -520,9 +545,17 @@ class KernelConfig(_AsDict):
             # tile) in 160 registers at 128 accumulator registers, spill-free without a mask (causal's row and column
             # registers: 12-36 B spilled per thread); 192 x 192 without overlap spills 16-24 B and was still the
             # fastest d64 tile at N >= 4k on the H200 (docs/kernels-sm90.md): spills are timed, not excluded.
+            if self.v_t:  # FP8 at 240 without the transposer: d256's 128 x 128 overlapped tile (208) builds spill-free
+                return self.register_split[1] - 32
             room = 32 if self.consumers == 3 and not self.fp8 else 40
-            return min(200, (SM90_REGS_FP8 if self.fp8 else SM90_REGS)[self.consumers][1] - room)
+            return min(200, self.register_split[1] - room)
         return MAX_ACCUM_REGS
+
+    @property
+    def register_split(self) -> tuple[int | None, int]:
+        """sm90: (producer, consumer) registers per thread after setmaxnreg (producer None: one consumer, no change).
+        FP8's producer keeps more for its V transpose; with v_t it has none."""
+        return (SM90_REGS_FP8 if self.fp8 and not self.v_t else SM90_REGS)[self.consumers]
 
     @property
     def kv_box_rows(self) -> int:
@@ -603,6 +636,11 @@ def pack_tiles(block_m: int, seqlen_q: int, heads: int, heads_k: int) -> tuple[i
     return -(-seqlen_q // pack_rows(block_m, heads // heads_k)), heads_k
 
 
+def vt_keys(seqlen_k: int) -> int:
+    """v_t: the keys of VT's rows, seqlen_k rounded up to 16 (whole 16-key blocks of P's register order)."""
+    return -(-seqlen_k // 16) * 16
+
+
 def space(family: str, head_dim: int, dtype: str, causal: bool, gqa_group: int = 1) -> list[KernelConfig]:
     """Every syntactically valid tile configuration of a family for one problem.
 
@@ -637,6 +675,8 @@ def space(family: str, head_dim: int, dtype: str, causal: bool, gqa_group: int =
         out += [replace(c, desc_step=True) for c in out]  # after the rest, the same way
     if family == "sm90" and causal:  # where a warpgroup's rows end a key tile before its CTA's (block_n < block_m)
         out += [replace(c, diag_cut=True) for c in out if c.block_m >= 128 and c.block_n < c.block_m]
+    if family == "sm90" and dtype in FP8_DTYPES:  # after the rest, the same way
+        out += [replace(c, v_t=True) for c in out]
     if family == "sm90" and gqa_group > 1:
         out += [replace(c, pack_gqa=True) for c in out
                 if gqa_group <= c.block_m and not c.o_tma and not c.cluster and not c.lpt_by_head]

@@ -22,7 +22,7 @@ from typing import Any, Iterable
 from . import abi, grids
 from .__version__ import __version__
 from .compile import arch_flags, target_for
-from .config import BWD_ROW_WARPS, COMBINE_WARPS, FEATURES, BwdConfig, KernelConfig
+from .config import BWD_ROW_WARPS, COMBINE_WARPS, FEATURES, VT_KEYS, VT_THREADS, BwdConfig, KernelConfig
 from .kernels.serving import MAX_SPLITS
 from .launch import LOG2E
 from .paths import tuned_dir as default_tuned_dir
@@ -64,7 +64,7 @@ namespace {name}_launch {{
 #ifdef __CUDACC__
 #include <cuda_runtime.h>
 extern "C" __global__ void {name}(const __grid_constant__ {params_type} p);
-
+{vt_decl}
 namespace flashgen {{
 namespace {name}_launch {{
 inline cudaError_t launch(const {params_type}& p, cudaStream_t stream = 0) {{
@@ -425,6 +425,12 @@ _FP8_NOTE = """
 // FP8: q, k, v are e4m3 (tensor maps of CU_TENSOR_MAP_DATA_TYPE_UINT8); o is OUT_DTYPE. The descale
 // factors are fp32: p.q_descale.ptr[batch * batch_stride + head_k * head_stride], likewise k and v
 // (strides 0: one factor per tensor; a factor of 1 needs a device float holding 1)."""
+_VT_NOTE = """
+// V_T: launch() first runs {name}_vt (VT_THREADS threads a block, vt_grid_x blocks), which writes v
+// transposed into p.vt: (batch, heads_k, HEAD_DIM_V, vt_keys) e4m3, vt_keys = seqlen_k rounded up to 16,
+// allocated by the caller. tm_v maps p.vt, not v: rank 4 over (vt_keys, HEAD_DIM_V, heads_k, batch) with
+// strides (vt_keys, HEAD_DIM_V * vt_keys, heads_k * HEAD_DIM_V * vt_keys) bytes, box (VT_W, HEAD_DIM_V, 1, 1),
+// swizzle VT_W bytes."""
 
 
 _SM90_SERVE_NOTE = """
@@ -491,6 +497,10 @@ def header(cfg: KernelConfig | BwdConfig, tuned_on: list[str], target: str) -> s
         extra = f"\nconstexpr int SMEM_W = {cfg.smem_w};\nconstexpr int SWIZZLE_BYTES = {cfg.row_bytes};"
         if cfg.fp8:
             extra += f'\nconstexpr const char* OUT_DTYPE = "{cfg.output_dtype}";'
+        if cfg.v_t:
+            extra += (f"\nconstexpr int VT_KEYS = {VT_KEYS}, VT_THREADS = {VT_THREADS}, VT_W = {cfg.vt_w};"
+                      "\ninline int64_t vt_grid_x(int seqlen_k, int heads_k, int batch) {"
+                      " return (int64_t)((seqlen_k + VT_KEYS - 1) / VT_KEYS) * heads_k * batch; }")
         extra += "".join(f"\nconstexpr bool {f.upper()} = {str(getattr(cfg, f)).lower()};" for f in cfg.features)
         if packed:
             extra += _PACKED_Q_NOTE
@@ -510,10 +520,18 @@ def header(cfg: KernelConfig | BwdConfig, tuned_on: list[str], target: str) -> s
     if cfg.serving:  # the grid runs over num_seqs sequences of up to max_seqlen_q rows (FwdParams: the packed tensors)
         grid = {**grid, "grid_doc": _grid_text(cfg),
                 "grid_args": grid["grid_args"].replace("f.seqlen_q", "p.max_seqlen_q").replace("f.batch", "p.num_seqs")}
+    vt_decl = ""
+    if cfg.v_t:  # the transpose of V runs first, on the same stream
+        vt_decl = f'extern "C" __global__ void {cfg.name}_vt(const __grid_constant__ {params_type} p);\n'
+        grid = {**grid, "grid_prelude": (f"    ::{cfg.name}_vt<<<dim3(vt_grid_x(f.seqlen_k, f.heads_k, f.batch)), VT_THREADS, "
+                                          "0, stream>>>(p);\n" + grid["grid_prelude"])}
     return _HEADER.format(name=cfg.name, version=__version__, tuned_on=", ".join(tuned_on) or "untuned",
                           arch_flags=" ".join(arch_flags(target)), params=_params_source(cfg),
                           tile_consts=_tile_consts(cfg), params_type=params_type,
-                          params_note=(_SM90_NOTE + (_FP8_NOTE if cfg.fp8 else "") + (_SM90_SERVE_NOTE if cfg.serving
+                          vt_decl=vt_decl,
+                          params_note=(_SM90_NOTE + (_FP8_NOTE if cfg.fp8 else "")
+                                       + (_VT_NOTE.format(name=cfg.name) if cfg.v_t else "")
+                                       + (_SM90_SERVE_NOTE if cfg.serving
                                                                                         else "")
                                        + "".join(f"\n// {line}" for line in modifier_notes(cfg))) if sm90 else "",
                           fwd_params="p.p" if sm90 else "p", extra_consts=extra, **grid)

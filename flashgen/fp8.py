@@ -20,7 +20,7 @@ from . import abi
 
 E4M3_MAX = 448.0
 DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
-_DESCALE = abi.SM90_FP8_FWD.tail("q_descale.ptr")  # q's, k's and v's Fp8Descale, after FwdParams
+_DESCALE = abi.SM90_FP8_FWD.tail("q_descale.ptr")  # q's, k's and v's Fp8Descale and vt, after FwdParams
 
 
 def hadamard(d: int, seed: int = 0, device: Any = "cpu") -> Any:
@@ -126,9 +126,10 @@ def _ones(device: int) -> Any:
 
 
 def descale_bytes(batch: int, heads_k: int, device: int, q_descale: Any = None, k_descale: Any = None,
-                  v_descale: Any = None) -> bytes:
-    """The bytes of the three `struct Fp8Descale` after checking each factor: a float32 CUDA tensor on
-    q's device of shape (1,) (per tensor) or (batch, heads_k) (per KV head); None means 1."""
+                  v_descale: Any = None, vt: int = 0) -> bytes:
+    """The bytes of Sm90Fp8FwdParams after FwdParams: the three `struct Fp8Descale` after checking each factor (a
+    float32 CUDA tensor on q's device of shape (1,) (per tensor) or (batch, heads_k) (per KV head); None means 1),
+    then `vt`, the address of a v_t kernel's transposed V (0 for the others)."""
     import torch  # noqa: PLC0415
 
     given = dict(zip(DESCALE_NAMES, (q_descale, k_descale, v_descale)))
@@ -152,7 +153,7 @@ def descale_bytes(batch: int, heads_k: int, device: int, q_descale: Any = None, 
             t = _ones(device)
         per_head = tuple(t.shape) == (batch, heads_k) and batch * heads_k > 1
         fields += (t.data_ptr(), t.stride(0), t.stride(1)) if per_head else (t.data_ptr(), 0, 0)
-    return _DESCALE.pack(*fields)
+    return _DESCALE.pack(*fields, vt)
 
 
 __all__ = ["E4M3_MAX", "dequantize", "descale_bytes", "emulate", "emulate_dequantized", "hadamard", "quantize"]

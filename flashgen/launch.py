@@ -75,8 +75,8 @@ def tmap_box_packed(strides: tuple[int, ...], head_dim: int, seqlen: int, heads:
 
 
 def descale_args(batch_heads_k: tuple[int, int] | None, device: int, descale: dict[str, Any] | None,
-                 dtype: str) -> bytes:
-    """The packed descale factors (fp8.descale_bytes) of an FP8 kernel on (batch, heads_k) KV heads; a kernel
+                 dtype: str, vt: int = 0) -> bytes:
+    """The packed descale factors and `vt` (fp8.descale_bytes) of an FP8 kernel on (batch, heads_k) KV heads; a kernel
     of another `dtype` (batch_heads_k None) refuses any."""
     if batch_heads_k is None:
         if descale and any(t is not None for t in descale.values()):
@@ -84,7 +84,7 @@ def descale_args(batch_heads_k: tuple[int, int] | None, device: int, descale: di
         return b""
     if device < 0:
         raise TypeError("FP8 inputs must be torch tensors (float8_e4m3fn)")
-    return descale_bytes(*batch_heads_k, device, **(descale or {}))
+    return descale_bytes(*batch_heads_k, device, **(descale or {}), vt=vt)
 
 
 @functools.lru_cache(maxsize=1)

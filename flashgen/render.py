@@ -7,7 +7,7 @@ import jinja2
 
 from . import abi
 from .__version__ import __version__
-from .config import BWD_ROW_WARPS, COMBINE_WARPS, MAX_SPLITS, SM90_REGS, SM90_REGS_FP8, BwdConfig, KernelConfig
+from .config import BWD_ROW_WARPS, COMBINE_WARPS, MAX_SPLITS, SM90_REGS, VT_KEYS, VT_THREADS, BwdConfig, KernelConfig
 from .modifiers import MAX_CAPTURED, MAX_RANK, SPLIT_LENGTH_LIMIT, Modifier, ModifierError, lookup
 from .paths import templates_dir
 
@@ -42,14 +42,14 @@ def render(cfg: KernelConfig | BwdConfig) -> str:
     elem_t, _, _, ptx_type = _TYPES[cfg.dtype]
     out_t, elem2_t, pack_fn, _ = _TYPES[cfg.output_dtype]  # pack2 packs O (and 16-bit P)
     template = template_env().get_template(f"{cfg.family}/fwd.cu.j2")
-    regs = SM90_REGS_FP8 if cfg.fp8 else SM90_REGS
-    producer_regs, consumer_regs = regs.get(cfg.consumers, (None, None)) if cfg.family == "sm90" else (None, None)
+    producer_regs, consumer_regs = cfg.register_split if cfg.family == "sm90" else (None, None)
     score_mod, mask_mod, captured = modifiers_of(cfg)
     return template.render(
         cfg=cfg, version=__version__, elem_t=elem_t, out_t=out_t, elem2_t=elem2_t, pack_fn=pack_fn, ptx_type=ptx_type,
         params_t=("Sm90Fp8FwdParams" if cfg.fp8 else "Sm90ServeModFwdParams" if cfg.modified
                   else "Sm90ServeFwdParams" if cfg.serving else "Sm90FwdParams"),
         producer_regs=producer_regs, consumer_regs=consumer_regs, combine_warps=COMBINE_WARPS, max_splits=MAX_SPLITS,
+        vt_keys=VT_KEYS, vt_threads=VT_THREADS,
         score_mod=score_mod, mask_mod=mask_mod, captured=captured, split_length_limit=SPLIT_LENGTH_LIMIT,
         # a mask_mod alone that loads per score: the overlapped schedule applies it to S in place (consumer_ops)
         mask_in_place=mask_mod is not None and score_mod is None and mask_mod.loads_on_cut_tiles,

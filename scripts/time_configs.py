@@ -38,7 +38,7 @@ from flashgen.verify import verify, verify_backward  # noqa: E402
 
 _NAME = re.compile(r"fwd_(sm\d+)_d(\d+)_(fp16|bf16|fp8_e4m3)_(full|causal)_bm(\d+)_bn(\d+)_w(\d+)_s(\d+)"
                    r"(?:_ov([01])_pp([01])(_ps)?(_oe)?)?(?:_o(bf16|fp16)(_bq)?(_rs)?)?(_lz)?(_qr)?(_psm)?(_ot)?(_cl)?(_hl)?"
-                   r"(?:_ef([12]))?(_dst)?(_dc)?(_pk)?$")
+                   r"(?:_ef([12]))?(_dst)?(_dc)?(_vt)?(_pk)?$")
 
 
 def parse(name: str) -> KernelConfig | BwdConfig:
@@ -53,13 +53,13 @@ def parse(name: str) -> KernelConfig | BwdConfig:
     m = _NAME.match(name)
     if not m:
         raise SystemExit(f"not a forward kernel name: {name}")
-    fam, d, dt, mask, bm, bn, w, s, ov, pp, ps, oe, out, bq, rs, lz, qr, psm, ot, cl, hl, ef, dst, dc, pk = m.groups()
+    fam, d, dt, mask, bm, bn, w, s, ov, pp, ps, oe, out, bq, rs, lz, qr, psm, ot, cl, hl, ef, dst, dc, vt, pk = m.groups()
     cfg = KernelConfig(int(d), dt, mask == "causal", int(bm), int(bn), int(w), int(s), fam,
                        bool(int(ov or 0)), bool(int(pp or 0)), bool(ps), out_dtype=out or "", block_quant_p=bool(bq),
                        overlap_epilogue=bool(oe), mma_rowsum=bool(rs), lazy_rescale=bool(lz),
                        q_regs=bool(qr), p_smem=bool(psm), o_tma=bool(ot), pack_gqa=bool(pk),
                        cluster=bool(cl), lpt_by_head=bool(hl), exp2_fma=int(ef or 0), desc_step=bool(dst),
-                       diag_cut=bool(dc))
+                       diag_cut=bool(dc), v_t=bool(vt))
     if cfg.name != name:
         raise SystemExit(f"{name} reads back as {cfg.name}")
     return cfg

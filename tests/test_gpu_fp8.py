@@ -41,6 +41,12 @@ DESC_STEP_TILES = [(128, 256, 12, 2, False, False, True, False, True), (128, 128
 # diagonal's upper half, in order with persistent row sums, overlapped ping-pong, three warpgroups.
 DIAG_CUT_TILES = [(128, 64, 12, 2, False, False, True, False, True), (128, 64, 12, 3, True, True),
                   (192, 64, 16, 2, True, False, False, False, False, True)]
+# v_t (V transposed ahead by the _vt kernel, loaded as VT by TMA): in order with the row sums (128-key column blocks),
+# overlapped (FlashAttention-3's d256 tile), ping-pong at 64-key blocks, three warpgroups, block-quantized P,
+# three stages.
+V_T_TILES = [(128, 256, 12, 2, False, False, True, False, True), (128, 128, 12, 2, True, False, True, False, False, True),
+             (128, 64, 12, 2, False, True, True), (192, 128, 16, 2, False, False, True, False, True, True),
+             (128, 128, 12, 2, True, False, False, True), (128, 192, 12, 3, True, False, True, False, True)]
 
 
 def fp8_configs(arch: str = "sm90") -> list[KernelConfig]:
@@ -48,7 +54,7 @@ def fp8_configs(arch: str = "sm90") -> list[KernelConfig]:
         return []
     out = []
     knobs = ([(t, {}) for t in TILES] + [(t, {"desc_step": True}) for t in DESC_STEP_TILES]
-             + [(t, {"diag_cut": True}) for t in DIAG_CUT_TILES])
+             + [(t, {"diag_cut": True}) for t in DIAG_CUT_TILES] + [(t, {"v_t": True}) for t in V_T_TILES])
     for d, causal, (tiles, kw) in itertools.product(FP8_HEAD_DIMS, (False, True), knobs):
         if kw.get("diag_cut") and not causal:
             continue
@@ -194,10 +200,11 @@ def test_lazy_rescale_when_the_row_max_moves(kernels, grow):
 
 
 # pack_gqa: the query heads of one KV head share a tile (groups of 4, and of 3, which leaves idle rows in 64- and
-# 128-row tiles); plain, overlap, persistent ping-pong with the row sums on the tensor cores, three warpgroups.
+# 128-row tiles); plain, overlap, persistent ping-pong with the row sums on the tensor cores, three warpgroups; v_t
+# (its tenth field) overlapped and persistent with the row sums.
 PACK_LAYOUTS = {"8-2": (8, 2), "6-2": (6, 2), "4-1": (4, 1)}
 PACK_TILES = [(128, 128, 12, 2), (128, 128, 12, 2, True), (128, 64, 12, 2, False, True, True, False, True),
-              (64, 128, 8, 2), (192, 128, 16, 2, False, False, True)]
+              (64, 128, 8, 2), (192, 128, 16, 2, False, False, True), (128, 128, 12, 2, True, False, True, False, True, True)]
 
 
 def pack_fp8_configs(arch: str = "sm90") -> list[KernelConfig]:
@@ -206,7 +213,8 @@ def pack_fp8_configs(arch: str = "sm90") -> list[KernelConfig]:
         return []
     out = []
     for d, causal, t in itertools.product(FP8_HEAD_DIMS, (False, True), PACK_TILES):
-        c = KernelConfig(d, DT, causal, *t[:4], "sm90", *t[4:7], mma_rowsum=bool(t[8:] and t[8]), pack_gqa=True)
+        c = KernelConfig(d, DT, causal, *t[:4], "sm90", *t[4:7], mma_rowsum=bool(t[8:] and t[8]), pack_gqa=True,
+                         v_t=bool(t[9:] and t[9]))
         if c.unfit_reason(arch) is None:
             out.append(c)
     return named_by_filter(out)

@@ -13,31 +13,46 @@ from typing import Any, NamedTuple
 from .. import driver
 from ..checks import check_family, check_qkv, refuse_grad
 from ..compile import CompiledKernel, Resources, compile_kernel
-from ..config import KernelConfig
+from ..config import VT_THREADS, KernelConfig, vt_keys
 from ..launch import (FWD, SM90_BYTES, FwdParams, STREAM_FOR_TORCH, current_stream, descale_args, fill_empty, float32,
                       pack_params, scale_args, tmap_box, tmap_box_packed)
 from ..tensors import Problem, View, align_elems, aligned, aligned_strides, is_torch, torch_dtype, view
 
 
 def tmap_geometry(q: View, k: View, v: View, prob: Problem, cfg: KernelConfig) -> tuple:
-    """(dims, byte strides, box) of the q, k, v tensor maps: boxes of SMEM_W x block_m (q) or kv_box_rows (k, v:
-    block_n, or half of it with cluster) rows (pack_gqa: q's is tmap_box_packed's); v's over its own head dim."""
+    """(dims, byte strides, box, swizzle bytes) of the q, k, v tensor maps: boxes of SMEM_W x block_m (q) or
+    kv_box_rows (k, v: block_n, or half of it with cluster) rows (pack_gqa: q's is tmap_box_packed's); v's over its own
+    head dim. v_t: v's map is over VT (vt_geometry)."""
     if cfg.pack_gqa and cfg.family == "sm90":
         qmap = tmap_box_packed(q.strides, prob.head_dim, prob.seqlen_q, prob.heads, prob.heads_k, prob.batch,
                                cfg.elem_bytes, cfg.smem_w, cfg.block_m)
-        return (qmap, *tmap_geometry(q, k, v, prob, replace(cfg, pack_gqa=False))[1:])
-    return tuple(tmap_box(t.strides, d, n, heads, prob.batch, cfg.elem_bytes, cfg.smem_w, rows)
+        return ((*qmap, cfg.row_bytes), *tmap_geometry(q, k, v, prob, replace(cfg, pack_gqa=False))[1:])
+    maps = tuple((*tmap_box(t.strides, d, n, heads, prob.batch, cfg.elem_bytes, cfg.smem_w, rows), cfg.row_bytes)
                  for t, d, n, heads, rows in ((q, prob.head_dim, prob.seqlen_q, prob.heads, cfg.block_m),
                                               (k, prob.head_dim, prob.seqlen_k, prob.heads_k, cfg.kv_box_rows),
                                               (v, prob.v_dim, prob.seqlen_k, prob.heads_k, cfg.kv_box_rows)))
+    return maps[:2] + (vt_geometry(prob, cfg),) if cfg.v_t else maps
+
+
+def vt_geometry(prob: Problem, cfg: KernelConfig) -> tuple:
+    """v_t: VT's tensor map, 4-d over (keys, v's head dims, heads_k, batch) of the contiguous (batch, heads_k, head_dim_v,
+    vt_keys) copy; a box is one column block of the V ring's tile, vt_w keys x head_dim_v rows, swizzled vt_w bytes."""
+    n, d = vt_keys(prob.seqlen_k), prob.v_dim
+    return ((n, d, prob.heads_k, prob.batch), (n, n * d, n * d * prob.heads_k), (cfg.vt_w, d, 1, 1), cfg.vt_w)
+
+
+def vt_buffer(like: View, prob: Problem) -> Any:
+    """v_t: the (batch, heads_k, head_dim_v, vt_keys) e4m3 tensor the _vt kernel writes V into, transposed."""
+    return _empty(like, (prob.batch, prob.heads_k, prob.v_dim, vt_keys(prob.seqlen_k)), prob.dtype)
 
 
 def sm90_params(p: bytes | FwdParams, q: View, k: View, v: View, prob: Problem, cfg: KernelConfig,
-                descale: bytes = b"") -> bytes:
-    """Bytes of `struct Sm90FwdParams` (templates/sm90/params.cuh.j2): TMA maps of q, k, v at 0, 128, 256, then
-    FwdParams (FP8: Sm90Fp8FwdParams, the descale factors after it)."""
-    maps = b"".join(driver.tensor_map(prob.dtype, t.ptr, dims, strides, box, cfg.row_bytes)  # cached by args
-                    for t, (dims, strides, box) in zip((q, k, v), tmap_geometry(q, k, v, prob, cfg)))
+                descale: bytes = b"", vt: int = 0) -> bytes:
+    """Bytes of `struct Sm90FwdParams` (templates/sm90/params.cuh.j2): TMA maps of q, k, v (v_t: of VT at `vt`) at 0,
+    128, 256, then FwdParams (FP8: Sm90Fp8FwdParams, the descale factors and vt after it)."""
+    ptrs = (q.ptr, k.ptr, vt if cfg.v_t else v.ptr)
+    maps = b"".join(driver.tensor_map(prob.dtype, ptr, dims, strides, box, swizzle)  # cached by args
+                    for ptr, (dims, strides, box, swizzle) in zip(ptrs, tmap_geometry(q, k, v, prob, cfg)))
     return (maps + bytes(p) + descale).ljust(SM90_BYTES, b"\0")
 
 
@@ -136,7 +151,10 @@ def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
     if stream is not None and torch_in:
         raise TypeError(STREAM_FOR_TORCH)
     cfg = _checked_kernel(kernel, prob)
-    scales = descale_args((prob.batch, prob.heads_k) if cfg.fp8 else None, qv.device, descale, cfg.dtype)
+    # v_t: V transposed, by the _vt kernel before the main one (FP8 takes torch tensors: descale_args says so)
+    vt = vt_buffer(qv, prob) if cfg.v_t and prob.seqlen_k and torch_in else None
+    scales = descale_args((prob.batch, prob.heads_k) if cfg.fp8 else None, qv.device, descale, cfg.dtype,
+                          0 if vt is None else vt.data_ptr())
     scale, scale_log2 = scale_args(softmax_scale, prob.head_dim)
     if not (aligned(qv) and aligned(kv) and aligned(vv)):
         qv, kv, vv = (_fix_alignment(t, n) for t, n in ((qv, "q"), (kv, "k"), (vv, "v")))
@@ -172,8 +190,12 @@ def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
     grid = _grid(cfg, prob.batch, prob.heads, prob.seqlen_q, dev, prob.heads_k) if cfg.persistent else flat
     params = pack_params(qv, kv, vv, ov, lse_ptr, prob, scale, scale_log2)
     if cfg.family == "sm90":
-        params = sm90_params(params, qv, kv, vv, prob, cfg, scales)
-    fn.launch(grid, cfg.threads, params, handle)
+        params = sm90_params(params, qv, kv, vv, prob, cfg, scales, 0 if vt is None else vt.data_ptr())
+    if vt is not None:
+        vt_fn = driver.get_function(kernel.cubin, cfg.kernel_names["vt"], 0, kernel.digest,
+                                    driver.primary_context_id(dev))
+        vt_fn.launch((cfg.vt_grid(prob.batch, prob.heads_k, prob.seqlen_k), 1, 1), VT_THREADS, params, handle)
+    fn.launch(grid, cfg.threads, params, handle)  # (vt, as torch's allocator reuses it, is read in stream order)
     return out, lse, prob
 
 
@@ -210,12 +232,12 @@ class Plan(NamedTuple):
     o_shape: tuple[int, ...]
     lse_shape: tuple[int, ...]
     fields: tuple  # FwdParams after its five pointers
-    tmaps: tuple | None  # sm90: the (dims, byte strides, box) of the q, k, v tensor maps
+    tmaps: tuple | None  # sm90: the (dims, byte strides, box, swizzle) of the q, k, v (v_t: VT) tensor maps
     dtype: str
-    swizzle: int
     maps: dict  # sm90: (q, k, v pointers) -> the three encoded maps, a few kept
     out_dtype: Any  # torch dtype of out when it is not q's (FP8), else None
     batch_heads_k: tuple[int, int] | None  # FP8: (batch, heads_k), which per-head descale factors must match
+    vt: tuple | None = None  # v_t: (the _vt kernel, its blocks, VT's shape)
 
 
 def make_plan(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Problem, softmax_scale: float | None) -> Plan:
@@ -225,15 +247,19 @@ def make_plan(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
     b, sq, sk, h, hk, d = prob.batch, prob.seqlen_q, prob.seqlen_k, prob.heads, prob.heads_k, prob.v_dim
     o_strides = (sq * h * d, h * d, d)  # a fresh contiguous out, v's width
     fields = (*qv.strides[:3], *kv.strides[:3], *vv.strides[:3], *o_strides, b, h, hk, sq, sk, scale, scale_log2)
-    fn, tmaps = None, None
+    fn, tmaps, vt = None, None, None
     if b * h * sq and sk:
         fn = _torch_function(kernel, qv.device)
         if cfg.family == "sm90":
             tmaps = tmap_geometry(qv, kv, vv, prob, cfg)
+        if cfg.v_t:
+            vt = (driver.get_function(kernel.cubin, cfg.kernel_names["vt"], 0, kernel.digest,
+                                      driver.primary_context_id(qv.device)),
+                  (cfg.vt_grid(b, hk, sk), 1, 1), (b, hk, d, vt_keys(sk)))
     grid = _grid(cfg, b, h, sq, qv.device, hk) if b * h * sq else (0, 1, 1)
     return Plan(qv.device, fn, cfg.threads, grid, (b, sq, h, d), (b, h, sq),
-                fields, tmaps, prob.dtype, cfg.row_bytes, {}, torch_dtype(cfg.output_dtype) if cfg.fp8 else None,
-                (b, hk) if cfg.fp8 else None)
+                fields, tmaps, prob.dtype, {}, torch_dtype(cfg.output_dtype) if cfg.fp8 else None,
+                (b, hk) if cfg.fp8 else None, vt)
 
 
 def launch_plan(plan: Plan, q: Any, k: Any, v: Any, want_lse: bool = True,
@@ -243,7 +269,9 @@ def launch_plan(plan: Plan, q: Any, k: Any, v: Any, want_lse: bool = True,
     qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
     if (qp | kp | vp) & 15:
         return None
-    scales = descale_args(plan.batch_heads_k, plan.device, descale, plan.dtype)
+    vt = None if plan.vt is None else v.new_empty(plan.vt[2])  # v_t: V transposed, by the _vt kernel
+    mp = vp if vt is None else vt.data_ptr()  # what tm_v maps
+    scales = descale_args(plan.batch_heads_k, plan.device, descale, plan.dtype, 0 if vt is None else mp)
     out = q.new_empty(plan.o_shape) if plan.out_dtype is None else q.new_empty(plan.o_shape, dtype=plan.out_dtype)
     lse = q.new_empty(plan.lse_shape, dtype=float32()) if want_lse else None
     if plan.fn is None:
@@ -252,15 +280,18 @@ def launch_plan(plan: Plan, q: Any, k: Any, v: Any, want_lse: bool = True,
     driver.use_device(plan.device)
     params = FWD.pack(qp, kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr(), *plan.fields)
     if plan.tmaps is not None:
-        maps = plan.maps.get((qp, kp, vp))
+        maps = plan.maps.get((qp, kp, mp))
         if maps is None:
             if len(plan.maps) > 64:
                 plan.maps.clear()
-            maps = plan.maps[qp, kp, vp] = b"".join(
-                driver.tensor_map(plan.dtype, p, dims, strides, box, plan.swizzle)
-                for p, (dims, strides, box) in zip((qp, kp, vp), plan.tmaps))
+            maps = plan.maps[qp, kp, mp] = b"".join(
+                driver.tensor_map(plan.dtype, p, dims, strides, box, swizzle)
+                for p, (dims, strides, box, swizzle) in zip((qp, kp, mp), plan.tmaps))
         params = (maps + params + scales).ljust(SM90_BYTES, b"\0")
-    plan.fn.launch(plan.grid, plan.threads, params, current_stream(plan.device))
+    stream = current_stream(plan.device)
+    if plan.vt is not None:
+        plan.vt[0].launch(plan.vt[1], VT_THREADS, params, stream)
+    plan.fn.launch(plan.grid, plan.threads, params, stream)
     return out, lse
 
 
