@@ -116,7 +116,7 @@ def test_it_builds_clean_with_the_same_wgmmas():
             KernelConfig(128, "fp8_e4m3", True, 128, 64, 12, 2, "sm90", True, True, True, lazy_rescale=True),
             KernelConfig(64, "fp8_e4m3", False, 192, 128, 16, 2, "sm90", persistent=True, mma_rowsum=True),
             KernelConfig(128, "fp8_e4m3", True, 128, 128, 12, 2, "sm90", True, pack_gqa=True)]
-    extra = [dataclasses.replace(D256, overlap=True, v_t=True)]
+    extra = [dataclasses.replace(D256, overlap=True, v_t=True, desc_step=True)]  # (24 bytes spilled without desc_step)
     kernels = compile_sm90a_clean(base + [dataclasses.replace(c, v_t=True) for c in base] + extra)
     for k in kernels[len(base):]:
         assert f"Compiling entry function '{k.name}_vt'" in k.ptxas_log
