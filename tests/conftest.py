@@ -140,6 +140,21 @@ def compile_sm90a_clean(cfgs: list) -> list:
     return kernels
 
 
+def assert_same_wgmmas(offs: list, ons: list, ops: tuple = ("GMMA", "WARPGROUP.ARRIVE")) -> None:
+    """Each kernel of `ons` (a knob on) has its twin's of `offs` count of every SASS op in `ops` (skips without a
+    disassembler)."""
+    import pytest  # noqa: PLC0415
+
+    from flashgen.compile import disassemble, disassembler  # noqa: PLC0415
+
+    if disassembler() is None:
+        pytest.skip("no SASS disassembler for the instruction counts (pip install nvidia-cuda-nvdisasm)")
+    for off, on in zip(offs, ons, strict=True):
+        a, b = disassemble(off.cubin), disassemble(on.cubin)
+        for op in ops:
+            assert a.count(op) == b.count(op), f"{on.name}: {b.count(op)} {op}, {a.count(op)} without the knob"
+
+
 def ramped_keys(k, grow: bool):
     """k scaled along the keys by 1 to 6. grow: the first keys scaled most; the sm90 kernels read the key tiles last
     to first, so a row's max then rises tile after tile, by more than any lazy-rescale slack. Else the last keys."""

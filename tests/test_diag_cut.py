@@ -56,9 +56,7 @@ def test_it_builds_clean_with_the_same_wgmmas():
     """Every schedule it meets (overlapped ping-pong, persistent with lazy rescaling, in order, three consumer
     warpgroups, FP8, clusters, pack_gqa with the epilogue overlap and Q in registers): no spills, no wgmma advisories or
     silent serialization, and the same wgmma and WARPGROUP.ARRIVE counts as without the knob."""
-    from conftest import compile_sm90a_clean
-
-    from flashgen.compile import disassemble, disassembler
+    from conftest import assert_same_wgmmas, compile_sm90a_clean
 
     base = [D256, KernelConfig(256, "bf16", True, 128, 64, 12, 2, "sm90", True, True, True, lazy_rescale=True),
             KernelConfig(128, "fp16", True, 128, 64, 12, 2, "sm90", False, True),
@@ -68,9 +66,4 @@ def test_it_builds_clean_with_the_same_wgmmas():
             KernelConfig(128, "bf16", True, 128, 64, 12, 2, "sm90", True, True, True, overlap_epilogue=True,
                          q_regs=True, pack_gqa=True)]
     kernels = compile_sm90a_clean(base + [dataclasses.replace(c, diag_cut=True) for c in base])
-    if disassembler() is None:
-        pytest.skip("no SASS disassembler for the instruction counts (pip install nvidia-cuda-nvdisasm)")
-    for off, on in zip(kernels[:len(base)], kernels[len(base):]):
-        a, b = disassemble(off.cubin), disassemble(on.cubin)
-        for op in ("GMMA", "WARPGROUP.ARRIVE"):
-            assert a.count(op) == b.count(op), f"{on.name}: {b.count(op)} {op}, {a.count(op)} without the knob"
+    assert_same_wgmmas(kernels[:len(base)], kernels[len(base):])
