@@ -193,8 +193,11 @@ def test_three_consumer_warpgroups_get_32_registers_of_headroom():
     assert fa3 in space("sm90", 64, "bf16", False) and dataclasses.replace(fa3, causal=True) in space("sm90", 64, "bf16", True)
     compile_sm90a_clean([fa3, dataclasses.replace(fa3, dtype="fp16", persistent=False, lazy_rescale=False)])
     assert KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", True).max_accum_regs == 200
+    # FP8's second P in flight is a byte a probability: its 192 x 128 overlapped d64 tile (112) fits and builds clean
     fp8 = KernelConfig(64, "fp8_e4m3", False, 192, 128, 16, 2, "sm90", True, out_dtype="bf16")
-    assert fp8.max_accum_regs == 152 - 40 and fp8.unfit_reason("sm90") is not None
+    assert fp8.accum_regs == 112 == fp8.max_accum_regs == 152 - 40 and fp8.unfit_reason("sm90") is None
+    assert dataclasses.replace(fp8, block_n=192).unfit_reason("sm90") is not None
+    compile_sm90a_clean([fp8])
 
 
 @pytest.mark.sweep
