@@ -484,8 +484,13 @@ class KernelConfig(_AsDict):
         return {"main": self.name}
 
     def vt_grid(self, batch: int, heads_k: int, seqlen_k: int) -> int:
-        """v_t: blocks of the _vt kernel (VT_THREADS threads each), VT_KEYS keys of one (batch, KV head) a block."""
-        return -(-vt_keys(seqlen_k) // VT_KEYS) * heads_k * batch
+        """v_t: blocks of the _vt kernel (VT_THREADS threads each), grids.FWD_VT."""
+        return grids.FWD_VT.bind(VT_KEYS=VT_KEYS)(seqlen_k, heads_k, batch)
+
+    @property
+    def transposes_v(self) -> bool:
+        """FP8 without v_t: the producer warpgroup transposes each V tile into a VT ring of its own."""
+        return self.fp8 and not self.v_t
 
     @property
     def vt_w(self) -> int:
@@ -521,10 +526,9 @@ class KernelConfig(_AsDict):
         stage (v_t: VT's ring alone, loaded as it is), and with mma_rowsum 8 x block_n bytes of e4m3 ones (the B operand
         that sums P's rows)."""
         q = self.block_m * self.head_dim
-        transposing = self.fp8 and not self.v_t
-        v_tiles = (2 if transposing else 1) * self.v_dim  # V (FP8: and its transpose VT)
+        v_tiles = (2 if self.transposes_v else 1) * self.v_dim  # V (FP8: and its transpose VT)
         kv = self.num_stages * self.block_n * (self.head_dim + v_tiles) + 8 * self.block_n * self.mma_rowsum
-        bars = 1 + self.persistent + (6 if transposing else 4) * self.num_stages
+        bars = 1 + self.persistent + (6 if self.transposes_v else 4) * self.num_stages
         extra = 8 * bars + 1024 if self.family == "sm90" else 0
         p = self.consumers * 64 * self.block_n if self.p_smem else 0  # a P tile per consumer warpgroup
         o = self.block_m * (self.v_dim + 8) if self.o_tma else 0  # O's staging rows, padded by 16 bytes
@@ -555,7 +559,7 @@ class KernelConfig(_AsDict):
     def register_split(self) -> tuple[int | None, int]:
         """sm90: (producer, consumer) registers per thread after setmaxnreg (producer None: one consumer, no change).
         FP8's producer keeps more for its V transpose; with v_t it has none."""
-        return (SM90_REGS_FP8 if self.fp8 and not self.v_t else SM90_REGS)[self.consumers]
+        return (SM90_REGS_FP8 if self.transposes_v else SM90_REGS)[self.consumers]
 
     @property
     def kv_box_rows(self) -> int:

@@ -498,9 +498,7 @@ def header(cfg: KernelConfig | BwdConfig, tuned_on: list[str], target: str) -> s
         if cfg.fp8:
             extra += f'\nconstexpr const char* OUT_DTYPE = "{cfg.output_dtype}";'
         if cfg.v_t:
-            extra += (f"\nconstexpr int VT_KEYS = {VT_KEYS}, VT_THREADS = {VT_THREADS}, VT_W = {cfg.vt_w};"
-                      "\ninline int64_t vt_grid_x(int seqlen_k, int heads_k, int batch) {"
-                      " return (int64_t)((seqlen_k + VT_KEYS - 1) / VT_KEYS) * heads_k * batch; }")
+            extra += f"\nconstexpr int VT_KEYS = {VT_KEYS}, VT_THREADS = {VT_THREADS}, VT_W = {cfg.vt_w};"
         extra += "".join(f"\nconstexpr bool {f.upper()} = {str(getattr(cfg, f)).lower()};" for f in cfg.features)
         if packed:
             extra += _PACKED_Q_NOTE
@@ -523,8 +521,9 @@ def header(cfg: KernelConfig | BwdConfig, tuned_on: list[str], target: str) -> s
     vt_decl = ""
     if cfg.v_t:  # the transpose of V runs first, on the same stream
         vt_decl = f'extern "C" __global__ void {cfg.name}_vt(const __grid_constant__ {params_type} p);\n'
-        grid = {**grid, "grid_prelude": (f"    ::{cfg.name}_vt<<<dim3(vt_grid_x(f.seqlen_k, f.heads_k, f.batch)), VT_THREADS, "
-                                          "0, stream>>>(p);\n" + grid["grid_prelude"])}
+        grid = {**grid, "grid_fn": f"{grid['grid_fn']}\n{grids.FWD_VT.cpp('vt_grid_x')}",
+                "grid_prelude": (f"    ::{cfg.name}_vt<<<dim3(vt_grid_x(f.seqlen_k, f.heads_k, f.batch)), VT_THREADS, "
+                                 "0, stream>>>(p);\n" + grid["grid_prelude"])}
     return _HEADER.format(name=cfg.name, version=__version__, tuned_on=", ".join(tuned_on) or "untuned",
                           arch_flags=" ".join(arch_flags(target)), params=_params_source(cfg),
                           tile_consts=_tile_consts(cfg), params_type=params_type,

@@ -78,6 +78,10 @@ SERVE = Grid(("seqlen_q", "heads", "heads_k", "batch", "num_splits"),
              "m-blocks (PACK_GQA: of (row, head) pairs) x heads (PACK_GQA: KV heads) x batch x splits.")
 COMBINE = Grid(("total_rows", "heads"), "pick(SPLIT, cdiv(total_rows * heads, COMBINE_WARPS), 0)",
                "The split-KV combine: one warp per (row, head); 0 without SPLIT.")
+# FP8 with v_t: the _vt kernel that transposes V before the forward, VT_KEYS keys (of seqlen_k rounded up to 16) of one
+# (batch, KV head) a block.
+FWD_VT = Grid(("seqlen_k", "heads_k", "batch"), "cdiv(cdiv(seqlen_k, 16) * 16, VT_KEYS) * heads_k * batch",
+              "v_t's _vt: VT_KEYS-key blocks of V (keys rounded up to 16) x KV heads x batch.")
 
 # The backward: its main kernel over key tiles, the deterministic dQ over query tiles, the row kernels (D and the
 # dQ conversion) over groups of ROW_WARPS rows; sm90 pads rows to whole Q tiles.

@@ -22,6 +22,7 @@ def test_forward_grids_follow_the_tiles():
         m = cdiv(seqlen, 64)
         assert grids.FWD_CLUSTER.bind(BLOCK_M=64)(seqlen, heads, batch) == (m + m % 2) * heads * batch
         assert grids.FWD_PACKED.bind(BLOCK_M=128)(seqlen, 32, 8, batch) == cdiv(seqlen, 128 // 4) * 8 * batch
+        assert grids.FWD_VT.bind(VT_KEYS=64)(seqlen, heads, batch) == cdiv(seqlen, 64) * heads * batch
     persistent = grids.persistent(grids.FWD, cluster=True).bind(BLOCK_M=128)
     assert persistent(8192, 32, 4, 133) == 132 and persistent(1, 1, 1, 133) == 1 and persistent(4096, 1, 1, 1) == 2
 
@@ -48,11 +49,12 @@ def test_a_grid_past_the_launch_limit_is_refused():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_cpp_computes_what_python_computes(tmp_path):
     consts = {"BLOCK_M": 64, "BLOCK_N": 128, "ROW_WARPS": 8, "PRE_ROWS": 32, "HEAD_DIM": 96, "PACK_GQA": True, "SPLIT": True,
-              "COMBINE_WARPS": 4}
+              "COMBINE_WARPS": 4, "VT_KEYS": 64}
     formulas = {"fwd": grids.FWD, "cluster": grids.FWD_CLUSTER, "packed": grids.FWD_PACKED,
                 "pfwd": grids.persistent(grids.FWD), "pcluster": grids.persistent(grids.FWD_CLUSTER, True),
                 "serve": grids.SERVE, "combine": grids.COMBINE, "bmain": grids.BWD_MAIN, "bdq": grids.BWD_DQ,
-                "brows": grids.BWD_ROWS, "srows": grids.SM90_BWD_ROWS, "sconv": grids.SM90_BWD_CONVERT}
+                "brows": grids.BWD_ROWS, "srows": grids.SM90_BWD_ROWS, "sconv": grids.SM90_BWD_CONVERT,
+                "vt": grids.FWD_VT}
     values = {"seqlen_q": 1023, "seqlen_k": 4097, "heads": 32, "heads_k": 8, "batch": 3, "num_splits": 7,
               "total_rows": 3069, "sm_count": 133}
     decls = "\n".join(f"constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};"

@@ -37,13 +37,13 @@ def tmap_geometry(q: View, k: View, v: View, prob: Problem, cfg: KernelConfig) -
 def vt_geometry(prob: Problem, cfg: KernelConfig) -> tuple:
     """v_t: VT's tensor map, 4-d over (keys, v's head dims, heads_k, batch) of the contiguous (batch, heads_k, head_dim_v,
     vt_keys) copy; a box is one column block of the V ring's tile, vt_w keys x head_dim_v rows, swizzled vt_w bytes."""
-    n, d = vt_keys(prob.seqlen_k), prob.v_dim
-    return ((n, d, prob.heads_k, prob.batch), (n, n * d, n * d * prob.heads_k), (cfg.vt_w, d, 1, 1), cfg.vt_w)
+    b, hk, d, n = vt_shape(prob)
+    return ((n, d, hk, b), (n, n * d, n * d * hk), (cfg.vt_w, d, 1, 1), cfg.vt_w)
 
 
-def vt_buffer(like: View, prob: Problem) -> Any:
-    """v_t: the (batch, heads_k, head_dim_v, vt_keys) e4m3 tensor the _vt kernel writes V into, transposed."""
-    return _empty(like, (prob.batch, prob.heads_k, prob.v_dim, vt_keys(prob.seqlen_k)), prob.dtype)
+def vt_shape(prob: Problem) -> tuple[int, int, int, int]:
+    """v_t: the shape of the e4m3 tensor the _vt kernel writes V into, transposed: (batch, heads_k, head_dim_v, vt_keys)."""
+    return prob.batch, prob.heads_k, prob.v_dim, vt_keys(prob.seqlen_k)
 
 
 def sm90_params(p: bytes | FwdParams, q: View, k: View, v: View, prob: Problem, cfg: KernelConfig,
@@ -152,7 +152,7 @@ def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
         raise TypeError(STREAM_FOR_TORCH)
     cfg = _checked_kernel(kernel, prob)
     # v_t: V transposed, by the _vt kernel before the main one (FP8 takes torch tensors: descale_args says so)
-    vt = vt_buffer(qv, prob) if cfg.v_t and prob.seqlen_k and torch_in else None
+    vt = _empty(qv, vt_shape(prob), prob.dtype) if cfg.v_t and prob.seqlen_k and torch_in else None
     scales = descale_args((prob.batch, prob.heads_k) if cfg.fp8 else None, qv.device, descale, cfg.dtype,
                           0 if vt is None else vt.data_ptr())
     scale, scale_log2 = scale_args(softmax_scale, prob.head_dim)
@@ -192,9 +192,8 @@ def run_views(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
     if cfg.family == "sm90":
         params = sm90_params(params, qv, kv, vv, prob, cfg, scales, 0 if vt is None else vt.data_ptr())
     if vt is not None:
-        vt_fn = driver.get_function(kernel.cubin, cfg.kernel_names["vt"], 0, kernel.digest,
-                                    driver.primary_context_id(dev))
-        vt_fn.launch((cfg.vt_grid(prob.batch, prob.heads_k, prob.seqlen_k), 1, 1), VT_THREADS, params, handle)
+        _vt_function(kernel, dev).launch((cfg.vt_grid(prob.batch, prob.heads_k, prob.seqlen_k), 1, 1), VT_THREADS,
+                                         params, handle)
     fn.launch(grid, cfg.threads, params, handle)  # (vt, as torch's allocator reuses it, is read in stream order)
     return out, lse, prob
 
@@ -211,6 +210,13 @@ def _checked_kernel(kernel: CompiledKernel, prob: Problem) -> KernelConfig:
         got = f"head_dim={prob.head_dim}" + (f", v's {prob.v_dim}" if prob.v_dim != prob.head_dim else "")
         raise ValueError(f"kernel {cfg.name} is for {widths}, dtype={cfg.dtype}; got {got}, dtype={prob.dtype}")
     return cfg
+
+
+def _vt_function(kernel: CompiledKernel, device: int) -> driver.Function:
+    """v_t: the file's _vt kernel (static shared memory only) in `device`'s primary context, which the main kernel
+    runs in (_torch_function has made it current)."""
+    return driver.get_function(kernel.cubin, kernel.config.kernel_names["vt"], 0, kernel.digest,
+                               driver.primary_context_id(device))
 
 
 def _torch_function(kernel: CompiledKernel, device: int) -> driver.Function:
@@ -253,9 +259,7 @@ def make_plan(kernel: CompiledKernel, qv: View, kv: View, vv: View, prob: Proble
         if cfg.family == "sm90":
             tmaps = tmap_geometry(qv, kv, vv, prob, cfg)
         if cfg.v_t:
-            vt = (driver.get_function(kernel.cubin, cfg.kernel_names["vt"], 0, kernel.digest,
-                                      driver.primary_context_id(qv.device)),
-                  (cfg.vt_grid(b, hk, sk), 1, 1), (b, hk, d, vt_keys(sk)))
+            vt = (_vt_function(kernel, qv.device), (cfg.vt_grid(b, hk, sk), 1, 1), vt_shape(prob))
     grid = _grid(cfg, b, h, sq, qv.device, hk) if b * h * sq else (0, 1, 1)
     return Plan(qv.device, fn, cfg.threads, grid, (b, sq, h, d), (b, h, sq),
                 fields, tmaps, prob.dtype, {}, torch_dtype(cfg.output_dtype) if cfg.fp8 else None,
