@@ -57,6 +57,7 @@ SM90_DENSE_KNOBS = ("pack_gqa", "o_tma", "cluster", "lpt_by_head", "diag_cut", "
 # up to EXP2_FMA_MAX_HEAD_DIM, where the MUFU unit rather than the GEMMs bounds the softmax.
 EXP2_FMA_SHARES = (0, 1, 2)
 EXP2_FMA_MAX_HEAD_DIM = 128
+KEY_WARPS = (1, 2, 4)  # sm80 serving: ways a key tile is split between a block's warps
 BWD_FEATURES = ("varlen", "window", "softcap", "alibi")  # the ones a training call uses: the backward has them
 
 
@@ -227,6 +228,11 @@ class KernelConfig(_AsDict):
     # heads_k, head_dim_v, keys padded to 16) with each 16 keys in P's register order, and TMA loads VT's tiles as they
     # are used: no V ring, no transposing producer warps (the consumers then get FP8's 16-bit register split).
     v_t: bool = False
+    # sm80 serving kernels without modifiers: the block's warps split each key tile as well as its rows, key_warps
+    # ways (each warp takes block_n / key_warps keys of every tile with its own running max and sums), and merge their
+    # partial results through shared memory before the epilogue. A decode block of one 16-row tile then has 2-4 warps
+    # issuing its loads and products instead of one (num_warps counts them all).
+    key_warps: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
@@ -235,6 +241,8 @@ class KernelConfig(_AsDict):
         for knob in ("desc_step", "diag_cut", "v_t"):  # left out when off, the same way
             if not d[knob]:
                 del d[knob]
+        if d["key_warps"] == 1:
+            del d["key_warps"]
         return d
 
     def __post_init__(self) -> None:
@@ -321,6 +329,9 @@ class KernelConfig(_AsDict):
         _check_choice("v_t", self.v_t, (False, True))
         if self.v_t and not self.fp8:
             raise ConfigError(f"v_t is a knob of the FP8 forward (V transposed ahead by the _vt kernel), not {self.dtype}")
+        _check_choice("key_warps", self.key_warps, KEY_WARPS)
+        if self.key_warps > 1:
+            self._check_key_warps()
         _check_choice("exp2_fma", self.exp2_fma, EXP2_FMA_SHARES)
         if self.exp2_fma and (self.family != "sm90" or self.fp8):
             raise ConfigError(f"exp2_fma is an sm90 knob for 16-bit inputs (their softmax), not {self.dtype} / family "
@@ -381,13 +392,25 @@ class KernelConfig(_AsDict):
                     "family sm90 (a producer warpgroup plus one consumer warpgroup per 64 rows)"
                 )
         # Each warp owns whole 16-row slices of the Q tile (mma.sync is m16).
-        elif self.block_m % (16 * self.num_warps):
+        elif self.num_warps % self.key_warps or self.block_m % (16 * self.row_warps):
             raise ConfigError(
                 f"block_m={self.block_m} must be a multiple of 16*num_warps={16 * self.num_warps} "
-                "(each warp owns whole 16-row mma tiles)"
+                "(each warp owns whole 16-row mma tiles)" if self.key_warps == 1 else
+                f"num_warps={self.num_warps} must be key_warps={self.key_warps} times a number of warps whose 16-row "
+                f"mma tiles make block_m={self.block_m}"
             )
         if self.head_dim_v is not None:
             self._check_head_dim_v()
+
+    def _check_key_warps(self) -> None:
+        """Key tiles split between warps: the sm80 family's serving kernel (not with a modifier), whole 16-key
+        k-steps of P V per warp."""
+        if self.family != "sm80" or not self.serving or self.modified:
+            raise ConfigError(f"key_warps is a knob of the sm80 family's serving kernels without modifiers, not family "
+                              f"{self.family} / {'+'.join(self.features) or ('modifiers' if self.modified else 'dense')}")
+        if self.block_n % (16 * self.key_warps):
+            raise ConfigError(f"block_n={self.block_n} must be a multiple of 16*key_warps={16 * self.key_warps} (each "
+                              "warp's keys are whole 16-key k-steps of P V)")
 
     def _check_head_dim_v(self) -> None:
         """A v narrower than q and k: the sm90 16-bit dense forward, v's tiles in q's swizzled column blocks."""
@@ -428,6 +451,7 @@ class KernelConfig(_AsDict):
             name += "_vt" if self.v_t else ""
         name += "".join(f"_{_FEATURE_TAGS[f]}" for f in self.features)
         name += "_fc" if self.fused_combine else ""
+        name += f"_kw{self.key_warps}" if self.key_warps > 1 else ""
         name += f"_sm{self.score_mod[:8]}" if self.score_mod else ""
         name += f"_mm{self.mask_mod[:8]}" if self.mask_mod else ""
         name += "_bmap" if self.block_map else ""
@@ -515,9 +539,14 @@ class KernelConfig(_AsDict):
         return self.block_m // 64
 
     @property
+    def row_warps(self) -> int:
+        """sm80: warps along the Q tile's rows (the others split its keys, key_warps ways)."""
+        return self.num_warps // self.key_warps
+
+    @property
     def warp_m_tiles(self) -> int:
         """16-row mma tiles each math warp owns."""
-        return 1 if self.family == "sm90" else self.block_m // (16 * self.num_warps)
+        return 1 if self.family == "sm90" else self.block_m // (16 * self.row_warps)
 
     @property
     def smem_bytes(self) -> int:
@@ -532,7 +561,16 @@ class KernelConfig(_AsDict):
         extra = 8 * bars + 1024 if self.family == "sm90" else 0
         p = self.consumers * 64 * self.block_n if self.p_smem else 0  # a P tile per consumer warpgroup
         o = self.block_m * (self.v_dim + 8) if self.o_tma else 0  # O's staging rows, padded by 16 bytes
-        return (q + kv + p + o) * self.elem_bytes + extra
+        return max((q + kv + p + o) * self.elem_bytes + extra, self.key_merge_bytes)
+
+    @property
+    def key_merge_bytes(self) -> int:
+        """key_warps: the shared memory through which the warps of the key split hand their partial results to the
+        first (fp32 O fragments, each row's max and partial sum per thread), in the K/V stages' place after the loop."""
+        if self.key_warps == 1:
+            return 0
+        per_warp = 32 * self.warp_m_tiles * (self.v_dim // 8 * 4 + 4)
+        return (self.key_warps - 1) * self.row_warps * per_warp * 4 + self.block_m * self.head_dim * self.elem_bytes
 
     @property
     def accum_regs(self) -> int:
@@ -540,7 +578,7 @@ class KernelConfig(_AsDict):
         # a second P in flight: block_n / 2 values a thread, packed two (16-bit) or four (FP8) to a register
         extra_p = self.block_n // (8 if self.fp8 else 4) if self.overlap and not self.p_smem else 0
         q = self.head_dim // 4 if self.q_regs else 0  # Q's 16-bit A fragments, held through the tile
-        return self.warp_m_tiles * (self.block_n + self.v_dim) // 2 + extra_p + q
+        return self.warp_m_tiles * (self.block_n // self.key_warps + self.v_dim) // 2 + extra_p + q
 
     @property
     def max_accum_regs(self) -> int:

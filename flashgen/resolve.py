@@ -383,8 +383,8 @@ def _decode(gpu_name: str, arch: str, stamp: tuple | None, head_dim: int, dtype:
     cfg = KernelConfig.from_dict(e["config"])
     if cfg.unfit_reason(arch) is not None:
         return None
-    cfg = decode_config(head_dim, dtype, (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages), bool(page_size),
-                        e["num_splits"] > 1, cfg.fused_combine and e["num_splits"] > 1)
+    cfg = decode_config(head_dim, dtype, (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.key_warps),
+                        bool(page_size), e["num_splits"] > 1, cfg.fused_combine and e["num_splits"] > 1)
     return cfg, int(e["num_splits"])
 
 

@@ -197,8 +197,8 @@ LATE_KNOBS = {f.name: f.default for f in fields(KernelConfig)
               if f.name in SM90_KNOBS[SM90_KNOBS.index("overlap_epilogue"):]}
 # The same for the sm90 backward: its knobs after num_stages and stagger.
 LATE_BWD_KNOBS = {f.name: f.default for f in fields(BwdConfig) if f.name in ("dq_tma", "lse_ahead")}
-# The same for decode: the fused combine.
-LATE_DECODE_KNOBS = {"fused_combine": False}
+# The same for decode: the fused combine and the key split.
+LATE_DECODE_KNOBS = {"fused_combine": False, "key_warps": 1}
 
 
 def _params(t: FrozenTrial, family: str) -> Params:

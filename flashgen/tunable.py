@@ -39,7 +39,7 @@ BWD_PARAMS = ("block_m", "block_n", "num_warps")  # = BwdConfig's tuned fields (
 FAMILY_PARAMS = {"sm80": PARAMS, "sm90": (*PARAMS, *SM90_KNOBS),
                  "bwd_sm80": BWD_PARAMS,
                  "bwd_sm90": (*BWD_PARAMS, "num_stages", "stagger", "dq_tma", "lse_ahead"),
-                 "decode": (*PARAMS, "num_splits", "fused_combine")}
+                 "decode": (*PARAMS, "num_splits", "fused_combine", "key_warps")}
 
 Problem = TuneProblem | td.DecodeProblem | tv.VarlenProblem
 Candidate = KernelConfig | BwdConfig | td.DecodeCandidate | Rule
@@ -147,14 +147,14 @@ class DecodeKind(ServingKind):
             return (0,) * len(FAMILY_PARAMS["decode"])  # no parameters: never sampled, measured aside
         c = cand.config  # type: ignore[union-attr]
         return (c.block_m, c.block_n, c.num_warps, c.num_stages, cand.num_splits,  # type: ignore[union-attr]
-                c.fused_combine)
+                c.fused_combine, c.key_warps)  # type: ignore[union-attr]
 
     def candidate(self, problem: Any, params: Params) -> Candidate:
-        *tile, splits, fused = params
+        *tile, splits, fused, key_warps = params
         if splits < 1:
             raise ConfigError(f"num_splits={splits}; at least 1")
-        cfg = td.decode_config(problem.head_dim, problem.dtype, tuple(tile), bool(problem.page_size), splits > 1,
-                               bool(fused))
+        cfg = td.decode_config(problem.head_dim, problem.dtype, (*tile, key_warps), bool(problem.page_size),
+                               splits > 1, bool(fused))
         return td.DecodeCandidate(cfg, splits)
 
     def space(self, problem: Any) -> list[Candidate]:

@@ -20,7 +20,7 @@ from .__version__ import __version__
 from .api import attention_with_kvcache
 from .bench import TrialInputs
 from .bench_serving import paged
-from .config import ConfigError, KernelConfig
+from .config import KEY_WARPS, ConfigError, KernelConfig
 from .kernels.serving import decode_config, kvcache_launch
 from .problem import HeldInputs, Rule, gpu_slug
 from .tensors import torch_dtype
@@ -63,16 +63,20 @@ class DecodeProblem:
         return {**asdict(self), "pass_": "decode"}
 
 
-def decode_tiles(head_dim: int, dtype: str, arch: str) -> list[tuple[int, int, int, int]]:
-    """(block_m, block_n, warps, stages) of the decode tiles that fit `arch` paged and not, split and not."""
-    out = []
-    for bm, w, bn, s in itertools.product((16, 32), (1, 2), (32, 64, 128), (2, 3, 4)):
-        try:
-            cfgs = [decode_config(head_dim, dtype, (bm, bn, w, s), pg, sp) for pg in (False, True) for sp in (False, True)]
-        except ConfigError:
-            continue
-        if all(c.unfit_reason(arch) is None for c in cfgs):
-            out.append((bm, bn, w, s))
+def decode_tiles(head_dim: int, dtype: str, arch: str) -> list[tuple[int, ...]]:
+    """(block_m, block_n, warps, stages) of the decode tiles that fit `arch` paged and not, split and not; then the
+    same with each key tile split between 2 or 4 warps, (block_m, block_n, warps, stages, key_warps), warps counting
+    every warp (the first tiles' row warps times key_warps)."""
+    out: list[tuple[int, ...]] = []
+    for kw in KEY_WARPS:
+        for bm, w, bn, s in itertools.product((16, 32), (1, 2), (32, 64, 128), (2, 3, 4)):
+            tile = (bm, bn, w * kw, s) + ((kw,) if kw > 1 else ())
+            try:
+                cfgs = [decode_config(head_dim, dtype, tile, pg, sp) for pg in (False, True) for sp in (False, True)]
+            except ConfigError:
+                continue
+            if all(c.unfit_reason(arch) is None for c in cfgs):
+                out.append(tile)
     return out
 
 

@@ -54,12 +54,14 @@ def test_suite_configs(arch: str, suites: tuple[str, ...] = SUITES) -> set[Kerne
         import test_gpu_bwd  # noqa: PLC0415
         out |= set(test_gpu_bwd.bwd_configs(arch)) | set(test_gpu_bwd.forward_configs(arch))
     if "serving" in suites:
+        import test_gpu_key_warps  # noqa: PLC0415
         import test_gpu_serving  # noqa: PLC0415
         import test_gpu_serving_bwd  # noqa: PLC0415
         import test_gpu_tune_decode  # noqa: PLC0415
         import test_gpu_tune_varlen  # noqa: PLC0415
         out |= (test_gpu_serving.serving_configs(arch) | test_gpu_serving_bwd.serving_bwd_configs(arch)
-                | test_gpu_tune_decode.tune_decode_configs(arch) | test_gpu_tune_varlen.tune_varlen_configs(arch))
+                | test_gpu_tune_decode.tune_decode_configs(arch) | test_gpu_tune_varlen.tune_varlen_configs(arch)
+                | test_gpu_key_warps.key_warps_configs(arch))
     if "sinks" in suites:
         import test_gpu_sinks  # noqa: PLC0415
 

@@ -4,7 +4,7 @@
     python scripts/sweep_decode_tiles.py [--points 32x8192,1x131072] [--pages 0,16,256] [--splits 1,2,4,8]
 
 flashgen.kernels.serving picks one decode tile per head dim and num_splits by a rule; this measures every tile
-(block_m, block_n, warps, stages) x splits on each (batch x cache length, page size) point, each checked
+(block_m, block_n, warps, stages[, key_warps]) x splits on each (batch x cache length, page size) point, each checked
 against SDPA once, and prints per point the default's and the best's K/V read rate (CUDA-event medians).
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ def sweep(args: argparse.Namespace, ts: list) -> None:
             tb = lambda ms: kv_bytes / (ms * 1e-3) / 1e12  # noqa: E731
             best = results[0]
             print(f"{batch} x {n} page {page or '-'}: default {tb(default_ms):.2f} TB/s ({default_ms * 1e3:.0f} us); "
-                  f"best {tb(best[0]):.2f} TB/s tile (bm, bn, w, s) {best[1]} splits {best[2]}; next: "
+                  f"best {tb(best[0]):.2f} TB/s tile (bm, bn, w, s[, key_warps]) {best[1]} splits {best[2]}; next: "
                   + ", ".join(f"{r[1]}x{r[2]} {tb(r[0]):.2f}" for r in results[1:4]), flush=True)
 
 

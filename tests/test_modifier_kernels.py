@@ -241,14 +241,14 @@ def test_block_map_render_skips_empty_tiles_and_the_mask_on_full_ones():
     src = render(cfg)
     assert "constexpr bool BLOCK_MAP = true;" in src
     assert "const KeyTiles kt = key_tiles(mp, sq, kr);" in src and "const int n_blocks = kt.count;" in src
-    assert "const int n0 = kt.n0(tile);" in src and "const int n0 = kt.n0(j);" in src  # loads and scores: the list
+    assert "const int n0 = kt.n0(tile);" in src and "const int n0 = kt.n0(j) + key_off;" in src  # loads and scores: the list
     assert "if (!kt.full(j)) apply_mask_mod(acc_s" in src
     assert "if constexpr (BLOCK_MAP) return __ldg(static_cast<const int*>(mp.map_idx.ptr) + base + j) * BLOCK_N;" in src
     without = render(KernelConfig(cfg.head_dim, cfg.dtype, False, cfg.block_m, cfg.block_n, cfg.num_warps,
                                   cfg.num_stages, score_mod=cfg.score_mod, mask_mod=cfg.mask_mod))
     assert "constexpr bool BLOCK_MAP = false;" in without and "if (!kt.full(j)) apply_mask_mod" in without
     only_map = render(KernelConfig(128, "bf16", False, 128, 32, 8, 2, block_map=True))
-    assert "apply_mask_mod" not in only_map and "const int n0 = kt.n0(j);" in only_map
+    assert "apply_mask_mod" not in only_map and "const int n0 = kt.n0(j) + key_off;" in only_map
     plain = render(serve_config(128, "bf16", False, 4096, "sm80", softcap=True))
     assert "KeyTiles" not in plain and "BLOCK_MAP" not in plain and "(kr.hi - 1 - j) * BLOCK_N" in plain
 

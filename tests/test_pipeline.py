@@ -53,9 +53,10 @@ def test_every_kind_maps_candidates_to_parameters_and_problems_to_records():
         assert all(config_of(p, params_for(p, c)) == c for c in space)
         assert tunable.problem_from_dict(json.loads(json.dumps(p.to_dict()))) == p
     names = tunable.kind_of(decode_problem()).names(decode_problem())
-    assert names[-2:] == ("num_splits", "fused_combine")  # the split count and the combine's place are parameters
+    # the split count, the combine's place and the key split are parameters
+    assert names[-3:] == ("num_splits", "fused_combine", "key_warps")
     c = td.candidates(decode_problem())[0]
-    assert c.name.endswith(f"_x{c.num_splits}") and params_for(decode_problem(), c)[-2:] == (c.num_splits, False)
+    assert c.name.endswith(f"_x{c.num_splits}") and params_for(decode_problem(), c)[-3:] == (c.num_splits, False, 1)
     with pytest.raises(TypeError):
         tunable.problem_from_dict({"pass_": "nope"})
 

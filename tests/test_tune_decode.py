@@ -94,8 +94,8 @@ def test_a_fused_combine_entry_gives_a_fused_kernel(tmp_path, monkeypatch):
 
 
 def test_decode_parameters_round_trip_and_an_older_trial_reads_unfused():
-    """The tuner's parameters of a decode candidate name its fused combine; a trial stored before the knob (five
-    parameters) ran with the combine kernel."""
+    """The tuner's parameters of a decode candidate name its fused combine and key split; a trial stored before the
+    knobs (five parameters) ran with the combine kernel and whole key tiles per warp."""
     import optuna
     from optuna.distributions import CategoricalDistribution
 
@@ -109,7 +109,7 @@ def test_decode_parameters_round_trip_and_an_older_trial_reads_unfused():
     values = dict(zip(("block_m", "block_n", "num_warps", "num_stages", "num_splits"), (32, 64, 2, 2, 16)))
     t = optuna.trial.create_trial(params=values, value=1.0, user_attrs={"status": "ok"},
                                   distributions={n: CategoricalDistribution([v]) for n, v in values.items()})
-    assert search._params(t, "decode") == (32, 64, 2, 2, 16, False)
+    assert search._params(t, "decode") == (32, 64, 2, 2, 16, False, 1)
 
 
 def test_cli_decode_arguments_are_checked():

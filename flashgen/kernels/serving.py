@@ -81,13 +81,14 @@ def serve_config(head_dim: int, dtype: str, causal: bool, rows: int, arch: str, 
     raise ValueError(f"no serving configuration fits {arch} for head_dim={head_dim}: {reason}")
 
 
-def decode_config(head_dim: int, dtype: str, tile: tuple[int, int, int, int], paged: bool, split: bool,
+def decode_config(head_dim: int, dtype: str, tile: tuple[int, ...], paged: bool, split: bool,
                   fused_combine: bool = False) -> KernelConfig:
-    """A decode kernel: `tile` (block_m, block_n, warps, stages), pack-GQA, varlen lengths; split-KV with its
-    partial results merged by a combine kernel or (fused_combine) by each row block's last split."""
-    bm, bn, w, s = tile
+    """A decode kernel: `tile` (block_m, block_n, warps, stages[, key_warps]), pack-GQA, varlen lengths; split-KV with
+    its partial results merged by a combine kernel or (fused_combine) by each row block's last split. key_warps (1
+    if left out): the warps splitting each key tile, num_warps counting them all."""
+    bm, bn, w, s, kw = (*tile, 1)[:5]
     return KernelConfig(head_dim, dtype, False, bm, bn, w, s, varlen=True, paged=paged, pack_gqa=True, split=split,
-                        fused_combine=fused_combine)
+                        fused_combine=fused_combine, key_warps=kw)
 
 
 def serve_grids(cfg: KernelConfig, batch: int, heads: int, heads_k: int, seqlen_q: int, total_rows: int,
