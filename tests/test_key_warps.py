@@ -1,6 +1,6 @@
 """key_warps: the sm80 serving kernel's key tiles split between warps, merged through shared memory after the loop.
 Its rules, name and dict, registers and shared memory, the decode space and the tuner's parameters, the store's
-entries read back with it, and the kernels built clean for Ampere and Hopper."""
+entries read back with it, the exported header, and the kernels built clean for Ampere and Hopper."""
 import dataclasses
 
 import pytest
@@ -80,6 +80,13 @@ def test_a_stored_entry_keeps_it(tmp_path, monkeypatch):
     _use_store(tmp_path, monkeypatch, {key: e})
     assert e["config"]["key_warps"] == 4
     assert resolve.tuned_decode(0, 128, "bf16", 32, 8, 1, 8192, 0) == (DECODE, 16)
+
+
+def test_the_exported_header_launches_every_warp():
+    from flashgen.export import header
+
+    h = header(DECODE, [], "sm_90a")
+    assert "constexpr int THREADS = 128;" in h and f"::{DECODE.name}<<<dim3(blocks), THREADS, SMEM_BYTES" in h
 
 
 @pytest.mark.sweep
