@@ -106,15 +106,17 @@ def test_export_header_launches_the_transpose_first(tmp_path):
 def test_it_builds_clean_with_the_same_wgmmas():
     """The stored d256 and d128 FP8 tiles (in order, persistent, with and without the row sums), 64-key column blocks
     with ping-pong, three warpgroups, pack_gqa: no spills or wgmma serialization, the same wgmma and WARPGROUP.ARRIVE
-    counts as the kernels that transpose V themselves; and the overlapped d256 tile, which only v_t fits. The _vt
-    kernel builds without spills."""
+    counts as the kernels that transpose V themselves; and the overlapped d256 tile, which only v_t fits, alone and
+    with ping-pong. The _vt kernel builds without spills."""
     from conftest import assert_same_wgmmas, compile_sm90a_clean
 
     base = [D256, KernelConfig(128, "fp8_e4m3", False, 128, 256, 12, 2, "sm90", persistent=True, mma_rowsum=True),
             KernelConfig(128, "fp8_e4m3", True, 128, 64, 12, 2, "sm90", True, True, True, lazy_rescale=True),
             KernelConfig(64, "fp8_e4m3", False, 192, 128, 16, 2, "sm90", persistent=True, mma_rowsum=True),
             KernelConfig(128, "fp8_e4m3", True, 128, 128, 12, 2, "sm90", True, pack_gqa=True)]
-    extra = [dataclasses.replace(D256, overlap=True, v_t=True, desc_step=True)]  # (24 bytes spilled without desc_step)
+    # (24 bytes spilled without desc_step), and with ping-pong too: FlashAttention-3's FP8 d256 schedule
+    extra = [dataclasses.replace(D256, overlap=True, v_t=True, desc_step=True),
+             dataclasses.replace(D256, overlap=True, pingpong=True, v_t=True, desc_step=True)]
     kernels = compile_sm90a_clean(base + [dataclasses.replace(c, v_t=True) for c in base] + extra)
     for k in kernels[len(base):]:
         assert f"Compiling entry function '{k.name}_vt'" in k.ptxas_log
