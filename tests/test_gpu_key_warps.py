@@ -1,7 +1,8 @@
 """key_warps on the GPU: serving kernels whose key tiles are split between warps and merged after the loop, against a
 float64 reference, outputs poisoned with NaN before each launch. Decode tiles split two and four ways (contiguous,
 16- and 256-token pages; unsplit, 3 and 16 key ranges, the fused combine; one and four query tokens; sequences of 0,
-1, 17, 500 and 1023 keys), sinks, and varlen prefill tiles with causal, window, softcap and ALiBi (the masks and
+1, 17, 500 and 1023 keys), keys ramped so that each row's max rises every tile (O's rescale, which a split warp
+skips where no max grew), sinks, and varlen prefill tiles with causal, window, softcap and ALiBi (the masks and
 biases on each warp's own keys). The bar is flash-attention's (tests/test_gpu_serving.py)."""
 from __future__ import annotations
 
@@ -97,6 +98,26 @@ def test_decode_matches_reference(tile, hd, dtype, page_size, splits, seqlen_q):
     torch.cuda.synchronize()
     _check_sequences([(q[b], kc[b, :lens[b]], vc[b, :lens[b]], out[b], lse[b]) for b in range(5)], False,
                      1 / math.sqrt(hd), dt)
+
+
+@pytest.mark.parametrize("tile", DECODE_TILES, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("grow", [True, False], ids=["max-rises", "max-settles"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_where_the_max_rises_every_tile(tile, grow, splits):
+    """Keys scaled along the sequence so that each row's max grows tile after tile (the kernel visits the last key
+    tile first) or settles at once: a split warp's skipped rescale, and the one it must not skip."""
+    from conftest import ramped_keys
+
+    cfg = decode_config(128, "bf16", tile, False, splits > 1)
+    _fits(cfg)
+    q, k, v, _, _, _, lens = _cache(5, 1, 128, torch.bfloat16, 0, splits + 10 * grow)
+    k = ramped_keys(k, grow)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((5, q.shape[2], 1), float("nan"), device="cuda")
+    kvcache_launch(cfg, splits, q, k, v, out, lse, lens, None)
+    torch.cuda.synchronize()
+    _check_sequences([(q[b], k[b, :lens[b]], v[b, :lens[b]], out[b], lse[b]) for b in range(5)], False,
+                     1 / math.sqrt(128), torch.bfloat16)
 
 
 @pytest.mark.parametrize("tile", DECODE_TILES[:2], ids=lambda t: "x".join(map(str, t)))
