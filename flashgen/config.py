@@ -72,7 +72,9 @@ def mod_features(window: tuple[int, int], softcap: float, alibi: bool, causal: b
 _FEATURE_TAGS = {"varlen": "vl", "paged": "pg", "split": "sp", "pack_gqa": "pk", "window": "win", "softcap": "sc",
                  "alibi": "al", "sinks": "snk"}
 # wgmma takes any N that is a multiple of 8 (16 here, for the P V k-steps); mma.sync tiles stay powers of two.
-FAMILY_BLOCK_NS = {"sm80": (32, 64, 128, 256), "sm90": (64, 96, 128, 160, 176, 192, 256)}
+FAMILY_BLOCK_NS = {"sm80": (32, 64, 128, 256), "sm90": (64, 96, 128, 160, 176, 192, 224, 256)}
+# FP8 with v_t only (VT loaded in boxes of 32 keys): FlashAttention-3's d128 FP8 tile.
+FP8_VT_BLOCK_NS = (224,)
 # sm90 consumers get registers from the producer through setmaxnreg: (producer, consumer)
 # per thread for 2 and 3 consumer warpgroups; one consumer keeps the 255 cap at entry.
 SM90_REGS = {1: (None, 255), 2: (24, 240), 3: (24, 160)}
@@ -260,10 +262,13 @@ class KernelConfig(_AsDict):
             if self.head_dim not in FP8_HEAD_DIMS:
                 raise ConfigError(f"head_dim={self.head_dim} is not built for {self.dtype}; choose one of "
                                   f"{', '.join(map(str, FP8_HEAD_DIMS))}")
-            if self.block_n % 64:
+            if self.block_n % 64 and not (self.v_t and self.block_n in FP8_VT_BLOCK_NS):
                 raise ConfigError(f"block_n={self.block_n} must be a multiple of 64 for {self.dtype} (V is transposed "
-                                  "into 64- or 128-byte rows of keys)")
+                                  f"into 64- or 128-byte rows of keys; with v_t also {', '.join(map(str, FP8_VT_BLOCK_NS))})")
         else:
+            if self.block_n in FP8_VT_BLOCK_NS:
+                raise ConfigError(f"block_n={self.block_n} is an FP8 tile with v_t (VT in boxes of 32 keys), not "
+                                  f"{self.dtype}")
             if self.out_dtype not in ("", self.dtype):
                 raise ConfigError(f"out_dtype={self.out_dtype!r}: a {self.dtype} kernel writes {self.dtype}")
             object.__setattr__(self, "out_dtype", "")
@@ -518,8 +523,9 @@ class KernelConfig(_AsDict):
 
     @property
     def vt_w(self) -> int:
-        """FP8: keys per column block of VT in shared memory (VT_W; its bytes, the 128- or 64-byte swizzle)."""
-        return 128 if self.block_n % 128 == 0 else 64
+        """FP8: keys per column block of VT in shared memory (VT_W; its bytes, the 128-, 64- or (v_t's 224-key tile)
+        32-byte swizzle)."""
+        return 128 if self.block_n % 128 == 0 else 64 if self.block_n % 64 == 0 else 32
 
     @property
     def threads(self) -> int:
@@ -717,11 +723,24 @@ def space(family: str, head_dim: int, dtype: str, causal: bool, gqa_group: int =
         out += [replace(c, desc_step=True) for c in out]  # after the rest, the same way
     if family == "sm90" and causal:  # where a warpgroup's rows end a key tile before its CTA's (block_n < block_m)
         out += [replace(c, diag_cut=True) for c in out if c.block_m >= 128 and c.block_n < c.block_m]
-    if family == "sm90" and dtype in FP8_DTYPES:  # after the rest, the same way
-        out += [replace(c, v_t=True) for c in out]
+    if family == "sm90" and dtype in FP8_DTYPES:  # after the rest, the same way; then v_t's own tiles, as at 192 keys
+        vt = [replace(c, v_t=True) for c in out]
+        out += vt + [t for c in vt if c.block_n == 192 for t in _replaced(c, block_n=FP8_VT_BLOCK_NS)]
     if family == "sm90" and gqa_group > 1:
         out += [replace(c, pack_gqa=True) for c in out
                 if gqa_group <= c.block_m and not c.o_tma and not c.cluster and not c.lpt_by_head]
+    return out
+
+
+def _replaced(cfg: KernelConfig, **choices: tuple) -> list[KernelConfig]:
+    """cfg with each value of `choices`' one field that makes a valid configuration."""
+    (field, values), = choices.items()
+    out = []
+    for v in values:
+        try:
+            out.append(replace(cfg, **{field: v}))
+        except ConfigError:
+            continue
     return out
 
 

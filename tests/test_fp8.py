@@ -42,8 +42,13 @@ def test_fp8_configs_are_sm90_only_with_their_own_geometry():
         KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", block_quant_p=True)
     with pytest.raises(ConfigError, match="writes bf16"):
         KernelConfig(128, "bf16", False, 128, 128, 12, 2, "sm90", out_dtype="fp16")
+    with pytest.raises(ConfigError, match="multiple of 64.*with v_t also 224"):
+        KernelConfig(128, DT, False, 128, 224, 12, 2, "sm90")
+    with pytest.raises(ConfigError, match="FP8 tile with v_t"):
+        KernelConfig(128, "bf16", False, 128, 224, 12, 2, "sm90")
     sp = space("sm90", 128, DT, False)
-    assert sp and all(c.block_n % 64 == 0 and c.fp8 for c in sp)
+    assert sp and all((c.block_n % 64 == 0 or (c.v_t and c.block_n == 224)) and c.fp8 for c in sp)
+    assert KernelConfig(128, DT, False, 128, 224, 12, 2, "sm90", v_t=True).vt_w == 32  # VT in boxes of 32 keys
     # a store entry from before FP8 reads back as the same configuration
     old = KernelConfig(128, "bf16", True, 128, 128, 12, 2, "sm90").to_dict()
     old.pop("out_dtype"), old.pop("block_quant_p")

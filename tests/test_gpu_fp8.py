@@ -46,7 +46,8 @@ DIAG_CUT_TILES = [(128, 64, 12, 2, False, False, True, False, True), (128, 64, 1
 # three stages.
 V_T_TILES = [(128, 256, 12, 2, False, False, True, False, True), (128, 128, 12, 2, True, False, True, False, False, True),
              (128, 64, 12, 2, False, True, True), (192, 128, 16, 2, False, False, True, False, True, True),
-             (128, 128, 12, 2, True, False, False, True), (128, 192, 12, 3, True, False, True, False, True)]
+             (128, 128, 12, 2, True, False, False, True), (128, 192, 12, 3, True, False, True, False, True),
+             (128, 224, 12, 2, True, True, True), (128, 224, 12, 3, False, False, True, False, True)]  # VT_W 32
 
 
 def fp8_configs(arch: str = "sm90") -> list[KernelConfig]:

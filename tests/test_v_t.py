@@ -44,20 +44,23 @@ def test_name_dict_registers_and_shared_memory():
 
 
 def test_space_adds_it_after_the_rest_for_fp8_only():
-    for hd, causal in ((64, True), (256, False)):
+    for hd, causal in ((64, True), (128, False), (256, False)):
         sp = [c for c in space("sm90", hd, "fp8_e4m3", causal) if not c.pack_gqa]
         off = [c for c in sp if not c.v_t]
         on = sp[len(off):]  # after the rest: the order of the others stays
         assert on and all(c.v_t for c in on)
-        assert [dataclasses.replace(c, v_t=False) for c in on] == off
-    assert not any(c.v_t for c in space("sm90", 128, "bf16", False))
+        twins, own = on[:len(off)], on[len(off):]
+        assert [dataclasses.replace(c, v_t=False) for c in twins] == off
+        # then v_t's own 224-key tiles, as the 192-key ones
+        assert [dataclasses.replace(c, block_n=192) for c in own] == [c for c in twins if c.block_n == 192]
+    assert not any(c.v_t or c.block_n == 224 for c in space("sm90", 128, "bf16", False))
 
 
 def cai_view(ptr, shape, strides):
     return View(None, "cai", ptr, shape, strides, "fp8_e4m3", -1)
 
 
-@pytest.mark.parametrize("sk, block_n", [(1023, 128), (17, 192), (4096, 256)])
+@pytest.mark.parametrize("sk, block_n", [(1023, 128), (17, 192), (4096, 256), (300, 224)])
 def test_tm_v_maps_vt_and_the_params_carry_its_address(monkeypatch, sk, block_n):
     calls = []
     monkeypatch.setattr(driver, "tensor_map", lambda *a: calls.append(a) or b"\0" * 128)
@@ -106,8 +109,8 @@ def test_export_header_launches_the_transpose_first(tmp_path):
 def test_it_builds_clean_with_the_same_wgmmas():
     """The stored d256 and d128 FP8 tiles (in order, persistent, with and without the row sums), 64-key column blocks
     with ping-pong, three warpgroups, pack_gqa: no spills or wgmma serialization, the same wgmma and WARPGROUP.ARRIVE
-    counts as the kernels that transpose V themselves; and the overlapped d256 tile, which only v_t fits, alone and
-    with ping-pong. The _vt kernel builds without spills."""
+    counts as the kernels that transpose V themselves; and the tiles only v_t fits: the overlapped d256 tile, alone and
+    with ping-pong, and the d128 128 x 224 tile. The _vt kernel builds without spills."""
     from conftest import assert_same_wgmmas, compile_sm90a_clean
 
     base = [D256, KernelConfig(128, "fp8_e4m3", False, 128, 256, 12, 2, "sm90", persistent=True, mma_rowsum=True),
@@ -116,7 +119,9 @@ def test_it_builds_clean_with_the_same_wgmmas():
             KernelConfig(128, "fp8_e4m3", True, 128, 128, 12, 2, "sm90", True, pack_gqa=True)]
     # (24 bytes spilled without desc_step), and with ping-pong too: FlashAttention-3's FP8 d256 schedule
     extra = [dataclasses.replace(D256, overlap=True, v_t=True, desc_step=True),
-             dataclasses.replace(D256, overlap=True, pingpong=True, v_t=True, desc_step=True)]
+             dataclasses.replace(D256, overlap=True, pingpong=True, v_t=True, desc_step=True),
+             # FlashAttention-3's d128 FP8 tile, 128 x 224 (VT in boxes of 32 keys), overlapped with ping-pong
+             KernelConfig(128, "fp8_e4m3", False, 128, 224, 12, 2, "sm90", True, True, True, v_t=True, desc_step=True)]
     kernels = compile_sm90a_clean(base + [dataclasses.replace(c, v_t=True) for c in base] + extra)
     for k in kernels[len(base):]:
         assert f"Compiling entry function '{k.name}_vt'" in k.ptxas_log
