@@ -725,22 +725,10 @@ def space(family: str, head_dim: int, dtype: str, causal: bool, gqa_group: int =
         out += [replace(c, diag_cut=True) for c in out if c.block_m >= 128 and c.block_n < c.block_m]
     if family == "sm90" and dtype in FP8_DTYPES:  # after the rest, the same way; then v_t's own tiles, as at 192 keys
         vt = [replace(c, v_t=True) for c in out]
-        out += vt + [t for c in vt if c.block_n == 192 for t in _replaced(c, block_n=FP8_VT_BLOCK_NS)]
+        out += vt + [replace(c, block_n=bn) for c in vt if c.block_n == 192 for bn in FP8_VT_BLOCK_NS]
     if family == "sm90" and gqa_group > 1:
         out += [replace(c, pack_gqa=True) for c in out
                 if gqa_group <= c.block_m and not c.o_tma and not c.cluster and not c.lpt_by_head]
-    return out
-
-
-def _replaced(cfg: KernelConfig, **choices: tuple) -> list[KernelConfig]:
-    """cfg with each value of `choices`' one field that makes a valid configuration."""
-    (field, values), = choices.items()
-    out = []
-    for v in values:
-        try:
-            out.append(replace(cfg, **{field: v}))
-        except ConfigError:
-            continue
     return out
 
 
