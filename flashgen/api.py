@@ -61,6 +61,7 @@ def reload() -> None:
     """Forget every resolved kernel, and the plans repeated calls keep: the next call reads the tuned store again (it
     is also re-read by itself when its file changes, checked at most once a second) and chooses its kernel anew."""
     resolve.clear()
+    _kv_plans.clear()
     _decode_routes.clear()
     _mod_routes.clear()
 

@@ -78,6 +78,20 @@ def step(q=None, kc=None, **kw):
 LENS = torch.empty(2, dtype=torch.int32, device="meta")
 
 
+def test_reload_forgets_the_plans(monkeypatch):
+    """After flashgen.reload() a repeated signature chooses again (a kernel chosen another way since, a swept tile, a
+    fixed num_splits that no store stamp guards, is then what runs)."""
+    got = Decode(monkeypatch)
+    with torch.no_grad():
+        step(num_splits=4)
+        step(num_splits=4)
+        assert (got.full, got.planned, len(api._kv_plans)) == (1, 1, 1)
+        flashgen.reload()
+        assert not api._kv_plans
+        step(num_splits=4)
+        assert (got.full, got.planned, len(api._kv_plans)) == (2, 1, 1)
+
+
 def test_a_repeated_signature_runs_its_plan(monkeypatch):
     got = Decode(monkeypatch)
     with torch.no_grad():
