@@ -4,7 +4,7 @@
     python scripts/sweep_decode_tiles.py [--points 32x8192,1x131072] [--pages 0,16,256] [--splits 1,2,4,8]
 
 flashgen.kernels.serving picks one decode tile per head dim and num_splits by a rule; this measures every tile
-(block_m, block_n, warps, stages[, key_warps]) x splits on each (batch x cache length, page size) point, each checked
+(block_m, block_n, warps, stages[, key_warps]) x splits (--fused: and each split tile with fused_combine) on each (batch x cache length, page size) point, each checked
 against SDPA once, and prints per point the default's and the best's K/V read rate (CUDA-event medians).
 """
 from __future__ import annotations
@@ -31,15 +31,18 @@ def main() -> None:
     ap.add_argument("--points", default="32x8192,8x32768,1x131072", help="batch x cache length, comma-separated")
     ap.add_argument("--pages", default="0,16,256", help="page sizes (0: contiguous)")
     ap.add_argument("--splits", default="1,2,4,8,16")
+    ap.add_argument("--fused", action="store_true", help="also each split tile with fused_combine (one launch a step)")
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args()
     ts = tiles(args.head_dim, args.dtype, args.arch)
     if args.compile_only:
-        for t, pg, sp in itertools.product(ts, (False, True), (False, True)):
+        for t, pg, sp, fu in itertools.product(ts, (False, True), (False, True), (False, True) if args.fused else (False,)):
+            if fu and not sp:
+                continue
             try:
-                compile_kernel(config(args.head_dim, args.dtype, t, pg, sp), "sm_" + args.arch[2:])
+                compile_kernel(config(args.head_dim, args.dtype, t, pg, sp, fu), "sm_" + args.arch[2:])
             except CompileError as e:
-                print("FAILED", t, pg, sp, str(e).splitlines()[0])
+                print("FAILED", t, pg, sp, fu, str(e).splitlines()[0])
         print(f"{len(ts)} tiles x paged x split compiled")
         return
     sweep(args, ts)
@@ -73,9 +76,12 @@ def sweep(args: argparse.Namespace, ts: list) -> None:
             results = []
             default_ms = median_ms(time_cuda(lambda i: attention_with_kvcache(
                 q, k_arg, v_arg, cache_seqlens=lens, block_table=table, validate=False), warmup=3, reps=20))
-            for t in ts:
+            for t, fused in itertools.product(ts, (False, True) if args.fused else (False,)):
                 for splits in (int(x) for x in args.splits.split(",")):
-                    api.serve_config = lambda *a, split=False, **f: config(d, args.dtype, t, bool(page), split)
+                    if fused and splits == 1:
+                        continue
+                    api.serve_config = lambda *a, split=False, **f: config(d, args.dtype, t, bool(page), split,
+                                                                           split and fused)
                     flashgen.reload()  # else a repeated call signature runs the plan of the tile before (api's plans)
                     try:
                         def call(i: int = 0) -> torch.Tensor:
@@ -83,9 +89,9 @@ def sweep(args: argparse.Namespace, ts: list) -> None:
                                                           num_splits=splits, validate=False)
                         err = (call().float() - ref.float()).abs().max().item()
                         if not err < 2e-2:
-                            print(f"  {t} splits {splits}: WRONG (max error {err:.3g})")
+                            print(f"  {t}{' fused' if fused else ''} splits {splits}: WRONG (max error {err:.3g})")
                             continue
-                        results.append((median_ms(time_cuda(call, warmup=2, reps=15)), t, splits))
+                        results.append((median_ms(time_cuda(call, warmup=2, reps=15)), t + (("fused",) if fused else ()), splits))
                     finally:
                         api.serve_config = real
                         flashgen.reload()
