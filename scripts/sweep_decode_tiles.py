@@ -101,6 +101,13 @@ def sweep(args: argparse.Namespace, ts: list) -> None:
             print(f"{batch} x {n} page {page or '-'}: default {tb(default_ms):.2f} TB/s ({default_ms * 1e3:.0f} us); "
                   f"best {tb(best[0]):.2f} TB/s tile (bm, bn, w, s[, key_warps]) {best[1]} splits {best[2]}; next: "
                   + ", ".join(f"{r[1]}x{r[2]} {tb(r[0]):.2f}" for r in results[1:4]), flush=True)
+            kinds: dict = {}  # the best of each kind: key tiles split 1, 2 or 4 ways, fused combine or not
+            for r in results:
+                tile = tuple(x for x in r[1] if x != "fused")
+                kinds.setdefault((tile[4] if len(tile) > 4 else 1, "fused" in r[1]), r)
+            print("  best by (key_warps, fused): " + ", ".join(
+                f"{k}: {r[1]}x{r[2]} {tb(r[0]):.2f} TB/s ({r[0] * 1e3:.1f} us)" for k, r in sorted(kinds.items())),
+                flush=True)
 
 
 if __name__ == "__main__":
