@@ -346,12 +346,12 @@ _lock = threading.Lock()
 
 def get_function(cubin: bytes, name: str, smem_bytes: int, digest: str | None = None,
                  ctx_id: int | None = None) -> Function:
-    """The loaded function for this cubin in the current context, whose id is `ctx_id` if the
-    caller knows it (loaded once per context).
+    """The loaded function `name` of this cubin in the current context, whose id is `ctx_id` if the
+    caller knows it (loaded once per context and name: a file may hold several kernels).
 
     `digest` identifies the cubin (CompiledKernel.digest); hashing it on every launch would
     cost more host time than a short kernel runs."""
-    key = (context_id() if ctx_id is None else ctx_id, digest or hashlib.sha1(cubin).hexdigest())
+    key = (context_id() if ctx_id is None else ctx_id, digest or hashlib.sha1(cubin).hexdigest(), name)
     fn = _functions.get(key)
     if fn is not None:
         return fn

@@ -95,7 +95,7 @@ def sweep(args: argparse.Namespace, ts: list) -> None:
                     finally:
                         api.serve_config = real
                         flashgen.reload()
-            results.sort()
+            results.sort(key=lambda r: r[0])
             tb = lambda ms: kv_bytes / (ms * 1e-3) / 1e12  # noqa: E731
             best = results[0]
             print(f"{batch} x {n} page {page or '-'}: default {tb(default_ms):.2f} TB/s ({default_ms * 1e3:.0f} us); "

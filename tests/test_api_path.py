@@ -262,6 +262,24 @@ def test_loaded_functions_are_keyed_by_context_id_not_address(monkeypatch):
     assert a is b and c is not a and len(loads) == 2
 
 
+def test_each_kernel_of_a_file_is_its_own_function(monkeypatch):
+    """A cubin holding several kernels (v_t's _vt and its main kernel) gives each name its own function: a launch of
+    _vt runs _vt (else V is never transposed, and the main kernel runs on _vt's grid and block)."""
+    loads = []
+
+    class FakeFunction:
+        def __init__(self, cubin, name, smem):
+            self.name = name
+            loads.append(name)
+
+    monkeypatch.setattr(driver, "Function", FakeFunction)
+    monkeypatch.setattr(driver, "_functions", {})
+    main = driver.get_function(b"cubin", "fwd_x_vt", 1024, "digest", ctx_id=7)
+    vt = driver.get_function(b"cubin", "fwd_x_vt_vt", 0, "digest", ctx_id=7)
+    assert (main.name, vt.name) == ("fwd_x_vt", "fwd_x_vt_vt") and loads == ["fwd_x_vt", "fwd_x_vt_vt"]
+    assert driver.get_function(b"cubin", "fwd_x_vt_vt", 0, "digest", ctx_id=7) is vt and len(loads) == 2
+
+
 def test_the_tensors_device_decides_arch_store_and_context(monkeypatch):
     """q on cuda:1 while cuda:0 is current: the kernel is chosen for, and launched in, device 1."""
     import flashgen.kernels.dense as dense

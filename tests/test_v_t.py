@@ -56,24 +56,6 @@ def test_space_adds_it_after_the_rest_for_fp8_only():
     assert not any(c.v_t or c.block_n == 224 for c in space("sm90", 128, "bf16", False))
 
 
-def test_tune_leaves_it_out_unless_asked():
-    """tune's space has v_t kernels only with --v-t yes or --around-store naming v_t."""
-    from types import SimpleNamespace
-
-    from flashgen.cli.tune import OPT_IN_KNOBS, restricted_space
-    from flashgen.search import LATE_KNOBS
-
-    args = SimpleNamespace(arch="sm90", block_m=[128], block_n=[128, 224], num_warps=None, num_stages=[2],
-                           max_configs=None, **{k: None for k in LATE_KNOBS}, overlap=None, pingpong=None,
-                           persistent=None, around_store=None)
-    on = lambda **kw: {(c.v_t, c.block_n) for c in restricted_space(SimpleNamespace(**{**vars(args), **kw}), 128,
-                                                                      "fp8_e4m3", False)}
-    assert "v_t" in OPT_IN_KNOBS
-    assert on() == {(False, 128)} and on(v_t="no") == {(False, 128)}
-    assert on(v_t="yes") == {(True, 128), (True, 224)}
-    assert on(around_store=["v_t", "overlap"]) == {(False, 128), (True, 128), (True, 224)}
-
-
 def cai_view(ptr, shape, strides):
     return View(None, "cai", ptr, shape, strides, "fp8_e4m3", -1)
 

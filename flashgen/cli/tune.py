@@ -105,9 +105,7 @@ def add_parser(sub: Any) -> None:
                        f"of {','.join(map(str, choices))}")
     for knob in C.SM90_KNOBS:
         t.add_argument(f"--{knob.replace('_', '-')}", choices=("yes", "no"), default=None,
-                       help=f"sm90: restrict {knob} to on (any nonzero choice) or off (default: "
-                            + (f"off unless --around-store names it: {OPT_IN_KNOBS[knob]})" if knob in OPT_IN_KNOBS
-                               else "both)"))
+                       help=f"sm90: restrict {knob} to on (any nonzero choice) or off (default: both)")
     t.add_argument("--around-store", type=str_list, default=None, metavar="FIELD,...",
                    help="each problem's space is its stored configuration with only these fields free (e.g. "
                         "lazy_rescale after a new knob, or dq_tma with --pass bwd: a re-tune of the stored tile, not "
@@ -145,10 +143,6 @@ def pass_family(args: argparse.Namespace, pass_: str, head_dim: int) -> str:
     return "sm80"
 
 
-# Knobs a tune leaves out unless asked for (--KNOB yes, or --around-store naming it), and why.
-OPT_IN_KNOBS = {"v_t": "its kernels are not yet verified on a GPU"}
-
-
 def restricted_space(args: argparse.Namespace, head_dim: int, dtype: str, causal: bool,
                      pass_: str = "fwd", gqa_group: int = 1) -> list:
     family = pass_family(args, pass_, head_dim)
@@ -163,11 +157,8 @@ def restricted_space(args: argparse.Namespace, head_dim: int, dtype: str, causal
         if keep is not None:
             cfgs = [c for c in cfgs if getattr(c, field) in keep]
     for knob in C.SM90_KNOBS if pass_ == "fwd" else ():
-        want = getattr(args, knob)
-        if want is None and knob in OPT_IN_KNOBS and knob not in (getattr(args, "around_store", None) or ()):
-            want = "no"
-        if want is not None:
-            cfgs = [c for c in cfgs if bool(getattr(c, knob)) == (want == "yes")]  # exp2_fma: any share
+        if getattr(args, knob) is not None:
+            cfgs = [c for c in cfgs if bool(getattr(c, knob)) == (getattr(args, knob) == "yes")]  # exp2_fma: any share
     return cfgs[: args.max_configs] if args.max_configs else cfgs
 
 

@@ -200,7 +200,7 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
 
     def launch(role: str, grid: tuple[int, int, int], threads: int, smem: int) -> None:
         # get_function caches by (context, digest): one digest per __global__ of this cubin
-        fn = driver.get_function(kernel.cubin, names[role], smem, f"{kernel.digest}:{names[role]}", ctx)
+        fn = driver.get_function(kernel.cubin, names[role], smem, kernel.digest, ctx)
         fn.launch(grid, threads, params, stream)
 
     rows_b, rows_q = (seqs, max_q) if packed90 else (b, sq)  # sm90 varlen: per sequence

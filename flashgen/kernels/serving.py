@@ -420,8 +420,8 @@ def fire_sm90(run: Sm90Launch, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, l
 def _functions(cfg: KernelConfig, arch: str, ctx: int) -> tuple[driver.Function, driver.Function | None]:
     """The main kernel and (split-KV) the combine of `cfg`, loaded in context `ctx`."""
     kern, names = compiled_kernel(cfg, target_for(arch, cfg.family)), cfg.kernel_names
-    main = driver.get_function(kern.cubin, names["main"], cfg.smem_bytes, f"{kern.digest}:main", ctx)
-    comb = (driver.get_function(kern.cubin, names["combine"], 0, f"{kern.digest}:combine", ctx)
+    main = driver.get_function(kern.cubin, names["main"], cfg.smem_bytes, kern.digest, ctx)
+    comb = (driver.get_function(kern.cubin, names["combine"], 0, kern.digest, ctx)
             if "combine" in names else None)
     return main, comb
 
