@@ -29,21 +29,27 @@ def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, c
 _L2_SCRATCH: dict[int, Any] = {}
 
 
-def l2_flush() -> Callable[[], Any]:
+def l2_flush(read: bool = False) -> Callable[[], Any]:
     """A write of twice the current GPU's L2 (a cached scratch buffer): after it, nothing a previous call left in L2
-    is there. Timed calls measured without it moved by up to 15% with that residue (docs/performance.md)."""
+    is there. Timed calls measured without it moved by up to 15% with that residue (docs/performance.md).
+    read: a read of the buffer instead (a sum): it evicts the same lines but leaves L2 clean, where a write leaves up
+    to L2's size of dirty lines that the timed call's own misses then write back."""
     import torch  # noqa: PLC0415
 
     dev = torch.cuda.current_device()
     if dev not in _L2_SCRATCH:
         l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or 64 * 2**20
         _L2_SCRATCH[dev] = torch.empty(2 * l2, dtype=torch.uint8, device=f"cuda:{dev}")
-    return _L2_SCRATCH[dev].zero_
+    scratch = _L2_SCRATCH[dev]
+    if read:
+        words = scratch.view(torch.int32)
+        return lambda: words.sum()
+    return scratch.zero_
 
 
 def time_cuda(fn: Callable[[int], Any], warmup: int = 10, reps: int = 50, rotate: int = 1,
               queue_ahead_us: float = 300.0, before: Callable[[], Any] | None = None,
-              flush_l2: bool = True) -> list[float]:
+              flush_l2: bool | str = True) -> list[float]:
     """Milliseconds of each of `reps` calls of fn(i) (i cycles over `rotate` input sets), timed by CUDA events.
 
     Before each timed call the stream is kept busy for `queue_ahead_us` (a GPU sleep), so the
@@ -51,7 +57,8 @@ def time_cuda(fn: Callable[[int], Any], warmup: int = 10, reps: int = 50, rotate
     bracket the kernel alone, not the host time it takes to issue it. Host cost is not device
     time; measure it separately where it matters. `before()`, if given, is queued ahead of each
     timed call's sleep, outside the events; with flush_l2 (default) L2 is flushed there too, so each
-    call starts from the same cold cache (as FlashAttention-4's published figures are taken)."""
+    call starts from the same cold cache (as FlashAttention-4's published figures are taken); flush_l2="read" flushes
+    by reading (l2_flush(read=True))."""
     import torch  # noqa: PLC0415
 
     for i in range(warmup):
@@ -60,7 +67,7 @@ def time_cuda(fn: Callable[[int], Any], warmup: int = 10, reps: int = 50, rotate
     sleep_cycles = int(queue_ahead_us * 2000)  # ~2 GHz SM clock; only needs to outlast the host's issue time
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    flush = l2_flush() if flush_l2 else None
+    flush = l2_flush(read=flush_l2 == "read") if flush_l2 else None
     for i in range(reps):
         if before is not None:
             before()

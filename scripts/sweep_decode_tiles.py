@@ -4,8 +4,9 @@
     python scripts/sweep_decode_tiles.py [--points 32x8192,1x131072] [--pages 0,16,256] [--splits 1,2,4,8]
 
 flashgen.kernels.serving picks one decode tile per head dim and num_splits by a rule; this measures every tile
-(block_m, block_n, warps, stages[, key_warps]) x splits (--fused: and each split tile with fused_combine) on each (batch x cache length, page size) point, each checked
-against SDPA once, and prints per point the default's and the best's K/V read rate (CUDA-event medians).
+(block_m, block_n, warps, stages[, key_warps]) x splits (--fused: and each split tile with fused_combine) on each
+(batch x cache length, page size) point, each checked against SDPA once, and prints per point the default's and the
+best's K/V read rate (CUDA-event medians; --flush: how L2 is emptied before each timed call).
 """
 from __future__ import annotations
 
@@ -32,11 +33,14 @@ def main() -> None:
     ap.add_argument("--pages", default="0,16,256", help="page sizes (0: contiguous)")
     ap.add_argument("--splits", default="1,2,4,8,16")
     ap.add_argument("--fused", action="store_true", help="also each split tile with fused_combine (one launch a step)")
+    ap.add_argument("--flush", choices=("write", "read", "none"), default="write",
+                    help="L2 before each timed call: written (the bench's and tuner's way), read, or left warm")
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args()
     ts = tiles(args.head_dim, args.dtype, args.arch)
     if args.compile_only:
-        for t, pg, sp, fu in itertools.product(ts, (False, True), (False, True), (False, True) if args.fused else (False,)):
+        fused = (False, True) if args.fused else (False,)
+        for t, pg, sp, fu in itertools.product(ts, (False, True), (False, True), fused):
             if fu and not sp:
                 continue
             try:
@@ -57,6 +61,7 @@ def sweep(args: argparse.Namespace, ts: list) -> None:
     from flashgen.bench_serving import paged
 
     h, hk = HEADS
+    flush = {"write": True, "read": "read", "none": False}[args.flush]
     d, tdt = args.head_dim, {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     real = api.serve_config
     for point in args.points.split(","):
@@ -75,7 +80,8 @@ def sweep(args: argparse.Namespace, ts: list) -> None:
                 v_arg[table.view(-1).long()] = vc.view(-1, page, hk, d)
             results = []
             default_ms = median_ms(time_cuda(lambda i: attention_with_kvcache(
-                q, k_arg, v_arg, cache_seqlens=lens, block_table=table, validate=False), warmup=3, reps=20))
+                q, k_arg, v_arg, cache_seqlens=lens, block_table=table, validate=False), warmup=3, reps=20,
+                flush_l2=flush))
             for t, fused in itertools.product(ts, (False, True) if args.fused else (False,)):
                 for splits in (int(x) for x in args.splits.split(",")):
                     if fused and splits == 1:
@@ -91,7 +97,8 @@ def sweep(args: argparse.Namespace, ts: list) -> None:
                         if not err < 2e-2:
                             print(f"  {t}{' fused' if fused else ''} splits {splits}: WRONG (max error {err:.3g})")
                             continue
-                        results.append((median_ms(time_cuda(call, warmup=2, reps=15)), t + (("fused",) if fused else ()), splits))
+                        ms = median_ms(time_cuda(call, warmup=2, reps=15, flush_l2=flush))
+                        results.append((ms, t + (("fused",) if fused else ()), splits))
                     finally:
                         api.serve_config = real
                         flashgen.reload()
