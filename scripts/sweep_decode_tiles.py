@@ -39,8 +39,7 @@ def main() -> None:
     args = ap.parse_args()
     ts = tiles(args.head_dim, args.dtype, args.arch)
     if args.compile_only:
-        fused = (False, True) if args.fused else (False,)
-        for t, pg, sp, fu in itertools.product(ts, (False, True), (False, True), fused):
+        for t, pg, sp, fu in itertools.product(ts, (False, True), (False, True), fused_choices(args)):
             if fu and not sp:
                 continue
             try:
@@ -50,6 +49,11 @@ def main() -> None:
         print(f"{len(ts)} tiles x paged x split compiled")
         return
     sweep(args, ts)
+
+
+def fused_choices(args: argparse.Namespace) -> tuple[bool, ...]:
+    """fused_combine off, and with --fused on too (split tiles only)."""
+    return (False, True) if args.fused else (False,)
 
 
 def sweep(args: argparse.Namespace, ts: list) -> None:
@@ -82,13 +86,12 @@ def sweep(args: argparse.Namespace, ts: list) -> None:
             default_ms = median_ms(time_cuda(lambda i: attention_with_kvcache(
                 q, k_arg, v_arg, cache_seqlens=lens, block_table=table, validate=False), warmup=3, reps=20,
                 flush_l2=flush))
-            for t, fused in itertools.product(ts, (False, True) if args.fused else (False,)):
+            for t, fused in itertools.product(ts, fused_choices(args)):
                 for splits in (int(x) for x in args.splits.split(",")):
                     if fused and splits == 1:
                         continue
                     api.serve_config = lambda *a, split=False, **f: config(d, args.dtype, t, bool(page), split,
                                                                            split and fused)
-                    flashgen.reload()  # else a repeated call signature runs the plan of the tile before (api's plans)
                     try:
                         def call(i: int = 0) -> torch.Tensor:
                             return attention_with_kvcache(q, k_arg, v_arg, cache_seqlens=lens, block_table=table,
@@ -98,22 +101,22 @@ def sweep(args: argparse.Namespace, ts: list) -> None:
                             print(f"  {t}{' fused' if fused else ''} splits {splits}: WRONG (max error {err:.3g})")
                             continue
                         ms = median_ms(time_cuda(call, warmup=2, reps=15, flush_l2=flush))
-                        results.append((ms, t + (("fused",) if fused else ()), splits))
+                        results.append((ms, t, splits, fused))
                     finally:
                         api.serve_config = real
-                        flashgen.reload()
+                        flashgen.reload()  # else the next tile's calls of this signature run this tile's plan
             results.sort(key=lambda r: r[0])
             tb = lambda ms: kv_bytes / (ms * 1e-3) / 1e12  # noqa: E731
+            name = lambda r: f"{r[1]}x{r[2]}{' fused' if r[3] else ''}"  # noqa: E731
             best = results[0]
             print(f"{batch} x {n} page {page or '-'}: default {tb(default_ms):.2f} TB/s ({default_ms * 1e3:.0f} us); "
-                  f"best {tb(best[0]):.2f} TB/s tile (bm, bn, w, s[, key_warps]) {best[1]} splits {best[2]}; next: "
-                  + ", ".join(f"{r[1]}x{r[2]} {tb(r[0]):.2f}" for r in results[1:4]), flush=True)
+                  f"best {tb(best[0]):.2f} TB/s tile (bm, bn, w, s[, key_warps]) x splits {name(best)}; next: "
+                  + ", ".join(f"{name(r)} {tb(r[0]):.2f}" for r in results[1:4]), flush=True)
             kinds: dict = {}  # the best of each kind: key tiles split 1, 2 or 4 ways, fused combine or not
             for r in results:
-                tile = tuple(x for x in r[1] if x != "fused")
-                kinds.setdefault((tile[4] if len(tile) > 4 else 1, "fused" in r[1]), r)
+                kinds.setdefault((r[1][4] if len(r[1]) > 4 else 1, r[3]), r)
             print("  best by (key_warps, fused): " + ", ".join(
-                f"{k}: {r[1]}x{r[2]} {tb(r[0]):.2f} TB/s ({r[0] * 1e3:.1f} us)" for k, r in sorted(kinds.items())),
+                f"{k}: {name(r)} {tb(r[0]):.2f} TB/s ({r[0] * 1e3:.1f} us)" for k, r in sorted(kinds.items())),
                 flush=True)
 
 

@@ -199,7 +199,6 @@ def backward(kernel: CompiledKernel, q: Any, k: Any, v: Any, out: Any, dout: Any
     names = cfg.kernel_names
 
     def launch(role: str, grid: tuple[int, int, int], threads: int, smem: int) -> None:
-        # get_function caches by (context, digest): one digest per __global__ of this cubin
         fn = driver.get_function(kernel.cubin, names[role], smem, kernel.digest, ctx)
         fn.launch(grid, threads, params, stream)
 
